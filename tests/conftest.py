@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+CAPTURES = Path(__file__).resolve().parent / "data" / "topologies"
+
+
+def capture_names() -> list[str]:
+    return sorted(p.name.removesuffix(".tar.bz2") for p in CAPTURES.glob("*.tar.bz2"))
+
+
+@pytest.fixture(scope="session")
+def captures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Archive name -> the filesystem root it unpacks to (one top directory each)."""
+    base = tmp_path_factory.mktemp("captures")
+    roots: dict[str, Path] = {}
+    for name in capture_names():
+        target = base / name
+        target.mkdir()
+        # GNU tar: Python's tarfile takes minutes on these many-small-file archives.
+        subprocess.run(["tar", "xjf", str(CAPTURES / f"{name}.tar.bz2"), "-C", str(target)], check=True)
+        (top,) = list(target.iterdir())
+        roots[name] = top
+    return roots
