@@ -1,0 +1,5 @@
+import sys
+
+from numad_infer.cli import main
+
+sys.exit(main())

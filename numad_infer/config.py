@@ -1,0 +1,268 @@
+"""/etc/numa-infer.toml: schema, parsing and operator-facing error messages.
+
+Pure: `parse_config(text, source)` validates a document; `load_config(path)` only adds
+reading the file. Checks that need the machine (node ids, CPUs, model size) live in
+`numad_infer.planner`, which reports them with the same `ConfigError` shape.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BeforeValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from numad_infer.cpuset import CpuListError, parse_list
+from numad_infer.errors import ConfigError as _BaseConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the package requires 3.11, tomli keeps 3.10 tooling working
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = "/etc/numa-infer.toml"
+
+
+class ConfigError(_BaseConfigError):
+    """An invalid setting, rendered as `FILE: KEY = VALUE: PROBLEM`."""
+
+    def __init__(self, source: str, key: str | None, problem: str, value: Any = None, has_value: bool = False) -> None:
+        self.source, self.key, self.problem, self.value = source, key, problem, value
+        where = source if key is None else f"{source}: {key}"
+        if has_value:
+            where += f" = {_show(value)}"
+        super().__init__(f"{where}: {problem}")
+
+
+def _show(value: Any) -> str:
+    # repr() makes control characters visible: an operator must see the "\n" they typed.
+    if isinstance(value, str):
+        return '"' + repr(value)[1:-1].replace('"', '\\"') + '"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return repr(value)
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _no_control_chars(value: str) -> str:
+    if _CONTROL.search(value):
+        raise ValueError("contains a control character (newline, CR, tab, NUL...); remove it")
+    return value
+
+
+SafeStr = Annotated[str, AfterValidator(_no_control_chars)]
+
+
+def _node_selection(value: Any) -> Any:
+    # Checked before pydantic's union so the operator gets one message, not one per branch.
+    usage = 'must be "all" or a list of node ids such as [0, 1]'
+    if value == "all":
+        return value
+    if not isinstance(value, list):
+        raise ValueError(usage)
+    if not value:
+        raise ValueError(f"is empty; {usage}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ValueError(f"{usage} (node ids are whole numbers >= 0)")
+    if len(set(value)) != len(value):
+        raise ValueError("lists a node more than once")
+    return value
+
+
+NodeSelection = Annotated[Literal["all"] | list[int], BeforeValidator(_node_selection)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class ModelSection(_Section):
+    path: SafeStr = Field(description="GGUF model file every instance loads")
+    context_size: int = Field(4096, ge=64, le=1_048_576, description="context window (tokens) per instance")
+    mlock: bool = Field(
+        False,
+        description="lock the weights in RAM (mlock); needs LimitMEMLOCK=infinity, which the units then set",
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute path, e.g. /var/lib/numa-infer/models/model.gguf")
+        return value
+
+
+class PlacementSection(_Section):
+    mode: Literal["per-node", "interleave"] = "per-node"
+    nodes: NodeSelection = "all"
+    smt: bool = False
+    reserve_cpus: SafeStr = ""
+    instances_per_node: int = Field(1, ge=1, le=256)
+
+    @field_validator("reserve_cpus")
+    @classmethod
+    def _cpu_list(cls, value: str) -> str:
+        try:
+            parse_list(value)
+        except CpuListError as exc:
+            raise ValueError(f"not a CPU list ({exc}); write e.g. \"0\", \"0,64\" or \"0-1\"") from exc
+        return value
+
+    @property
+    def reserved(self) -> frozenset[int]:
+        return parse_list(self.reserve_cpus)
+
+
+class ServerSection(_Section):
+    host: SafeStr = "127.0.0.1"
+    base_port: int = Field(8080, ge=1, le=65535)
+    python: SafeStr = "/usr/bin/python3"
+    extra_args: list[SafeStr] = Field(default_factory=list)
+
+    @field_validator("host")
+    @classmethod
+    def _ip(cls, value: str) -> str:
+        try:
+            ipaddress.ip_address(value)
+        except ValueError as exc:
+            raise ValueError("must be an IP address such as 127.0.0.1, 0.0.0.0 or ::1") from exc
+        return value
+
+    @field_validator("python")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute path to a Python interpreter, e.g. /opt/llm/bin/python3")
+        return value
+
+
+_UNIT_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+class SystemdSection(_Section):
+    unit_dir: SafeStr = "/run/systemd/system"
+    template: SafeStr = "infer"
+
+    @field_validator("unit_dir")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute directory such as /run/systemd/system")
+        return value
+
+    @field_validator("template")
+    @classmethod
+    def _unit_name(cls, value: str) -> str:
+        if not _UNIT_PREFIX.match(value) or value == "numa-infer":
+            raise ValueError(
+                "must be 1-64 of the characters a-z A-Z 0-9 _ . : - (it becomes <template>@<n>.service) "
+                "and not \"numa-infer\""
+            )
+        return value
+
+
+class MonitorSection(_Section):
+    interval_s: float = Field(5.0, gt=0, le=3600)
+    probe_timeout_s: float = Field(2.0, gt=0, le=600)
+    startup_grace_s: float = Field(300.0, ge=0, le=86400)
+    unhealthy_after: int = Field(3, ge=1, le=1000)
+    max_restarts: int = Field(5, ge=1, le=1000)
+    restart_window_s: float = Field(900.0, gt=0)
+    restart_backoff_s: float = Field(5.0, ge=0, le=3600)
+    min_local_fraction: float = Field(0.9, ge=0, le=1)
+    numa_maps_interval_s: float = Field(300.0, gt=0)
+    repair: bool = True
+
+
+class Config(_Section):
+    model: ModelSection
+    placement: PlacementSection = Field(default_factory=PlacementSection)
+    server: ServerSection = Field(default_factory=ServerSection)
+    systemd: SystemdSection = Field(default_factory=SystemdSection)
+    monitor: MonitorSection = Field(default_factory=MonitorSection)
+
+
+def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] | None = Config
+    for part in loc:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return []
+        annotation = model.model_fields[part].annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return list(model.model_fields) if model is not None else []
+
+
+_TYPE_NAMES = {
+    "int_type": "a whole number", "float_type": "a number", "bool_type": "true or false",
+    "string_type": "a string in quotes", "list_type": "a list such as [0, 1]", "model_type": "a [table]",
+    "dict_type": "a [table]",
+}
+
+
+def _error_to_config_error(source: str, raw: dict[str, Any], error: dict[str, Any]) -> ConfigError:
+    loc = tuple(error["loc"])
+    # A union (nodes = "all" | [..]) reports each branch; the key is what matters.
+    loc = tuple(p for p in loc if not (isinstance(p, str) and (p.startswith(("literal[", "list[")) or p in ("str", "int"))))
+    key = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        allowed = _section_fields(loc[:-1])
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f'; did you mean "{close[0]}"?' if close else ""
+        return ConfigError(source, key, f"unknown key{hint} (allowed here: {', '.join(allowed)})")
+    if kind == "missing":
+        return ConfigError(source, key, "is required")
+    value = error.get("input")
+    ctx = error.get("ctx") or {}
+    bounds = {"less_than_equal": "at most {le}", "greater_than_equal": "at least {ge}",
+              "less_than": "less than {lt}", "greater_than": "greater than {gt}"}
+    if kind in bounds:
+        return ConfigError(source, key, "must be " + bounds[kind].format(**ctx), value, True)
+    if kind in _TYPE_NAMES:
+        return ConfigError(source, key, f"must be {_TYPE_NAMES[kind]}, not {type(value).__name__}", value, True)
+    if kind == "literal_error":
+        return ConfigError(source, key, f"must be one of {error['ctx']['expected']}", value, True)
+    message = error["msg"].removeprefix("Value error, ")
+    return ConfigError(source, key, message, value, True)
+
+
+def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        detail = str(exc).replace("at end of document", f"at line {text.count(chr(10)) + 1}, the end of the file")
+        raise ConfigError(source, None, f"invalid TOML: {detail}") from None
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        # An unknown key first: a typo ("modle") also explains the "missing" that follows.
+        errors = sorted(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
+        # One clear message beats a wall: report the first, say how many more.
+        first = _error_to_config_error(source, raw, errors[0])
+        if len(errors) > 1:
+            first = ConfigError(source, None, f"{first.args[0].removeprefix(source + ': ')} (and {len(errors) - 1} more problem(s))")
+        raise first from None
+
+
+def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH) -> Config:
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(source, None, "file not found; copy /usr/share/doc/numa-infer/examples/numa-infer.toml or pass --config") from None
+    except PermissionError:
+        raise ConfigError(source, None, "permission denied; run as root or make it readable") from None
+    except UnicodeDecodeError:
+        raise ConfigError(source, None, "is not UTF-8 text") from None
+    except OSError as exc:
+        raise ConfigError(source, None, f"cannot read: {exc.strerror}") from None
+    return parse_config(text, source)

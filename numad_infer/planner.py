@@ -1,0 +1,224 @@
+"""Config + topology -> the placement plan: which instances, on which CPUs and memory.
+
+Pure. Every refusal is a `ConfigError` naming the key an operator must change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from numad_infer.config import Config, ConfigError
+from numad_infer.cpuset import format_list
+from numad_infer.topology import Node, Topology
+
+# Weights are private per instance (mmap off); leave room for KV cache, the OS and Python.
+MODEL_FRACTION_OF_NODE = 0.9
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str  # unit instance name: <template>@<id>
+    node: int | None  # None: interleaved over `mems`
+    cpus: tuple[int, ...]
+    places: tuple[tuple[int, ...], ...]  # one OpenMP place per thread, in pinning order
+    mems: tuple[int, ...]
+    policy: str  # "bind" or "interleave"
+    threads: int
+    port: int
+
+    @property
+    def unit(self) -> str:
+        return f"{self.name}.service"
+
+    @property
+    def instance_id(self) -> str:
+        return self.name.partition("@")[2]
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["places"] = [list(p) for p in self.places]
+        for key in ("cpus", "mems"):
+            data[key] = list(data[key])
+        return data
+
+
+@dataclass(frozen=True)
+class Plan:
+    instances: tuple[Instance, ...]
+    warnings: tuple[str, ...] = field(default=())
+
+    def by_name(self) -> dict[str, Instance]:
+        return {i.name: i for i in self.instances}
+
+    def to_dict(self) -> dict:
+        return {"instances": [i.to_dict() for i in self.instances], "warnings": list(self.warnings)}
+
+
+@dataclass(frozen=True)
+class PlanDiff:
+    added: tuple[str, ...]
+    changed: tuple[str, ...]
+    removed: tuple[str, ...]
+    unchanged: tuple[str, ...]
+
+
+def diff_plans(old: dict[str, object], new: dict[str, object]) -> PlanDiff:
+    """Diff two {instance name: anything comparable} maps (instances, or their rendered units)."""
+    return PlanDiff(
+        added=tuple(sorted(new.keys() - old.keys())),
+        changed=tuple(sorted(n for n in new.keys() & old.keys() if new[n] != old[n])),
+        removed=tuple(sorted(old.keys() - new.keys())),
+        unchanged=tuple(sorted(n for n in new.keys() & old.keys() if new[n] == old[n])),
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _memory_nodes(node: Node, topo: Topology, warnings: list[str]) -> tuple[int, ...]:
+    if node.has_memory:
+        return (node.id,)
+    with_memory = [n for n in topo.nodes if n.has_memory]
+    if not with_memory:
+        return (node.id,)
+    nearest = min(node.distances.get(n.id, 255) for n in with_memory)
+    chosen = tuple(sorted(n.id for n in with_memory if node.distances.get(n.id, 255) == nearest))
+    warnings.append(
+        f"node {node.id} has CPUs but no memory: its instance allocates on node(s) "
+        f"{format_list(chosen)}, the nearest with memory (distance {nearest})"
+    )
+    return chosen
+
+
+def _split(node: Node, cores: list[tuple[int, ...]], k: int) -> list[list[tuple[int, ...]]]:
+    """k disjoint groups of near-equal size, along shared-L3 boundaries where they divide evenly."""
+    usable = set(cores)
+    l3 = [[c for c in group if c in usable] for group in node.l3_groups]
+    l3 = [g for g in l3 if g]
+    if len(l3) >= k and len(l3) % k == 0 and len({len(g) for g in l3}) == 1:
+        per = len(l3) // k
+        return [[c for g in l3[i * per:(i + 1) * per] for c in g] for i in range(k)]
+    base, extra = divmod(len(cores), k)
+    groups, start = [], 0
+    for i in range(k):
+        size = base + (1 if i < extra else 0)
+        groups.append(cores[start:start + size])
+        start += size
+    return groups
+
+
+def _threads_of(cores: list[tuple[int, ...]], smt: bool) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(cpus, places): smt=false keeps the lowest sibling of each core."""
+    if smt:
+        cpus = tuple(sorted(c for core in cores for c in core))
+        return cpus, tuple(core for core in cores)
+    firsts = tuple(sorted(core[0] for core in cores))
+    return firsts, tuple((c,) for c in firsts)
+
+
+def make_plan(config: Config, topo: Topology, model_size: int | None = None, source: str = "config") -> Plan:
+    placement = config.placement
+    warnings: list[str] = list(topo.warnings)
+    known = {n.id: n for n in topo.nodes}
+
+    if placement.nodes == "all":
+        selected = [n for n in topo.nodes if n.has_cpus or placement.mode == "interleave"]
+    else:
+        missing = [n for n in placement.nodes if n not in known]
+        if missing:
+            raise ConfigError(
+                source, "placement.nodes",
+                f"node {format_list(missing)} does not exist on this machine (nodes: {format_list(known)})",
+                placement.nodes, True,
+            )
+        selected = [known[n] for n in sorted(placement.nodes)]
+        cpuless = [n.id for n in selected if not n.has_cpus]
+        if cpuless and placement.mode == "per-node":
+            raise ConfigError(
+                source, "placement.nodes",
+                f"node {format_list(cpuless)} has no CPUs (memory-only) and cannot host an instance; "
+                "remove it, or use mode = \"interleave\" to spread memory over it",
+                placement.nodes, True,
+            )
+
+    reserved = placement.reserved
+    online = topo.online_cpus
+    absent = reserved - online
+    if absent:
+        raise ConfigError(
+            source, "placement.reserve_cpus",
+            f"CPU {format_list(absent)} is not an online CPU of this machine (online: {format_list(online)})",
+            placement.reserve_cpus, True,
+        )
+    # Reserving a CPU reserves its whole core: a sibling would share its pipeline.
+    reserved_cores = {topo.sibling_core(c) for c in reserved}
+    expanded = {c for core in reserved_cores if core for c in core}
+    if expanded - reserved:
+        warnings.append(
+            f"reserve_cpus {format_list(reserved)} covers whole cores: CPUs {format_list(expanded)} are reserved"
+        )
+
+    usable: dict[int, list[tuple[int, ...]]] = {}
+    for node in selected:
+        if not node.has_cpus:
+            continue
+        cores = [core for core in node.cores if core not in reserved_cores]
+        if not cores:
+            raise ConfigError(
+                source, "placement.reserve_cpus",
+                f"reserves every CPU of node {node.id} ({format_list(node.cpus)}); leave it at least one core"
+                + (" or drop it from placement.nodes" if placement.nodes != "all" else ""),
+                placement.reserve_cpus, True,
+            )
+        usable[node.id] = cores
+    if not usable:
+        raise ConfigError(source, "placement.nodes", "selects no node with CPUs", placement.nodes, True)
+
+    instances: list[Instance] = []
+    template = config.systemd.template
+    if placement.mode == "interleave":
+        cores = [c for nid in sorted(usable) for c in usable[nid]]
+        cpus, places = _threads_of(cores, placement.smt)
+        mems = tuple(sorted(n.id for n in selected if n.has_memory)) or tuple(sorted(usable))
+        instances.append(Instance(f"{template}@interleave", None, cpus, places, mems, "interleave", len(cpus), 0))
+    else:
+        k = placement.instances_per_node
+        for node_id in sorted(usable):
+            node = known[node_id]
+            cores = usable[node_id]
+            if k > len(cores):
+                raise ConfigError(
+                    source, "placement.instances_per_node",
+                    f"node {node_id} has {len(cores)} usable core(s), fewer than {k} instances",
+                    k, True,
+                )
+            mems = _memory_nodes(node, topo, warnings)
+            if model_size is not None:
+                capacity = sum(known[m].memory_total_bytes for m in mems)
+                if capacity and model_size * k > MODEL_FRACTION_OF_NODE * capacity:
+                    raise ConfigError(
+                        source, "placement.mode",
+                        f"the model ({_gib(model_size)}) x {k} instance(s) needs more than "
+                        f"{MODEL_FRACTION_OF_NODE:.0%} of node {node_id}'s memory ({_gib(capacity)}); "
+                        "set mode = \"interleave\" to spread one instance over several nodes",
+                        placement.mode, True,
+                    )
+            for j, group in enumerate(_split(node, cores, k)):
+                cpus, places = _threads_of(group, placement.smt)
+                ident = str(node_id) if k == 1 else f"{node_id}.{j}"
+                instances.append(Instance(f"{template}@{ident}", node_id, cpus, places, mems, "bind", len(cpus), 0))
+
+    base = config.server.base_port
+    last = base + len(instances) - 1
+    if last > 65535:
+        raise ConfigError(
+            source, "server.base_port",
+            f"{len(instances)} instances need ports {base}-{last}, past 65535; use at most {65536 - len(instances)}",
+            base, True,
+        )
+    instances = [
+        Instance(i.name, i.node, i.cpus, i.places, i.mems, i.policy, len(i.cpus), base + k)
+        for k, i in enumerate(instances)
+    ]
+    return Plan(instances=tuple(instances), warnings=tuple(warnings))

@@ -1,0 +1,135 @@
+"""Plan -> systemd unit text. Pure: one template plus one drop-in per instance.
+
+Every value that reaches a unit file goes through `quote_arg`/`escape_value`, which
+apply systemd's rules (systemd.syntax(7), systemd.service(5) "Command lines",
+systemd.unit(5) "Specifiers"): `%` -> `%%`, `$` -> `$$` in command lines, and each
+argument double-quoted with `\\` and `"` escaped. Control characters never get here:
+the config rejects them, and `quote_arg` refuses them again as a last line of defence.
+"""
+
+from __future__ import annotations
+
+import re
+
+from numad_infer.config import Config
+from numad_infer.cpuset import format_list
+from numad_infer.planner import Instance, Plan
+
+MARKER = "# Managed by numa-infer: rewritten by `numa-infer render` and the daemon; do not edit."
+DROPIN_NAME = "50-numa-infer.conf"
+DAEMON_UNIT = "numa-infer.service"
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class RenderError(ValueError):
+    pass
+
+
+def escape_value(text: str) -> str:
+    """A value in a directive other than a command line: only specifiers are special."""
+    if _CONTROL.search(text):
+        raise RenderError(f"control character in unit value {text!r}")
+    return text.replace("%", "%%")
+
+
+def quote_arg(arg: str) -> str:
+    """One command-line argument, double-quoted so spaces, quotes and `;` stay inside it."""
+    if _CONTROL.search(arg):
+        raise RenderError(f"control character in command argument {arg!r}")
+    inner = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+    return f'"{inner}"'
+
+
+def server_argv(config: Config, instance: Instance) -> list[str]:
+    """The llama-cpp-python server command line of one instance (also used by the process backend)."""
+    threads = str(instance.threads)
+    return [
+        config.server.python, "-m", "llama_cpp.server",
+        "--model", config.model.path,
+        "--host", config.server.host,
+        "--port", str(instance.port),
+        "--n_ctx", str(config.model.context_size),
+        "--n_threads", threads,
+        "--n_threads_batch", threads,
+        # With mmap every instance would share one page cache of the file, on whichever
+        # node read it first: each instance must own a copy of the weights on its node.
+        "--use_mmap", "false",
+        "--use_mlock", "true" if config.model.mlock else "false",
+        *config.server.extra_args,
+    ]
+
+
+def omp_places(instance: Instance) -> str:
+    return ",".join("{" + ",".join(str(c) for c in place) + "}" for place in instance.places)
+
+
+def instance_environment(instance: Instance) -> dict[str, str]:
+    return {
+        "OMP_NUM_THREADS": str(instance.threads),
+        "OMP_PROC_BIND": "close",
+        "OMP_PLACES": omp_places(instance),
+        # Lets the daemon recognise its own servers among processes (process backend, adoption).
+        "NUMA_INFER_INSTANCE": instance.name,
+    }
+
+
+def render_template(config: Config) -> str:
+    lines = [
+        MARKER,
+        "[Unit]",
+        f"Description=numa-infer llama.cpp server %i",
+        f"PartOf={DAEMON_UNIT}",
+        "After=network.target",
+        "",
+        "[Service]",
+        "Type=exec",
+        "Restart=on-failure",
+        "RestartSec=2",
+        "TimeoutStopSec=30",
+        # Unprivileged and read-only: the server only reads the model and listens.
+        "DynamicUser=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=read-only",
+        "PrivateTmp=yes",
+        "PrivateDevices=yes",
+        "NoNewPrivileges=yes",
+        "ProtectKernelTunables=yes",
+        "ProtectKernelModules=yes",
+        "ProtectControlGroups=yes",
+        "RestrictNamespaces=yes",
+        "LockPersonality=yes",
+        "RestrictRealtime=yes",
+        "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
+        "SystemCallArchitectures=native",
+        "Environment=HOME=/tmp",
+        "Environment=PYTHONUNBUFFERED=1",
+    ]
+    if config.model.mlock:
+        lines.append("LimitMEMLOCK=infinity")
+    return "\n".join(lines) + "\n"
+
+
+def render_dropin(config: Config, instance: Instance) -> str:
+    env = " ".join(quote_arg(f"{k}={v}") for k, v in instance_environment(instance).items())
+    lines = [
+        MARKER,
+        f"# {instance.name}: node {instance.node if instance.node is not None else 'interleave'}, "
+        f"CPUs {format_list(instance.cpus)}, memory {format_list(instance.mems)}, port {instance.port}",
+        "[Service]",
+        f"CPUAffinity={' '.join(str(c) for c in instance.cpus)}",
+        f"NUMAPolicy={instance.policy}",
+        f"NUMAMask={format_list(instance.mems)}",
+        f"Environment={env}",
+        "ExecStart=" + " ".join(quote_arg(a) for a in server_argv(config, instance)),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def render_units(config: Config, plan: Plan) -> dict[str, str]:
+    """Relative path under the unit directory -> file content."""
+    template = config.systemd.template
+    files = {f"{template}@.service": render_template(config)}
+    for instance in plan.instances:
+        files[f"{instance.unit}.d/{DROPIN_NAME}"] = render_dropin(config, instance)
+    return files

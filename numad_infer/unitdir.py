@@ -1,0 +1,93 @@
+"""Write rendered units into a directory: atomic, idempotent, and only ever our own files."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from numad_infer.errors import NumaInferError
+from numad_infer.render import DROPIN_NAME, MARKER
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    written: tuple[str, ...]
+    unchanged: tuple[str, ...]
+    removed: tuple[str, ...]
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.written or self.removed)
+
+
+def _ours(path: Path) -> bool:
+    try:
+        with path.open("r", encoding="utf-8", errors="replace") as handle:
+            return handle.readline().rstrip("\n") == MARKER
+    except OSError:
+        return False
+
+
+def _atomic_write(path: Path, content: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(content)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def managed_files(unit_dir: Path) -> list[str]:
+    """Relative paths of the files numa-infer wrote in `unit_dir` (marker on the first line)."""
+    found: list[str] = []
+    if not unit_dir.is_dir():
+        return found
+    for path in sorted(unit_dir.glob("*@.service")):
+        if path.is_file() and _ours(path):
+            found.append(path.name)
+    for path in sorted(unit_dir.glob(f"*@*.service.d/{DROPIN_NAME}")):
+        if path.is_file() and _ours(path):
+            found.append(f"{path.parent.name}/{path.name}")
+    return found
+
+
+def plan_write(unit_dir: Path, files: dict[str, str]) -> WriteResult:
+    """What `write_units` would do, without doing it (used by `check` and to decide daemon-reload)."""
+    written, unchanged = [], []
+    for rel, content in sorted(files.items()):
+        path = unit_dir / rel
+        try:
+            same = path.read_text(encoding="utf-8") == content
+        except OSError:
+            same = False
+        (unchanged if same else written).append(rel)
+    removed = [rel for rel in managed_files(unit_dir) if rel not in files]
+    return WriteResult(tuple(written), tuple(unchanged), tuple(removed))
+
+
+def write_units(unit_dir: Path, files: dict[str, str]) -> WriteResult:
+    result = plan_write(unit_dir, files)
+    for rel in result.written:
+        target = unit_dir / rel
+        if target.exists() and not _ours(target):
+            # Never overwrite what an operator (or another tool) wrote under our names.
+            raise NumaInferError(f"{target} exists and was not written by numa-infer; move it away first")
+    for rel in result.written:
+        _atomic_write(unit_dir / rel, files[rel])
+    for rel in result.removed:
+        path = unit_dir / rel
+        path.unlink(missing_ok=True)
+        if path.parent != unit_dir:
+            try:
+                path.parent.rmdir()  # only if empty: an operator's own drop-ins stay
+            except OSError:
+                pass
+    return result

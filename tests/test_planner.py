@@ -1,0 +1,144 @@
+"""Placement rules, on synthetic machines (tests/fakesys.py) and real captures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from numad_infer.config import ConfigError, parse_config
+from numad_infer.planner import diff_plans, make_plan
+from numad_infer.sysfs import read_topology
+from numad_infer.topology import Topology
+from tests import fakesys
+
+
+def config(**sections: str):
+    text = '[model]\npath = "/m.gguf"\n' + "".join(f"[{name}]\n{body}\n" for name, body in sections.items())
+    return parse_config(text, "/etc/numa-infer.toml")
+
+
+@pytest.fixture
+def machine(tmp_path: Path):
+    def read(factory) -> Topology:
+        return read_topology(fakesys.write_tree(tmp_path / factory.__name__, factory()))
+    return read
+
+
+def test_dual_socket_one_instance_per_node_one_thread_per_core(machine) -> None:
+    plan = make_plan(config(), machine(fakesys.dual_socket_smt))
+    assert [(i.name, i.node, i.mems, i.threads, i.port) for i in plan.instances] == [
+        ("infer@0", 0, (0,), 32, 8080), ("infer@1", 1, (1,), 32, 8081)]
+    assert plan.instances[0].cpus == tuple(range(32))
+    assert plan.instances[1].cpus == tuple(range(32, 64))
+    assert plan.instances[0].places[:2] == ((0,), (1,))
+
+
+def test_smt_true_uses_every_sibling_and_places_are_cores(machine) -> None:
+    plan = make_plan(config(placement="smt = true"), machine(fakesys.dual_socket_smt))
+    first = plan.instances[0]
+    assert first.threads == 64 and first.cpus == tuple(range(32)) + tuple(range(64, 96))
+    assert first.places[0] == (0, 64)
+
+
+def test_round_robin_numbering_keeps_nodes_apart(machine) -> None:
+    plan = make_plan(config(), machine(fakesys.round_robin_sockets))
+    assert [i.cpus for i in plan.instances] == [tuple(range(0, 16, 2)), tuple(range(1, 16, 2))]
+
+
+def test_cpu_less_node_never_hosts_an_instance(machine) -> None:
+    plan = make_plan(config(), machine(fakesys.cxl_memory_node))
+    assert [i.node for i in plan.instances] == [0, 1]
+
+
+def test_listing_a_cpu_less_node_in_per_node_mode_is_an_error(machine) -> None:
+    with pytest.raises(ConfigError, match=r"placement.nodes = \[0, 2\]: node 2 has no CPUs"):
+        make_plan(config(placement="nodes = [0, 2]"), machine(fakesys.cxl_memory_node), source="/etc/numa-infer.toml")
+
+
+def test_interleave_spans_all_selected_nodes_memory_included(machine) -> None:
+    plan = make_plan(config(placement='mode = "interleave"'), machine(fakesys.cxl_memory_node))
+    (only,) = plan.instances
+    assert (only.name, only.node, only.policy, only.mems, only.cpus) == (
+        "infer@interleave", None, "interleave", (0, 1, 2), tuple(range(8)))
+
+
+def test_memoryless_node_takes_nearest_memory_with_warning(machine) -> None:
+    plan = make_plan(config(), machine(fakesys.memoryless_cpu_node))
+    assert [i.mems for i in plan.instances] == [(0,), (2,), (2,)]
+    assert any("node 1 has CPUs but no memory" in w for w in plan.warnings)
+
+
+def test_offline_cpus_are_never_planned(machine) -> None:
+    plan = make_plan(config(placement="smt = true"), machine(fakesys.offline_cpus))
+    assert plan.instances[0].cpus == (0, 1, 2, 8, 10)
+
+
+def test_reserving_a_cpu_reserves_its_whole_core(machine) -> None:
+    plan = make_plan(config(placement='reserve_cpus = "0"\nsmt = true'), machine(fakesys.dual_socket_smt))
+    assert 0 not in plan.instances[0].cpus and 64 not in plan.instances[0].cpus
+    assert plan.instances[0].threads == 62
+    assert any("CPUs 0,64 are reserved" in w for w in plan.warnings)
+
+
+def test_instances_never_share_a_cpu_and_ports_follow_plan_order(machine) -> None:
+    plan = make_plan(config(placement="instances_per_node = 3\nsmt = true"), machine(fakesys.epyc_nps4))
+    seen: set[int] = set()
+    for instance in plan.instances:
+        assert not seen & set(instance.cpus)
+        seen |= set(instance.cpus)
+    assert [i.port for i in plan.instances] == list(range(8080, 8080 + 12))
+    assert [i.name for i in plan.instances[:3]] == ["infer@0.0", "infer@0.1", "infer@0.2"]
+
+
+def test_split_follows_l3_boundaries_when_they_divide_evenly(machine) -> None:
+    # NPS4 node 0: 4 CCX of 4 cores; 2 instances get 2 whole CCX each.
+    plan = make_plan(config(placement="instances_per_node = 2"), machine(fakesys.epyc_nps4))
+    assert plan.instances[0].cpus == tuple(range(0, 8)) and plan.instances[1].cpus == tuple(range(8, 16))
+
+
+def test_split_is_near_equal_when_l3_does_not_divide(machine) -> None:
+    plan = make_plan(config(placement="instances_per_node = 3"), machine(fakesys.epyc_nps4))
+    assert [i.threads for i in plan.instances[:3]] == [6, 5, 5]
+
+
+@pytest.mark.parametrize(
+    "sections, key, fragment",
+    [
+        ({"placement": "nodes = [0, 7]"}, "placement.nodes", "node 7 does not exist on this machine (nodes: 0-1)"),
+        ({"placement": 'reserve_cpus = "200"'}, "placement.reserve_cpus", "CPU 200 is not an online CPU"),
+        ({"placement": 'reserve_cpus = "0-31"'}, "placement.reserve_cpus", "reserves every CPU of node 0"),
+        ({"placement": "instances_per_node = 40"}, "placement.instances_per_node", "fewer than 40 instances"),
+        ({"server": "base_port = 65535"}, "server.base_port", "past 65535; use at most 65534"),
+    ],
+)
+def test_config_that_does_not_fit_this_machine_names_key_and_fix(machine, sections, key, fragment) -> None:
+    with pytest.raises(ConfigError) as info:
+        make_plan(config(**sections), machine(fakesys.dual_socket_smt), source="/etc/numa-infer.toml")
+    message = str(info.value)
+    assert message.startswith(f"/etc/numa-infer.toml: {key} = ") and fragment in message
+
+
+def test_model_bigger_than_node_memory_suggests_interleave(machine) -> None:
+    topo = machine(fakesys.memoryless_cpu_node)  # 8 GiB nodes
+    with pytest.raises(ConfigError, match='placement.mode = "per-node": the model .* set mode = "interleave"'):
+        make_plan(config(), topo, model_size=int(7.5 * 2**30))
+    assert make_plan(config(placement='mode = "interleave"'), topo, model_size=int(7.5 * 2**30)).instances
+
+
+def test_plan_json_shape(machine) -> None:
+    data = make_plan(config(), machine(fakesys.dual_socket_smt)).to_dict()
+    assert set(data) == {"instances", "warnings"}
+    assert set(data["instances"][0]) >= {"name", "node", "cpus", "mems", "threads", "port"}
+
+
+def test_diff_reports_added_changed_removed() -> None:
+    diff = diff_plans({"a": 1, "b": 2, "c": 3}, {"b": 2, "c": 4, "d": 5})
+    assert (diff.added, diff.changed, diff.removed, diff.unchanged) == (("d",), ("c",), ("a",), ("b",))
+
+
+@pytest.mark.parametrize("name", ["64amd64-4s2n4ca2co", "nvidiagpunumanodes", "fakeheteromemtiers", "offline-cpu0-node0"])
+def test_real_captures_plan_without_overlap(captures, name: str) -> None:
+    plan = make_plan(config(placement="smt = true"), read_topology(captures[name]))
+    cpus = [c for i in plan.instances for c in i.cpus]
+    assert plan.instances and len(cpus) == len(set(cpus))

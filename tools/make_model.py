@@ -1,0 +1,279 @@
+#!/usr/bin/env python3
+"""Generate a small random-weight LLaMA-architecture GGUF model.
+
+The weights are noise, so the model "talks" gibberish, but it is a real model
+as far as llama.cpp is concerned: it loads, tokenizes, decodes and streams
+tokens at the speed its size dictates. That is all the tests and the
+memory-bandwidth benchmarks need, without downloading anything.
+
+    python tools/make_model.py OUT.gguf [--size tiny|small|medium|large]
+        [--layers N --embd N --ff N --heads N --kv-heads N --vocab N --ctx N]
+        [--seed N] [--dtype f32|f16]
+
+Same arguments -> byte-identical file. The file is written to a temporary
+name next to OUT and renamed into place, so readers never see half a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import gguf
+except ImportError:  # pragma: no cover - depends on the environment
+    sys.exit("make_model.py needs the 'gguf' package (pip install gguf numpy)")
+
+
+@dataclass(frozen=True)
+class Spec:
+    layers: int
+    embd: int
+    ff: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    ctx: int
+    dtype: str  # "f32" or "f16": storage type of the 2-D weight matrices
+
+
+# Sizes are for the file on disk (weights dominate). tiny/small stay f32 so
+# they run on any CPU build without f16 paths; medium/large are f16 like a
+# real unquantised checkpoint, sized for memory-bound decode benchmarks.
+PRESETS: dict[str, Spec] = {
+    # ~0.7 MB: functional tests, loads and answers in milliseconds.
+    "tiny": Spec(layers=2, embd=64, ff=176, heads=4, kv_heads=4, vocab=512, ctx=512, dtype="f32"),
+    # ~40 MB
+    "small": Spec(layers=4, embd=384, ff=1024, heads=6, kv_heads=6, vocab=4096, ctx=2048, dtype="f32"),
+    # ~430 MB
+    "medium": Spec(layers=12, embd=1024, ff=2816, heads=16, kv_heads=16, vocab=32000, ctx=2048, dtype="f16"),
+    # ~1.2 GB
+    "large": Spec(layers=18, embd=1536, ff=4096, heads=24, kv_heads=24, vocab=32000, ctx=4096, dtype="f16"),
+}
+
+INIT_STD = 0.02  # small weights keep activations and logits finite through all layers
+ROPE_BASE = 10000.0
+RMS_EPS = 1e-5
+CHUNK_ELEMS = 1 << 22  # ~16 MB of float32 per generation chunk bounds peak memory
+
+# SentencePiece conventions: llama.cpp's SPM tokenizer needs these exact ids
+# and the 256 byte-fallback tokens (it looks up '\n' as <0x0A>).
+UNK, BOS, EOS = 0, 1, 2
+N_SPECIAL = 3
+N_BYTES = 256
+SPM_SPACE = "\u2581"  # "▁": SentencePiece's word-start marker
+SEED_WORDS = (
+    "the of and to in is that it for on with as was he be at by this have from or one had not but what all "
+    "were when we there can an your which their said if do will each about how up out them then she many some "
+    "so these would other into has more her two like him see time could no make than first been its who now "
+    "people my made over did down only way find use may water long little very after words called just where "
+    "most know hello hi world model server token node memory test"
+).split()
+LETTERS = "etaoinshrdlucmfwypvbgkjqxz"
+
+
+def build_vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
+    """Deterministic SPM vocabulary: specials, byte tokens, then word pieces."""
+    min_vocab = N_SPECIAL + N_BYTES + 1
+    if n_vocab < min_vocab:
+        raise ValueError(f"--vocab must be at least {min_vocab} (3 specials + 256 byte tokens + 1 piece)")
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(N_BYTES)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    types += [gguf.TokenType.BYTE] * N_BYTES
+    scores = [0.0] * len(tokens)
+
+    def pieces():
+        yield SPM_SPACE
+        for w in SEED_WORDS:
+            yield SPM_SPACE + w
+        for n in itertools.count(1):  # then every letter n-gram, with and without word start
+            for combo in itertools.product(LETTERS, repeat=n):
+                s = "".join(combo)
+                yield SPM_SPACE + s
+                yield s
+
+    seen = set(tokens)
+    for piece in pieces():
+        if len(tokens) == n_vocab:
+            break
+        if piece in seen:
+            continue
+        seen.add(piece)
+        tokens.append(piece)
+        # SPM merges prefer higher scores; earlier (more "common") pieces win.
+        scores.append(-float(len(tokens)))
+        types.append(gguf.TokenType.NORMAL)
+    return tokens, scores, [int(t) for t in types]
+
+
+def tensor_plan(s: Spec) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(name, numpy shape, is_norm) in file order.
+
+    gguf-py takes numpy (row-major) shapes and reverses them into ggml's ne,
+    so a weight llama.cpp declares as ne={n_in, n_out} is numpy (n_out, n_in).
+    """
+    hd = s.embd // s.heads
+    q_dim, kv_dim = s.heads * hd, s.kv_heads * hd
+    plan: list[tuple[str, tuple[int, ...], bool]] = [("token_embd.weight", (s.vocab, s.embd), False)]
+    for i in range(s.layers):
+        p = f"blk.{i}."
+        plan += [
+            (p + "attn_norm.weight", (s.embd,), True),
+            (p + "attn_q.weight", (q_dim, s.embd), False),
+            (p + "attn_k.weight", (kv_dim, s.embd), False),
+            (p + "attn_v.weight", (kv_dim, s.embd), False),
+            (p + "attn_output.weight", (s.embd, q_dim), False),
+            (p + "ffn_norm.weight", (s.embd,), True),
+            (p + "ffn_gate.weight", (s.ff, s.embd), False),
+            (p + "ffn_up.weight", (s.ff, s.embd), False),
+            (p + "ffn_down.weight", (s.embd, s.ff), False),
+        ]
+    plan += [("output_norm.weight", (s.embd,), True), ("output.weight", (s.vocab, s.embd), False)]
+    return plan
+
+
+def tensor_seed(seed: int, name: str) -> np.random.SeedSequence:
+    # One independent stream per tensor name, so a tensor's values do not
+    # depend on which or how many tensors were generated before it.
+    digest = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+    return np.random.SeedSequence([seed, digest])
+
+
+def write_tensor(fout, name: str, shape: tuple[int, ...], is_norm: bool, dtype: np.dtype, seed: int) -> None:
+    if is_norm:
+        # RMSNorm gains of 1 are the identity scale; llama.cpp wants them f32.
+        np.ones(shape, dtype=np.float32).tofile(fout)
+        return
+    rows, cols = shape
+    rng = np.random.default_rng(tensor_seed(seed, name))
+    step = max(1, CHUNK_ELEMS // cols)
+    for r0 in range(0, rows, step):
+        # Generate in float32 (fast ziggurat path) and scale in place; only one
+        # chunk (plus its f16 copy) lives at a time even for 100+ MB tensors.
+        chunk = rng.standard_normal((min(step, rows - r0), cols), dtype=np.float32)
+        chunk *= INIT_STD
+        (chunk if dtype == np.float32 else chunk.astype(dtype)).tofile(fout)
+
+
+def write_model(out: Path, s: Spec, seed: int, name: str) -> None:
+    if s.embd % s.heads or s.heads % s.kv_heads:
+        raise ValueError("--embd must be divisible by --heads, and --heads by --kv-heads")
+    head_dim = s.embd // s.heads
+    if head_dim % 2:
+        raise ValueError("head dimension (embd/heads) must be even for RoPE")
+    wdtype = np.dtype(np.float16 if s.dtype == "f16" else np.float32)
+    tokens, scores, types = build_vocab(s.vocab)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)  # GGUFWriter opens the path itself
+    tmp = Path(tmp_name)
+    try:
+        w = gguf.GGUFWriter(tmp, "llama")
+        w.add_name(name)
+        w.add_context_length(s.ctx)
+        w.add_embedding_length(s.embd)
+        w.add_block_count(s.layers)
+        w.add_feed_forward_length(s.ff)
+        w.add_head_count(s.heads)
+        w.add_head_count_kv(s.kv_heads)
+        w.add_layer_norm_rms_eps(RMS_EPS)
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_freq_base(ROPE_BASE)
+        w.add_vocab_size(s.vocab)
+        w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if s.dtype == "f16" else gguf.LlamaFileType.ALL_F32)
+
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(BOS)
+        w.add_eos_token_id(EOS)
+        w.add_unk_token_id(UNK)
+        w.add_add_bos_token(True)
+        w.add_add_eos_token(False)
+
+        plan = tensor_plan(s)
+        for tname, shape, is_norm in plan:
+            dt = np.dtype(np.float32) if is_norm else wdtype
+            w.add_tensor_info(tname, shape, dt, int(np.prod(shape)) * dt.itemsize)
+
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        # Stream the data section ourselves instead of handing GGUFWriter whole
+        # arrays: it would keep every tensor in memory until close().
+        fout = w.fout[0]
+        w.write_padding(fout, fout.tell())
+        for tname, shape, is_norm in plan:
+            write_tensor(fout, tname, shape, is_norm, np.dtype(np.float32) if is_norm else wdtype, seed)
+            w.write_padding(fout, fout.tell())
+        fout.flush()
+        os.fsync(fout.fileno())
+        w.close()
+
+        # mkstemp makes 0600; give the model normal umask-governed permissions.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def parse_args(argv: list[str] | None) -> tuple[Path, Spec, int, str]:
+    ap = argparse.ArgumentParser(description="Generate a random-weight LLaMA GGUF model for tests and benchmarks.")
+    ap.add_argument("output", type=Path, help="path of the .gguf file to write")
+    ap.add_argument("--size", choices=sorted(PRESETS, key=list(PRESETS).index), default="tiny",
+                    help="preset (default: tiny); explicit flags below override it")
+    for flag, helptext in (
+        ("layers", "transformer blocks"),
+        ("embd", "embedding width"),
+        ("ff", "feed-forward width"),
+        ("heads", "attention heads"),
+        ("kv-heads", "key/value heads (GQA; default: same as --heads)"),
+        ("vocab", "vocabulary size (>= 260)"),
+        ("ctx", "trained context length written to metadata"),
+    ):
+        ap.add_argument(f"--{flag}", type=int, help=helptext)
+    ap.add_argument("--seed", type=int, default=0, help="RNG seed (default: 0)")
+    ap.add_argument("--dtype", choices=("f32", "f16"), help="weight matrix type (default: per preset)")
+    a = ap.parse_args(argv)
+
+    spec = PRESETS[a.size]
+    overrides = {k: getattr(a, k) for k in ("layers", "embd", "ff", "heads", "kv_heads", "vocab", "ctx", "dtype")}
+    # --heads alone should not leave the preset's kv_heads dangling.
+    if a.heads is not None and a.kv_heads is None:
+        overrides["kv_heads"] = a.heads
+    spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+    for k in ("layers", "embd", "ff", "heads", "kv_heads", "vocab", "ctx"):
+        if getattr(spec, k) <= 0:
+            ap.error(f"--{k.replace('_', '-')} must be positive")
+    if a.seed < 0:
+        ap.error("--seed must be non-negative")
+    return a.output, spec, a.seed, f"numa-infer-random-{a.size}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    out, spec, seed, name = parse_args(argv)
+    try:
+        write_model(out, spec, seed, name)
+    except ValueError as e:
+        print(f"make_model.py: error: {e}", file=sys.stderr)
+        return 2
+    size = out.stat().st_size
+    print(f"{out} {size} bytes ({size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
