@@ -142,6 +142,11 @@ class ServerSection(_Section):
     def _absolute(cls, value: str) -> str:
         if not value.startswith("/"):
             raise ValueError("must be an absolute path to a Python interpreter, e.g. /opt/llm/bin/python3")
+        bad = sorted(set(value) & set("$\"'\\"))
+        if bad:
+            # systemd refuses quotes and backslashes in an executable name outright, and
+            # expands "$" in argv[0] but not in the path: no quoting makes it safe.
+            raise ValueError(f"may not contain {' '.join(bad)}; use a path (or symlink) without them")
         return value
 
 

@@ -20,6 +20,7 @@ import argparse
 import hashlib
 import itertools
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -265,11 +266,16 @@ def parse_args(argv: list[str] | None) -> tuple[Path, Spec, int, str]:
 
 def main(argv: list[str] | None = None) -> int:
     out, spec, seed, name = parse_args(argv)
+    # Turn SIGTERM into an exception so the temp file is removed, not leaked;
+    # restore the old handler after, in case main() is called in-process.
+    old_handler = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         write_model(out, spec, seed, name)
     except ValueError as e:
         print(f"make_model.py: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
     size = out.stat().st_size
     print(f"{out} {size} bytes ({size / 2**20:.1f} MiB)")
     return 0
