@@ -61,6 +61,21 @@ PRESETS: dict[str, Spec] = {
 }
 
 INIT_STD = 0.02  # small weights keep activations and logits finite through all layers
+# Steering: pure noise would sample </s> (ends completions early) and byte
+# tokens >= 0x80 (llama-cpp-python then keeps generating past max_tokens to
+# finish the UTF-8 sequence), so token counts would vary from run to run.
+# So embedding column STEER_COL is a large constant that no layer reads or
+# writes (that column of every layer input matrix and that row of every
+# layer output matrix is zero). It stays constant in the residual stream and
+# dominates the final RMSNorm, so the final hidden state is ~sqrt(embd) on
+# that axis whatever the layers do; a negative output weight on it gives the
+# specials and byte tokens logits of about STEER_SUPPRESS*sqrt(embd) (-32 at embd 64),
+# so completions are always exactly max_tokens of plain word pieces.
+STEER_COL = 0
+STEER_SCALE = 64.0  # constant = STEER_SCALE*sqrt(embd): keeps the other axes, hence layer inputs, tiny
+STEER_SUPPRESS = -4.0
+LAYER_IN = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight")
+LAYER_OUT = ("attn_output.weight", "ffn_down.weight")
 ROPE_BASE = 10000.0
 RMS_EPS = 1e-5
 CHUNK_ELEMS = 1 << 22  # ~16 MB of float32 per generation chunk bounds peak memory
@@ -161,6 +176,14 @@ def write_tensor(fout, name: str, shape: tuple[int, ...], is_norm: bool, dtype: 
         # chunk (plus its f16 copy) lives at a time even for 100+ MB tensors.
         chunk = rng.standard_normal((min(step, rows - r0), cols), dtype=np.float32)
         chunk *= INIT_STD
+        if name == "token_embd.weight":
+            chunk[:, STEER_COL] = STEER_SCALE * np.sqrt(cols)
+        elif name.endswith(LAYER_IN):
+            chunk[:, STEER_COL] = 0.0
+        elif name.endswith(LAYER_OUT) and r0 <= STEER_COL < r0 + len(chunk):
+            chunk[STEER_COL - r0, :] = 0.0
+        elif name == "output.weight" and r0 < N_SPECIAL + N_BYTES:
+            chunk[: N_SPECIAL + N_BYTES - r0, STEER_COL] = STEER_SUPPRESS
         (chunk if dtype == np.float32 else chunk.astype(dtype)).tofile(fout)
 
 

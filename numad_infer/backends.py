@@ -1,0 +1,200 @@
+"""Where instances run: systemd units (production) or child processes (no systemd).
+
+Both take the same plan and expose the same small surface to the reconcile loop:
+`specs` (what would run, for diffs), `sync` (definitions on disk), `start`, `stop`,
+`restart`, `main_pid`, `describe` (unit state in words), `existing` (what runs now).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Protocol
+
+from numad_infer import pinning
+from numad_infer.config import Config
+from numad_infer.planner import Instance, Plan
+from numad_infer.render import DROPIN_NAME, instance_environment, render_units, server_argv
+from numad_infer.systemctl import Systemctl
+from numad_infer.unitdir import managed_files, write_units
+
+log = logging.getLogger(__name__)
+
+
+class Backend(Protocol):
+    name: str
+
+    def specs(self, config: Config, plan: Plan) -> dict[str, str]: ...
+    def current_specs(self, config: Config) -> dict[str, str]: ...
+    def sync(self, config: Config, plan: Plan) -> bool: ...
+    def start(self, instance: Instance) -> None: ...
+    def stop(self, name: str) -> None: ...
+    def restart(self, instance: Instance) -> None: ...
+    def main_pid(self, name: str) -> int | None: ...
+    def describe(self, name: str) -> str: ...
+    def stop_all_on_exit(self) -> bool: ...
+
+
+class SystemdBackend:
+    name = "systemd"
+
+    def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = "numa-infer.service") -> None:
+        self.systemctl = systemctl or Systemctl()
+        self.daemon_unit = daemon_unit
+        self.unit_dir: Path | None = None
+
+    def specs(self, config: Config, plan: Plan) -> dict[str, str]:
+        files = render_units(config, plan)
+        template = files[f"{config.systemd.template}@.service"]
+        # A template change (mlock, hardening) changes every instance.
+        return {i.name: template + files[f"{i.unit}.d/{DROPIN_NAME}"] for i in plan.instances}
+
+    def current_specs(self, config: Config) -> dict[str, str]:
+        """Specs of the units on disk: what a previous daemon left running (adoption)."""
+        unit_dir = Path(config.systemd.unit_dir)
+        specs: dict[str, str] = {}
+        for rel in managed_files(unit_dir):
+            if rel.endswith(DROPIN_NAME):
+                name = rel.split("/")[0].removesuffix(".service.d")
+                template_path = unit_dir / f"{name.split('@')[0]}@.service"
+                try:
+                    specs[name] = template_path.read_text() + (unit_dir / rel).read_text()
+                except OSError:
+                    specs[name] = ""
+        return specs
+
+    def sync(self, config: Config, plan: Plan) -> bool:
+        self.unit_dir = Path(config.systemd.unit_dir)
+        result = write_units(self.unit_dir, render_units(config, plan))
+        if result.changed:
+            log.info("units: wrote %s, removed %s; systemctl daemon-reload",
+                     ", ".join(result.written) or "nothing", ", ".join(result.removed) or "nothing")
+            self.systemctl.daemon_reload()
+        return result.changed
+
+    def start(self, instance: Instance) -> None:
+        self.systemctl.start(instance.unit)
+
+    def stop(self, name: str) -> None:
+        self.systemctl.stop(f"{name}.service")
+
+    def restart(self, instance: Instance) -> None:
+        self.systemctl.restart(instance.unit)
+
+    def main_pid(self, name: str) -> int | None:
+        props = self.systemctl.show(f"{name}.service", "MainPID")
+        pid = int(props.get("MainPID", "0") or 0)
+        return pid or None
+
+    def describe(self, name: str) -> str:
+        props = self.systemctl.show(f"{name}.service", "ActiveState", "SubState")
+        return f"{props.get('ActiveState', 'unknown')} ({props.get('SubState', '?')})"
+
+    def stop_all_on_exit(self) -> bool:
+        # `systemctl restart numa-infer` (an upgrade, an operator) stops us too: only a
+        # real stop takes the instances down, so a restarted daemon can adopt them.
+        job = self.systemctl.pending_job(self.daemon_unit)
+        if job in ("restart", "try-restart", "reload-or-restart"):
+            log.info("daemon restart in progress: leaving instances running for the next daemon to adopt")
+            return False
+        return True
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG = 1
+
+
+class ProcessBackend:
+    """Instances as the daemon's own children, pinned between fork and exec."""
+
+    name = "process"
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.config: Config | None = None
+
+    def specs(self, config: Config, plan: Plan) -> dict[str, str]:
+        return {i.name: json.dumps({"argv": server_argv(config, i), "env": instance_environment(i),
+                                    "cpus": i.cpus, "mems": i.mems, "policy": i.policy}, sort_keys=True)
+                for i in plan.instances}
+
+    def current_specs(self, config: Config) -> dict[str, str]:
+        return {}  # children never outlive the daemon (PDEATHSIG): nothing to adopt
+
+    def sync(self, config: Config, plan: Plan) -> bool:
+        self.config = config
+        return False
+
+    def start(self, instance: Instance) -> None:
+        if self.main_pid(instance.name) is not None:
+            return
+        assert self.config is not None
+        argv = server_argv(self.config, instance)
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        env.update(instance_environment(instance))
+        cpus, mems, policy = frozenset(instance.cpus), instance.mems, instance.policy
+
+        def pin_in_child() -> None:
+            # Runs after fork, before exec: the server starts already pinned, so its
+            # first allocation (the weights) lands on its own node.
+            _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            os.sched_setaffinity(0, cpus)
+            pinning.set_mempolicy(policy, mems)
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / f"{instance.name}.log", "ab") as output:
+            self.children[instance.name] = subprocess.Popen(
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                preexec_fn=pin_in_child, start_new_session=True, close_fds=True,
+            )
+        log.info("%s: started pid %d on CPUs %s", instance.name, self.children[instance.name].pid, instance.cpus)
+
+    def stop(self, name: str, timeout_s: float = 15.0) -> None:
+        child = self.children.pop(name, None)
+        if child is None or child.poll() is not None:
+            return
+        # A SIGSTOPped server ignores SIGTERM until continued.
+        for sig in (signal.SIGTERM, signal.SIGCONT):
+            try:
+                os.killpg(child.pid, sig)
+            except ProcessLookupError:
+                return
+        try:
+            child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+
+    def restart(self, instance: Instance) -> None:
+        self.stop(instance.name)
+        self.start(instance)
+
+    def main_pid(self, name: str) -> int | None:
+        child = self.children.get(name)
+        return child.pid if child is not None and child.poll() is None else None
+
+    def describe(self, name: str) -> str:
+        child = self.children.get(name)
+        if child is None:
+            return "inactive"
+        code = child.poll()
+        return "active (running)" if code is None else f"failed (exit {code})"
+
+    def stop_all_on_exit(self) -> bool:
+        return True
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(os.path.exists(f"/proc/{p}") for p in pids):
+            return True
+        time.sleep(0.1)
+    return False

@@ -1,0 +1,63 @@
+"""sd_notify: READY, STATUS, RELOADING, STOPPING and the watchdog, over the sdnotify package.
+
+The socket address is taken from the environment once and removed from it, so child
+processes (systemctl, servers started by the process backend) cannot notify for us.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import sdnotify
+
+
+class Notifier:
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        env = os.environ if environ is None else environ
+        self.socket = env.pop("NOTIFY_SOCKET", None)
+        usec = env.pop("WATCHDOG_USEC", None)
+        watchdog_pid = env.pop("WATCHDOG_PID", None)
+        self.watchdog_s: float | None = None
+        if usec and usec.isdigit() and (watchdog_pid is None or watchdog_pid == str(os.getpid())):
+            self.watchdog_s = int(usec) / 1e6
+        self._notifier = None
+        if self.socket:
+            previous = os.environ.get("NOTIFY_SOCKET")
+            os.environ["NOTIFY_SOCKET"] = self.socket  # sdnotify reads it at construction
+            try:
+                self._notifier = sdnotify.SystemdNotifier()
+            finally:
+                if previous is None:
+                    os.environ.pop("NOTIFY_SOCKET", None)
+                else:
+                    os.environ["NOTIFY_SOCKET"] = previous
+        self._last_status: str | None = None
+        self._last_ping = 0.0
+
+    def send(self, *fields: str) -> None:
+        if self._notifier is not None:
+            self._notifier.notify("\n".join(fields))
+
+    def ready(self, status: str) -> None:
+        self._last_status = status
+        self.send("READY=1", f"STATUS={status}")
+
+    def status(self, text: str) -> None:
+        if text != self._last_status:
+            self._last_status = text
+            self.send(f"STATUS={text}")
+
+    def reloading(self) -> None:
+        # MONOTONIC_USEC lets systemd >= 253 match the reload to its completion (READY=1).
+        self.send("RELOADING=1", f"MONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+
+    def stopping(self, status: str) -> None:
+        self.send("STOPPING=1", f"STATUS={status}")
+
+    def watchdog_due(self, now: float) -> bool:
+        return self.watchdog_s is not None and now - self._last_ping >= self.watchdog_s / 2
+
+    def watchdog(self, now: float) -> None:
+        self._last_ping = now
+        self.send("WATCHDOG=1")

@@ -1,0 +1,165 @@
+"""Read what the kernel says about running processes: threads, their CPUs, memory by node.
+
+Thin edge rooted at a directory (like `sysfs.SysfsReader`), so tests can point it at a
+fake tree. A process or thread that vanishes mid-read is normal, never an error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from numad_infer.cpuset import CpuListError, parse_list
+
+_NODE_FIELD = re.compile(r"\bN(\d+)=(\d+)")
+_PAGESIZE = re.compile(r"\bkernelpagesize_kB=(\d+)")
+
+
+@dataclass(frozen=True)
+class ThreadInfo:
+    tid: int
+    name: str
+    allowed: frozenset[int]
+    last_cpu: int | None
+
+
+@dataclass
+class NodeUsage:
+    """Bytes per node, anonymous memory (the instance's own: weights, KV cache) apart from file pages."""
+
+    anon: dict[int, int] = field(default_factory=dict)
+    file: dict[int, int] = field(default_factory=dict)
+    source: str = ""
+
+    def add(self, kind: str, node: int, nbytes: int) -> None:
+        target = self.anon if kind == "anon" else self.file
+        target[node] = target.get(node, 0) + nbytes
+
+
+def parse_numa_maps(text: str) -> NodeUsage:
+    """Sum /proc/PID/numa_maps by node; private copies of file pages (anon= all pages) count as anon."""
+    usage = NodeUsage(source="numa_maps")
+    for line in text.splitlines():
+        nodes = [(int(n), int(p)) for n, p in _NODE_FIELD.findall(line)]
+        if not nodes:
+            continue
+        size_match = _PAGESIZE.search(line)
+        page = int(size_match.group(1)) * 1024 if size_match else 4096
+        anon_match = re.search(r"\banon=(\d+)", line)
+        total = sum(p for _, p in nodes)
+        is_anon = " file=" not in line or (anon_match is not None and int(anon_match.group(1)) >= total)
+        for node, pages in nodes:
+            usage.add("anon" if is_anon else "file", node, pages * page)
+    return usage
+
+
+def parse_numa_stat(text: str) -> NodeUsage:
+    """cgroup v2 memory.numa_stat: "anon N0=123 N1=0" and "file N0=..." lines, in bytes."""
+    usage = NodeUsage(source="memory.numa_stat")
+    for line in text.splitlines():
+        kind, _, rest = line.partition(" ")
+        if kind in ("anon", "file"):
+            for node, nbytes in _NODE_FIELD.findall(rest):
+                usage.add(kind, int(node), int(nbytes))
+    return usage
+
+
+class ProcReader:
+    def __init__(self, fsroot: str | os.PathLike[str] = "/") -> None:
+        self.root = Path(fsroot)
+        self.proc = self.root / "proc"
+
+    def _read(self, path: Path) -> str | None:
+        try:
+            return path.read_text(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            return None
+        except OSError:
+            return None  # ESRCH from a thread that exited between listdir and open
+
+    def exists(self, pid: int) -> bool:
+        stat = self._read(self.proc / str(pid) / "stat")
+        # A zombie has exited: it has no threads to pin and no memory to place.
+        return stat is not None and _stat_fields(stat)[0] != "Z"
+
+    def thread_ids(self, pid: int) -> list[int]:
+        try:
+            return sorted(int(t) for t in os.listdir(self.proc / str(pid) / "task"))
+        except OSError:
+            return []
+
+    def thread(self, pid: int, tid: int) -> ThreadInfo | None:
+        base = self.proc / str(pid) / "task" / str(tid)
+        status = self._read(base / "status")
+        stat = self._read(base / "stat")
+        if status is None or stat is None:
+            return None
+        allowed_match = re.search(r"^Cpus_allowed_list:\s*(\S*)", status, re.M)
+        name_match = re.search(r"^Name:\s*(.*)$", status, re.M)
+        if allowed_match is None:
+            return None
+        try:
+            allowed = parse_list(allowed_match.group(1))
+        except CpuListError:
+            return None
+        fields = _stat_fields(stat)
+        # Field 39 of stat ("processor") is index 36 after the "(comm)" split.
+        last_cpu = int(fields[36]) if len(fields) > 36 and fields[36].lstrip("-").isdigit() else None
+        return ThreadInfo(tid, name_match.group(1) if name_match else "", allowed, last_cpu)
+
+    def threads(self, pid: int) -> list[ThreadInfo]:
+        return [t for tid in self.thread_ids(pid) if (t := self.thread(pid, tid)) is not None]
+
+    def numa_maps(self, pid: int) -> NodeUsage | None:
+        text = self._read(self.proc / str(pid) / "numa_maps")
+        return None if text is None else parse_numa_maps(text)
+
+    def cgroup_path(self, pid: int) -> str | None:
+        text = self._read(self.proc / str(pid) / "cgroup")
+        if text is None:
+            return None
+        for line in text.splitlines():
+            if line.startswith("0::"):
+                return line[3:].strip()
+        return None
+
+    def cgroup_numa_stat(self, pid: int) -> NodeUsage | None:
+        """The instance's cgroup v2 memory.numa_stat: cost independent of the process size."""
+        path = self.cgroup_path(pid)
+        if not path or path == "/":
+            return None
+        text = self._read(self.root / "sys/fs/cgroup" / path.lstrip("/") / "memory.numa_stat")
+        return None if text is None else parse_numa_stat(text)
+
+    def numa_balancing(self) -> int | None:
+        text = self._read(self.proc / "sys/kernel/numa_balancing")
+        return int(text.strip()) if text and text.strip().isdigit() else None
+
+    def running_commands(self, name: str) -> list[int]:
+        pids = []
+        for entry in os.listdir(self.proc):
+            if entry.isdigit() and (self._read(self.proc / entry / "comm") or "").strip() == name:
+                pids.append(int(entry))
+        return pids
+
+    def environ(self, pid: int) -> dict[str, str]:
+        try:
+            raw = (self.proc / str(pid) / "environ").read_bytes()
+        except OSError:
+            return {}
+        pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+        return {k: v for k, _, v in pairs}
+
+    def children(self, pid: int) -> list[int]:
+        found: list[int] = []
+        for tid in self.thread_ids(pid):
+            text = self._read(self.proc / str(pid) / "task" / str(tid) / "children") or ""
+            found += [int(c) for c in text.split()]
+        return found
+
+
+def _stat_fields(stat: str) -> list[str]:
+    # comm may contain spaces and parentheses: split after the last ")".
+    return stat[stat.rfind(")") + 2:].split()

@@ -1,0 +1,72 @@
+"""systemctl as a thin edge: every call the systemd backend makes goes through here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+
+from numad_infer.errors import NumaInferError
+
+log = logging.getLogger(__name__)
+
+
+class SystemctlError(NumaInferError):
+    pass
+
+
+def pid1_is_systemd(fsroot: str = "/") -> bool:
+    return os.path.isdir(os.path.join(fsroot, "run/systemd/system"))
+
+
+class Systemctl:
+    def __init__(self, binary: str | None = None, timeout_s: float = 90.0) -> None:
+        self.binary = binary or shutil.which("systemctl") or "/usr/bin/systemctl"
+        self.timeout_s = timeout_s
+
+    def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        try:
+            proc = subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=self.timeout_s, env=env)
+        except subprocess.TimeoutExpired as exc:
+            raise SystemctlError(f"systemctl {' '.join(args)}: no answer within {self.timeout_s:g}s") from exc
+        if check and proc.returncode != 0:
+            raise SystemctlError(f"systemctl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return proc
+
+    def daemon_reload(self) -> None:
+        self.run("daemon-reload")
+
+    def start(self, *units: str) -> None:
+        if units:
+            self.run("start", "--no-block", *units)
+
+    def stop(self, *units: str) -> None:
+        if units:
+            self.run("stop", *units)
+
+    def restart(self, *units: str) -> None:
+        if units:
+            self.run("restart", "--no-block", *units)
+
+    def show(self, unit: str, *props: str) -> dict[str, str]:
+        proc = self.run("show", unit, *(f"--property={p}" for p in props), check=False)
+        out: dict[str, str] = {}
+        for line in proc.stdout.splitlines():
+            key, _, value = line.partition("=")
+            out[key] = value
+        return out
+
+    def list_units(self, pattern: str) -> list[str]:
+        proc = self.run("list-units", "--all", "--plain", "--no-legend", "--full", pattern, check=False)
+        return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
+    def pending_job(self, unit: str) -> str | None:
+        """The type of the job queued or running for `unit` ("restart", "stop", ...), if any."""
+        proc = self.run("list-jobs", "--plain", "--no-legend", "--full", check=False)
+        for line in proc.stdout.splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and parts[1] == unit:
+                return parts[2]
+        return None

@@ -1,0 +1,121 @@
+"""The commands as an operator runs them: real processes, exit codes, nothing half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests import fakesys
+
+GGUF_HEADER = b"GGUF\x03\x00\x00\x00" + b"\x00" * 24
+
+
+def run(*args: str, check: bool = False) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "numad_infer", *args], capture_output=True, text=True)
+    if check:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+@pytest.fixture
+def fs(tmp_path: Path) -> Path:
+    return fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    path = tmp_path / "model dir" / "tiny.gguf"
+    path.parent.mkdir()
+    path.write_bytes(GGUF_HEADER)
+    return path
+
+
+def write_config(tmp_path: Path, model: Path, extra: str = "") -> Path:
+    path = tmp_path / "numa-infer.toml"
+    path.write_text(f'[model]\npath = "{model}"\n[systemd]\nunit_dir = "{tmp_path / "units"}"\n{extra}')
+    return path
+
+
+def test_topology_json_from_a_real_capture(captures) -> None:
+    data = json.loads(run("--fsroot", str(captures["32intel64-2p8co2t+8ve"]), "topology", "--json", check=True).stdout)
+    assert [n["cpus"][:2] for n in data["nodes"]] == [[0, 1], [8, 9]]
+    assert data["nodes"][0]["cores"][0] == [0, 16]
+
+
+def test_topology_text_reads_like_numactl_hardware(fs: Path) -> None:
+    out = run("topology", "--fsroot", str(fs), check=True).stdout
+    assert out.startswith("available: 2 nodes (0-1)\nnode 0 cpus: 0 1 2")
+    assert "node 0 cores: 32 (2 thread(s) per core): [0,64] [1,65]" in out
+    assert "node 0 size: 262144 MB" in out and "   0:  10  21" in out
+
+
+def test_plan_render_check_happy_path(tmp_path: Path, fs: Path, model: Path) -> None:
+    config = write_config(tmp_path, model)
+    plan = json.loads(run("--config", str(config), "--fsroot", str(fs), "plan", "--json", check=True).stdout)
+    assert [(i["name"], i["threads"], i["port"]) for i in plan["instances"]] == [("infer@0", 32, 8080), ("infer@1", 32, 8081)]
+    out = run("--config", str(config), "--fsroot", str(fs), "check", check=True).stdout
+    assert "valid for this machine" in out and "2 to write" not in out and "3 to write" in out
+    assert "wrote" in run("--config", str(config), "--fsroot", str(fs), "render", check=True).stdout
+    assert "up to date (3 files)" in run("--config", str(config), "--fsroot", str(fs), "render", check=True).stdout
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ("[placement]\nnodes = [0, 5]\n", "placement.nodes = [0, 5]: node 5 does not exist"),
+    ("[placement]\nreserve_cpus = \"0-31,64-95\"\n", "placement.reserve_cpus"),
+    ("[server]\nbase_port = 65535\n", "server.base_port = 65535"),
+    ("[server]\nbase_prot = 1\n", 'did you mean "base_port"'),
+    ("[placement\n", "invalid TOML"),
+])
+def test_bad_input_exits_1_without_traceback_and_writes_nothing(tmp_path: Path, fs: Path, model: Path, extra: str, fragment: str) -> None:
+    config = write_config(tmp_path, model, extra)
+    for command in ("render", "plan", "check"):
+        proc = run("--config", str(config), "--fsroot", str(fs), command)
+        assert proc.returncode == 1 and proc.stdout == ""
+        assert proc.stderr.startswith(f"numa-infer: {config}") and fragment in proc.stderr
+        assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+    assert not (tmp_path / "units").exists()
+
+
+def test_missing_model_file(tmp_path: Path, fs: Path) -> None:
+    config = write_config(tmp_path, tmp_path / "absent.gguf")
+    proc = run("--config", str(config), "--fsroot", str(fs), "check")
+    assert proc.returncode == 1 and f'model.path = "{tmp_path}/absent.gguf": file not found' in proc.stderr
+
+
+def test_not_a_gguf_model(tmp_path: Path, fs: Path) -> None:
+    bogus = tmp_path / "model.bin"
+    bogus.write_bytes(b"PK\x03\x04")
+    proc = run("--config", str(write_config(tmp_path, bogus)), "--fsroot", str(fs), "check")
+    assert proc.returncode == 1 and "is not a GGUF model file" in proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root to drop to another user")
+def test_unreadable_model_file() -> None:
+    # pytest's tmp dirs are private to root; this one must be traversable by "nobody".
+    base = Path(tempfile.mkdtemp(prefix="numa-infer-cli-"))
+    try:
+        base.chmod(0o755)
+        fs = fakesys.write_tree(base / "fs", fakesys.dual_socket_smt())
+        model = base / "model.gguf"
+        model.write_bytes(GGUF_HEADER)
+        model.chmod(0o600)
+        config = write_config(base, model)
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+                               "numad_infer", "--config", str(config), "--fsroot", str(fs), "check"],
+                              capture_output=True, text=True, env=env)
+        assert proc.returncode == 1 and "model.path" in proc.stderr and "cannot be read by this user" in proc.stderr, proc.stderr
+    finally:
+        shutil.rmtree(base)
+
+
+def test_missing_config_file_names_it(tmp_path: Path) -> None:
+    proc = run("--config", str(tmp_path / "none.toml"), "plan")
+    assert proc.returncode == 1 and f"{tmp_path}/none.toml: file not found" in proc.stderr
