@@ -19,6 +19,7 @@ from typing import Protocol
 
 from numad_infer import pinning
 from numad_infer.config import Config
+from numad_infer.cpuset import format_list
 from numad_infer.planner import Instance, Plan
 from numad_infer.render import DROPIN_NAME, instance_environment, render_units, server_argv
 from numad_infer.systemctl import Systemctl
@@ -154,7 +155,8 @@ class ProcessBackend:
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                 preexec_fn=pin_in_child, start_new_session=True, close_fds=True,
             )
-        log.info("%s: started pid %d on CPUs %s", instance.name, self.children[instance.name].pid, instance.cpus)
+        log.info("%s: started pid %d on CPUs %s, memory node(s) %s", instance.name, self.children[instance.name].pid,
+                 format_list(instance.cpus), format_list(instance.mems))
 
     def stop(self, name: str, timeout_s: float = 15.0) -> None:
         child = self.children.pop(name, None)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
+import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +19,7 @@ from numad_infer.errors import NumaInferError
 from numad_infer.modelfile import model_size
 from numad_infer.planner import Plan, make_plan
 from numad_infer.render import render_units
+from numad_infer.statefile import DEFAULT_STATE_FILE, read_state
 from numad_infer.sysfs import read_topology
 from numad_infer.topology import Topology
 from numad_infer.unitdir import plan_write, write_units
@@ -104,10 +109,153 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _make_backend(choice: str, fsroot: str, state_file: Path):
+    from numad_infer.backends import ProcessBackend, SystemdBackend
+    from numad_infer.systemctl import pid1_is_systemd
+
+    if choice == "auto":
+        choice = "systemd" if pid1_is_systemd() and os.environ.get("INVOCATION_ID") else "process"
+    return SystemdBackend() if choice == "systemd" else ProcessBackend(state_file.parent / "logs")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from numad_infer.daemon import Daemon
+    from numad_infer.notify import Notifier
+
+    under_journal = bool(os.environ.get("JOURNAL_STREAM"))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s: %(message)s" if under_journal else "%(asctime)s %(levelname)s: %(message)s")
+    notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
+    state_file = Path(args.state_file)
+    daemon = Daemon(args.config, args.fsroot, _make_backend(args.backend, args.fsroot, state_file), state_file, notifier)
+    return daemon.run()
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def format_status(data: dict) -> str:
+    d = data["daemon"]
+    lines = [f"numa-infer: {d['state']}" + (f" (pid {d['pid']}, backend {d['backend']})" if d.get("pid") else "")
+             + f", config {d['config']}"]
+    if d.get("status"):
+        lines.append(f"status: {d['status']}")
+    reload = d.get("last_reload") or {}
+    if reload:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(reload["at"]))
+        if reload.get("ok"):
+            lines.append(f"last {reload.get('why', 'reload')}: {when} ok (added {len(reload.get('added', []))}, "
+                         f"changed {len(reload.get('changed', []))}, removed {len(reload.get('removed', []))})")
+        else:
+            lines.append(f"last {reload.get('why', 'reload')}: {when} FAILED: {reload.get('error')}")
+    lines += [f"warning: {w}" for w in d.get("warnings", [])]
+    rows = [("INSTANCE", "NODE", "CPUS", "PORT", "PID", "STATE", "UPTIME", "RESTARTS", "LOCAL-MEM", "PROBE")]
+    for i in data["instances"]:
+        frac = i.get("local_memory_fraction")
+        rows.append((i["name"], "-" if i.get("node") is None else str(i["node"]), format_list(i["cpus"]), str(i["port"]),
+                     str(i.get("pid") or "-"), i["state"] + (" drifting" if i.get("drifting") else ""),
+                     _age(i.get("uptime_s")), str(i.get("restarts", 0)),
+                     "-" if frac is None else f"{frac:.1%}",
+                     "-" if i.get("probe_latency_ms") is None else f"{i['probe_latency_ms']:.0f}ms"))
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    for i in data["instances"]:
+        for key, label in (("error", "error"), ("last_drift", "last drift"), ("last_repair", "last repair")):
+            value = i.get(key)
+            if isinstance(value, dict):
+                when = time.strftime("%H:%M:%S", time.localtime(value["at"]))
+                lines.append(f"  {i['name']}: {label} {when} [{value['kind']}] {value['detail']}")
+            elif value and i["state"] != "healthy":
+                lines.append(f"  {i['name']}: {label}: {value}")
+    return "\n".join(lines)
+
+
+def _offline_status(args: argparse.Namespace) -> dict:
+    """The daemon is down: still show the plan and what the units are doing."""
+    data: dict = {"daemon": {"state": "not running", "pid": None, "config": args.config, "warnings": []}, "instances": []}
+    try:
+        loaded = load_all(args.config, args.fsroot)
+    except NumaInferError as exc:
+        data["daemon"]["warnings"].append(str(exc))
+        return data
+    from numad_infer.backends import SystemdBackend
+    from numad_infer.systemctl import pid1_is_systemd
+
+    backend = SystemdBackend() if pid1_is_systemd() else None
+    for inst in loaded.plan.instances:
+        pid = backend.main_pid(inst.name) if backend else None
+        unit = backend.describe(inst.name) if backend else "not running (process backend: instances stop with the daemon)"
+        data["instances"].append({**inst.to_dict(), "pid": pid, "state": "running" if pid else "stopped",
+                                  "unit_state": unit, "restarts": 0, "local_memory_fraction": None})
+    return data
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    state = read_state(Path(args.state_file))
+    running = state is not None and state["daemon"].get("state") in ("starting", "running") and _alive(state["daemon"].get("pid"))
+    data = state if running else _offline_status(args)
+    print(json.dumps(data, indent=2) if args.json else format_status(data))
+    if not running:
+        return 3
+    healthy = all(i["state"] == "healthy" and not i.get("drifting") for i in data["instances"])
+    return 0 if healthy and data["instances"] else 1
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """Signal the daemon and wait until it has applied (or refused) the configuration."""
+    path = Path(args.state_file)
+    state = read_state(path)
+    pid = args.pid or (state or {}).get("daemon", {}).get("pid")
+    if not _alive(pid):
+        print("numa-infer: the daemon is not running", file=sys.stderr)
+        return 3
+    before = (state or {}).get("daemon", {}).get("generation", 0) if state and state["daemon"].get("pid") == pid else 0
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now_state = read_state(path)
+        if now_state and now_state["daemon"].get("pid") == pid and now_state["daemon"].get("generation", 0) > before:
+            result = now_state["daemon"].get("last_reload") or {}
+            if result.get("ok"):
+                print(f"reloaded: added {_join(result.get('added'))}, changed {_join(result.get('changed'))}, "
+                      f"removed {_join(result.get('removed'))}")
+                return 0
+            print(f"numa-infer: reload failed, still running the previous configuration: {result.get('error')}", file=sys.stderr)
+            return 1
+    print(f"numa-infer: the daemon did not finish reloading within {args.timeout:g}s", file=sys.stderr)
+    return 1
+
+
+def _join(names) -> str:
+    return ", ".join(names) if names else "none"
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", default=argparse.SUPPRESS, help=f"configuration file (default {DEFAULT_CONFIG_PATH})")
     common.add_argument("--fsroot", default=argparse.SUPPRESS, help="read DIR/sys and DIR/proc instead of / (like HWLOC_FSROOT)")
+    common.add_argument("--state-file", default=argparse.SUPPRESS, help=f"daemon status file (default {DEFAULT_STATE_FILE})")
     parser = argparse.ArgumentParser(prog="numa-infer", parents=[common],
                                      description="One pinned llama.cpp server per NUMA node, under systemd.")
     parser.add_argument("--version", action="version", version=f"numa-infer {__version__}")
@@ -124,6 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_render)
     p = sub.add_parser("check", parents=[common], help="validate the configuration against this machine")
     p.set_defaults(func=cmd_check)
+    p = sub.add_parser("run", parents=[common], help="run the daemon (what numa-infer.service starts)")
+    p.add_argument("--backend", choices=("auto", "systemd", "process"), default="auto",
+                   help="systemd units, or child processes where systemd is not PID 1 (auto)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_run)
+    p = sub.add_parser("status", parents=[common], help="instances, health and drift (exit 0 healthy, 1 not, 3 daemon down)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("reload", parents=[common], help="make the daemon re-read its configuration and wait for the result")
+    p.add_argument("--pid", type=int, help="daemon PID (default: from the state file)")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(func=cmd_reload)
     return parser
 
 
@@ -131,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.config = getattr(args, "config", DEFAULT_CONFIG_PATH)
     args.fsroot = getattr(args, "fsroot", "/")
+    args.state_file = getattr(args, "state_file", os.environ.get("NUMA_INFER_STATE_FILE", DEFAULT_STATE_FILE))
     try:
         return args.func(args)
     except NumaInferError as exc:

@@ -1,0 +1,265 @@
+"""The daemon: one loop that applies the plan, monitors, repairs and reports.
+
+Signal handlers only set flags (and wake the loop through a pipe); all work happens
+in the loop, one small step at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from numad_infer import __version__
+from numad_infer.backends import Backend
+from numad_infer.config import Config, load_config
+from numad_infer.cpuset import format_list
+from numad_infer.errors import NumaInferError
+from numad_infer.modelfile import model_size
+from numad_infer.notify import Notifier
+from numad_infer.planner import Plan, make_plan
+from numad_infer.procfs import ProcReader
+from numad_infer.reconcile import Reconciler, Runtime
+from numad_infer.states import State
+from numad_infer.statefile import write_state
+from numad_infer.sysfs import SysfsReader
+
+log = logging.getLogger(__name__)
+
+
+class Daemon:
+    def __init__(self, config_path: str, fsroot: str, backend: Backend, state_file: Path,
+                 notifier: Notifier | None = None) -> None:
+        self.config_path = config_path
+        self.sysfs = SysfsReader(fsroot)
+        self.proc = ProcReader("/")  # processes are always this machine's, even with --fsroot
+        self.backend = backend
+        self.state_file = state_file
+        self.notifier = notifier or Notifier()
+        self.reconciler = Reconciler(backend, self.proc)
+        self.config: Config | None = None
+        self.plan: Plan | None = None
+        self.online: frozenset[int] | None = None
+        self.generation = 0
+        self.last_reload: dict[str, Any] = {}
+        self.warnings: list[str] = []
+        self.started_at = time.time()
+        self.state = "starting"
+        self._flags: set[str] = set()
+        self._wake_r, self._wake_w = os.pipe()
+        self._python_checked: dict[str, bool] = {}
+
+    # -- signals --------------------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        os.set_blocking(self._wake_w, False)
+        signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+
+        def flag(name: str):
+            return lambda signum, frame: self._flags.add(name)
+
+        signal.signal(signal.SIGHUP, flag("reload"))
+        signal.signal(signal.SIGTERM, flag("stop"))
+        signal.signal(signal.SIGINT, flag("stop"))
+
+    def _sleep(self, seconds: float) -> None:
+        if self._flags or seconds <= 0:
+            return
+        ready, _, _ = select.select([self._wake_r], [], [], seconds)
+        if ready:
+            os.read(self._wake_r, 4096)
+
+    # -- loading ----------------------------------------------------------------------------------
+    def _load(self) -> tuple[Config, Plan]:
+        config = load_config(self.config_path)
+        topology = self.sysfs.topology()
+        plan = make_plan(config, topology, model_size(config.model.path, self.config_path), source=self.config_path)
+        self.online = topology.online_cpus
+        return config, plan
+
+    def _host_warnings(self, config: Config) -> list[str]:
+        found: list[str] = []
+        if self.proc.numa_balancing() == 1:
+            found.append("kernel.numa_balancing = 1: the kernel migrates pages behind numa-infer's back; "
+                         "set it to 0 (sysctl kernel.numa_balancing=0)")
+        if self.proc.running_commands("numad"):
+            found.append("numad is running: it re-pins processes and fights numa-infer; stop and disable it")
+        python = config.server.python
+        if python not in self._python_checked:
+            self._python_checked[python] = _python_has_llama_cpp(python)
+        if not self._python_checked[python]:
+            found.append(f"server.python = {python} cannot import llama_cpp: install llama-cpp-python[server] "
+                         "into it (e.g. python3 -m venv /opt/llm && /opt/llm/bin/pip install 'llama-cpp-python[server]')")
+        return found
+
+    def _apply(self, config: Config, plan: Plan, why: str) -> None:
+        result = self.reconciler.apply(config, plan, time.monotonic())
+        self.config, self.plan = config, plan
+        self.warnings = list(plan.warnings) + self._host_warnings(config)
+        for warning in self.warnings:
+            log.warning("%s", warning)
+        log.info("%s: %d instance(s): added %s, changed %s, removed %s, unchanged %s", why, len(plan.instances),
+                 _names(result.added), _names(result.changed), _names(result.removed), _names(result.unchanged))
+        self.last_reload = {"at": time.time(), "ok": True, "error": None, "why": why,
+                            "added": list(result.added), "changed": list(result.changed),
+                            "removed": list(result.removed), "unchanged": list(result.unchanged)}
+
+    def reload(self) -> None:
+        self.notifier.reloading()
+        log.info("reloading %s", self.config_path)
+        try:
+            config, plan = self._load()
+        except NumaInferError as exc:
+            # Keep running the old plan untouched; say why everywhere an operator looks.
+            log.error("reload failed, still running the previous configuration: %s", exc)
+            self.last_reload = {"at": time.time(), "ok": False, "error": str(exc), "why": "reload"}
+        else:
+            self._apply(config, plan, "reload")
+        self.generation += 1
+        self.notifier.ready(self.status_line())
+
+    def _check_machine(self) -> None:
+        online = self.sysfs.online_cpus()
+        if online is None or self.online is None or online == self.online:
+            return
+        gone, came = self.online - online, online - self.online
+        log.warning("CPUs changed: %s%s; re-planning",
+                    f"offline {format_list(gone)} " if gone else "", f"online {format_list(came)}" if came else "")
+        try:
+            config, plan = self._load()
+        except NumaInferError as exc:
+            log.error("the machine changed and the configuration no longer fits: %s", exc)
+            self.online = online
+            self.last_reload = {"at": time.time(), "ok": False, "error": str(exc), "why": "cpu hotplug"}
+            return
+        self._apply(config, plan, "cpu hotplug")
+
+    # -- reporting --------------------------------------------------------------------------------------
+    def status_line(self) -> str:
+        runtimes = list(self.reconciler.runtimes.values())
+        healthy = sum(rt.supervision.state == State.HEALTHY for rt in runtimes)
+        text = f"{healthy}/{len(runtimes)} instances healthy"
+        by_state: dict[str, int] = {}
+        for rt in runtimes:
+            if rt.supervision.state != State.HEALTHY:
+                by_state[rt.supervision.state.value] = by_state.get(rt.supervision.state.value, 0) + 1
+        drifting = sum(rt.drifting for rt in runtimes)
+        extras = [f"{n} {s}" for s, n in sorted(by_state.items())] + ([f"{drifting} drifting"] if drifting else [])
+        if extras:
+            text += " (" + ", ".join(extras) + ")"
+        if self.last_reload.get("ok") is False:
+            text += f"; config error, running previous plan: {self.last_reload['error']}"
+        return text
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        wall = time.time()
+        return {
+            "daemon": {
+                "state": self.state, "pid": os.getpid(), "version": __version__, "backend": self.backend.name,
+                "config": self.config_path, "started_at": self.started_at, "updated_at": wall,
+                "interval_s": self.config.monitor.interval_s if self.config else None,
+                "generation": self.generation, "last_reload": self.last_reload, "warnings": self.warnings,
+                "status": self.status_line(),
+            },
+            "instances": [_instance_dict(rt, now, wall) for rt in self.reconciler.runtimes.values()],
+        }
+
+    def publish(self, now: float) -> None:
+        try:
+            write_state(self.state_file, self.snapshot(now))
+        except OSError as exc:
+            log.error("cannot write %s: %s", self.state_file, exc.strerror)
+        self.notifier.status(self.status_line())
+
+    # -- the loop -------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        self._install_signals()
+        log.info("numa-infer %s starting (backend %s, config %s)", __version__, self.backend.name, self.config_path)
+        try:
+            config, plan = self._load()
+        except NumaInferError as exc:
+            log.error("%s", exc)
+            self.notifier.send(f"STATUS=configuration error: {exc}", "ERRNO=22")
+            return 1
+        self._apply(config, plan, "start")
+        self.state = "running"
+        self.generation += 1
+        now = time.monotonic()
+        self.publish(now)
+        self.notifier.ready(self.status_line())
+        next_pass = now
+        while True:
+            if "stop" in self._flags:
+                break
+            if "reload" in self._flags:
+                self._flags.discard("reload")
+                self.reload()
+                self.publish(time.monotonic())
+            now = time.monotonic()
+            if now >= next_pass:
+                assert self.config is not None
+                self._check_machine()
+                self.reconciler.monitor(now)
+                self.publish(now)
+                next_pass = now + self.config.monitor.interval_s
+            if self.notifier.watchdog_due(time.monotonic()):
+                self.notifier.watchdog(time.monotonic())
+            wait = next_pass - time.monotonic()
+            if self.notifier.watchdog_s:
+                wait = min(wait, self.notifier.watchdog_s / 4)
+            self._sleep(wait)
+        return self.shutdown()
+
+    def shutdown(self) -> int:
+        self.state = "stopping"
+        self.notifier.stopping("stopping instances")
+        stop_all = True
+        try:
+            stop_all = self.backend.stop_all_on_exit()
+        except NumaInferError as exc:
+            log.error("cannot tell a stop from a restart (%s): stopping the instances", exc)
+        if stop_all:
+            log.info("stopping %d instance(s)", len(self.reconciler.runtimes))
+            self.reconciler.stop_all()
+        self.state = "stopped"
+        self.publish(time.monotonic())
+        self.reconciler.close()
+        log.info("stopped")
+        return 0
+
+
+def _names(names: tuple[str, ...]) -> str:
+    return ", ".join(names) if names else "none"
+
+
+def _python_has_llama_cpp(python: str) -> bool:
+    # find_spec only locates the package: importing llama_cpp would load the C library (slow).
+    try:
+        return subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _instance_dict(rt: Runtime, now: float, wall: float) -> dict[str, Any]:
+    sup, inst, mem = rt.supervision, rt.instance, rt.memory
+    return {
+        "name": inst.name, "node": inst.node, "cpus": list(inst.cpus), "mems": list(inst.mems),
+        "threads": inst.threads, "port": inst.port, "pid": rt.pid, "state": sup.state.value,
+        "uptime_s": round(now - sup.started_at, 1) if sup.started_at is not None and rt.pid else None,
+        "restarts": sup.restarts, "consecutive_failures": sup.failures, "error": sup.last_error or None,
+        "drifting": rt.drifting,
+        "local_memory_fraction": None if mem is None or mem.local_fraction is None else round(mem.local_fraction, 4),
+        "memory": None if mem is None else {
+            "anon_bytes": mem.anon_bytes, "remote_bytes": mem.remote_bytes, "file_bytes": mem.file_bytes,
+            "file_local_fraction": None if mem.file_local_fraction is None else round(mem.file_local_fraction, 4),
+            "source": mem.source},
+        "probe_latency_ms": None if rt.last_probe is None or not rt.last_probe.ok else round(rt.last_probe.latency_s * 1000, 1),
+        "last_drift": rt.last_drift.to_dict() if rt.last_drift else None,
+        "last_repair": rt.last_repair.to_dict() if rt.last_repair else None,
+        "drift_events": dict(rt.drift_counts), "repairs": dict(rt.repair_counts),
+    }

@@ -1,0 +1,271 @@
+"""One reconcile pass: desired plan vs what runs, per instance, each isolated from the others.
+
+`Reconciler.apply(config, plan)` brings the running set to a plan (start, reload,
+adoption); `Reconciler.monitor(now)` is one monitoring pass: health, affinity drift,
+memory drift, restarts. Both log what they found and what they did, and return it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from numad_infer import drift, pinning
+from numad_infer.backends import Backend
+from numad_infer.config import Config
+from numad_infer.cpuset import format_list
+from numad_infer.health import ProbeResult, probe
+from numad_infer.planner import Instance, Plan, diff_plans
+from numad_infer.procfs import ProcReader
+from numad_infer.states import State, Supervision
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    at: float
+    kind: str  # "affinity", "memory", "health", "exit"
+    detail: str
+
+    def to_dict(self) -> dict:
+        return {"at": self.at, "kind": self.kind, "detail": self.detail}
+
+
+@dataclass
+class Runtime:
+    instance: Instance
+    supervision: Supervision = field(default_factory=Supervision)
+    pid: int | None = None
+    good_masks: dict[int, frozenset[int]] = field(default_factory=dict)
+    memory: drift.MemoryVerdict | None = None
+    memory_checked_at: float = 0.0
+    last_probe: ProbeResult | None = None
+    last_drift: Event | None = None
+    last_repair: Event | None = None
+    drift_counts: dict[str, int] = field(default_factory=dict)
+    repair_counts: dict[str, int] = field(default_factory=dict)
+    drifting: bool = False
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    added: tuple[str, ...]
+    changed: tuple[str, ...]
+    removed: tuple[str, ...]
+    unchanged: tuple[str, ...]
+
+
+class Reconciler:
+    def __init__(self, backend: Backend, proc: ProcReader | None = None, wall=time.time) -> None:
+        self.backend = backend
+        self.proc = proc or ProcReader()
+        self.wall = wall
+        self.config: Config | None = None
+        self.plan: Plan | None = None
+        self.specs: dict[str, str] = {}
+        self.runtimes: dict[str, Runtime] = {}
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
+
+    # -- applying a plan --------------------------------------------------------------------
+    def apply(self, config: Config, plan: Plan, now: float) -> ApplyResult:
+        new_specs = self.backend.specs(config, plan)
+        old_specs = self.specs if self.plan is not None else self.backend.current_specs(config)
+        diff = diff_plans(old_specs, new_specs)
+        for name in diff.removed:
+            self._isolated(name, "stop", lambda n=name: self.backend.stop(n))
+            self.runtimes.pop(name, None)
+        self.backend.sync(config, plan)
+        self.config, self.plan, self.specs = config, plan, new_specs
+        for instance in plan.instances:
+            runtime = self.runtimes.get(instance.name)
+            if runtime is None or instance.name in diff.changed:
+                runtime = self.runtimes[instance.name] = Runtime(instance, supervision=runtime.supervision if runtime else Supervision())
+            runtime.instance = instance
+            if runtime.supervision.state == State.FAILED:
+                runtime.supervision = Supervision(restarts=runtime.supervision.restarts)  # a reload clears FAILED
+            if instance.name in diff.changed:
+                log.info("%s: definition changed: restarting", instance.name)
+                self._isolated(instance.name, "restart", lambda i=instance: self.backend.restart(i))
+                runtime.pid = None
+                runtime.supervision.on_started(now)
+            else:
+                already = self.backend.main_pid(instance.name)
+                self._isolated(instance.name, "start", lambda i=instance: self.backend.start(i))
+                if already is not None:
+                    if runtime.pid is None:
+                        log.info("%s: adopted running pid %d", instance.name, already)
+                    runtime.pid = already
+                    if runtime.supervision.state == State.STOPPED:
+                        # Adopted: give it the grace period, the first good probe makes it healthy.
+                        runtime.supervision.on_started(now)
+                elif runtime.supervision.state in (State.STOPPED, State.FAILED):
+                    runtime.supervision.on_started(now)
+        return ApplyResult(diff.added, diff.changed, diff.removed, diff.unchanged)
+
+    def stop_all(self) -> None:
+        for name in list(self.runtimes):
+            self._isolated(name, "stop", lambda n=name: self.backend.stop(n))
+            self.runtimes[name].supervision.on_stopped()
+            self.runtimes[name].pid = None
+
+    # -- monitoring -----------------------------------------------------------------------------
+    def monitor(self, now: float) -> None:
+        assert self.config is not None
+        cfg = self.config
+        pids = {name: self._isolated(name, "status", lambda n=name: self.backend.main_pid(n)) for name in self.runtimes}
+        probes = {
+            name: self._pool.submit(probe, cfg.server.host, rt.instance.port, cfg.monitor.probe_timeout_s)
+            for name, rt in self.runtimes.items() if pids.get(name)
+        }
+        for name, runtime in self.runtimes.items():
+            try:
+                self._monitor_one(runtime, pids.get(name), probes.get(name), now)
+            except Exception:  # one instance's trouble never stops the others' monitoring
+                log.exception("%s: monitoring failed", name)
+
+    def _monitor_one(self, rt: Runtime, pid: int | None, pending, now: float) -> None:
+        cfg = self.config
+        assert cfg is not None
+        sup = rt.supervision
+        name = rt.instance.name
+        if pid != rt.pid:
+            if rt.pid is not None and pid is not None:
+                self._note(rt, "drift", "exit", f"main process {rt.pid} replaced by {pid} (exited and restarted)")
+                sup.restarts += 1
+                sup.on_started(now)
+            elif rt.pid is not None:
+                self._note(rt, "drift", "exit", f"main process {rt.pid} is gone")
+            elif pid is not None and sup.state == State.STOPPED:
+                sup.on_started(now)
+            rt.pid, rt.good_masks, rt.memory, rt.memory_checked_at = pid, {}, None, 0.0
+        if sup.state == State.FAILED:
+            return
+        if pid is None:
+            self._maybe_restart(rt, now, f"not running ({self.backend.describe(name)})")
+            return
+        result: ProbeResult = pending.result() if pending is not None else ProbeResult(False, 0.0, "not probed")
+        rt.last_probe = result
+        if sup.on_probe(result.ok, now, cfg.monitor, result.error):
+            self._maybe_restart(rt, now, f"{sup.failures} failed probes: {result.error}")
+            return
+        rt.drifting = False
+        self._check_affinity(rt, pid, now)
+        self._check_memory(rt, pid, now)
+
+    def _maybe_restart(self, rt: Runtime, now: float, reason: str) -> None:
+        cfg = self.config
+        assert cfg is not None
+        sup = rt.supervision
+        decision = sup.restart_decision(now, cfg.monitor)
+        if decision == "fail":
+            if sup.state != State.FAILED:
+                sup.on_failed(f"{cfg.monitor.max_restarts} restarts within {cfg.monitor.restart_window_s:g}s; last: {reason}")
+                log.error("%s: marked failed after %d restarts within %gs (%s); left alone until a reload",
+                          rt.instance.name, cfg.monitor.max_restarts, cfg.monitor.restart_window_s, reason)
+            return
+        if decision == "wait":
+            return
+        log.warning("%s: %s: restarting", rt.instance.name, reason)
+        self._note(rt, "repair", "health", f"restarted: {reason}")
+        self._isolated(rt.instance.name, "restart", lambda: self.backend.restart(rt.instance))
+        sup.on_restart(now, cfg.monitor)
+        rt.pid = self.backend.main_pid(rt.instance.name)
+        rt.good_masks, rt.memory, rt.memory_checked_at = {}, None, 0.0
+
+    def _check_affinity(self, rt: Runtime, pid: int, now: float) -> None:
+        cfg = self.config
+        assert cfg is not None
+        cpus = frozenset(rt.instance.cpus)
+        verdict = drift.check_affinity(cpus, self.proc.threads(pid), rt.good_masks)
+        rt.good_masks = verdict.good_masks
+        if not verdict.drifted:
+            return
+        rt.drifting = True
+        found = "; ".join(
+            f"thread {d.tid} ({d.name}) allowed {format_list(d.allowed)}, last ran on {d.last_cpu}" for d in verdict.drifted[:4]
+        ) + (f" and {len(verdict.drifted) - 4} more" if len(verdict.drifted) > 4 else "")
+        self._note(rt, "drift", "affinity", f"outside CPUs {format_list(cpus)}: {found}")
+        if not cfg.monitor.repair:
+            log.warning("%s: affinity drift: %s (repair = false: not fixed)", rt.instance.name, found)
+            return
+        fixed, gone = [], 0
+        for d in verdict.drifted:
+            try:
+                if pinning.set_thread_affinity(d.tid, d.target):
+                    fixed.append(f"{d.tid}->{format_list(d.target)}")
+                    rt.good_masks[d.tid] = d.target
+                else:
+                    gone += 1
+            except OSError as exc:
+                log.error("%s: cannot re-pin thread %d: %s", rt.instance.name, d.tid, exc.strerror)
+        detail = f"re-pinned {len(fixed)} thread(s): {', '.join(fixed[:8])}" + (f"; {gone} exited meanwhile" if gone else "")
+        log.warning("%s: affinity drift: %s; %s", rt.instance.name, found, detail)
+        self._note(rt, "repair", "affinity", detail)
+        rt.drifting = False
+
+    def _check_memory(self, rt: Runtime, pid: int, now: float) -> None:
+        cfg = self.config
+        assert cfg is not None
+        usage = self.proc.cgroup_numa_stat(pid) if self.backend.name == "systemd" else None
+        if usage is None:
+            # numa_maps walks every page table of the process: only every numa_maps_interval_s.
+            if rt.memory is not None and now - rt.memory_checked_at < cfg.monitor.numa_maps_interval_s:
+                rt.drifting = rt.drifting or rt.memory.drifted
+                return
+            usage = self.proc.numa_maps(pid)
+            if usage is None:
+                return
+        rt.memory_checked_at = now
+        mems = frozenset(rt.instance.mems)
+        verdict = drift.check_memory(usage, mems, cfg.monitor.min_local_fraction)
+        rt.memory = verdict
+        if not verdict.drifted:
+            return
+        found = (f"{verdict.local_fraction:.1%} of {verdict.anon_bytes / 2**20:.0f} MiB anonymous memory on nodes "
+                 f"{format_list(mems)}; {verdict.remote_bytes / 2**20:.0f} MiB on node(s) {format_list(verdict.remote_nodes)}")
+        self._note(rt, "drift", "memory", found)
+        if not cfg.monitor.repair or rt.instance.policy == "interleave":
+            rt.drifting = True
+            log.warning("%s: memory drift: %s (not repaired)", rt.instance.name, found)
+            return
+        try:
+            left = pinning.migrate_pages(pid, verdict.remote_nodes, rt.instance.mems)
+        except OSError as exc:
+            rt.drifting = True
+            log.error("%s: memory drift: %s; migrate_pages failed: %s", rt.instance.name, found, exc.strerror)
+            return
+        after = self.proc.numa_maps(pid) if usage.source == "numa_maps" else self.proc.cgroup_numa_stat(pid)
+        moved_text = ""
+        if after is not None:
+            again = drift.check_memory(after, mems, cfg.monitor.min_local_fraction)
+            moved = max(verdict.remote_bytes - again.remote_bytes, 0)
+            moved_text = f"moved {moved / 2**20:.1f} MiB to node(s) {format_list(mems)}, now {again.local_fraction or 0:.1%} local"
+            rt.memory = again
+            rt.drifting = again.drifted
+        detail = f"migrate_pages from node(s) {format_list(verdict.remote_nodes)}: {moved_text or 'done'}" + (
+            f" ({left} page(s) could not move)" if left else "")
+        log.warning("%s: memory drift: %s; %s", rt.instance.name, found, detail)
+        self._note(rt, "repair", "memory", detail)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _note(self, rt: Runtime, what: str, kind: str, detail: str) -> None:
+        event = Event(self.wall(), kind, detail)
+        if what == "drift":
+            rt.last_drift = event
+            rt.drift_counts[kind] = rt.drift_counts.get(kind, 0) + 1
+        else:
+            rt.last_repair = event
+            rt.repair_counts[kind] = rt.repair_counts.get(kind, 0) + 1
+
+    def _isolated(self, name: str, action: str, call):
+        try:
+            return call()
+        except Exception as exc:  # one unit's failure is logged; the others go on
+            log.error("%s: %s failed: %s", name, action, exc)
+            return None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

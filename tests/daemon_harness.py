@@ -1,0 +1,135 @@
+"""Run the real daemon (process backend) with real llama-cpp-python servers on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from tests import fakesys
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def two_single_cpu_nodes() -> fakesys.FakeMachine:
+    """Stands in for a 2-node machine on a 2-CPU host: node 0 = CPU 0, node 1 = CPU 1.
+
+    Node 1 has no memory of its own, so its instance binds to node 0, which exists on
+    every host; the pinning in the child (affinity + set_mempolicy) is therefore real.
+    """
+    return fakesys.FakeMachine(
+        nodes={0: fakesys.FakeNode((0,), 4 * fakesys.GiB_KB, (10, 20)), 1: fakesys.FakeNode((1,), 0, (20, 10))},
+        siblings=((0,), (1,)), l3=((0,), (1,)), offline=(),
+    )
+
+
+class NotifyListener:
+    """A real AF_UNIX datagram socket standing where systemd's would be."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.messages: list[tuple[float, str]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.messages.append((time.monotonic(), data.decode()))
+
+    def fields(self) -> list[str]:
+        return [f for _, m in self.messages for f in m.split("\n")]
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(1)
+        self.sock.close()
+
+
+class DaemonRun:
+    def __init__(self, tmp: Path, model: Path, placement: str = "", monitor: str = "", env: dict[str, str] | None = None,
+                 machine: fakesys.FakeMachine | None = None) -> None:
+        self.tmp = tmp
+        self.model = model
+        self.fsroot = fakesys.write_tree(tmp / "fs", machine or two_single_cpu_nodes())
+        self.state_file = tmp / "run" / "state.json"
+        self.config = tmp / "numa-infer.toml"
+        self.base_port = 18000 + (os.getpid() * 7 + int(time.time() * 1000)) % 20000
+        self.write_config(placement, monitor)
+        self.notify = NotifyListener(tmp / "notify.sock")
+        self.env = dict(os.environ, NOTIFY_SOCKET=str(self.notify.path), **(env or {}))
+        self.log = open(tmp / "daemon.log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "numad_infer", "--config", str(self.config), "--fsroot", str(self.fsroot),
+             "--state-file", str(self.state_file), "run", "--backend", "process"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+        )
+
+    def write_config(self, placement: str = "", monitor: str = "", extra: str = "") -> None:
+        self.config.write_text(
+            f'[model]\npath = "{self.model}"\ncontext_size = 256\n'
+            f"[placement]\n{placement}\n"
+            f'[server]\nbase_port = {self.base_port}\npython = "{sys.executable}"\n'
+            "[monitor]\ninterval_s = 0.5\nprobe_timeout_s = 1.0\nstartup_grace_s = 60\nunhealthy_after = 2\n"
+            f"restart_backoff_s = 0.2\nnuma_maps_interval_s = 1\n{monitor}\n{extra}"
+        )
+
+    def state(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.state_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def wait(self, predicate: Callable[[dict[str, Any]], bool], timeout: float = 60, what: str = "") -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        state = None
+        while time.monotonic() < deadline:
+            state = self.state()
+            if state is not None and predicate(state):
+                return state
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited ({self.proc.returncode}):\n{self.logs()}")
+            time.sleep(0.1)
+        raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(state, indent=1)}\n{self.logs()}")
+
+    def all_healthy(self, count: int, timeout: float = 90) -> dict[str, Any]:
+        return self.wait(lambda s: len(s["instances"]) == count and all(i["state"] == "healthy" for i in s["instances"]),
+                         timeout, f"{count} healthy instances")
+
+    def instance(self, state: dict[str, Any], name: str) -> dict[str, Any]:
+        return next(i for i in state["instances"] if i["name"] == name)
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "numad_infer", "--config", str(self.config), "--fsroot", str(self.fsroot),
+                               "--state-file", str(self.state_file), *args], capture_output=True, text=True, cwd=ROOT)
+
+    def logs(self) -> str:
+        self.log.flush()
+        return (self.tmp / "daemon.log").read_text()[-6000:]
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.notify.close()
+        self.log.close()
+        return self.proc.returncode

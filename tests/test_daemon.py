@@ -1,0 +1,186 @@
+"""The daemon on this host: process backend, real llama-cpp-python servers on a tiny model.
+
+The topology is a fake 2-node sysfs (tests/daemon_harness.py) because these CI hosts
+have one node and two CPUs; processes, pinning, probes, signals and the notify socket
+are all real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_harness import ROOT, DaemonRun
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
+    subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(path), "--size", "tiny"], check=True,
+                   capture_output=True)
+    return path
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, tiny_model: Path):
+    runs: list[DaemonRun] = []
+
+    def start(**kwargs) -> DaemonRun:
+        (tmp_path / f"d{len(runs)}").mkdir()
+        run = DaemonRun(tmp_path / f"d{len(runs)}", tiny_model, **kwargs)
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        pids = [i["pid"] for i in (run.state() or {"instances": []})["instances"] if i.get("pid")]
+        run.stop()
+        for pid in pids:  # never leave a server behind, even when a test failed
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def allowed_cpus(pid: int) -> list[set[int]]:
+    masks = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            masks.append(os.sched_getaffinity(int(tid)))
+        except ProcessLookupError:
+            pass
+    return masks
+
+
+def completion(port: int) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                     data=json.dumps({"prompt": "hello", "max_tokens": 4}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)
+
+
+def test_start_brings_up_pinned_healthy_instances_and_notifies(daemon) -> None:
+    run = daemon()
+    started = time.monotonic()
+    state = run.all_healthy(2)
+    print(f"start to all healthy: {time.monotonic() - started:.1f}s")
+    assert "READY=1" in run.notify.fields()
+    run.wait(lambda s: "STATUS=2/2 instances healthy" in run.notify.fields(), 5, "STATUS= on the notify socket")
+    for inst, cpu in (("infer@0", 0), ("infer@1", 1)):
+        info = run.instance(state, inst)
+        assert info["cpus"] == [cpu] and info["threads"] == 1 and info["mems"] == [0]
+        assert all(mask == {cpu} for mask in allowed_cpus(info["pid"]))
+        environ = open(f"/proc/{info['pid']}/environ", "rb").read().split(b"\0")
+        assert b"OMP_NUM_THREADS=1" in environ and f"OMP_PLACES={{{cpu}}}".encode() in environ
+        assert not any(e.startswith(b"NOTIFY_SOCKET=") for e in environ)
+        assert completion(info["port"])["choices"][0]["text"] is not None
+    status = run.cli("status", "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert [i["pid"] for i in json.loads(status.stdout)["instances"]] == [i["pid"] for i in state["instances"]]
+    run.wait(lambda s: all(i["local_memory_fraction"] is not None for i in s["instances"]), 10, "memory reading")
+    text = run.cli("status")
+    assert "2/2 instances healthy" in text.stdout and "infer@1" in text.stdout
+
+
+def test_killed_instance_comes_back_and_is_counted(daemon) -> None:
+    run = daemon()
+    state = run.all_healthy(2)
+    old = run.instance(state, "infer@1")["pid"]
+    killed = time.monotonic()
+    os.kill(old, signal.SIGKILL)
+    state = run.wait(lambda s: (i := run.instance(s, "infer@1"))["state"] == "healthy" and i["pid"] not in (None, old)
+                     and i["restarts"] == 1, 60, "infer@1 back")
+    print(f"kill -9 to healthy again: {time.monotonic() - killed:.1f}s")
+    assert run.instance(state, "infer@0")["restarts"] == 0
+
+
+def test_stopped_instance_is_found_unhealthy_and_restarted(daemon) -> None:
+    run = daemon()
+    state = run.all_healthy(2)
+    old = run.instance(state, "infer@0")["pid"]
+    os.kill(old, signal.SIGSTOP)
+    stopped = time.monotonic()
+    run.wait(lambda s: run.instance(s, "infer@0")["state"] == "unhealthy", 20, "infer@0 unhealthy")
+    print(f"SIGSTOP to detection: {time.monotonic() - stopped:.1f}s")
+    state = run.wait(lambda s: (i := run.instance(s, "infer@0"))["state"] == "healthy" and i["pid"] != old, 60, "restart")
+    print(f"SIGSTOP to healthy again: {time.monotonic() - stopped:.1f}s")
+    assert run.instance(state, "infer@0")["last_repair"]["kind"] == "health"
+    assert not os.path.exists(f"/proc/{old}") or open(f"/proc/{old}/stat").read().split()[2] == "Z"
+
+
+def test_thread_moved_by_another_process_is_repinned_within_two_intervals(daemon) -> None:
+    run = daemon()
+    state = run.all_healthy(2)
+    pid = run.instance(state, "infer@1")["pid"]
+    tid = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))[-1]
+    moved = time.monotonic()
+    subprocess.run(["taskset", "-p", "-c", "0", str(tid)], check=True, capture_output=True)
+    deadline = moved + 2 * 0.5 + 1.0  # two intervals, plus slack for this shared 2-CPU machine
+    while os.sched_getaffinity(tid) != {1}:
+        assert time.monotonic() < deadline, f"thread {tid} still on {os.sched_getaffinity(tid)}"
+        time.sleep(0.02)
+    print(f"affinity drift to re-pinned: {time.monotonic() - moved:.2f}s")
+    state = run.wait(lambda s: (run.instance(s, "infer@1")["last_repair"] or {}).get("kind") == "affinity", 5, "repair")
+    assert f"{tid}->1" in run.instance(state, "infer@1")["last_repair"]["detail"]
+    assert "affinity drift" in run.logs()
+
+
+def test_reload_applies_only_the_difference(daemon) -> None:
+    run = daemon()
+    state = run.all_healthy(2)
+    pid0 = run.instance(state, "infer@0")["pid"]
+    run.write_config(placement="nodes = [0]")
+    result = run.cli("reload")
+    assert result.returncode == 0 and "removed infer@1" in result.stdout, result.stderr
+    state = run.state()
+    assert [i["name"] for i in state["instances"]] == ["infer@0"] and run.instance(state, "infer@0")["pid"] == pid0
+    assert any(f == "RELOADING=1" for f in run.notify.fields())
+    run.write_config(placement="nodes = [0, 1]")
+    assert "added infer@1" in run.cli("reload").stdout
+    state = run.all_healthy(2)
+    assert run.instance(state, "infer@0")["pid"] == pid0
+
+
+def test_invalid_reload_keeps_the_old_plan_and_says_why(daemon) -> None:
+    run = daemon()
+    state = run.all_healthy(2)
+    pids = [i["pid"] for i in state["instances"]]
+    run.write_config(placement='reserve_cpus = "0-1"')
+    result = run.cli("reload")
+    assert result.returncode == 1 and "placement.reserve_cpus" in result.stderr and str(run.config) in result.stderr
+    state = run.state()
+    assert [i["pid"] for i in state["instances"]] == pids
+    assert state["daemon"]["last_reload"]["ok"] is False and "reserves every CPU of node 0" in state["daemon"]["last_reload"]["error"]
+    assert any("config error" in f and "placement.reserve_cpus" in f for f in run.notify.fields() if f.startswith("STATUS="))
+    assert "reload failed, still running the previous configuration" in run.logs()
+    run.write_config()
+    assert run.cli("reload").returncode == 0
+    assert [i["pid"] for i in run.all_healthy(2)["instances"]] == pids
+
+
+def test_sigterm_stops_everything_and_notifies(daemon) -> None:
+    run = daemon(env={"WATCHDOG_USEC": "1000000"})
+    state = run.all_healthy(2)
+    pids = [i["pid"] for i in state["instances"]]
+    assert run.stop() == 0
+    assert not any(os.path.exists(f"/proc/{p}") for p in pids)
+    fields = run.notify.fields()
+    assert "STOPPING=1" in fields and fields.count("WATCHDOG=1") >= 2
+    assert run.cli("status").returncode == 3
+
+
+def test_invalid_config_at_start_exits_nonzero_with_status(daemon) -> None:
+    run = daemon(placement="nodes = [3]")
+    assert run.proc.wait(30) == 1
+    assert "placement.nodes = [3]: node 3 does not exist" in run.logs()
+    assert any(f.startswith("STATUS=configuration error") for f in run.notify.fields())
+    assert run.state() is None
