@@ -195,3 +195,12 @@ def test_a_file_numa_infer_did_not_write_is_never_overwritten(tmp_path: Path) ->
 
 def test_every_file_starts_with_the_ownership_marker(tmp_path: Path) -> None:
     assert all(t.startswith(MARKER + "\n") for t in units_for(tmp_path, fakesys.epyc_nps4).values())
+
+
+def test_shipped_daemon_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    shipped = Path(__file__).resolve().parents[1] / "packaging/systemd/numa-infer.service"
+    text = shipped.read_text()
+    assert "Type=notify" in text and "WatchdogSec=" in text and "ExecReload=" in text
+    # verify checks that ExecStart's program exists: point it at this interpreter.
+    (tmp_path / "numa-infer.service").write_text(text.replace("/usr/bin/numa-infer", sys.executable))
+    assert systemd_verify(tmp_path, ["numa-infer.service"]) == ""

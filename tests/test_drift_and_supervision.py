@@ -1,0 +1,172 @@
+"""Pure verdicts and state machines: drift, supervision, and which instances a reload touches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from numad_infer.config import MonitorSection, parse_config
+from numad_infer.drift import check_affinity, check_memory
+from numad_infer.planner import Plan, make_plan
+from numad_infer.procfs import NodeUsage, ThreadInfo, parse_numa_maps, parse_numa_stat
+from numad_infer.reconcile import Reconciler
+from numad_infer.states import State, Supervision
+from numad_infer.topology import RawCpu, RawNode, SysfsSnapshot, build_topology
+
+CPUS = frozenset({4, 5, 6, 7})
+
+
+def thread(tid: int, allowed: set[int], last: int | None) -> ThreadInfo:
+    return ThreadInfo(tid, f"t{tid}", frozenset(allowed), last)
+
+
+def test_openmp_narrow_masks_are_not_drift() -> None:
+    verdict = check_affinity(CPUS, [thread(1, {4}, 4), thread(2, {5}, 5), thread(3, CPUS, 6)], {})
+    assert verdict.drifted == () and verdict.good_masks == {1: {4}, 2: {5}, 3: CPUS}
+
+
+def test_drifted_thread_gets_back_its_last_good_mask_not_the_whole_set() -> None:
+    verdict = check_affinity(CPUS, [thread(2, {0, 1}, 0)], {2: frozenset({5})})
+    (d,) = verdict.drifted
+    assert d.tid == 2 and d.target == {5}
+
+
+def test_drifted_thread_without_history_gets_the_instance_cpus() -> None:
+    (d,) = check_affinity(CPUS, [thread(9, {0}, 0)], {}).drifted
+    assert d.target == CPUS
+
+
+def test_thread_that_last_ran_outside_is_drift_even_with_a_good_mask() -> None:
+    (d,) = check_affinity(CPUS, [thread(3, {6}, 1)], {}).drifted
+    assert d.target == {6}
+
+
+NUMA_MAPS = """\
+55d0c0000000 default file=/usr/bin/python3.11 mapped=100 N0=100 kernelpagesize_kB=4
+55d0c0400000 default file=/usr/bin/python3.11 anon=5 dirty=5 N1=5 kernelpagesize_kB=4
+55d0c1000000 default heap anon=1000 dirty=1000 N0=900 N1=100 kernelpagesize_kB=4
+7f0000000000 bind:0 anon=2 dirty=2 N0=2 kernelpagesize_kB=2048
+7fff00000000 default stack anon=3 dirty=3 N0=3 kernelpagesize_kB=4
+"""
+
+
+def test_numa_maps_separates_anonymous_memory_from_page_cache() -> None:
+    usage = parse_numa_maps(NUMA_MAPS)
+    assert usage.file == {0: 100 * 4096}
+    assert usage.anon == {0: 903 * 4096 + 2 * 2 * 2**20, 1: 105 * 4096}
+
+
+def test_numa_stat_is_read_in_bytes() -> None:
+    usage = parse_numa_stat("anon N0=1000 N1=3000\nfile N0=5 N1=0\nkernel N0=1\n")
+    assert usage.anon == {0: 1000, 1: 3000} and usage.file == {0: 5, 1: 0}
+
+
+def test_memory_below_threshold_is_drift_and_page_cache_is_reported_apart() -> None:
+    usage = NodeUsage(anon={0: 850, 1: 150}, file={0: 10, 1: 90}, source="numa_maps")
+    verdict = check_memory(usage, frozenset({0}), 0.9)
+    assert verdict.drifted and verdict.local_fraction == 0.85 and verdict.remote_nodes == (1,) and verdict.remote_bytes == 150
+    assert verdict.file_local_fraction == 0.1
+    assert not check_memory(NodeUsage(anon={0: 950, 1: 50}), frozenset({0}), 0.9).drifted
+    assert check_memory(NodeUsage(), frozenset({0}), 0.9).local_fraction is None
+
+
+MON = MonitorSection(startup_grace_s=10, unhealthy_after=3, max_restarts=3, restart_window_s=100, restart_backoff_s=2)
+
+
+def test_failed_probes_in_grace_period_do_not_count() -> None:
+    sup = Supervision()
+    sup.on_started(0.0)
+    assert not any(sup.on_probe(False, t, MON) for t in (1, 2, 3, 4, 5))
+    assert sup.state == State.STARTING and sup.failures == 0
+
+
+def test_restart_after_consecutive_failures_then_backoff_then_failed() -> None:
+    sup = Supervision()
+    sup.on_started(0.0)
+    assert sup.on_probe(True, 1, MON) is False and sup.state == State.HEALTHY
+    assert [sup.on_probe(False, t, MON) for t in (20, 21, 22)] == [False, False, True]
+    assert sup.restart_decision(22, MON) == "restart"
+    sup.on_restart(22, MON)
+    assert sup.restart_decision(23, MON) == "wait"  # backoff 2 s
+    assert sup.restart_decision(24, MON) == "restart"
+    sup.on_restart(24, MON)
+    assert sup.restart_decision(27, MON) == "wait"  # backoff doubled: 4 s
+    sup.on_restart(28, MON)
+    assert sup.restart_decision(100, MON) == "fail"  # 3 restarts within the window
+    assert sup.restart_decision(200, MON) == "restart"  # the window moved on
+
+
+@dataclass
+class RecordingBackend:
+    """Records calls; stands in for systemd/processes to test the reconcile logic alone."""
+
+    name: str = "recording"
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    running: dict[str, int] = field(default_factory=dict)
+    next_pid: int = 100
+
+    def specs(self, config, plan: Plan) -> dict[str, str]:
+        return {i.name: repr(i) for i in plan.instances}
+
+    def current_specs(self, config) -> dict[str, str]:
+        return {}
+
+    def sync(self, config, plan) -> bool:
+        return False
+
+    def start(self, instance) -> None:
+        if instance.name not in self.running:
+            self.calls.append(("start", instance.name))
+            self.running[instance.name] = self.next_pid = self.next_pid + 1
+
+    def stop(self, name: str) -> None:
+        self.calls.append(("stop", name))
+        self.running.pop(name, None)
+
+    def restart(self, instance) -> None:
+        self.calls.append(("restart", instance.name))
+        self.running[instance.name] = self.next_pid = self.next_pid + 1
+
+    def main_pid(self, name: str) -> int | None:
+        return self.running.get(name)
+
+    def describe(self, name: str) -> str:
+        return "active" if name in self.running else "inactive"
+
+    def stop_all_on_exit(self) -> bool:
+        return True
+
+
+def three_nodes():
+    return build_topology(SysfsSnapshot(
+        online_cpus=frozenset(range(3)), cpus={c: RawCpu() for c in range(3)},
+        nodes={n: RawNode(frozenset({n}), 1 << 30, tuple(10 if m == n else 20 for m in range(3))) for n in range(3)}))
+
+
+def cfg(extra: str = ""):
+    return parse_config(f'[model]\npath = "/m.gguf"\n{extra}', "/etc/numa-infer.toml")
+
+
+def test_reload_restarts_only_the_instance_whose_port_changed() -> None:
+    backend = RecordingBackend()
+    rec = Reconciler(backend)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    backend.calls.clear()
+    pids = dict(backend.running)
+    # Dropping node 1 moves infer@2 from port 8082 to 8081; infer@0 stays as it was.
+    new = cfg("[placement]\nnodes = [0, 2]")
+    result = rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    assert (result.changed, result.removed, result.unchanged) == (("infer@2",), ("infer@1",), ("infer@0",))
+    assert backend.calls == [("stop", "infer@1"), ("restart", "infer@2")]
+    assert backend.running["infer@0"] == pids["infer@0"]
+
+
+def test_adoption_keeps_running_instances_whose_definition_is_unchanged() -> None:
+    backend = RecordingBackend(running={"infer@0": 42})
+    backend.current_specs = lambda config: {"infer@0": repr(make_plan(cfg(), three_nodes()).instances[0])}
+    rec = Reconciler(backend)
+    result = rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    assert result.unchanged == ("infer@0",) and result.added == ("infer@1", "infer@2")
+    assert ("restart", "infer@0") not in backend.calls and backend.running["infer@0"] == 42
+    assert rec.runtimes["infer@0"].pid == 42
