@@ -39,6 +39,7 @@ class Backend(Protocol):
     def restart(self, instance: Instance) -> None: ...
     def main_pid(self, name: str) -> int | None: ...
     def describe(self, name: str) -> str: ...
+    def pending(self, name: str) -> bool: ...
     def stop_all_on_exit(self) -> bool: ...
 
 
@@ -96,6 +97,11 @@ class SystemdBackend:
     def describe(self, name: str) -> str:
         props = self.systemctl.show(f"{name}.service", "ActiveState", "SubState")
         return f"{props.get('ActiveState', 'unknown')} ({props.get('SubState', '?')})"
+
+    def pending(self, name: str) -> bool:
+        """systemd is starting it, or will (Restart= after a crash): not ours to restart now."""
+        props = self.systemctl.show(f"{name}.service", "ActiveState", "SubState")
+        return props.get("ActiveState") == "activating"
 
     def stop_all_on_exit(self) -> bool:
         # `systemctl restart numa-infer` (an upgrade, an operator) stops us too: only a
@@ -181,6 +187,9 @@ class ProcessBackend:
     def main_pid(self, name: str) -> int | None:
         child = self.children.get(name)
         return child.pid if child is not None and child.poll() is None else None
+
+    def pending(self, name: str) -> bool:
+        return False  # start() is synchronous: a child exists or it does not
 
     def describe(self, name: str) -> str:
         child = self.children.get(name)

@@ -114,7 +114,7 @@ def _make_backend(choice: str, fsroot: str, state_file: Path):
     from numad_infer.systemctl import pid1_is_systemd
 
     if choice == "auto":
-        choice = "systemd" if pid1_is_systemd() and os.environ.get("INVOCATION_ID") else "process"
+        choice = "systemd" if pid1_is_systemd() else "process"
     return SystemdBackend() if choice == "systemd" else ProcessBackend(state_file.parent / "logs")
 
 

@@ -48,6 +48,8 @@ class Runtime:
     drift_counts: dict[str, int] = field(default_factory=dict)
     repair_counts: dict[str, int] = field(default_factory=dict)
     drifting: bool = False
+    lost: bool = False  # its main process disappeared and no successor was seen yet
+    awaiting_restart: bool = False  # we asked for a restart: the next new PID is ours, not a crash
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ class Reconciler:
             if instance.name in diff.changed:
                 log.info("%s: definition changed: restarting", instance.name)
                 self._isolated(instance.name, "restart", lambda i=instance: self.backend.restart(i))
-                runtime.pid = None
+                runtime.awaiting_restart = True
                 runtime.supervision.on_started(now)
             else:
                 already = self.backend.main_pid(instance.name)
@@ -132,19 +134,24 @@ class Reconciler:
         sup = rt.supervision
         name = rt.instance.name
         if pid != rt.pid:
-            if rt.pid is not None and pid is not None:
-                self._note(rt, "drift", "exit", f"main process {rt.pid} replaced by {pid} (exited and restarted)")
-                sup.restarts += 1
-                sup.on_started(now)
-            elif rt.pid is not None:
-                self._note(rt, "drift", "exit", f"main process {rt.pid} is gone")
-            elif pid is not None and sup.state == State.STOPPED:
-                sup.on_started(now)
+            if pid is None:
+                if rt.pid is not None:
+                    self._note(rt, "drift", "exit", f"main process {rt.pid} is gone")
+                    rt.lost = True
+            else:
+                if (rt.pid is not None or rt.lost) and not rt.awaiting_restart:
+                    # Nobody here restarted it: it died and systemd (Restart=) brought it back.
+                    self._note(rt, "drift", "exit", f"main process {rt.pid or 'that exited'} replaced by {pid}")
+                    sup.restarts += 1
+                if sup.state != State.FAILED:
+                    sup.on_started(now)
+                rt.lost = rt.awaiting_restart = False
             rt.pid, rt.good_masks, rt.memory, rt.memory_checked_at = pid, {}, None, 0.0
         if sup.state == State.FAILED:
             return
         if pid is None:
-            self._maybe_restart(rt, now, f"not running ({self.backend.describe(name)})")
+            if not self.backend.pending(name):
+                self._maybe_restart(rt, now, f"not running ({self.backend.describe(name)})")
             return
         result: ProbeResult = pending.result() if pending is not None else ProbeResult(False, 0.0, "not probed")
         rt.last_probe = result
@@ -172,7 +179,7 @@ class Reconciler:
         self._note(rt, "repair", "health", f"restarted: {reason}")
         self._isolated(rt.instance.name, "restart", lambda: self.backend.restart(rt.instance))
         sup.on_restart(now, cfg.monitor)
-        rt.pid = self.backend.main_pid(rt.instance.name)
+        rt.awaiting_restart = True
         rt.good_masks, rt.memory, rt.memory_checked_at = {}, None, 0.0
 
     def _check_affinity(self, rt: Runtime, pid: int, now: float) -> None:

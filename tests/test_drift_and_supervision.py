@@ -134,6 +134,9 @@ class RecordingBackend:
     def describe(self, name: str) -> str:
         return "active" if name in self.running else "inactive"
 
+    def pending(self, name: str) -> bool:
+        return False
+
     def stop_all_on_exit(self) -> bool:
         return True
 

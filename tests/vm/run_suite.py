@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Host side of the VM end-to-end suite: image (cached), wheel, model, three boots.
+
+    tests/vm/run_suite.py [--group 2x2|2x2smt|4x1 ...]
+
+Builds (or reuses) the Debian 13 guest image (tests/vm/image.sh), builds numa-infer's
+wheel and a tiny random-weight GGUF model, boots the guest under QEMU TCG once per
+emulated topology and runs tests/vm/scenarios.py inside with real systemd. Prints the
+guest's PASS/FAIL lines; exit status 1 if any scenario failed or did not report.
+NUMA_INFER_SKIP_VM=1 skips the suite (it is never skipped silently).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "vm"))
+from scenarios import GROUPS  # noqa: E402  (scenario names, to notice a scenario that never reported)
+
+GUEST_TEST = """#!/bin/bash
+set -euo pipefail
+/opt/llm/bin/pip install -q --no-deps --no-index /mnt/share/dist/*.whl
+install -D -m 0644 /mnt/share/tiny.gguf /var/lib/numa-infer/models/tiny.gguf
+chmod 0755 /var/lib/numa-infer /var/lib/numa-infer/models
+sed 's#/usr/bin/numa-infer#/opt/llm/bin/numa-infer#g' /mnt/share/numa-infer.service > /etc/systemd/system/numa-infer.service
+systemctl daemon-reload
+rc=0
+/opt/llm/bin/python /mnt/share/scenarios.py {group} || rc=$?
+journalctl --no-pager -o short-monotonic > /mnt/share/journal.txt 2>&1 || true
+exit $rc
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--group", action="append", choices=sorted(GROUPS), help="topology group(s) to run (default: all)")
+    parser.add_argument("--keep", action="store_true", help="keep the share directories (logs, journal)")
+    args = parser.parse_args()
+    if os.environ.get("NUMA_INFER_SKIP_VM") == "1":
+        print("SKIP vm suite: NUMA_INFER_SKIP_VM=1 is set")
+        return 0
+    groups = args.group or ["2x2", "2x2smt", "4x1"]
+
+    t0 = time.monotonic()
+    build = subprocess.run([str(HERE / "image.sh"), "build"], stdout=subprocess.PIPE, text=True)
+    if build.returncode != 0:
+        print("FAIL vm-image: tests/vm/image.sh build failed (see above)")
+        return 1
+    print(f"image ready in {time.monotonic() - t0:.0f}s: {build.stdout.strip().splitlines()[-1]}", flush=True)
+
+    work = Path(tempfile.mkdtemp(prefix="numa-infer-vm-"))
+    python = ROOT / ".venv/bin/python"
+    python = python if python.exists() else Path(sys.executable)
+    subprocess.run([str(python), "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(work / "dist"), str(ROOT)],
+                   check=True)
+    subprocess.run([str(python), str(ROOT / "tools/make_model.py"), str(work / "tiny.gguf"), "--size", "tiny"], check=True,
+                   stdout=subprocess.DEVNULL)
+    shutil.copy(HERE / "scenarios.py", work / "scenarios.py")
+    shutil.copy(ROOT / "packaging/systemd/numa-infer.service", work / "numa-infer.service")
+
+    failed = False
+    for group in groups:
+        share = work / f"share-{group}"
+        share.mkdir()
+        for item in ("dist", "tiny.gguf", "scenarios.py", "numa-infer.service"):
+            src = work / item
+            (shutil.copytree if src.is_dir() else shutil.copy)(src, share / item)
+        (share / "test.sh").write_text(GUEST_TEST.format(group=group))
+        (share / "test.sh").chmod(0o755)
+        started = time.monotonic()
+        proc = subprocess.run([str(HERE / "image.sh"), "run", str(share), group], capture_output=True, text=True)
+        out = (share / "out.txt").read_text() if (share / "out.txt").exists() else ""
+        lines = [l for l in out.splitlines() if re.match(r"^(PASS|FAIL) ", l)]
+        print(f"--- {group}: guest ran {time.monotonic() - started:.0f}s (boot included), exit {proc.returncode}")
+        for line in lines:
+            print(line, flush=True)
+        reported = {l.split()[1].rstrip(":") for l in lines}
+        expected = [run.scenario_name for run in GROUPS[group]]
+        missing = [n for n in expected if n not in reported]
+        for name in missing:
+            print(f"FAIL {name}: no result from the guest (exit {proc.returncode}); see {share}/serial.log")
+        if any(l.startswith("FAIL") for l in lines) or missing or proc.returncode != 0:
+            failed = True
+            tail = out.splitlines()[-40:]
+            print("guest output (tail):\n  " + "\n  ".join(tail))
+            print(proc.stderr[-2000:])
+            args.keep = True
+    print(f"vm suite: {'FAILED' if failed else 'passed'} in {time.monotonic() - t0:.0f}s")
+    if args.keep:
+        print(f"logs kept in {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+#!/usr/bin/env python3
+"""End-to-end scenarios inside the QEMU guest: real systemd, emulated NUMA nodes.
+
+Runs as root in the guest (tests/vm/run_suite.py puts it there). Standard library only:
+what it checks it reads itself (sysfs, /proc/PID/numa_maps, systemctl, HTTP), so it
+does not take numa-infer's word for anything. Prints one `PASS name (timings)` or
+`FAIL name: what was seen` line per scenario.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+
+CONFIG = Path("/etc/numa-infer.toml")
+MODEL = "/var/lib/numa-infer/models/tiny.gguf"
+NI = "/opt/llm/bin/numa-infer"
+RESULTS: list[str] = []
+
+
+class Fail(Exception):
+    pass
+
+
+def sh(*args: str, check: bool = True, timeout: float = 120) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise Fail(f"{' '.join(args)} -> {proc.returncode}: {proc.stderr.strip()[-400:]}")
+    return proc.stdout
+
+
+def write_config(placement: str = "") -> None:
+    CONFIG.write_text(
+        f'[model]\npath = "{MODEL}"\ncontext_size = 256\n'
+        f"[placement]\n{placement}\n"
+        '[server]\npython = "/opt/llm/bin/python"\n'
+        # TCG runs ~15x slower than the host: generous timeouts, short interval.
+        "[monitor]\ninterval_s = 2.0\nprobe_timeout_s = 5.0\nstartup_grace_s = 240\nunhealthy_after = 2\n"
+        "restart_backoff_s = 1.0\nmax_restarts = 10\n"
+    )
+
+
+def status() -> dict:
+    out = subprocess.run([NI, "status", "--json"], capture_output=True, text=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+def inst(state: dict, name: str) -> dict:
+    for i in state["instances"]:
+        if i["name"] == name:
+            return i
+    raise Fail(f"{name} missing from status: {[i['name'] for i in state['instances']]}")
+
+
+def wait(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+            if last:
+                return last
+        except (Fail, ValueError, KeyError, OSError, subprocess.TimeoutExpired) as exc:
+            last = exc
+        time.sleep(interval)
+    raise Fail(f"timed out after {timeout:.0f}s waiting for {what} (last: {str(last)[:300]})")
+
+
+def all_healthy(count: int, timeout: float = 300) -> dict:
+    def check():
+        s = status()
+        return s if len(s["instances"]) == count and all(i["state"] == "healthy" for i in s["instances"]) else None
+    return wait(check, timeout, f"{count} healthy instances")
+
+
+def main_pid(unit: str) -> int:
+    return int(sh("systemctl", "show", "-p", "MainPID", "--value", unit).strip() or 0)
+
+
+def cpulist(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def node_cpus(node: int) -> set[int]:
+    return cpulist(Path(f"/sys/devices/system/node/node{node}/cpulist").read_text())
+
+
+def thread_masks(pid: int) -> dict[int, set[int]]:
+    masks = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            status_text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except OSError:
+            continue
+        masks[int(tid)] = cpulist(re.search(r"Cpus_allowed_list:\s*(\S+)", status_text).group(1))
+    return masks
+
+
+def locality(pid: int, node: int) -> tuple[float, float, int]:
+    """(anonymous fraction on node, page-cache fraction on node, anon bytes) from numa_maps."""
+    anon = {}
+    files = {}
+    for line in Path(f"/proc/{pid}/numa_maps").read_text().splitlines():
+        nodes = [(int(n), int(p)) for n, p in re.findall(r"\bN(\d+)=(\d+)", line)]
+        if not nodes:
+            continue
+        page = int(m.group(1)) * 1024 if (m := re.search(r"kernelpagesize_kB=(\d+)", line)) else 4096
+        a = re.search(r"\banon=(\d+)", line)
+        is_anon = " file=" not in line or (a is not None and int(a.group(1)) >= sum(p for _, p in nodes))
+        target = anon if is_anon else files
+        for n, p in nodes:
+            target[n] = target.get(n, 0) + p * page
+    total, ftotal = sum(anon.values()), sum(files.values())
+    return (anon.get(node, 0) / total if total else 0.0, files.get(node, 0) / ftotal if ftotal else 0.0, total)
+
+
+def complete(port: int) -> str:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": "numa", "max_tokens": 4}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.load(resp)["choices"][0]["text"]
+
+
+def journal_since(cursor_time: str) -> str:
+    return sh("journalctl", "-u", "numa-infer", "--since", cursor_time, "--no-pager", "-o", "cat", check=False)
+
+
+def now_str() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def scenario(name: str):
+    def decorate(fn):
+        def run():
+            started = time.monotonic()
+            try:
+                detail = fn() or ""
+                RESULTS.append(f"PASS {name} ({detail}{'; ' if detail else ''}{time.monotonic() - started:.1f}s)")
+            except Fail as exc:
+                RESULTS.append(f"FAIL {name}: {exc}")
+            except Exception as exc:  # a bug in the scenario is a failure too, with its trace
+                RESULTS.append(f"FAIL {name}: {type(exc).__name__}: {exc}")
+                traceback.print_exc()
+            print(RESULTS[-1], flush=True)
+        run.scenario_name = name
+        return run
+    return decorate
+
+
+# -- 2 nodes x 2 CPUs -------------------------------------------------------------------------
+
+@scenario("1-start")
+def s1_start() -> str:
+    write_config()
+    t0 = time.monotonic()
+    sh("systemctl", "start", "numa-infer", timeout=300)
+    state = all_healthy(2)
+    took = time.monotonic() - t0
+    notes = []
+    for name, node in (("infer@0", 0), ("infer@1", 1)):
+        if sh("systemctl", "is-active", name, check=False).strip() != "active":
+            raise Fail(f"{name} not active")
+        pid = main_pid(name)
+        i = inst(state, name)
+        if i["pid"] != pid:
+            raise Fail(f"status says {name} pid {i['pid']}, systemd says {pid}")
+        cpus = node_cpus(node)
+        if set(i["cpus"]) != cpus:  # no SMT on this topology: every CPU of the node
+            raise Fail(f"{name} cpus {i['cpus']} not node {node}'s {sorted(cpus)}")
+        bad = {t: m for t, m in thread_masks(pid).items() if not m <= cpus}
+        if bad:
+            raise Fail(f"{name} threads outside node {node} CPUs {sorted(cpus)}: {bad}")
+        anon_local, file_local, anon = wait(lambda: (l := locality(pid, node))[2] > 0 and l, 30, "anon memory")
+        if anon_local < 0.95:
+            raise Fail(f"{name}: only {anon_local:.1%} of {anon >> 20} MiB anonymous memory on node {node}")
+        reported = wait(lambda: inst(status(), name)["local_memory_fraction"], 30, "status memory reading")
+        if abs(reported - anon_local) > 0.05:
+            raise Fail(f"{name}: status says {reported:.1%} local, numa_maps says {anon_local:.1%}")
+        complete(i["port"])
+        notes.append(f"{name} anon {anon_local:.1%} local ({anon >> 20} MiB), page cache {file_local:.1%} local apart")
+    return f"all healthy {took:.1f}s after start; " + "; ".join(notes)
+
+
+@scenario("2-kill-instance")
+def s2_kill() -> str:
+    before = inst(status(), "infer@1")
+    t0 = time.monotonic()
+    sh("systemctl", "kill", "-s", "KILL", "infer@1")
+    state = wait(lambda: (s := status()) and (i := inst(s, "infer@1"))["state"] == "healthy"
+                 and i["pid"] not in (None, before["pid"]) and i["restarts"] > before["restarts"] and s, 240, "infer@1 back")
+    return f"healthy again after {time.monotonic() - t0:.1f}s, restarts {inst(state, 'infer@1')['restarts']}"
+
+
+@scenario("3-hung-instance")
+def s3_stop() -> str:
+    pid = main_pid("infer@0")
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    wait(lambda: inst(status(), "infer@0")["state"] in ("unhealthy",) or main_pid("infer@0") != pid, 120, "detection")
+    detected = time.monotonic() - t0
+    wait(lambda: (i := inst(status(), "infer@0"))["state"] == "healthy" and i["pid"] != pid, 240, "restart")
+    return f"detected after {detected:.1f}s, healthy again after {time.monotonic() - t0:.1f}s"
+
+
+@scenario("4-affinity-drift")
+def s4_affinity() -> str:
+    pid = main_pid("infer@1")
+    tid = max(thread_masks(pid))
+    wrong = ",".join(map(str, sorted(node_cpus(0))))
+    since = now_str()
+    t0 = time.monotonic()
+    sh("taskset", "-p", "-c", wrong, str(tid))
+    own = node_cpus(1)
+    wait(lambda: thread_masks(pid).get(tid, own) <= own, 30, f"thread {tid} re-pinned", interval=0.1)
+    took = time.monotonic() - t0
+    repair = wait(lambda: (r := inst(status(), "infer@1")["last_repair"]) and r["kind"] == "affinity" and r, 20, "status repair")
+    wait(lambda: "affinity drift" in journal_since(since), 20, "journal entry")
+    return f"re-pinned after {took:.2f}s: {repair['detail']}"
+
+
+@scenario("5-memory-drift")
+def s5_memory() -> str:
+    pid = main_pid("infer@1")
+    t0 = time.monotonic()
+    sh("migratepages", str(pid), "1", "0")
+    after_move = locality(pid, 1)[0]
+    wait(lambda: locality(pid, 1)[0] >= 0.95, 60, "pages back on node 1")
+    took = time.monotonic() - t0
+    repair = wait(lambda: (r := inst(status(), "infer@1")["last_repair"]) and r["kind"] == "memory" and r, 20, "status repair")
+    return f"{after_move:.1%} local after migratepages, >=95% again after {took:.1f}s: {repair['detail']}"
+
+
+@scenario("6-reload-drop-node")
+def s6_reload() -> str:
+    pid0 = main_pid("infer@0")
+    write_config("nodes = [0]")
+    sh("systemctl", "reload", "numa-infer", timeout=300)
+    if sh("systemctl", "is-active", "infer@1", check=False).strip() == "active":
+        raise Fail("infer@1 still active")
+    if Path("/run/systemd/system/infer@1.service.d/50-numa-infer.conf").exists():
+        raise Fail("infer@1 drop-in still there")
+    if main_pid("infer@0") != pid0:
+        raise Fail(f"infer@0 restarted: {pid0} -> {main_pid('infer@0')}")
+    return f"infer@1 stopped and removed, infer@0 kept pid {pid0}"
+
+
+@scenario("7-bad-reload")
+def s7_bad_reload() -> str:
+    pid0 = main_pid("infer@0")
+    CONFIG.write_text(CONFIG.read_text().replace("nodes = [0]", "nodes = [0, 7]"))
+    proc = subprocess.run(["systemctl", "reload", "numa-infer"], capture_output=True, text=True, timeout=300)
+    if proc.returncode == 0:
+        raise Fail("systemctl reload succeeded on a broken config")
+    if sh("systemctl", "is-active", "numa-infer", check=False).strip() != "active":
+        raise Fail("daemon not active after bad reload")
+    shown = sh("systemctl", "status", "numa-infer", "--no-pager", "-l", check=False)
+    journal = sh("journalctl", "-u", "numa-infer", "--no-pager", "-o", "cat", "-n", "50", check=False)
+    human = subprocess.run([NI, "status"], capture_output=True, text=True).stdout
+    for where, text in (("systemctl status", shown), ("journal", journal), ("numa-infer status", human)):
+        if "placement.nodes" not in text or str(CONFIG) not in text or "node 7 does not exist" not in text:
+            raise Fail(f"{where} does not name file, key and problem:\n{text[-800:]}")
+    if main_pid("infer@0") != pid0:
+        raise Fail("infer@0 restarted by a failed reload")
+    write_config()
+    sh("systemctl", "reload", "numa-infer", timeout=300)
+    all_healthy(2)
+    return "old plan kept, error shown in systemctl status, journal and numa-infer status; fixed reload recovered"
+
+
+@scenario("8-daemon-killed")
+def s8_daemon_kill() -> str:
+    pids = {n: main_pid(n) for n in ("infer@0", "infer@1")}
+    daemon = main_pid("numa-infer")
+    t0 = time.monotonic()
+    os.kill(daemon, signal.SIGKILL)
+    wait(lambda: main_pid("numa-infer") not in (0, daemon) and
+         sh("systemctl", "is-active", "numa-infer", check=False).strip() == "active", 120, "daemon restarted")
+    state = all_healthy(2)
+    after = {n: main_pid(n) for n in pids}
+    if after != pids or any(inst(state, n)["pid"] != p for n, p in pids.items()):
+        raise Fail(f"instance PIDs changed: {pids} -> {after}")
+    return f"daemon back after {time.monotonic() - t0:.1f}s, instances kept {pids}"
+
+
+@scenario("9-stop")
+def s9_stop() -> str:
+    sh("systemctl", "stop", "numa-infer", timeout=300)
+    active = sh("systemctl", "list-units", "--plain", "--no-legend", "--state=active", "infer@*", check=False).strip()
+    servers = sh("pgrep", "-af", "llama_cpp.server", check=False).strip()
+    if active or servers:
+        raise Fail(f"left running: units {active!r}, processes {servers!r}")
+    return "no infer@ unit active, no server process left"
+
+
+# -- 2 sockets x 1 core x 2 threads ------------------------------------------------------------
+
+@scenario("10-smt")
+def s10_smt() -> str:
+    siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text().strip()
+    if cpulist(siblings) != {0, 1}:
+        raise Fail(f"guest shows no SMT siblings for cpu0: {siblings}")
+    write_config("smt = true")
+    sh("systemctl", "start", "numa-infer", timeout=300)
+    state = all_healthy(2)
+    for i in state["instances"]:
+        env = Path(f"/proc/{i['pid']}/environ").read_bytes().split(b"\0")
+        if i["threads"] != 2 or len(i["cpus"]) != 2 or b"OMP_NUM_THREADS=2" not in env:
+            raise Fail(f"smt=true: {i['name']} threads {i['threads']} cpus {i['cpus']}")
+    write_config("smt = false")
+    sh("systemctl", "reload", "numa-infer", timeout=300)
+    state = all_healthy(2)
+    for i in state["instances"]:
+        pid = i["pid"]
+        if i["threads"] != 1 or i["cpus"] != [min(node_cpus(i["node"]))]:
+            raise Fail(f"smt=false: {i['name']} threads {i['threads']} cpus {i['cpus']}")
+        masks = thread_masks(pid)
+        if any(m != set(i["cpus"]) for m in masks.values()):
+            raise Fail(f"smt=false: {i['name']} thread masks {masks}")
+    sh("systemctl", "stop", "numa-infer", timeout=300)
+    return "smt=true: 2 threads on both siblings; smt=false: 1 thread on the first sibling"
+
+
+# -- 4 nodes x 1 CPU -----------------------------------------------------------------------------------
+
+@scenario("11-reserve-cpu0")
+def s11_reserve() -> str:
+    write_config('reserve_cpus = "0"')
+    sh("systemctl", "start", "numa-infer", timeout=300)
+    state = all_healthy(3, timeout=400)
+    names = sorted(i["name"] for i in state["instances"])
+    if names != ["infer@1", "infer@2", "infer@3"]:
+        raise Fail(f"instances {names}")
+    for i in state["instances"]:
+        if 0 in i["cpus"] or any(0 in m for m in thread_masks(i["pid"]).values()):
+            raise Fail(f"{i['name']} may run on CPU 0")
+    sh("systemctl", "stop", "numa-infer", timeout=300)
+    return "infer@1..3 healthy, none allowed on CPU 0"
+
+
+GROUPS = {
+    "2x2": [s1_start, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill, s9_stop],
+    "2x2smt": [s10_smt],
+    "4x1": [s11_reserve],
+}
+
+if __name__ == "__main__":
+    for run in GROUPS[sys.argv[1]]:
+        run()
+    sys.exit(0 if all(r.startswith("PASS") for r in RESULTS) else 1)
