@@ -188,12 +188,38 @@ class MonitorSection(_Section):
     repair: bool = True
 
 
+def parse_listen(value: str) -> tuple[str, int]:
+    """ "127.0.0.1:9464" or "[::1]:9464" -> (address, port)."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError('must be "ADDRESS:PORT", e.g. "127.0.0.1:9464", or "" (off)')
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(host)
+    except ValueError as exc:
+        raise ValueError(f'{host!r} is not an IP address; write e.g. "127.0.0.1:9464"') from exc
+    return host, int(port)
+
+
+class MetricsSection(_Section):
+    # Off by default; an address other than loopback only when the operator writes one.
+    listen: SafeStr = ""
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        if value:
+            parse_listen(value)
+        return value
+
+
 class Config(_Section):
     model: ModelSection
     placement: PlacementSection = Field(default_factory=PlacementSection)
     server: ServerSection = Field(default_factory=ServerSection)
     systemd: SystemdSection = Field(default_factory=SystemdSection)
     monitor: MonitorSection = Field(default_factory=MonitorSection)
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
 
 
 def _section_fields(loc: tuple[Any, ...]) -> list[str]:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from numad_infer import __version__
+from numad_infer import __version__, metrics
 from numad_infer.backends import Backend
 from numad_infer.config import Config, load_config
 from numad_infer.cpuset import format_list
@@ -53,6 +53,10 @@ class Daemon:
         self._flags: set[str] = set()
         self._wake_r, self._wake_w = os.pipe()
         self._python_checked: dict[str, bool] = {}
+        self.latest: dict[str, Any] | None = None  # last published snapshot, read by the metrics thread
+        self.pass_duration_s: float | None = None
+        self._metrics_server = None
+        self._metrics_listen = ""
 
     # -- signals --------------------------------------------------------------------------------
     def _install_signals(self) -> None:
@@ -99,6 +103,7 @@ class Daemon:
     def _apply(self, config: Config, plan: Plan, why: str) -> None:
         result = self.reconciler.apply(config, plan, time.monotonic())
         self.config, self.plan = config, plan
+        self._serve_metrics(config)
         self.warnings = list(plan.warnings) + self._host_warnings(config)
         for warning in self.warnings:
             log.warning("%s", warning)
@@ -107,6 +112,22 @@ class Daemon:
         self.last_reload = {"at": time.time(), "ok": True, "error": None, "why": why,
                             "added": list(result.added), "changed": list(result.changed),
                             "removed": list(result.removed), "unchanged": list(result.unchanged)}
+
+    def _serve_metrics(self, config: Config) -> None:
+        listen = config.metrics.listen
+        if listen == self._metrics_listen:
+            return
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
+        self._metrics_listen = ""
+        if listen:
+            try:
+                self._metrics_server = metrics.serve(listen, lambda: self.latest)
+                self._metrics_listen = listen
+            except OSError as exc:
+                log.error("metrics.listen = %s: cannot listen: %s", listen, exc.strerror)
 
     def reload(self) -> None:
         self.notifier.reloading()
@@ -163,14 +184,16 @@ class Daemon:
                 "config": self.config_path, "started_at": self.started_at, "updated_at": wall,
                 "interval_s": self.config.monitor.interval_s if self.config else None,
                 "generation": self.generation, "last_reload": self.last_reload, "warnings": self.warnings,
-                "status": self.status_line(),
+                "status": self.status_line(), "pass_duration_s": self.pass_duration_s,
+                "metrics": self._metrics_listen or None,
             },
             "instances": [_instance_dict(rt, now, wall) for rt in self.reconciler.runtimes.values()],
         }
 
     def publish(self, now: float) -> None:
+        self.latest = self.snapshot(now)
         try:
-            write_state(self.state_file, self.snapshot(now))
+            write_state(self.state_file, self.latest)
         except OSError as exc:
             log.error("cannot write %s: %s", self.state_file, exc.strerror)
         self.notifier.status(self.status_line())
@@ -204,6 +227,7 @@ class Daemon:
                 assert self.config is not None
                 self._check_machine()
                 self.reconciler.monitor(now)
+                self.pass_duration_s = time.monotonic() - now
                 self.publish(now)
                 next_pass = now + self.config.monitor.interval_s
             if self.notifier.watchdog_due(time.monotonic()):
@@ -228,6 +252,8 @@ class Daemon:
         self.state = "stopped"
         self.publish(time.monotonic())
         self.reconciler.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         log.info("stopped")
         return 0
 

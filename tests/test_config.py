@@ -31,6 +31,8 @@ BASE = '[model]\npath = "/m.gguf"\n'
         ("[placement]\nsmt = true\n", "/etc/numa-infer.toml: model: is required"),
         (BASE + '[server]\npython = "/opt/$ENV/python3"\n', 'server.python = "/opt/$ENV/python3": may not contain $'),
         (BASE + '[server]\npython = "/opt/a\\"b/python3"\n', 'may not contain "'),
+        (BASE + '[metrics]\nlisten = "localhost:9464"\n', 'metrics.listen = "localhost:9464": \'localhost\' is not an IP address'),
+        (BASE + '[metrics]\nlisten = "127.0.0.1"\n', 'metrics.listen = "127.0.0.1": must be "ADDRESS:PORT"'),
         (BASE + '[server]\nhost = "localhost"\n', 'server.host = "localhost": must be an IP address'),
         (BASE + '[systemd]\ntemplate = "in fer"\n', 'systemd.template = "in fer": must be 1-64 of the characters'),
     ],
@@ -66,6 +68,8 @@ def test_defaults_are_the_documented_ones() -> None:
     assert (config.placement.mode, config.placement.nodes, config.placement.smt) == ("per-node", "all", False)
     assert (config.server.host, config.server.base_port, config.systemd.template) == ("127.0.0.1", 8080, "infer")
     assert config.monitor.min_local_fraction == 0.9
+    assert config.metrics.listen == ""  # metrics are off unless the operator asks
+    assert parse_config(BASE + '[metrics]\nlisten = "[::1]:9464"\n', SRC).metrics.listen == "[::1]:9464"
 
 
 def test_example_config_in_etc_is_valid() -> None:

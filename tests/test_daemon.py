@@ -184,3 +184,32 @@ def test_invalid_config_at_start_exits_nonzero_with_status(daemon) -> None:
     assert "placement.nodes = [3]: node 3 does not exist" in run.logs()
     assert any(f.startswith("STATUS=configuration error") for f in run.notify.fields())
     assert run.state() is None
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
+def test_metrics_follow_what_happened(daemon) -> None:
+    port = 19464 + os.getpid() % 500
+    run = daemon(extra_config=f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
+    state = run.all_healthy(2)
+    before = scrape(port)
+    assert before['numa_infer_instance_healthy{instance="infer@1",node="1"}'] == 1.0
+    assert before['numa_infer_instance_restarts_total{instance="infer@1",node="1"}'] == 0.0
+    assert before["numa_infer_pass_duration_seconds"] > 0
+    os.kill(run.instance(state, "infer@1")["pid"], signal.SIGKILL)
+    run.wait(lambda s: run.instance(s, "infer@1")["restarts"] == 1 and run.instance(s, "infer@1")["state"] == "healthy",
+             60, "restart")
+    after = scrape(port)
+    assert after['numa_infer_instance_restarts_total{instance="infer@1",node="1"}'] == 1.0
+    assert after['numa_infer_instance_restarts_total{instance="infer@0",node="0"}'] == 0.0
+    assert after['numa_infer_repairs_total{instance="infer@1",kind="health",node="1"}'] == 1.0
+    assert after['numa_infer_local_memory_fraction{instance="infer@0",node="0"}'] == 1.0

@@ -1,0 +1,72 @@
+"""Prometheus endpoint (`[metrics] listen`): the daemon's published snapshot, as metrics.
+
+Read at scrape time from the last snapshot the loop published (an immutable dict
+swapped in whole), so the HTTP thread never touches state the loop is changing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from numad_infer.config import parse_listen
+
+log = logging.getLogger(__name__)
+
+STATES = ("starting", "healthy", "unhealthy", "failed", "stopped")
+KINDS = ("affinity", "memory", "health", "exit")
+
+
+class SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, Any] | None]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator:
+        snap = self.snapshot()
+        if snap is None:
+            return
+        daemon, instances = snap["daemon"], snap["instances"]
+        labels = ["instance", "node"]
+        healthy = GaugeMetricFamily("numa_infer_instance_healthy", "1 if the instance answers its health probe", labels=labels)
+        state = GaugeMetricFamily("numa_infer_instance_state", "1 for the instance's current state", labels=labels + ["state"])
+        restarts = CounterMetricFamily("numa_infer_instance_restarts", "Restarts of the instance (by numa-infer or systemd)", labels=labels)
+        latency = GaugeMetricFamily("numa_infer_probe_latency_seconds", "Latency of the last successful health probe", labels=labels)
+        local = GaugeMetricFamily("numa_infer_local_memory_fraction", "Share of anonymous memory on the instance's own nodes", labels=labels)
+        threads = GaugeMetricFamily("numa_infer_instance_threads", "Threads (OpenMP) the instance runs with", labels=labels)
+        drifts = CounterMetricFamily("numa_infer_drift_events", "Drift found, by kind", labels=labels + ["kind"])
+        repairs = CounterMetricFamily("numa_infer_repairs", "Repairs done, by kind", labels=labels + ["kind"])
+        for inst in instances:
+            key = [inst["name"], "" if inst["node"] is None else str(inst["node"])]
+            healthy.add_metric(key, 1.0 if inst["state"] == "healthy" else 0.0)
+            for name in STATES:
+                state.add_metric(key + [name], 1.0 if inst["state"] == name else 0.0)
+            restarts.add_metric(key, inst["restarts"])
+            threads.add_metric(key, inst["threads"])
+            if inst.get("probe_latency_ms") is not None:
+                latency.add_metric(key, inst["probe_latency_ms"] / 1000)
+            if inst.get("local_memory_fraction") is not None:
+                local.add_metric(key, inst["local_memory_fraction"])
+            for kind in KINDS:
+                drifts.add_metric(key + [kind], inst.get("drift_events", {}).get(kind, 0))
+                repairs.add_metric(key + [kind], inst.get("repairs", {}).get(kind, 0))
+        yield from (healthy, state, restarts, latency, local, threads, drifts, repairs)
+        passes = GaugeMetricFamily("numa_infer_pass_duration_seconds", "Duration of the last monitoring pass")
+        passes.add_metric([], daemon.get("pass_duration_s") or 0.0)
+        yield passes
+        ok = GaugeMetricFamily("numa_infer_config_ok", "0 while the last reload was refused (old plan still running)")
+        ok.add_metric([], 0.0 if (daemon.get("last_reload") or {}).get("ok") is False else 1.0)
+        yield ok
+
+
+def serve(listen: str, snapshot: Callable[[], dict[str, Any] | None]):
+    host, port = parse_listen(listen)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot))
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    log.info("metrics on http://%s/metrics", listen)
+    return server
