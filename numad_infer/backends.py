@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +29,13 @@ from numad_infer.unitdir import managed_files, write_units
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Observation:
+    pid: int | None  # main process, None when not running
+    pending: bool  # the service manager is (re)starting it: not ours to restart now
+    description: str  # unit state in words, for logs and status
+
+
 class Backend(Protocol):
     name: str
 
@@ -39,7 +47,7 @@ class Backend(Protocol):
     def restart(self, instance: Instance) -> None: ...
     def main_pid(self, name: str) -> int | None: ...
     def describe(self, name: str) -> str: ...
-    def pending(self, name: str) -> bool: ...
+    def observe(self, names: list[str]) -> dict[str, Observation]: ...
     def stop_all_on_exit(self) -> bool: ...
 
 
@@ -98,10 +106,16 @@ class SystemdBackend:
         props = self.systemctl.show(f"{name}.service", "ActiveState", "SubState")
         return f"{props.get('ActiveState', 'unknown')} ({props.get('SubState', '?')})"
 
-    def pending(self, name: str) -> bool:
-        """systemd is starting it, or will (Restart= after a crash): not ours to restart now."""
-        props = self.systemctl.show(f"{name}.service", "ActiveState", "SubState")
-        return props.get("ActiveState") == "activating"
+    def observe(self, names: list[str]) -> dict[str, Observation]:
+        shown = self.systemctl.show_many([f"{n}.service" for n in names], "MainPID", "ActiveState", "SubState")
+        result = {}
+        for name in names:
+            props = shown.get(f"{name}.service", {})
+            pid = int(props.get("MainPID", "0") or 0) or None
+            active, sub = props.get("ActiveState", "unknown"), props.get("SubState", "?")
+            # "activating": a start job runs, or Restart= will bring it back after a crash.
+            result[name] = Observation(pid, active == "activating", f"{active} ({sub})")
+        return result
 
     def stop_all_on_exit(self) -> bool:
         # `systemctl restart numa-infer` (an upgrade, an operator) stops us too: only a
@@ -188,8 +202,9 @@ class ProcessBackend:
         child = self.children.get(name)
         return child.pid if child is not None and child.poll() is None else None
 
-    def pending(self, name: str) -> bool:
-        return False  # start() is synchronous: a child exists or it does not
+    def observe(self, names: list[str]) -> dict[str, Observation]:
+        # start() is synchronous: a child runs or it does not, nothing is pending.
+        return {n: Observation(self.main_pid(n), False, self.describe(n)) for n in names}
 
     def describe(self, name: str) -> str:
         child = self.children.get(name)

@@ -91,23 +91,30 @@ class ProcReader:
             return []
 
     def thread(self, pid: int, tid: int) -> ThreadInfo | None:
-        base = self.proc / str(pid) / "task" / str(tid)
-        status = self._read(base / "status")
-        stat = self._read(base / "stat")
-        if status is None or stat is None:
+        stat = self._read(self.proc / str(pid) / "task" / str(tid) / "stat")
+        if stat is None:
             return None
-        allowed_match = re.search(r"^Cpus_allowed_list:\s*(\S*)", status, re.M)
-        name_match = re.search(r"^Name:\s*(.*)$", status, re.M)
-        if allowed_match is None:
-            return None
-        try:
-            allowed = parse_list(allowed_match.group(1))
-        except CpuListError:
-            return None
+        if self.root == Path("/"):
+            # One syscall instead of reading and parsing `status`: this runs for every
+            # thread of every instance on every pass.
+            try:
+                allowed = frozenset(os.sched_getaffinity(tid))
+            except OSError:
+                return None
+        else:
+            status = self._read(self.proc / str(pid) / "task" / str(tid) / "status") or ""
+            match = re.search(r"^Cpus_allowed_list:\s*(\S*)", status, re.M)
+            try:
+                allowed = parse_list(match.group(1)) if match else None
+            except CpuListError:
+                allowed = None
+            if allowed is None:
+                return None
         fields = _stat_fields(stat)
         # Field 39 of stat ("processor") is index 36 after the "(comm)" split.
         last_cpu = int(fields[36]) if len(fields) > 36 and fields[36].lstrip("-").isdigit() else None
-        return ThreadInfo(tid, name_match.group(1) if name_match else "", allowed, last_cpu)
+        name = stat[stat.find("(") + 1:stat.rfind(")")]
+        return ThreadInfo(tid, name, allowed, last_cpu)
 
     def threads(self, pid: int) -> list[ThreadInfo]:
         return [t for tid in self.thread_ids(pid) if (t := self.thread(pid, tid)) is not None]

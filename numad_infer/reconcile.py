@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from numad_infer import drift, pinning
-from numad_infer.backends import Backend
+from numad_infer.backends import Backend, Observation
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.health import ProbeResult, probe
@@ -117,22 +117,26 @@ class Reconciler:
     def monitor(self, now: float) -> None:
         assert self.config is not None
         cfg = self.config
-        pids = {name: self._isolated(name, "status", lambda n=name: self.backend.main_pid(n)) for name in self.runtimes}
+        try:
+            observed = self.backend.observe(list(self.runtimes))
+        except Exception as exc:
+            log.error("cannot read instance states: %s", exc)
+            return
         probes = {
             name: self._pool.submit(probe, cfg.server.host, rt.instance.port, cfg.monitor.probe_timeout_s)
-            for name, rt in self.runtimes.items() if pids.get(name)
+            for name, rt in self.runtimes.items() if observed[name].pid
         }
         for name, runtime in self.runtimes.items():
             try:
-                self._monitor_one(runtime, pids.get(name), probes.get(name), now)
+                self._monitor_one(runtime, observed[name], probes.get(name), now)
             except Exception:  # one instance's trouble never stops the others' monitoring
                 log.exception("%s: monitoring failed", name)
 
-    def _monitor_one(self, rt: Runtime, pid: int | None, pending, now: float) -> None:
+    def _monitor_one(self, rt: Runtime, seen: Observation, pending, now: float) -> None:
         cfg = self.config
         assert cfg is not None
         sup = rt.supervision
-        name = rt.instance.name
+        pid = seen.pid
         if pid != rt.pid:
             if pid is None:
                 if rt.pid is not None:
@@ -150,8 +154,8 @@ class Reconciler:
         if sup.state == State.FAILED:
             return
         if pid is None:
-            if not self.backend.pending(name):
-                self._maybe_restart(rt, now, f"not running ({self.backend.describe(name)})")
+            if not seen.pending:
+                self._maybe_restart(rt, now, f"not running ({seen.description})")
             return
         result: ProbeResult = pending.result() if pending is not None else ProbeResult(False, 0.0, "not probed")
         rt.last_probe = result

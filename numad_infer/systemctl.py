@@ -58,6 +58,18 @@ class Systemctl:
             out[key] = value
         return out
 
+    def show_many(self, units: list[str], *props: str) -> dict[str, dict[str, str]]:
+        """One systemctl call for many units (one fork per pass, not one per instance)."""
+        if not units:
+            return {}
+        proc = self.run("show", *units, f"--property=Id,{','.join(props)}", check=False)
+        result: dict[str, dict[str, str]] = {}
+        for block in proc.stdout.strip().split("\n\n"):
+            fields = dict(line.partition("=")[::2] for line in block.splitlines() if "=" in line)
+            if "Id" in fields:
+                result[fields["Id"]] = fields
+        return result
+
     def list_units(self, pattern: str) -> list[str]:
         proc = self.run("list-units", "--all", "--plain", "--no-legend", "--full", pattern, check=False)
         return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from numad_infer.backends import Observation
 from numad_infer.config import MonitorSection, parse_config
 from numad_infer.drift import check_affinity, check_memory
 from numad_infer.planner import Plan, make_plan
@@ -134,8 +135,8 @@ class RecordingBackend:
     def describe(self, name: str) -> str:
         return "active" if name in self.running else "inactive"
 
-    def pending(self, name: str) -> bool:
-        return False
+    def observe(self, names):
+        return {n: Observation(self.running.get(n), False, self.describe(n)) for n in names}
 
     def stop_all_on_exit(self) -> bool:
         return True

@@ -1,0 +1,50 @@
+"""systemctl output parsing. systemd is not PID 1 on these hosts, so a stand-in script
+prints what `systemctl show` prints; the real systemctl runs in the VM suite (tests/vm)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from numad_infer.backends import SystemdBackend
+from numad_infer.systemctl import Systemctl
+
+SHOW = """Id=infer@0.service
+MainPID=4242
+ActiveState=active
+SubState=running
+
+Id=infer@1.service
+MainPID=0
+ActiveState=activating
+SubState=auto-restart
+
+Id=infer@2.service
+MainPID=0
+ActiveState=failed
+SubState=failed
+"""
+
+
+def fake_systemctl(tmp_path: Path, stdout: str) -> Systemctl:
+    script = tmp_path / "systemctl"
+    (tmp_path / "out.txt").write_text(stdout)
+    script.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\ncat {tmp_path}/out.txt\n")
+    script.chmod(0o755)
+    return Systemctl(binary=str(script))
+
+
+def test_one_systemctl_call_observes_every_instance(tmp_path: Path) -> None:
+    backend = SystemdBackend(fake_systemctl(tmp_path, SHOW))
+    seen = backend.observe(["infer@0", "infer@1", "infer@2"])
+    assert (seen["infer@0"].pid, seen["infer@0"].pending) == (4242, False)
+    assert (seen["infer@1"].pid, seen["infer@1"].pending, seen["infer@1"].description) == (None, True, "activating (auto-restart)")
+    assert (seen["infer@2"].pid, seen["infer@2"].pending) == (None, False)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls == ["show infer@0.service infer@1.service infer@2.service --property=Id,MainPID,ActiveState,SubState"]
+
+
+def test_restart_job_of_the_daemon_keeps_instances(tmp_path: Path) -> None:
+    jobs = "1234 numa-infer.service restart running\n1240 infer@0.service start waiting\n"
+    assert SystemdBackend(fake_systemctl(tmp_path, jobs)).stop_all_on_exit() is False
+    (tmp_path / "calls").unlink()
+    assert SystemdBackend(fake_systemctl(tmp_path, "1234 numa-infer.service stop running\n")).stop_all_on_exit() is True
