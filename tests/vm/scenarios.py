@@ -296,6 +296,18 @@ def s8_daemon_kill() -> str:
     return f"daemon back after {time.monotonic() - t0:.1f}s, instances kept {pids}"
 
 
+@scenario("8b-daemon-restart")
+def s8b_daemon_restart() -> str:
+    pids = {n: main_pid(n) for n in ("infer@0", "infer@1")}
+    t0 = time.monotonic()
+    sh("systemctl", "restart", "numa-infer", timeout=300)
+    state = all_healthy(2)
+    after = {n: main_pid(n) for n in pids}
+    if after != pids:
+        raise Fail(f"systemctl restart numa-infer restarted instances: {pids} -> {after}")
+    return f"restarted in {time.monotonic() - t0:.1f}s, instances kept {pids}"
+
+
 @scenario("9-stop")
 def s9_stop() -> str:
     sh("systemctl", "stop", "numa-infer", timeout=300)
@@ -352,7 +364,8 @@ def s11_reserve() -> str:
 
 
 GROUPS = {
-    "2x2": [s1_start, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill, s9_stop],
+    "2x2": [s1_start, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill, s8b_daemon_restart,
+            s9_stop],
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
 }
