@@ -213,3 +213,17 @@ def test_metrics_follow_what_happened(daemon) -> None:
     assert after['numa_infer_instance_restarts_total{instance="infer@0",node="0"}'] == 0.0
     assert after['numa_infer_repairs_total{instance="infer@1",kind="health",node="1"}'] == 1.0
     assert after['numa_infer_local_memory_fraction{instance="infer@0",node="0"}'] == 1.0
+
+
+def test_cpu_going_offline_changes_the_plan(daemon) -> None:
+    run = daemon()
+    state = run.all_healthy(2)
+    pid0 = run.instance(state, "infer@0")["pid"]
+    # Hot-unplug CPU 1 in the (fake) sysfs the daemon reads: node 1 is left without CPUs.
+    cpu = run.fsroot / "sys/devices/system/cpu"
+    (cpu / "cpu1/online").write_text("0\n")
+    (cpu / "online").write_text("0\n")
+    state = run.wait(lambda s: [i["name"] for i in s["instances"]] == ["infer@0"], 20, "re-plan without node 1")
+    assert run.instance(state, "infer@0")["pid"] == pid0
+    assert state["daemon"]["last_reload"]["why"] == "cpu hotplug"
+    assert "CPUs changed: offline 1" in run.logs()
