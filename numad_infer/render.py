@@ -79,7 +79,8 @@ def render_template(config: Config) -> str:
         MARKER,
         "[Unit]",
         f"Description=numa-infer llama.cpp server %i",
-        f"PartOf={DAEMON_UNIT}",
+        # No PartOf=numa-infer.service: systemd would pass a daemon restart (an upgrade)
+        # on to every instance; the daemon stops them itself on a real stop.
         "After=network.target",
         "",
         "[Service]",
