@@ -17,7 +17,6 @@ from numad_infer.planner import Instance, Plan
 
 MARKER = "# Managed by numa-infer: rewritten by `numa-infer render` and the daemon; do not edit."
 DROPIN_NAME = "50-numa-infer.conf"
-DAEMON_UNIT = "numa-infer.service"
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
