@@ -165,6 +165,13 @@ cmd_build() {
   debootstrap --variant=minbase --keyring=/usr/share/keyrings/debian-archive-keyring.gpg \
     --cache-dir="$CACHE/debs" --include="$PACKAGES" "$SUITE" "$R" "$MIRROR" >&2
 
+  # What systemctl, pip, python and update-initramfs in the chroot need (unmounted again
+  # before the kernel step; the EXIT trap unmounts them on failure).
+  mount -t proc proc "$R/proc"
+  mount -t sysfs sysfs "$R/sys"
+  mount --rbind /dev "$R/dev"
+  mount --make-rslave "$R/dev" # unmounting inside must never propagate to the host's /dev
+
   # 2. System configuration.
   log "[$((SECONDS - t0))s] configure"
   echo "$GUEST_HOSTNAME" >"$R/etc/hostname"
@@ -182,11 +189,7 @@ cmd_build() {
   chroot "$R" systemctl mask -q "${MASK_UNITS[@]}"
 
   # 3. The venv, natively in the chroot (pip under TCG takes minutes). The chroot shares
-  # the host's network; binds for what pip, python and update-initramfs need.
-  mount -t proc proc "$R/proc"
-  mount -t sysfs sysfs "$R/sys"
-  mount --rbind /dev "$R/dev"
-  mount --make-rslave "$R/dev" # unmounting inside must never propagate to the host's /dev
+  # the host's network.
   mkdir -p "$R/root/.cache/pip"
   mount --bind "$CACHE/pip" "$R/root/.cache/pip" # downloads survive rebuilds; not in the image
   log "[$((SECONDS - t0))s] venv /opt/llm"
@@ -233,7 +236,7 @@ cmd_build() {
   chroot "$R" systemd-hwdb update
   touch "$R/etc/.updated" "$R/var/.updated"
   write_manifest "$R" "$kver" "$format" >"$BUILD/manifest.txt"
-  mkfs.ext4 -q -F -L "$GUEST_HOSTNAME" -d "$R" "$BUILD/img.raw" "$IMG_SIZE"
+  mkfs.ext4 -q -F -L "$GUEST_HOSTNAME" -d "$R" "$BUILD/img.raw" "$IMG_SIZE" >&2
   remove_build_dir "$R" || die "could not remove $R"
   sync -f "$BUILD/img.raw"
 
