@@ -442,7 +442,8 @@ cmd_run() {
     -append "console=ttyS0 root=/dev/vda rw quiet mitigations=off e2e.topo=$topo e2e.nodes=$n" \
     </dev/null >&2 || qrc=$?
   local wall=$((SECONDS - t0)) begin
-  begin=$(grep -a -m1 '=== E2E-BEGIN' "$share/serial.log" 2>/dev/null | tr -d '\r' || true)
+  # (systemd writes terminal resets to the console: keep only the marker line's text)
+  begin=$(grep -ao -m1 $'=== E2E-BEGIN[^\r]*' "$share/serial.log" 2>/dev/null || true)
   case $qrc in
     0) ;;
     124 | 137) log "guest timed out after ${timeout_s}s (VM_TIMEOUT); see $share/serial.log" ;;
