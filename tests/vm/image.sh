@@ -45,7 +45,7 @@ MIRROR=${NUMA_INFER_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 SUITE=trixie
 IMG_SIZE=3G # sparse; the built root is ~1 GB, the rest is room for tests (snapshot=on: writes are discarded)
 KEEP=2      # image directories kept in the cache (most recently used first)
-GUEST_HOSTNAME=numa-e2e
+GUEST_HOSTNAME="numa-e2e"
 PACKAGES=systemd,systemd-sysv,udev,dbus,python3,python3-venv,libgomp1,numactl,procps,curl,iproute2,linux-image-amd64,initramfs-tools,lz4,util-linux,ca-certificates
 # Units that cost boot time under TCG or misbehave without a console (from the reference;
 # serial-getty@ttyS0 in particular: its hangup swallows console output).
@@ -62,7 +62,7 @@ die() { # die [STATUS] MESSAGE
   log "error: $*"
   exit "$rc"
 }
-usage() { sed -n '2,13p' "$SELF" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,12p' "$SELF" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 
 # ---------------------------------------------------------------------------- key
 # sha256 over the recipe (this file), the pinned guest requirements and the llama wheel's
@@ -202,13 +202,14 @@ cmd_build() {
   sed -i 's/^MODULES=.*/MODULES=list/; s/^#\?COMPRESS=.*/COMPRESS=lz4/' "$R/etc/initramfs-tools/initramfs.conf"
   printf 'virtio_pci\nvirtio_blk\next4\n' >>"$R/etc/initramfs-tools/modules"
   in_chroot "$R" update-initramfs -u -k all >&2
-  unmount_under "$R/dev" && unmount_under "$R/sys" && unmount_under "$R/proc" ||
+  if ! { unmount_under "$R/dev" && unmount_under "$R/sys" && unmount_under "$R/proc"; }; then
     die "cannot unmount the chroot's /dev, /sys, /proc"
+  fi
 
   # 5. Kernel and initrd out of the root fs, for -kernel/-initrd.
   log "[$((SECONDS - t0))s] kernel"
   local vmlinuz kver format
-  vmlinuz=$(ls "$R"/boot/vmlinuz-* | sort -V | tail -n1)
+  vmlinuz=$(printf '%s\n' "$R"/boot/vmlinuz-* | sort -V | tail -n1)
   kver=${vmlinuz##*/vmlinuz-}
   cp "$R/boot/initrd.img-$kver" "$BUILD/initrd.img"
   # An uncompressed ELF vmlinux boots through the PVH entry and skips the in-guest
@@ -307,6 +308,7 @@ state=$(systemctl is-system-running --wait)
 fs=none
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=262144 share /mnt/share && fs=9p
 echo "=== E2E-BEGIN uptime=$(cut -d' ' -f1 /proc/uptime) state=$state share=$fs"
+[ "$state" = running ] || systemctl --failed --no-legend --no-pager
 rc=99
 if [ "$fs" = 9p ] && [ -f /mnt/share/test.sh ]; then
   cd /mnt/share
@@ -368,21 +370,23 @@ write_manifest() {
   echo "kernel: $kver; vmlinux: $format"
   echo "llama wheel: $(basename "$WHEEL") sha256=$WHEEL_SHA"
   echo "python: $(chroot "$r" /opt/llm/bin/python -c 'import sys; print(sys.version.split()[0])')"
+  # shellcheck disable=SC2016 # dpkg-query's own ${field} syntax
   echo "systemd: $(chroot "$r" dpkg-query -W -f='${Version}' systemd)"
   echo
   echo "# /opt/llm: pip freeze"
   chroot "$r" /opt/llm/bin/pip freeze --all 2>/dev/null
   echo
   echo "# dpkg -l"
+  # shellcheck disable=SC2016
   chroot "$r" dpkg-query -W -f='${Package} ${Version}\n'
 }
 
 prune() {
   local keep=$1 d n=0
-  # newest first by mtime (build and run touch the directory they use)
-  for d in $(ls -1td "$CACHE"/*/ 2>/dev/null); do
-    d=${d%/}
-    [[ $(basename "$d") =~ ^[0-9a-f]{16}$ ]] || continue
+  # image directories (16 hex digits), newest first by mtime (build and run touch the one
+  # they use)
+  find "$CACHE" -mindepth 1 -maxdepth 1 -type d -regextype posix-extended -regex '.*/[0-9a-f]{16}' \
+    -printf '%T@ %p\n' | sort -rn | cut -d' ' -f2- | while read -r d; do
     n=$((n + 1))
     if [ "$(basename "$d")" != "$keep" ] && [ "$n" -gt "$KEEP" ]; then
       log "pruning old image $d"
