@@ -61,7 +61,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="numa-infer-vm-"))
     python = ROOT / ".venv/bin/python"
     python = python if python.exists() else Path(sys.executable)
-    subprocess.run([str(python), "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(work / "dist"), str(ROOT)],
+    subprocess.run([str(python), "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(work / "dist"), str(ROOT)],
                    check=True)
     subprocess.run([str(python), str(ROOT / "tools/make_model.py"), str(work / "tiny.gguf"), "--size", "tiny"], check=True,
                    stdout=subprocess.DEVNULL)
