@@ -160,18 +160,33 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
         )
 
     usable: dict[int, list[tuple[int, ...]]] = {}
+    fully_reserved: list[int] = []
     for node in selected:
         if not node.has_cpus:
             continue
         cores = [core for core in node.cores if core not in reserved_cores]
-        if not cores:
+        if cores:
+            usable[node.id] = cores
+        else:
+            fully_reserved.append(node.id)
+    if fully_reserved and placement.nodes != "all":
+        # The operator asked for this node by id: silently dropping it would surprise.
+        raise ConfigError(
+            source, "placement.reserve_cpus",
+            f"reserves every CPU of node {format_list(fully_reserved)} "
+            f"({format_list(c for n in fully_reserved for c in known[n].cpus)}); leave it at least one core "
+            "or drop it from placement.nodes",
+            placement.reserve_cpus, True,
+        )
+    if fully_reserved:
+        if not usable:
             raise ConfigError(
                 source, "placement.reserve_cpus",
-                f"reserves every CPU of node {node.id} ({format_list(node.cpus)}); leave it at least one core"
-                + (" or drop it from placement.nodes" if placement.nodes != "all" else ""),
+                "reserves every CPU of every node: no instance could run; leave at least one core",
                 placement.reserve_cpus, True,
             )
-        usable[node.id] = cores
+        # Rule 1: only nodes with CPUs left after reserve_cpus host an instance.
+        warnings.append(f"reserve_cpus takes every CPU of node {format_list(fully_reserved)}: no instance there")
     if not usable:
         raise ConfigError(source, "placement.nodes", "selects no node with CPUs", placement.nodes, True)
 

@@ -68,7 +68,7 @@ def test_plan_render_check_happy_path(tmp_path: Path, fs: Path, model: Path) -> 
 
 @pytest.mark.parametrize("extra, fragment", [
     ("[placement]\nnodes = [0, 5]\n", "placement.nodes = [0, 5]: node 5 does not exist"),
-    ("[placement]\nreserve_cpus = \"0-31,64-95\"\n", "placement.reserve_cpus"),
+    ("[placement]\nnodes = [0, 1]\nreserve_cpus = \"0-31,64-95\"\n", "placement.reserve_cpus"),
     ("[server]\nbase_port = 65535\n", "server.base_port = 65535"),
     ("[server]\nbase_prot = 1\n", 'did you mean "base_port"'),
     ("[placement\n", "invalid TOML"),

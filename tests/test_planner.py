@@ -81,6 +81,12 @@ def test_reserving_a_cpu_reserves_its_whole_core(machine) -> None:
     assert any("CPUs 0,64 are reserved" in w for w in plan.warnings)
 
 
+def test_with_all_nodes_a_fully_reserved_node_is_skipped_with_a_warning(machine) -> None:
+    plan = make_plan(config(placement='reserve_cpus = "0-31"'), machine(fakesys.dual_socket_smt))
+    assert [(i.name, i.port) for i in plan.instances] == [("infer@1", 8080)]
+    assert any("every CPU of node 0: no instance there" in w for w in plan.warnings)
+
+
 def test_instances_never_share_a_cpu_and_ports_follow_plan_order(machine) -> None:
     plan = make_plan(config(placement="instances_per_node = 3\nsmt = true"), machine(fakesys.epyc_nps4))
     seen: set[int] = set()
@@ -107,7 +113,9 @@ def test_split_is_near_equal_when_l3_does_not_divide(machine) -> None:
     [
         ({"placement": "nodes = [0, 7]"}, "placement.nodes", "node 7 does not exist on this machine (nodes: 0-1)"),
         ({"placement": 'reserve_cpus = "200"'}, "placement.reserve_cpus", "CPU 200 is not an online CPU"),
-        ({"placement": 'reserve_cpus = "0-31"'}, "placement.reserve_cpus", "reserves every CPU of node 0"),
+        ({"placement": 'nodes = [0, 1]\nreserve_cpus = "0-31"'}, "placement.reserve_cpus",
+         "reserves every CPU of node 0 (0-31,64-95); leave it at least one core or drop it from placement.nodes"),
+        ({"placement": 'reserve_cpus = "0-127"'}, "placement.reserve_cpus", "reserves every CPU of every node"),
         ({"placement": "instances_per_node = 40"}, "placement.instances_per_node", "fewer than 40 instances"),
         ({"server": "base_port = 65535"}, "server.base_port", "past 65535; use at most 65534"),
     ],
