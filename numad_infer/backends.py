@@ -49,6 +49,7 @@ class Backend(Protocol):
     def describe(self, name: str) -> str: ...
     def observe(self, names: list[str]) -> dict[str, Observation]: ...
     def stop_all_on_exit(self) -> bool: ...
+    def forget(self, config: Config) -> None: ...
 
 
 class SystemdBackend:
@@ -116,6 +117,13 @@ class SystemdBackend:
             # "activating": a start job runs, or Restart= will bring it back after a crash.
             result[name] = Observation(pid, active == "activating", f"{active} ({sub})")
         return result
+
+    def forget(self, config: Config) -> None:
+        """After a real stop: remove the units we rendered, so a stop (or a package purge) leaves nothing."""
+        result = write_units(Path(config.systemd.unit_dir), {})
+        if result.removed:
+            log.info("units: removed %s; systemctl daemon-reload", ", ".join(result.removed))
+            self.systemctl.daemon_reload()
 
     def stop_all_on_exit(self) -> bool:
         # `systemctl restart numa-infer` (an upgrade, an operator) stops us too: only a
@@ -215,6 +223,9 @@ class ProcessBackend:
 
     def stop_all_on_exit(self) -> bool:
         return True
+
+    def forget(self, config: Config) -> None:
+        pass  # nothing on disk
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> bool:

@@ -249,6 +249,11 @@ class Daemon:
         if stop_all:
             log.info("stopping %d instance(s)", len(self.reconciler.runtimes))
             self.reconciler.stop_all()
+            if self.config is not None:
+                try:
+                    self.backend.forget(self.config)
+                except Exception as exc:  # stopping must finish even if cleanup cannot
+                    log.error("cannot remove rendered units: %s", exc)
         self.state = "stopped"
         self.publish(time.monotonic())
         self.reconciler.close()

@@ -141,6 +141,9 @@ class RecordingBackend:
     def stop_all_on_exit(self) -> bool:
         return True
 
+    def forget(self, config) -> None:
+        self.calls.append(("forget", ""))
+
 
 def three_nodes():
     return build_topology(SysfsSnapshot(

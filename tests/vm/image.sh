@@ -37,8 +37,10 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 SELF=$HERE/$(basename "${BASH_SOURCE[0]}")
 REQS=$HERE/guest-requirements.txt
 CACHE=${NUMA_INFER_VM_CACHE:-$HOME/.cache/numa-infer/vm}
-WHEEL=${NUMA_INFER_LLAMA_WHEEL:-/root/.cache/numa-infer/llama-wheel-manual/llama_cpp_python-0.3.36-py3-none-linux_x86_64.whl}
+WHEEL=${NUMA_INFER_LLAMA_WHEEL:?set NUMA_INFER_LLAMA_WHEEL to the llama-cpp-python wheel (tests/vm/run_suite.py does)}
 MIRROR=${NUMA_INFER_DEBIAN_MIRROR:-http://deb.debian.org/debian}
+# Dependencies of numa-infer's Debian package (debian/control), kept in the guest's apt cache.
+DEB_DEPENDS="python3-pydantic python3-psutil python3-sdnotify python3-prometheus-client"
 
 # Everything that shapes the image is a constant in this file, not an environment knob:
 # the key hashes this file, so changing any of these makes a new image.
@@ -196,6 +198,13 @@ cmd_build() {
   bake_venv "$R"
   umount "$R/root/.cache/pip"
 
+  # 3b. An offline apt archive for the Debian package test (issue: `apt install ./numa-infer_*.deb`
+  # in a guest without network): the package's dependencies are downloaded, not installed,
+  # and the package lists are kept, so apt resolves them from the guest's own cache.
+  log "[$((SECONDS - t0))s] apt cache for numa-infer's .deb dependencies"
+  in_chroot "$R" apt-get update -q >&2
+  in_chroot "$R" apt-get install -y -q --download-only $DEB_DEPENDS >&2
+
   # 4. Small initrd: the root disk needs only virtio_pci, virtio_blk and ext4 (7 MB
   # instead of ~36 MB with MODULES=most; the 9p modules load later from the root fs).
   log "[$((SECONDS - t0))s] initramfs"
@@ -229,8 +238,8 @@ cmd_build() {
   # (ldconfig.service, systemd-hwdb-update.service) from running at every boot, which
   # they would otherwise do, since snapshot=on never keeps their stamps.
   log "[$((SECONDS - t0))s] trim + mkfs"
-  rm -rf "$R"/var/cache/apt/archives/*.deb "$R"/var/lib/apt/lists/* "$R"/tmp/* "$R"/var/tmp/* \
-    "$R"/root/.cache "$R"/var/log/*.log "$R"/var/log/apt
+  # (The apt lists and the downloaded .debs of step 3b stay: they are the guest's offline archive.)
+  rm -rf "$R"/tmp/* "$R"/var/tmp/* "$R"/root/.cache "$R"/var/log/*.log "$R"/var/log/apt
   mkdir -p "$R/tmp" "$R/var/tmp" && chmod 1777 "$R/tmp" "$R/var/tmp"
   rm -f "$R/etc/resolv.conf" && : >"$R/etc/resolv.conf" # no network in the guest; drop the host's
   chroot "$R" ldconfig

@@ -27,13 +27,16 @@ ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vm"))
 from scenarios import GROUPS  # noqa: E402  (scenario names, to notice a scenario that never reported)
 
-GUEST_TEST = """#!/bin/bash
-set -euo pipefail
-/opt/llm/bin/pip install -q --no-deps --no-index /mnt/share/dist/*.whl
-install -D -m 0644 /mnt/share/tiny.gguf /var/lib/numa-infer/models/tiny.gguf
-chmod 0755 /var/lib/numa-infer /var/lib/numa-infer/models
+# The "deb" group installs numa-infer from its Debian package instead of the wheel.
+WHEEL_SETUP = """/opt/llm/bin/pip install -q --no-deps --no-index /mnt/share/dist/*.whl
 sed 's#/usr/bin/numa-infer#/opt/llm/bin/numa-infer#g' /mnt/share/numa-infer.service > /etc/systemd/system/numa-infer.service
 systemctl daemon-reload
+"""
+GUEST_TEST = """#!/bin/bash
+set -euo pipefail
+{setup}
+install -D -m 0644 /mnt/share/tiny.gguf /var/lib/numa-infer/models/tiny.gguf
+chmod 0755 /var/lib/numa-infer /var/lib/numa-infer/models
 rc=0
 /opt/llm/bin/python /mnt/share/scenarios.py {group} || rc=$?
 journalctl --no-pager -o short-monotonic > /mnt/share/journal.txt 2>&1 || true
@@ -49,18 +52,21 @@ def main() -> int:
     if os.environ.get("NUMA_INFER_SKIP_VM") == "1":
         print("SKIP vm suite: NUMA_INFER_SKIP_VM=1 is set")
         return 0
-    groups = args.group or ["2x2", "2x2smt", "4x1"]
+    groups = args.group or ["2x2", "2x2smt", "4x1", "deb"]
 
     t0 = time.monotonic()
-    build = subprocess.run([str(HERE / "image.sh"), "build"], stdout=subprocess.PIPE, text=True)
+    python = ROOT / ".venv/bin/python"
+    python = python if python.exists() else Path(sys.executable)
+    env = dict(os.environ)
+    if "NUMA_INFER_LLAMA_WHEEL" not in env:
+        env["NUMA_INFER_LLAMA_WHEEL"] = str(llama_wheel(python))
+    build = subprocess.run([str(HERE / "image.sh"), "build"], stdout=subprocess.PIPE, text=True, env=env)
     if build.returncode != 0:
         print("FAIL vm-image: tests/vm/image.sh build failed (see above)")
         return 1
     print(f"image ready in {time.monotonic() - t0:.0f}s: {build.stdout.strip().splitlines()[-1]}", flush=True)
 
     work = Path(tempfile.mkdtemp(prefix="numa-infer-vm-"))
-    python = ROOT / ".venv/bin/python"
-    python = python if python.exists() else Path(sys.executable)
     subprocess.run([str(python), "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(work / "dist"), str(ROOT)],
                    check=True)
     subprocess.run([str(python), str(ROOT / "tools/make_model.py"), str(work / "tiny.gguf"), "--size", "tiny"], check=True,
@@ -75,10 +81,12 @@ def main() -> int:
         for item in ("dist", "tiny.gguf", "scenarios.py", "numa-infer.service"):
             src = work / item
             (shutil.copytree if src.is_dir() else shutil.copy)(src, share / item)
-        (share / "test.sh").write_text(GUEST_TEST.format(group=group))
+        if group == "deb":
+            build_debs(share / "debs")
+        (share / "test.sh").write_text(GUEST_TEST.format(group=group, setup="" if group == "deb" else WHEEL_SETUP))
         (share / "test.sh").chmod(0o755)
         started = time.monotonic()
-        proc = subprocess.run([str(HERE / "image.sh"), "run", str(share), group], capture_output=True, text=True)
+        proc = subprocess.run([str(HERE / "image.sh"), "run", str(share), group], capture_output=True, text=True, env=env)
         out = (share / "out.txt").read_text() if (share / "out.txt").exists() else ""
         lines = [l for l in out.splitlines() if re.match(r"^(PASS|FAIL) ", l)]
         print(f"--- {group}: guest ran {time.monotonic() - started:.0f}s (boot included), exit {proc.returncode}")
@@ -101,6 +109,28 @@ def main() -> int:
     else:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
+
+
+def build_debs(out: Path) -> None:
+    """The package as built now, and a rebuild with a higher version for the upgrade."""
+    for version in (None, "0.1.0+1"):
+        env = dict(os.environ, **({"NUMA_INFER_DEB_VERSION": version} if version else {}))
+        subprocess.run([str(ROOT / "scripts/build-deb"), str(out)], check=True, env=env, stdout=subprocess.DEVNULL)
+
+
+def llama_wheel(python: Path) -> Path:
+    """The llama-cpp-python wheel the project pins, from pip's cache (scripts/setup built it)."""
+    pin = re.search(r'"llama-cpp-python\[server\]==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    out = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "numa-infer" / "llama-wheel" / pin
+    found = sorted(out.glob("llama_cpp_python-*.whl"))
+    if not found:
+        # Same CMAKE_ARGS as scripts/setup: a portable AVX2 build, which TCG can run.
+        build_env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON",
+                         CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
+        subprocess.run([str(python), "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), f"llama-cpp-python=={pin}"],
+                       check=True, env=build_env)
+        found = sorted(out.glob("llama_cpp_python-*.whl"))
+    return found[-1]
 
 
 if __name__ == "__main__":

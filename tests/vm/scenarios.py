@@ -22,7 +22,7 @@ from pathlib import Path
 
 CONFIG = Path("/etc/numa-infer.toml")
 MODEL = "/var/lib/numa-infer/models/tiny.gguf"
-NI = "/opt/llm/bin/numa-infer"
+NI = "/opt/llm/bin/numa-infer"  # the "deb" group switches to the packaged /usr/bin/numa-infer
 RESULTS: list[str] = []
 
 
@@ -157,6 +157,7 @@ def scenario(name: str):
                 traceback.print_exc()
             print(RESULTS[-1], flush=True)
         run.scenario_name = name
+        run.__wrapped__ = fn
         return run
     return decorate
 
@@ -315,7 +316,10 @@ def s9_stop() -> str:
     servers = sh("pgrep", "-af", "llama_cpp.server", check=False).strip()
     if active or servers:
         raise Fail(f"left running: units {active!r}, processes {servers!r}")
-    return "no infer@ unit active, no server process left"
+    left = sorted(str(p) for p in Path("/run/systemd/system").glob("infer@*"))
+    if left:
+        raise Fail(f"rendered units left behind: {left}")
+    return "no infer@ unit active, no server process left, rendered units removed"
 
 
 # -- 2 sockets x 1 core x 2 threads ------------------------------------------------------------
@@ -363,11 +367,80 @@ def s11_reserve() -> str:
     return "infer@1..3 healthy, none allowed on CPU 0"
 
 
+# -- the Debian package (2 nodes x 2 CPUs) --------------------------------------------------------------
+
+SHARE = Path("/mnt/share")
+
+
+def apt(*args: str) -> str:
+    # The guest has no network: everything comes from its apt cache, prepared at image build.
+    return sh("apt-get", "-y", "-q", "-o", "Acquire::Retries=0", "-o", "Dpkg::Use-Pty=0", *args, timeout=600)
+
+
+@scenario("d1-install")
+def d1_install() -> str:
+    global NI
+    deb = sorted(SHARE.glob("debs/numa-infer_0.1.0_all.deb"))[0]
+    apt("install", "--no-install-recommends", str(deb))
+    NI = "/usr/bin/numa-infer"
+    version = sh(NI, "--version").strip()
+    enabled = sh("systemctl", "is-enabled", "numa-infer", check=False).strip()
+    active = sh("systemctl", "is-active", "numa-infer", check=False).strip()
+    failed = sh("systemctl", "list-units", "--failed", "--plain", "--no-legend", check=False).strip()
+    if enabled != "disabled" or active != "inactive" or failed:
+        raise Fail(f"after install: enabled={enabled} active={active} failed units={failed!r}")
+    for path in ("/usr/lib/systemd/system/numa-infer.service", "/usr/share/man/man8/numa-infer.8.gz",
+                 "/usr/share/man/man5/numa-infer.toml.5.gz", "/usr/share/bash-completion/completions/numa-infer"):
+        if not Path(path).exists():
+            raise Fail(f"{path} not installed")
+    if "/etc/numa-infer.toml" not in sh("dpkg-query", "-W", "-f=${Conffiles}", "numa-infer"):
+        raise Fail("/etc/numa-infer.toml is not a conffile")
+    return f"{version}; installed disabled and inactive, no failed unit"
+
+
+@scenario("d2-configure-start")
+def d2_start() -> str:
+    sh("systemctl", "enable", "numa-infer")
+    return s1_start.__wrapped__()
+
+
+@scenario("d3-upgrade")
+def d3_upgrade() -> str:
+    pids = {n: main_pid(n) for n in ("infer@0", "infer@1")}
+    daemon = main_pid("numa-infer")
+    deb = sorted(SHARE.glob("debs/numa-infer_0.1.0+*_all.deb"))[0]
+    apt("install", "--no-install-recommends", str(deb))
+    version = sh("dpkg-query", "-W", "-f=${Version}", "numa-infer")
+    wait(lambda: main_pid("numa-infer") not in (0, daemon), 120, "daemon restarted by the upgrade")
+    all_healthy(2)
+    after = {n: main_pid(n) for n in pids}
+    if after != pids:
+        raise Fail(f"upgrade restarted instances: {pids} -> {after}")
+    return f"upgraded to {version}; daemon {daemon} -> {main_pid('numa-infer')}; instances kept {pids}"
+
+
+@scenario("d4-purge")
+def d4_purge() -> str:
+    model = Path(MODEL)
+    apt("purge", "numa-infer")
+    active = sh("systemctl", "list-units", "--plain", "--no-legend", "--state=active", "infer@*", "numa-infer*", check=False).strip()
+    servers = sh("pgrep", "-af", "llama_cpp.server", check=False).strip()
+    left = [p for p in ("/etc/numa-infer.toml", "/usr/bin/numa-infer", "/usr/lib/systemd/system/numa-infer.service",
+                        "/run/numa-infer") if Path(p).exists()]
+    left += sorted(str(p) for p in Path("/run/systemd/system").glob("infer@*"))
+    if active or servers or left:
+        raise Fail(f"after purge: active {active!r}, processes {servers!r}, files {left}")
+    if not model.exists():
+        raise Fail("purge removed the operator's model file")
+    return "nothing running, package files gone, the operator's model kept"
+
+
 GROUPS = {
     "2x2": [s1_start, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill, s8b_daemon_restart,
             s9_stop],
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
+    "deb": [d1_install, d2_start, s2_kill, s4_affinity, d3_upgrade, d4_purge],
 }
 
 if __name__ == "__main__":
