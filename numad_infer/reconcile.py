@@ -50,6 +50,7 @@ class Runtime:
     drifting: bool = False
     lost: bool = False  # its main process disappeared and no successor was seen yet
     awaiting_restart: bool = False  # we asked for a restart: the next new PID is ours, not a crash
+    migrated_from: int | None = None  # remote anonymous bytes before our last migrate_pages
 
 
 @dataclass(frozen=True)
@@ -233,33 +234,35 @@ class Reconciler:
         mems = frozenset(rt.instance.mems)
         verdict = drift.check_memory(usage, mems, cfg.monitor.min_local_fraction)
         rt.memory = verdict
+        if rt.migrated_from is not None:
+            # The reading after a migration: kernel counters (memory.numa_stat) settle
+            # within a pass, so what moved is measured here rather than right after the call.
+            moved = max(rt.migrated_from - verdict.remote_bytes, 0)
+            detail = (f"migrate_pages moved {moved / 2**20:.1f} MiB back to node(s) {format_list(mems)}; "
+                      f"now {verdict.local_fraction or 0:.1%} local")
+            log.info("%s: memory repair result: %s", rt.instance.name, detail)
+            rt.last_repair = Event(self.wall(), "memory", detail)
+            rt.migrated_from = None
         if not verdict.drifted:
             return
         found = (f"{verdict.local_fraction:.1%} of {verdict.anon_bytes / 2**20:.0f} MiB anonymous memory on nodes "
                  f"{format_list(mems)}; {verdict.remote_bytes / 2**20:.0f} MiB on node(s) {format_list(verdict.remote_nodes)}")
         self._note(rt, "drift", "memory", found)
+        rt.drifting = True
         if not cfg.monitor.repair or rt.instance.policy == "interleave":
-            rt.drifting = True
             log.warning("%s: memory drift: %s (not repaired)", rt.instance.name, found)
             return
         try:
             left = pinning.migrate_pages(pid, verdict.remote_nodes, rt.instance.mems)
         except OSError as exc:
-            rt.drifting = True
             log.error("%s: memory drift: %s; migrate_pages failed: %s", rt.instance.name, found, exc.strerror)
             return
-        after = self.proc.numa_maps(pid) if usage.source == "numa_maps" else self.proc.cgroup_numa_stat(pid)
-        moved_text = ""
-        if after is not None:
-            again = drift.check_memory(after, mems, cfg.monitor.min_local_fraction)
-            moved = max(verdict.remote_bytes - again.remote_bytes, 0)
-            moved_text = f"moved {moved / 2**20:.1f} MiB to node(s) {format_list(mems)}, now {again.local_fraction or 0:.1%} local"
-            rt.memory = again
-            rt.drifting = again.drifted
-        detail = f"migrate_pages from node(s) {format_list(verdict.remote_nodes)}: {moved_text or 'done'}" + (
-            f" ({left} page(s) could not move)" if left else "")
+        detail = (f"migrate_pages from node(s) {format_list(verdict.remote_nodes)} to {format_list(mems)}"
+                  + (f"; {left} page(s) could not move" if left else ""))
         log.warning("%s: memory drift: %s; %s", rt.instance.name, found, detail)
         self._note(rt, "repair", "memory", detail)
+        rt.migrated_from = verdict.remote_bytes
+        rt.memory_checked_at = 0.0  # measure the result at the next pass, even with numa_maps
 
     # -- helpers ------------------------------------------------------------------------------------
     def _note(self, rt: Runtime, what: str, kind: str, detail: str) -> None:

@@ -284,29 +284,29 @@ def s7_bad_reload() -> str:
 
 @scenario("8-daemon-killed")
 def s8_daemon_kill() -> str:
+    pids, took = instances_survive(lambda: os.kill(main_pid("numa-infer"), signal.SIGKILL), "kill -9 of the daemon")
+    return f"daemon back after {took:.1f}s, instances kept {pids}"
+
+
+def instances_survive(action, what: str) -> tuple[dict[str, int], float]:
+    """Run `action` (something that replaces the daemon); every instance must keep its PID."""
     pids = {n: main_pid(n) for n in ("infer@0", "infer@1")}
     daemon = main_pid("numa-infer")
     t0 = time.monotonic()
-    os.kill(daemon, signal.SIGKILL)
+    action()
     wait(lambda: main_pid("numa-infer") not in (0, daemon) and
-         sh("systemctl", "is-active", "numa-infer", check=False).strip() == "active", 120, "daemon restarted")
+         sh("systemctl", "is-active", "numa-infer", check=False).strip() == "active", 120, f"daemon back after {what}")
     state = all_healthy(2)
     after = {n: main_pid(n) for n in pids}
     if after != pids or any(inst(state, n)["pid"] != p for n, p in pids.items()):
-        raise Fail(f"instance PIDs changed: {pids} -> {after}")
-    return f"daemon back after {time.monotonic() - t0:.1f}s, instances kept {pids}"
+        raise Fail(f"{what} restarted instances: {pids} -> {after}")
+    return pids, time.monotonic() - t0
 
 
 @scenario("8b-daemon-restart")
 def s8b_daemon_restart() -> str:
-    pids = {n: main_pid(n) for n in ("infer@0", "infer@1")}
-    t0 = time.monotonic()
-    sh("systemctl", "restart", "numa-infer", timeout=300)
-    state = all_healthy(2)
-    after = {n: main_pid(n) for n in pids}
-    if after != pids:
-        raise Fail(f"systemctl restart numa-infer restarted instances: {pids} -> {after}")
-    return f"restarted in {time.monotonic() - t0:.1f}s, instances kept {pids}"
+    pids, took = instances_survive(lambda: sh("systemctl", "restart", "numa-infer", timeout=300), "systemctl restart")
+    return f"restarted in {took:.1f}s, instances kept {pids}"
 
 
 @scenario("9-stop")
@@ -406,17 +406,10 @@ def d2_start() -> str:
 
 @scenario("d3-upgrade")
 def d3_upgrade() -> str:
-    pids = {n: main_pid(n) for n in ("infer@0", "infer@1")}
-    daemon = main_pid("numa-infer")
     deb = sorted(SHARE.glob("debs/numa-infer_0.1.0+*_all.deb"))[0]
-    apt("install", "--no-install-recommends", str(deb))
+    pids, took = instances_survive(lambda: apt("install", "--no-install-recommends", str(deb)), "the upgrade")
     version = sh("dpkg-query", "-W", "-f=${Version}", "numa-infer")
-    wait(lambda: main_pid("numa-infer") not in (0, daemon), 120, "daemon restarted by the upgrade")
-    all_healthy(2)
-    after = {n: main_pid(n) for n in pids}
-    if after != pids:
-        raise Fail(f"upgrade restarted instances: {pids} -> {after}")
-    return f"upgraded to {version}; daemon {daemon} -> {main_pid('numa-infer')}; instances kept {pids}"
+    return f"upgraded to {version}, daemon restarted, healthy after {took:.1f}s; instances kept {pids}"
 
 
 @scenario("d4-purge")
@@ -435,11 +428,55 @@ def d4_purge() -> str:
     return "nothing running, package files gone, the operator's model kept"
 
 
+# -- benchmark (not part of CI): aggregate decode rate on the 2-node guest ------------------------------
+
+def aggregate_rate(ports: list[int], rounds: int, tokens: int) -> float:
+    """Two concurrent clients (one per entry of `ports`), each `rounds` completions; total tokens/s."""
+    import threading
+    done: list[int] = []
+
+    def client(port: int) -> None:
+        for _ in range(rounds):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                         data=json.dumps({"prompt": "numa node", "max_tokens": tokens, "temperature": 0}).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=900) as resp:
+                done.append(json.load(resp)["usage"]["completion_tokens"])
+
+    clients = [threading.Thread(target=client, args=(p,)) for p in ports]
+    t0 = time.monotonic()
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    return sum(done) / (time.monotonic() - t0)
+
+
+@scenario("b1-aggregate-throughput")
+def b1_aggregate() -> str:
+    global MODEL
+    MODEL = "/var/lib/numa-infer/models/bench.gguf"
+    sh("install", "-D", "-m", "0644", str(SHARE / "bench.gguf"), MODEL)
+    write_config()
+    sh("systemctl", "start", "numa-infer", timeout=300)
+    state = all_healthy(2)
+    per_node = aggregate_rate([i["port"] for i in state["instances"]], 2, 16)
+    sh("systemctl", "stop", "numa-infer", timeout=300)
+    write_config('mode = "interleave"')
+    sh("systemctl", "start", "numa-infer", timeout=300)
+    (one,) = all_healthy(1)["instances"]
+    single = aggregate_rate([one["port"], one["port"]], 2, 16)
+    sh("systemctl", "stop", "numa-infer", timeout=300)
+    return (f"two per-node instances (2 threads each), two clients: {per_node:.2f} tokens/s; one interleaved instance "
+            f"({one['threads']} threads), two clients: {single:.2f} tokens/s; ratio {per_node / single:.2f}x (TCG)")
+
+
 GROUPS = {
     "2x2": [s1_start, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill, s8b_daemon_restart,
             s9_stop],
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
+    "bench": [b1_aggregate],
     "deb": [d1_install, d2_start, s2_kill, s4_affinity, d3_upgrade, d4_purge],
 }
 
