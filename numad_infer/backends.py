@@ -23,7 +23,7 @@ from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.planner import Instance, Plan
 from numad_infer.render import DROPIN_NAME, instance_environment, render_units, server_argv
-from numad_infer.systemctl import Systemctl
+from numad_infer.systemctl import Systemctl, SystemctlError
 from numad_infer.unitdir import managed_files, write_units
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,9 @@ class SystemdBackend:
         result = {}
         for name in names:
             props = shown.get(f"{name}.service", {})
-            pid = int(props.get("MainPID", "0") or 0) or None
+            if "ActiveState" not in props or not props.get("MainPID", "").isdigit():
+                raise SystemctlError(f"systemctl show gave no state for {name}.service")
+            pid = int(props["MainPID"]) or None
             active, sub = props.get("ActiveState", "unknown"), props.get("SubState", "?")
             # "activating": a start job runs, or Restart= will bring it back after a crash.
             result[name] = Observation(pid, active == "activating", f"{active} ({sub})")

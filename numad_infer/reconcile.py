@@ -121,7 +121,8 @@ class Reconciler:
         try:
             observed = self.backend.observe(list(self.runtimes))
         except Exception as exc:
-            log.error("cannot read instance states: %s", exc)
+            # Not knowing is not "not running": act on nothing this pass.
+            log.error("cannot read instance states, skipping this pass: %s", exc)
             return
         probes = {
             name: self._pool.submit(probe, cfg.server.host, rt.instance.port, cfg.monitor.probe_timeout_s)

@@ -62,7 +62,9 @@ class Systemctl:
         """One systemctl call for many units (one fork per pass, not one per instance)."""
         if not units:
             return {}
-        proc = self.run("show", *units, f"--property=Id,{','.join(props)}", check=False)
+        # check=True: a failed call (systemd busy reloading during a package upgrade) must
+        # read as "unknown", never as "not running" -- that would restart healthy instances.
+        proc = self.run("show", *units, f"--property=Id,{','.join(props)}")
         result: dict[str, dict[str, str]] = {}
         for block in proc.stdout.strip().split("\n\n"):
             fields = dict(line.partition("=")[::2] for line in block.splitlines() if "=" in line)

@@ -177,3 +177,17 @@ def test_adoption_keeps_running_instances_whose_definition_is_unchanged() -> Non
     assert result.unchanged == ("infer@0",) and result.added == ("infer@1", "infer@2")
     assert ("restart", "infer@0") not in backend.calls and backend.running["infer@0"] == 42
     assert rec.runtimes["infer@0"].pid == 42
+
+
+def test_unknown_instance_states_never_cause_a_restart() -> None:
+    backend = RecordingBackend()
+    rec = Reconciler(backend)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    backend.calls.clear()
+
+    def broken(names):
+        raise RuntimeError("systemctl show failed")
+
+    backend.observe = broken
+    rec.monitor(1.0)
+    assert backend.calls == []

@@ -48,3 +48,17 @@ def test_restart_job_of_the_daemon_keeps_instances(tmp_path: Path) -> None:
     assert SystemdBackend(fake_systemctl(tmp_path, jobs)).stop_all_on_exit() is False
     (tmp_path / "calls").unlink()
     assert SystemdBackend(fake_systemctl(tmp_path, "1234 numa-infer.service stop running\n")).stop_all_on_exit() is True
+
+
+def test_a_failed_systemctl_show_is_an_error_not_stopped_instances(tmp_path: Path) -> None:
+    import pytest
+
+    from numad_infer.systemctl import SystemctlError
+
+    script = tmp_path / "systemctl"
+    script.write_text("#!/bin/sh\necho 'Failed to get properties: Connection reset by peer' >&2\nexit 1\n")
+    script.chmod(0o755)
+    with pytest.raises(SystemctlError):
+        SystemdBackend(Systemctl(binary=str(script))).observe(["infer@0"])
+    with pytest.raises(SystemctlError, match="no state for infer@1"):
+        SystemdBackend(fake_systemctl(tmp_path, SHOW.split("\n\n")[0])).observe(["infer@0", "infer@1"])

@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "vm"))
-from scenarios import GROUPS  # noqa: E402  (scenario names, to notice a scenario that never reported)
+from scenarios import GROUPS, TOPOLOGY  # noqa: E402  (scenario names, to notice a scenario that never reported)
 
 # The "deb" group installs numa-infer from its Debian package instead of the wheel.
 WHEEL_SETUP = """/opt/llm/bin/pip install -q --no-deps --no-index /mnt/share/dist/*.whl
@@ -89,7 +89,7 @@ def main() -> int:
         (share / "test.sh").write_text(GUEST_TEST.format(group=group, setup="" if group == "deb" else WHEEL_SETUP))
         (share / "test.sh").chmod(0o755)
         started = time.monotonic()
-        proc = subprocess.run([str(HERE / "image.sh"), "run", str(share), group], capture_output=True, text=True, env=env)
+        proc = subprocess.run([str(HERE / "image.sh"), "run", str(share), TOPOLOGY[group]], capture_output=True, text=True, env=env)
         out = (share / "out.txt").read_text() if (share / "out.txt").exists() else ""
         lines = [l for l in out.splitlines() if re.match(r"^(PASS|FAIL) ", l)]
         print(f"--- {group}: guest ran {time.monotonic() - started:.0f}s (boot included), exit {proc.returncode}")

@@ -480,6 +480,9 @@ GROUPS = {
     "deb": [d1_install, d2_start, s2_kill, s4_affinity, d3_upgrade, d4_purge],
 }
 
+# The emulated machine each group boots (tests/vm/image.sh run SHARE TOPO).
+TOPOLOGY = {"2x2": "2x2", "2x2smt": "2x2smt", "4x1": "4x1", "deb": "2x2", "bench": "2x2"}
+
 if __name__ == "__main__":
     for run in GROUPS[sys.argv[1]]:
         run()
