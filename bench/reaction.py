@@ -45,10 +45,22 @@ def main() -> None:
     subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(model), "--size", "tiny"], check=True,
                    stdout=subprocess.DEVNULL)
     (tmp / "d").mkdir()
-    run = DaemonRun(tmp / "d", model, interval_s=args.interval)
+    # Enough restart budget for the repeated kills below (the default marks it failed after 5).
+    # Repeated kills on purpose: no restart budget or backoff in the way of the reaction time.
+    run = DaemonRun(tmp / "d", model, interval_s=args.interval, monitor="max_restarts = 1000", backoff_s=0)
     print(f"# host: {os.cpu_count()} CPUs; monitor.interval_s = {args.interval}; target p99 < interval + 0.1 s")
     try:
         state = run.all_healthy(2)
+        # 0. What the daemon itself costs while it just monitors (its own CPU time, not the servers').
+        def cpu_s() -> float:
+            fields = open(f"/proc/{run.proc.pid}/stat").read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        before, start = cpu_s(), time.monotonic()
+        time.sleep(30)
+        used, elapsed = cpu_s() - before, time.monotonic() - start
+        passes = run.state()["daemon"].get("pass_duration_s")
+        print(f"{'daemon CPU while monitoring':<34} {used / elapsed * 100:.2f}% of a core (2 instances, {elapsed:.0f}s); "
+              f"last pass {passes * 1000:.1f} ms wall")
         # 1. affinity drift: one thread moved to the other instance's CPU.
         reactions = []
         for i in range(args.drifts):

@@ -12,27 +12,37 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from numad_infer import __version__
-from numad_infer.config import DEFAULT_CONFIG_PATH, Config, load_config
 from numad_infer.cpuset import format_list
+from numad_infer.defaults import DEFAULT_CONFIG_PATH, DEFAULT_STATE_FILE
 from numad_infer.errors import NumaInferError
-from numad_infer.modelfile import model_size
-from numad_infer.planner import Plan, make_plan
-from numad_infer.render import render_units
-from numad_infer.statefile import DEFAULT_STATE_FILE, read_state
-from numad_infer.sysfs import read_topology
-from numad_infer.topology import Topology
-from numad_infer.unitdir import plan_write, write_units
+from numad_infer.statefile import read_state
+
+if TYPE_CHECKING:
+    from numad_infer.config import Config
+    from numad_infer.planner import Plan
+    from numad_infer.topology import Topology
+
+# The config schema (pydantic), planner and renderer are imported by the commands that
+# need them: `numa-infer status` with the daemon running reads only a JSON file, and an
+# operator's status check (or a monitoring script) should not pay ~100 ms for pydantic.
 
 
 @dataclass(frozen=True)
 class Loaded:
-    config: Config
-    topology: Topology
-    plan: Plan
+    config: "Config"
+    topology: "Topology"
+    plan: "Plan"
 
 
 def load_all(config_path: str, fsroot: str) -> Loaded:
+    from numad_infer.config import load_config
+    from numad_infer.modelfile import model_size
+    from numad_infer.planner import make_plan
+    from numad_infer.sysfs import read_topology
+
     config = load_config(config_path)
     topology = read_topology(fsroot)
     size = model_size(config.model.path, config_path)
@@ -41,7 +51,7 @@ def load_all(config_path: str, fsroot: str) -> Loaded:
 
 # -- presentation ------------------------------------------------------------------------
 
-def format_topology(topo: Topology) -> str:
+def format_topology(topo: "Topology") -> str:
     ids = topo.node_ids
     out = [f"available: {len(ids)} nodes ({format_list(ids)})"]
     for node in topo.nodes:
@@ -58,7 +68,7 @@ def format_topology(topo: Topology) -> str:
     return "\n".join(out)
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: "Plan") -> str:
     rows = [("INSTANCE", "NODE", "CPUS", "MEMS", "POLICY", "THREADS", "PORT")]
     for i in plan.instances:
         rows.append((i.name, "-" if i.node is None else str(i.node), format_list(i.cpus), format_list(i.mems),
@@ -72,6 +82,8 @@ def format_plan(plan: Plan) -> str:
 # -- commands -------------------------------------------------------------------------------
 
 def cmd_topology(args: argparse.Namespace) -> int:
+    from numad_infer.sysfs import read_topology
+
     topo = read_topology(args.fsroot)
     print(json.dumps(topo.to_dict(), indent=2) if args.json else format_topology(topo))
     return 0
@@ -84,6 +96,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from numad_infer.render import render_units
+    from numad_infer.unitdir import write_units
+
     loaded = load_all(args.config, args.fsroot)
     unit_dir = Path(args.output or loaded.config.systemd.unit_dir)
     result = write_units(unit_dir, render_units(loaded.config, loaded.plan))
@@ -99,6 +114,9 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from numad_infer.render import render_units
+    from numad_infer.unitdir import plan_write
+
     loaded = load_all(args.config, args.fsroot)
     print(f"{args.config}: valid for this machine")
     print(format_plan(loaded.plan))

@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - the package requires 3.11, tomli keeps 3.10 tooling working
     import tomli as tomllib
 
-DEFAULT_CONFIG_PATH = "/etc/numa-infer.toml"
+from numad_infer.defaults import DEFAULT_CONFIG_PATH  # noqa: E402  (re-exported)
 
 
 class ConfigError(_BaseConfigError):

@@ -229,7 +229,7 @@ class Daemon:
                 self.reconciler.monitor(now)
                 self.pass_duration_s = time.monotonic() - now
                 self.publish(now)
-                next_pass = now + self.config.monitor.interval_s
+                next_pass = now + self._next_interval()
             if self.notifier.watchdog_due(time.monotonic()):
                 self.notifier.watchdog(time.monotonic())
             wait = next_pass - time.monotonic()
@@ -237,6 +237,14 @@ class Daemon:
                 wait = min(wait, self.notifier.watchdog_s / 4)
             self._sleep(wait)
         return self.shutdown()
+
+    def _next_interval(self) -> float:
+        # While an instance is starting, look again within a second: it answers as soon as
+        # its model is loaded, and status should say so without waiting a whole interval.
+        assert self.config is not None
+        interval = self.config.monitor.interval_s
+        starting = any(rt.supervision.state == State.STARTING for rt in self.reconciler.runtimes.values())
+        return min(interval, 1.0) if starting else interval
 
     def shutdown(self) -> int:
         self.state = "stopping"

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-DEFAULT_STATE_FILE = "/run/numa-infer/state.json"
+from numad_infer.defaults import DEFAULT_STATE_FILE  # noqa: F401  (re-exported)
 SCHEMA = 1
 
 

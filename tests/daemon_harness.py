@@ -63,7 +63,8 @@ class NotifyListener:
 
 class DaemonRun:
     def __init__(self, tmp: Path, model: Path, placement: str = "", monitor: str = "", env: dict[str, str] | None = None,
-                 machine: fakesys.FakeMachine | None = None, extra_config: str = "", interval_s: float = 0.5) -> None:
+                 machine: fakesys.FakeMachine | None = None, extra_config: str = "", interval_s: float = 0.5,
+                 backoff_s: float = 0.2) -> None:
         self.tmp = tmp
         self.model = model
         self.fsroot = fakesys.write_tree(tmp / "fs", machine or two_single_cpu_nodes())
@@ -71,7 +72,7 @@ class DaemonRun:
         self.config = tmp / "numa-infer.toml"
         self.base_port = 18000 + (os.getpid() * 7 + int(time.time() * 1000)) % 20000
         self.extra_config = extra_config
-        self.interval_s = interval_s
+        self.interval_s, self.backoff_s = interval_s, backoff_s
         self.write_config(placement, monitor)
         self.notify = NotifyListener(tmp / "notify.sock")
         self.env = dict(os.environ, NOTIFY_SOCKET=str(self.notify.path), **(env or {}))
@@ -88,7 +89,7 @@ class DaemonRun:
             f"[placement]\n{placement}\n"
             f'[server]\nbase_port = {self.base_port}\npython = "{sys.executable}"\n'
             f"[monitor]\ninterval_s = {self.interval_s}\nprobe_timeout_s = 1.0\nstartup_grace_s = 60\nunhealthy_after = 2\n"
-            f"restart_backoff_s = 0.2\nnuma_maps_interval_s = 1\n{monitor}\n{extra or self.extra_config}"
+            f"restart_backoff_s = {self.backoff_s}\nnuma_maps_interval_s = 1\n{monitor}\n{extra or self.extra_config}"
         )
 
     def state(self) -> dict[str, Any] | None:
