@@ -95,7 +95,10 @@ def main() -> None:
             before = run.state()["daemon"]["generation"]
             start = time.monotonic()
             os.kill(run.proc.pid, signal.SIGHUP)
-            run.wait(lambda s: s["daemon"]["generation"] > before, 60, "reload")
+            while (run.state() or {"daemon": {"generation": before}})["daemon"]["generation"] <= before:
+                if time.monotonic() - start > 60:
+                    raise SystemExit("reload not applied within 60 s")
+                time.sleep(0.005)
             return time.monotonic() - start
 
         text = run.config.read_text()
