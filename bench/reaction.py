@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile

@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -229,11 +228,3 @@ class ProcessBackend:
     def forget(self, config: Config) -> None:
         pass  # nothing on disk
 
-
-def wait_gone(pids: list[int], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not any(os.path.exists(f"/proc/{p}") for p in pids):
-            return True
-        time.sleep(0.1)
-    return False

@@ -30,10 +30,6 @@ class Instance:
     def unit(self) -> str:
         return f"{self.name}.service"
 
-    @property
-    def instance_id(self) -> str:
-        return self.name.partition("@")[2]
-
     def to_dict(self) -> dict:
         data = asdict(self)
         data["places"] = [list(p) for p in self.places]
@@ -46,9 +42,6 @@ class Instance:
 class Plan:
     instances: tuple[Instance, ...]
     warnings: tuple[str, ...] = field(default=())
-
-    def by_name(self) -> dict[str, Instance]:
-        return {i.name: i for i in self.instances}
 
     def to_dict(self) -> dict:
         return {"instances": [i.to_dict() for i in self.instances], "warnings": list(self.warnings)}

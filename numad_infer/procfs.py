@@ -79,11 +79,6 @@ class ProcReader:
         except OSError:
             return None  # ESRCH from a thread that exited between listdir and open
 
-    def exists(self, pid: int) -> bool:
-        stat = self._read(self.proc / str(pid) / "stat")
-        # A zombie has exited: it has no threads to pin and no memory to place.
-        return stat is not None and _stat_fields(stat)[0] != "Z"
-
     def thread_ids(self, pid: int) -> list[int]:
         try:
             return sorted(int(t) for t in os.listdir(self.proc / str(pid) / "task"))
@@ -150,21 +145,6 @@ class ProcReader:
             if entry.isdigit() and (self._read(self.proc / entry / "comm") or "").strip() == name:
                 pids.append(int(entry))
         return pids
-
-    def environ(self, pid: int) -> dict[str, str]:
-        try:
-            raw = (self.proc / str(pid) / "environ").read_bytes()
-        except OSError:
-            return {}
-        pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
-        return {k: v for k, _, v in pairs}
-
-    def children(self, pid: int) -> list[int]:
-        found: list[int] = []
-        for tid in self.thread_ids(pid):
-            text = self._read(self.proc / str(pid) / "task" / str(tid) / "children") or ""
-            found += [int(c) for c in text.split()]
-        return found
 
 
 def _stat_fields(stat: str) -> list[str]:

@@ -77,7 +77,7 @@ def render_template(config: Config) -> str:
     lines = [
         MARKER,
         "[Unit]",
-        f"Description=numa-infer llama.cpp server %i",
+        "Description=numa-infer llama.cpp server %i",
         # No PartOf=numa-infer.service: systemd would pass a daemon restart (an upgrade)
         # on to every instance; the daemon stops them itself on a real stop.
         "After=network.target",

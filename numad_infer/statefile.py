@@ -11,7 +11,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from numad_infer.defaults import DEFAULT_STATE_FILE  # noqa: F401  (re-exported)
 SCHEMA = 1
 
 

@@ -72,10 +72,6 @@ class Systemctl:
                 result[fields["Id"]] = fields
         return result
 
-    def list_units(self, pattern: str) -> list[str]:
-        proc = self.run("list-units", "--all", "--plain", "--no-legend", "--full", pattern, check=False)
-        return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
-
     def pending_job(self, unit: str) -> str | None:
         """The type of the job queued or running for `unit` ("restart", "stop", ...), if any."""
         proc = self.run("list-jobs", "--plain", "--no-legend", "--full", check=False)

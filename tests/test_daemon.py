@@ -171,6 +171,7 @@ def test_sigterm_stops_everything_and_notifies(daemon) -> None:
     run = daemon(env={"WATCHDOG_USEC": "1000000"})
     state = run.all_healthy(2)
     pids = [i["pid"] for i in state["instances"]]
+    time.sleep(1.5)  # at WATCHDOG_USEC = 1 s, pings are due every 0.5 s: at least 3 by now
     assert run.stop() == 0
     assert not any(os.path.exists(f"/proc/{p}") for p in pids)
     fields = run.notify.fields()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import pytest
 
 from numad_infer.backends import Observation
 from numad_infer.config import MonitorSection, parse_config
