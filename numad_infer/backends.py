@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -126,15 +127,40 @@ class SystemdBackend:
             log.info("units: removed %s; systemctl daemon-reload", ", ".join(result.removed))
             self.systemctl.daemon_reload()
 
-    def stop_all_on_exit(self) -> bool:
+    def stop_all_on_exit(self, looks: int = 5, pause_s: float = 0.2) -> bool:
         # `systemctl restart numa-infer` (an upgrade, an operator) stops us too: only a
         # real stop takes the instances down, so a restarted daemon can adopt them.
-        job = self.systemctl.pending_job(self.daemon_unit)
-        if job in ("restart", "try-restart", "reload-or-restart"):
-            log.info("daemon restart in progress: leaving instances running for the next daemon to adopt")
-            return False
-        return True
+        # systemd holds a running job for us while it delivers SIGTERM, but it sends SIGTERM
+        # to every process in our cgroup and re-reads the cgroup until no new process shows
+        # up: a systemctl forked in that window is killed too (seen in the VM suite as a
+        # restart read as a stop). So a failed or empty answer is looked at again.
+        seen, failed = "", False
+        for look in range(looks):
+            if look:
+                log.info("%s: looking again for the job that stops the daemon", seen)
+                time.sleep(pause_s)
+            try:
+                jobs = self.systemctl.jobs()
+            except SystemctlError as exc:
+                seen, failed = str(exc), True
+                continue
+            kind = next((kind for _, unit, kind, _ in jobs if unit == self.daemon_unit), None)
+            if kind in RESTART_JOBS:
+                log.info("daemon restart in progress (job %s): leaving instances running for the next daemon to adopt",
+                         kind)
+                return False
+            if kind is not None:
+                log.info("%s job %s: stopping the instances", self.daemon_unit, kind)
+                return True
+            seen, failed = f"no job for {self.daemon_unit} among {len(jobs)} job(s)", False
+        if not failed:
+            log.info("%s: a stop from outside systemd: stopping the instances", seen)
+            return True
+        raise SystemctlError(seen)
 
+
+# Job types that bring the daemon back (systemctl restart, try-restart, reload-or-restart).
+RESTART_JOBS = ("restart", "try-restart", "reload-or-restart")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 PR_SET_PDEATHSIG = 1

@@ -72,11 +72,16 @@ class Systemctl:
                 result[fields["Id"]] = fields
         return result
 
-    def pending_job(self, unit: str) -> str | None:
-        """The type of the job queued or running for `unit` ("restart", "stop", ...), if any."""
-        proc = self.run("list-jobs", "--plain", "--no-legend", "--full", check=False)
+    def jobs(self) -> list[tuple[str, str, str, str]]:
+        """Queued and running jobs as (id, unit, type, state)."""
+        proc = self.run("list-jobs", "--plain", "--no-legend", "--full")
+        rows = []
         for line in proc.stdout.splitlines():
             parts = line.split()
-            if len(parts) >= 3 and parts[1] == unit:
-                return parts[2]
-        return None
+            if len(parts) >= 4 and parts[0].isdigit():
+                rows.append((parts[0], parts[1], parts[2], parts[3]))
+        return rows
+
+    def pending_job(self, unit: str) -> str | None:
+        """The type of the job queued or running for `unit` ("restart", "stop", ...), if any."""
+        return next((kind for _, name, kind, _ in self.jobs() if name == unit), None)

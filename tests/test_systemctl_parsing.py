@@ -62,3 +62,53 @@ def test_a_failed_systemctl_show_is_an_error_not_stopped_instances(tmp_path: Pat
         SystemdBackend(Systemctl(binary=str(script))).observe(["infer@0"])
     with pytest.raises(SystemctlError, match="no state for infer@1"):
         SystemdBackend(fake_systemctl(tmp_path, SHOW.split("\n\n")[0])).observe(["infer@0", "infer@1"])
+
+
+def sequenced_systemctl(tmp_path: Path, answers: list[tuple[int, str]]) -> Systemctl:
+    """A systemctl whose Nth call exits with answers[N][0] and prints answers[N][1] (the last
+    repeats); exit status -15 means killed by SIGTERM, as systemd does to a child of ours."""
+    for i, (rc, out) in enumerate(answers):
+        (tmp_path / f"out{i}").write_text(out)
+        (tmp_path / f"rc{i}").write_text(str(rc))
+    last = len(answers) - 1
+    script = tmp_path / "systemctl"
+    script.write_text(f"""#!/bin/sh
+n=$(cat {tmp_path}/n 2>/dev/null || echo 0)
+echo $((n + 1)) > {tmp_path}/n
+[ "$n" -gt {last} ] && n={last}
+rc=$(cat {tmp_path}/rc$n)
+[ "$rc" = -15 ] && kill -TERM $$
+cat {tmp_path}/out$n
+exit $rc
+""")
+    script.chmod(0o755)
+    return Systemctl(binary=str(script))
+
+
+def calls(tmp_path: Path) -> int:
+    return int((tmp_path / "n").read_text())
+
+
+def test_restart_job_seen_on_a_second_look_keeps_instances(tmp_path: Path) -> None:
+    # systemd SIGTERMs every process in the daemon's cgroup, a list-jobs forked right after
+    # the daemon's own SIGTERM included (reproduced in the VM). A killed, failed or empty
+    # list-jobs is looked at again: reading it as "stop" would take every instance down on a
+    # plain `systemctl restart numa-infer`.
+    answers = [(-15, ""), (1, ""), (0, ""), (0, "7 numa-infer.service restart running\n")]
+    assert SystemdBackend(sequenced_systemctl(tmp_path, answers)).stop_all_on_exit(pause_s=0) is False
+    assert calls(tmp_path) == 4
+
+
+def test_no_job_at_all_is_a_stop_from_outside_systemd(tmp_path: Path) -> None:
+    systemctl = sequenced_systemctl(tmp_path, [(0, "9 infer@0.service start waiting\n")])
+    assert SystemdBackend(systemctl).stop_all_on_exit(looks=3, pause_s=0) is True
+    assert calls(tmp_path) == 3
+
+
+def test_systemctl_failing_every_time_is_an_error(tmp_path: Path) -> None:
+    import pytest
+
+    from numad_infer.systemctl import SystemctlError
+
+    with pytest.raises(SystemctlError, match="list-jobs"):
+        SystemdBackend(sequenced_systemctl(tmp_path, [(1, "")])).stop_all_on_exit(looks=2, pause_s=0)

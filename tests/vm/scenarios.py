@@ -477,11 +477,13 @@ GROUPS = {
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
     "bench": [b1_aggregate],
+    # Not in CI: repeats the daemon replacements that must keep instances (a flake hunt).
+    "restarts": [s1_start] + [s8_daemon_kill, s8b_daemon_restart] * 8 + [s9_stop],
     "deb": [d1_install, d2_start, s2_kill, s4_affinity, d3_upgrade, d4_purge],
 }
 
 # The emulated machine each group boots (tests/vm/image.sh run SHARE TOPO).
-TOPOLOGY = {"2x2": "2x2", "2x2smt": "2x2smt", "4x1": "4x1", "deb": "2x2", "bench": "2x2"}
+TOPOLOGY = {"2x2": "2x2", "2x2smt": "2x2smt", "4x1": "4x1", "deb": "2x2", "bench": "2x2", "restarts": "2x2"}
 
 if __name__ == "__main__":
     for run in GROUPS[sys.argv[1]]:
