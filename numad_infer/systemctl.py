@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 
 from numad_infer.errors import NumaInferError
@@ -31,6 +32,8 @@ class Systemctl:
             proc = subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=self.timeout_s, env=env)
         except subprocess.TimeoutExpired as exc:
             raise SystemctlError(f"systemctl {' '.join(args)}: no answer within {self.timeout_s:g}s") from exc
+        if check and proc.returncode < 0:
+            raise SystemctlError(f"systemctl {' '.join(args)}: killed by {signal.Signals(-proc.returncode).name}")
         if check and proc.returncode != 0:
             raise SystemctlError(f"systemctl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
         return proc

@@ -3,7 +3,10 @@ prints what `systemctl show` prints; the real systemctl runs in the VM suite (te
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+
+import pytest
 
 from numad_infer.backends import SystemdBackend
 from numad_infer.systemctl import Systemctl
@@ -51,8 +54,6 @@ def test_restart_job_of_the_daemon_keeps_instances(tmp_path: Path) -> None:
 
 
 def test_a_failed_systemctl_show_is_an_error_not_stopped_instances(tmp_path: Path) -> None:
-    import pytest
-
     from numad_infer.systemctl import SystemctlError
 
     script = tmp_path / "systemctl"
@@ -89,14 +90,16 @@ def calls(tmp_path: Path) -> int:
     return int((tmp_path / "n").read_text())
 
 
-def test_restart_job_seen_on_a_second_look_keeps_instances(tmp_path: Path) -> None:
+def test_restart_job_seen_on_a_second_look_keeps_instances(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # systemd SIGTERMs every process in the daemon's cgroup, a list-jobs forked right after
     # the daemon's own SIGTERM included (reproduced in the VM). A killed, failed or empty
     # list-jobs is looked at again: reading it as "stop" would take every instance down on a
     # plain `systemctl restart numa-infer`.
     answers = [(-15, ""), (1, ""), (0, ""), (0, "7 numa-infer.service restart running\n")]
-    assert SystemdBackend(sequenced_systemctl(tmp_path, answers)).stop_all_on_exit(pause_s=0) is False
+    with caplog.at_level(logging.INFO, logger="numad_infer"):
+        assert SystemdBackend(sequenced_systemctl(tmp_path, answers)).stop_all_on_exit(pause_s=0) is False
     assert calls(tmp_path) == 4
+    assert "list-jobs --plain --no-legend --full: killed by SIGTERM: looking again" in caplog.text
 
 
 def test_no_job_at_all_is_a_stop_from_outside_systemd(tmp_path: Path) -> None:
@@ -106,8 +109,6 @@ def test_no_job_at_all_is_a_stop_from_outside_systemd(tmp_path: Path) -> None:
 
 
 def test_systemctl_failing_every_time_is_an_error(tmp_path: Path) -> None:
-    import pytest
-
     from numad_infer.systemctl import SystemctlError
 
     with pytest.raises(SystemctlError, match="list-jobs"):
