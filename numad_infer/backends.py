@@ -1,8 +1,9 @@
 """Where instances run: systemd units (production) or child processes (no systemd).
 
 Both take the same plan and expose the same small surface to the reconcile loop:
-`specs` (what would run, for diffs), `sync` (definitions on disk), `start`, `stop`,
-`restart`, `main_pid`, `describe` (unit state in words), `existing` (what runs now).
+`specs` (what would run, for diffs), `current_specs` (what a previous daemon left),
+`sync` (definitions on disk), `start`, `stop`, `restart`, and `observe` (main PID and
+state in words of every instance, in one read).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class Observation:
 
 class Backend(Protocol):
     name: str
+    # Each instance in a cgroup of its own, whose memory.numa_stat is that instance's
+    # memory (systemd units); otherwise memory is read from /proc/PID/numa_maps.
+    instance_cgroups: bool
 
     def specs(self, config: Config, plan: Plan) -> dict[str, str]: ...
     def current_specs(self, config: Config) -> dict[str, str]: ...
@@ -45,8 +49,6 @@ class Backend(Protocol):
     def start(self, instance: Instance) -> None: ...
     def stop(self, name: str) -> None: ...
     def restart(self, instance: Instance) -> None: ...
-    def main_pid(self, name: str) -> int | None: ...
-    def describe(self, name: str) -> str: ...
     def observe(self, names: list[str]) -> dict[str, Observation]: ...
     def stop_all_on_exit(self) -> bool: ...
     def forget(self, config: Config) -> None: ...
@@ -54,6 +56,7 @@ class Backend(Protocol):
 
 class SystemdBackend:
     name = "systemd"
+    instance_cgroups = True
 
     def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = "numa-infer.service") -> None:
         self.systemctl = systemctl or Systemctl()
@@ -97,15 +100,6 @@ class SystemdBackend:
 
     def restart(self, instance: Instance) -> None:
         self.systemctl.restart(instance.unit)
-
-    def main_pid(self, name: str) -> int | None:
-        props = self.systemctl.show(f"{name}.service", "MainPID")
-        pid = int(props.get("MainPID", "0") or 0)
-        return pid or None
-
-    def describe(self, name: str) -> str:
-        props = self.systemctl.show(f"{name}.service", "ActiveState", "SubState")
-        return f"{props.get('ActiveState', 'unknown')} ({props.get('SubState', '?')})"
 
     def observe(self, names: list[str]) -> dict[str, Observation]:
         shown = self.systemctl.show_many([f"{n}.service" for n in names], "MainPID", "ActiveState", "SubState")
@@ -170,6 +164,7 @@ class ProcessBackend:
     """Instances as the daemon's own children, pinned between fork and exec."""
 
     name = "process"
+    instance_cgroups = False  # children share the daemon's cgroup
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir

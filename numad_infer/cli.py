@@ -216,13 +216,20 @@ def _offline_status(args: argparse.Namespace) -> dict:
     except NumaInferError as exc:
         data["daemon"]["warnings"].append(str(exc))
         return data
-    from numad_infer.backends import SystemdBackend
+    from numad_infer.backends import Observation, SystemdBackend
     from numad_infer.systemctl import pid1_is_systemd
 
-    backend = SystemdBackend() if pid1_is_systemd() else None
+    names = [inst.name for inst in loaded.plan.instances]
+    no_unit = Observation(None, False, "not running (process backend: instances stop with the daemon)")
+    seen = dict.fromkeys(names, no_unit)
+    if pid1_is_systemd():
+        try:
+            seen = SystemdBackend().observe(names)
+        except NumaInferError as exc:
+            data["daemon"]["warnings"].append(str(exc))
+            seen = dict.fromkeys(names, Observation(None, False, "unknown"))
     for inst in loaded.plan.instances:
-        pid = backend.main_pid(inst.name) if backend else None
-        unit = backend.describe(inst.name) if backend else "not running (process backend: instances stop with the daemon)"
+        pid, unit = seen[inst.name].pid, seen[inst.name].description
         data["instances"].append({**inst.to_dict(), "pid": pid, "state": "running" if pid else "stopped",
                                   "unit_state": unit, "restarts": 0, "local_memory_fraction": None})
     return data

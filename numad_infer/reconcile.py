@@ -82,6 +82,11 @@ class Reconciler:
             self.runtimes.pop(name, None)
         self.backend.sync(config, plan)
         self.config, self.plan, self.specs = config, plan, new_specs
+        try:
+            running = {name: seen.pid for name, seen in self.backend.observe([i.name for i in plan.instances]).items()}
+        except Exception as exc:  # unknown: start (a no-op on a running unit); monitoring adopts the PID later
+            log.error("cannot read instance states before starting them: %s", exc)
+            running = {}
         for instance in plan.instances:
             runtime = self.runtimes.get(instance.name)
             if runtime is None or instance.name in diff.changed:
@@ -95,7 +100,7 @@ class Reconciler:
                 runtime.awaiting_restart = True
                 runtime.supervision.on_started(now)
             else:
-                already = self.backend.main_pid(instance.name)
+                already = running.get(instance.name)
                 self._isolated(instance.name, "start", lambda i=instance: self.backend.start(i))
                 if already is not None:
                     if runtime.pid is None:
@@ -222,7 +227,7 @@ class Reconciler:
     def _check_memory(self, rt: Runtime, pid: int, now: float) -> None:
         cfg = self.config
         assert cfg is not None
-        usage = self.proc.cgroup_numa_stat(pid) if self.backend.name == "systemd" else None
+        usage = self.proc.cgroup_numa_stat(pid) if self.backend.instance_cgroups else None
         if usage is None:
             # numa_maps walks every page table of the process: only every numa_maps_interval_s.
             if rt.memory is not None and now - rt.memory_checked_at < cfg.monitor.numa_maps_interval_s:

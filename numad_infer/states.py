@@ -16,9 +16,6 @@ class State(str, Enum):
     STOPPED = "stopped"
 
 
-RUNNING_STATES = frozenset({State.STARTING, State.HEALTHY, State.UNHEALTHY})
-
-
 @dataclass
 class Supervision:
     """Health bookkeeping for one instance, after supervisor's process state machine."""

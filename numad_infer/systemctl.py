@@ -53,14 +53,6 @@ class Systemctl:
         if units:
             self.run("restart", "--no-block", *units)
 
-    def show(self, unit: str, *props: str) -> dict[str, str]:
-        proc = self.run("show", unit, *(f"--property={p}" for p in props), check=False)
-        out: dict[str, str] = {}
-        for line in proc.stdout.splitlines():
-            key, _, value = line.partition("=")
-            out[key] = value
-        return out
-
     def show_many(self, units: list[str], *props: str) -> dict[str, dict[str, str]]:
         """One systemctl call for many units (one fork per pass, not one per instance)."""
         if not units:
@@ -84,7 +76,3 @@ class Systemctl:
             if len(parts) >= 4 and parts[0].isdigit():
                 rows.append((parts[0], parts[1], parts[2], parts[3]))
         return rows
-
-    def pending_job(self, unit: str) -> str | None:
-        """The type of the job queued or running for `unit` ("restart", "stop", ...), if any."""
-        return next((kind for _, name, kind, _ in self.jobs() if name == unit), None)

@@ -102,6 +102,7 @@ class RecordingBackend:
     """Records calls; stands in for systemd/processes to test the reconcile logic alone."""
 
     name: str = "recording"
+    instance_cgroups: bool = False
     calls: list[tuple[str, str]] = field(default_factory=list)
     running: dict[str, int] = field(default_factory=dict)
     next_pid: int = 100
@@ -128,14 +129,8 @@ class RecordingBackend:
         self.calls.append(("restart", instance.name))
         self.running[instance.name] = self.next_pid = self.next_pid + 1
 
-    def main_pid(self, name: str) -> int | None:
-        return self.running.get(name)
-
-    def describe(self, name: str) -> str:
-        return "active" if name in self.running else "inactive"
-
     def observe(self, names):
-        return {n: Observation(self.running.get(n), False, self.describe(n)) for n in names}
+        return {n: Observation(self.running.get(n), False, "active" if n in self.running else "inactive") for n in names}
 
     def stop_all_on_exit(self) -> bool:
         return True
