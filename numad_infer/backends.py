@@ -22,6 +22,7 @@ from typing import Protocol
 from numad_infer import pinning
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
+from numad_infer.notify import child_environ
 from numad_infer.planner import Instance, Plan
 from numad_infer.render import DROPIN_NAME, instance_environment, render_units, server_argv
 from numad_infer.systemctl import Systemctl, SystemctlError
@@ -188,7 +189,7 @@ class ProcessBackend:
             return
         assert self.config is not None
         argv = server_argv(self.config, instance)
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        env = child_environ()
         env.update(instance_environment(instance))
         cpus, mems, policy = frozenset(instance.cpus), instance.mems, instance.policy
 

@@ -11,6 +11,15 @@ import time
 
 import sdnotify
 
+# What systemd gives the service's main process to talk back with.
+NOTIFY_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+
+
+def child_environ() -> dict[str, str]:
+    """This process's environment without the notify variables: a child (systemctl, a
+    server) must never notify for us, even when no Notifier took them out first."""
+    return {k: v for k, v in os.environ.items() if k not in NOTIFY_VARIABLES}
+
 
 class Notifier:
     def __init__(self, environ: dict[str, str] | None = None) -> None:

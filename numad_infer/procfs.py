@@ -74,10 +74,10 @@ class ProcReader:
     def _read(self, path: Path) -> str | None:
         try:
             return path.read_text(errors="replace")
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
-            return None
         except OSError:
-            return None  # ESRCH from a thread that exited between listdir and open
+            # Gone (ENOENT, or ESRCH from a thread that exited between listdir and open)
+            # or not ours to read: both mean "nothing to say about it".
+            return None
 
     def thread_ids(self, pid: int) -> list[int]:
         try:

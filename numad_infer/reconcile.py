@@ -17,7 +17,7 @@ from numad_infer.backends import Backend, Observation
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.health import ProbeResult, probe
-from numad_infer.planner import Instance, Plan, diff_plans
+from numad_infer.planner import Instance, Plan, PlanDiff, diff_plans
 from numad_infer.procfs import ProcReader
 from numad_infer.states import State, Supervision
 
@@ -53,14 +53,6 @@ class Runtime:
     migrated_from: int | None = None  # remote anonymous bytes before our last migrate_pages
 
 
-@dataclass(frozen=True)
-class ApplyResult:
-    added: tuple[str, ...]
-    changed: tuple[str, ...]
-    removed: tuple[str, ...]
-    unchanged: tuple[str, ...]
-
-
 class Reconciler:
     def __init__(self, backend: Backend, proc: ProcReader | None = None, wall=time.time) -> None:
         self.backend = backend
@@ -73,7 +65,7 @@ class Reconciler:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
 
     # -- applying a plan --------------------------------------------------------------------
-    def apply(self, config: Config, plan: Plan, now: float) -> ApplyResult:
+    def apply(self, config: Config, plan: Plan, now: float) -> PlanDiff:
         new_specs = self.backend.specs(config, plan)
         old_specs = self.specs if self.plan is not None else self.backend.current_specs(config)
         diff = diff_plans(old_specs, new_specs)
@@ -111,7 +103,7 @@ class Reconciler:
                         runtime.supervision.on_started(now)
                 elif runtime.supervision.state in (State.STOPPED, State.FAILED):
                     runtime.supervision.on_started(now)
-        return ApplyResult(diff.added, diff.changed, diff.removed, diff.unchanged)
+        return diff
 
     def stop_all(self) -> None:
         for name in list(self.runtimes):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 
 from numad_infer.errors import NumaInferError
+from numad_infer.notify import child_environ
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +28,9 @@ class Systemctl:
         self.timeout_s = timeout_s
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         try:
-            proc = subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=self.timeout_s, env=env)
+            proc = subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=self.timeout_s,
+                                  env=child_environ())
         except subprocess.TimeoutExpired as exc:
             raise SystemctlError(f"systemctl {' '.join(args)}: no answer within {self.timeout_s:g}s") from exc
         if check and proc.returncode < 0:
