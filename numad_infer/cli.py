@@ -11,7 +11,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from numad_infer import __version__
@@ -127,7 +126,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_backend(choice: str, fsroot: str, state_file: Path):
+def _make_backend(choice: str, state_file: Path):
     from numad_infer.backends import ProcessBackend, SystemdBackend
     from numad_infer.systemctl import pid1_is_systemd
 
@@ -145,7 +144,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                         format="%(levelname)s: %(message)s" if under_journal else "%(asctime)s %(levelname)s: %(message)s")
     notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
     state_file = Path(args.state_file)
-    daemon = Daemon(args.config, args.fsroot, _make_backend(args.backend, args.fsroot, state_file), state_file, notifier)
+    daemon = Daemon(args.config, args.fsroot, _make_backend(args.backend, state_file), state_file, notifier)
     return daemon.run()
 
 

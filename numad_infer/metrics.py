@@ -15,11 +15,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from numad_infer.config import parse_listen
+from numad_infer.reconcile import EVENT_KINDS
+from numad_infer.states import State
 
 log = logging.getLogger(__name__)
-
-STATES = ("starting", "healthy", "unhealthy", "failed", "stopped")
-KINDS = ("affinity", "memory", "health", "exit")
 
 
 class SnapshotCollector(Collector):
@@ -43,15 +42,15 @@ class SnapshotCollector(Collector):
         for inst in instances:
             key = [inst["name"], "" if inst["node"] is None else str(inst["node"])]
             healthy.add_metric(key, 1.0 if inst["state"] == "healthy" else 0.0)
-            for name in STATES:
-                state.add_metric(key + [name], 1.0 if inst["state"] == name else 0.0)
+            for name in State:
+                state.add_metric(key + [name.value], 1.0 if inst["state"] == name.value else 0.0)
             restarts.add_metric(key, inst["restarts"])
             threads.add_metric(key, inst["threads"])
             if inst.get("probe_latency_ms") is not None:
                 latency.add_metric(key, inst["probe_latency_ms"] / 1000)
             if inst.get("local_memory_fraction") is not None:
                 local.add_metric(key, inst["local_memory_fraction"])
-            for kind in KINDS:
+            for kind in EVENT_KINDS:
                 drifts.add_metric(key + [kind], inst.get("drift_events", {}).get(kind, 0))
                 repairs.add_metric(key + [kind], inst.get("repairs", {}).get(kind, 0))
         yield from (healthy, state, restarts, latency, local, threads, drifts, repairs)

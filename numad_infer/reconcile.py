@@ -24,10 +24,14 @@ from numad_infer.states import State, Supervision
 log = logging.getLogger(__name__)
 
 
+# What an Event is about: drift and repairs are counted per kind.
+EVENT_KINDS = ("affinity", "memory", "health", "exit")
+
+
 @dataclass
 class Event:
     at: float
-    kind: str  # "affinity", "memory", "health", "exit"
+    kind: str  # one of EVENT_KINDS
     detail: str
 
     def to_dict(self) -> dict:

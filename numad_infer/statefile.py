@@ -6,25 +6,17 @@ Written atomically, world-readable, no secrets: `numa-infer status` reads it wit
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from numad_infer.atomicfile import write_atomic
 
 SCHEMA = 1
 
 
 def write_state(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".state.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump({"schema": SCHEMA, **data}, handle, indent=1, sort_keys=True)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    # Rewritten every pass on /run (tmpfs): atomic for readers, no fsync needed.
+    write_atomic(path, json.dumps({"schema": SCHEMA, **data}, indent=1, sort_keys=True), durable=False)
 
 
 def read_state(path: Path) -> dict[str, Any] | None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from numad_infer.atomicfile import write_atomic
 from numad_infer.errors import NumaInferError
 from numad_infer.render import DROPIN_NAME, MARKER
 
@@ -28,21 +27,6 @@ def _ours(path: Path) -> bool:
             return handle.readline().rstrip("\n") == MARKER
     except OSError:
         return False
-
-
-def _atomic_write(path: Path, content: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(content)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def managed_files(unit_dir: Path) -> list[str]:
@@ -81,7 +65,7 @@ def write_units(unit_dir: Path, files: dict[str, str]) -> WriteResult:
             # Never overwrite what an operator (or another tool) wrote under our names.
             raise NumaInferError(f"{target} exists and was not written by numa-infer; move it away first")
     for rel in result.written:
-        _atomic_write(unit_dir / rel, files[rel])
+        write_atomic(unit_dir / rel, files[rel])
     for rel in result.removed:
         path = unit_dir / rel
         path.unlink(missing_ok=True)
