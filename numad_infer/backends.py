@@ -24,7 +24,9 @@ from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.notify import child_environ
 from numad_infer.planner import Instance, Plan
-from numad_infer.render import DROPIN_NAME, instance_environment, render_units, server_argv
+from numad_infer.frontdoor import FrontdoorRunner
+from numad_infer.render import (DROPIN_NAME, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, FRONTDOOR_UNIT, instance_environment,
+                                render_units, server_argv)
 from numad_infer.systemctl import Systemctl, SystemctlError
 from numad_infer.unitdir import managed_files, write_units
 
@@ -53,6 +55,7 @@ class Backend(Protocol):
     def observe(self, names: list[str]) -> dict[str, Observation]: ...
     def stop_all_on_exit(self) -> bool: ...
     def forget(self, config: Config) -> None: ...
+    def frontdoor_runner(self, run_dir: Path) -> FrontdoorRunner: ...
 
 
 class SystemdBackend:
@@ -154,6 +157,34 @@ class SystemdBackend:
         raise SystemctlError(seen)
 
 
+    def frontdoor_runner(self, run_dir: Path) -> FrontdoorRunner:
+        # The unit (render.render_frontdoor_unit) fixes where its files are.
+        return SystemdFrontdoorRunner(self.systemctl)
+
+
+class SystemdFrontdoorRunner:
+    """HAProxy as numa-infer-frontdoor.service (rendered into the unit directory by `sync`)."""
+
+    socket_path = Path(FRONTDOOR_SOCKET)
+    run_dir = Path(FRONTDOOR_RUN_DIR)
+
+    def __init__(self, systemctl: Systemctl) -> None:
+        self.systemctl = systemctl
+
+    def running(self) -> bool:
+        props = self.systemctl.show_many([FRONTDOOR_UNIT], "ActiveState").get(FRONTDOOR_UNIT, {})
+        return props.get("ActiveState") in ("active", "reloading", "activating")
+
+    def start(self, binary: str, config_path: Path) -> None:
+        self.systemctl.start(FRONTDOOR_UNIT)
+
+    def reload(self) -> None:
+        self.systemctl.reload(FRONTDOOR_UNIT)
+
+    def stop(self) -> None:
+        self.systemctl.stop(FRONTDOOR_UNIT)
+
+
 # Job types that bring the daemon back (systemctl restart, try-restart, reload-or-restart).
 RESTART_JOBS = ("restart", "try-restart", "reload-or-restart")
 
@@ -249,4 +280,47 @@ class ProcessBackend:
 
     def forget(self, config: Config) -> None:
         pass  # nothing on disk
+
+    def frontdoor_runner(self, run_dir: Path) -> FrontdoorRunner:
+        return ProcessFrontdoorRunner(run_dir, self.log_dir)
+
+
+class ProcessFrontdoorRunner:
+    """HAProxy as the daemon's child, in master-worker mode (-W): SIGUSR2 reloads seamlessly."""
+
+    def __init__(self, run_dir: Path, log_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.socket_path = run_dir / "haproxy.sock"
+        self.log_dir = log_dir
+        self.child: subprocess.Popen[bytes] | None = None
+
+    def running(self) -> bool:
+        return self.child is not None and self.child.poll() is None
+
+    def start(self, binary: str, config_path: Path) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_dir / "frontdoor.log", "ab") as output:
+            # -db: stay in the foreground; the master dies with the daemon (PDEATHSIG).
+            self.child = subprocess.Popen(
+                [binary, "-W", "-db", "-f", str(config_path)], env=child_environ(), stdin=subprocess.DEVNULL,
+                stdout=output, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                preexec_fn=lambda: _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM),
+            )
+        log.info("front door: haproxy master pid %d", self.child.pid)
+
+    def reload(self) -> None:
+        if self.running():
+            assert self.child is not None
+            os.kill(self.child.pid, signal.SIGUSR2)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if not self.running():
+            return
+        assert self.child is not None
+        self.child.terminate()
+        try:
+            self.child.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.child.pid, signal.SIGKILL)
+            self.child.wait()
 

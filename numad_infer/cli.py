@@ -116,7 +116,20 @@ def cmd_check(args: argparse.Namespace) -> int:
     from numad_infer.render import render_units
     from numad_infer.unitdir import plan_write
 
+    import tempfile
+
+    from numad_infer.frontdoor import Paths, check_haproxy, render_haproxy
+    from numad_infer.haproxy import validate
+
     loaded = load_all(args.config, args.fsroot)
+    check_haproxy(loaded.config, args.config)
+    if loaded.config.frontend.enabled:
+        # `haproxy -c` on what the daemon would write, in a scratch directory.
+        with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
+            base = Path(scratch)
+            cfg = base / "haproxy.cfg"
+            cfg.write_text(render_haproxy(loaded.config, loaded.plan, Paths(cfg, base / "state", base / "sock")))
+            validate(loaded.config.frontend.haproxy, str(cfg))
     print(f"{args.config}: valid for this machine")
     print(format_plan(loaded.plan))
     pending = plan_write(Path(loaded.config.systemd.unit_dir), render_units(loaded.config, loaded.plan))
@@ -186,14 +199,22 @@ def format_status(data: dict) -> str:
         else:
             lines.append(f"last {reload.get('why', 'reload')}: {when} FAILED: {reload.get('error')}")
     lines += [f"warning: {w}" for w in d.get("warnings", [])]
-    rows = [("INSTANCE", "NODE", "CPUS", "PORT", "PID", "STATE", "UPTIME", "RESTARTS", "LOCAL-MEM", "PROBE")]
+    front = data.get("frontdoor")
+    if front:
+        if front.get("up"):
+            lines.append(f"front door: http://{front['listen']} up, {front['in_flight']} in flight, {front['queued']} queued")
+        else:
+            lines.append(f"front door: http://{front['listen']} DOWN" + (f": {front['error']}" if front.get("error") else ""))
+    rows = [("INSTANCE", "NODE", "CPUS", "PORT", "PID", "STATE", "UPTIME", "RESTARTS", "LOCAL-MEM", "PROBE",
+             "ROTATION", "INFLIGHT", "QUEUED")]
     for i in data["instances"]:
         frac = i.get("local_memory_fraction")
         rows.append((i["name"], "-" if i.get("node") is None else str(i["node"]), format_list(i["cpus"]), str(i["port"]),
                      str(i.get("pid") or "-"), i["state"] + (" drifting" if i.get("drifting") else ""),
                      _age(i.get("uptime_s")), str(i.get("restarts", 0)),
                      "-" if frac is None else f"{frac:.1%}",
-                     "-" if i.get("probe_latency_ms") is None else f"{i['probe_latency_ms']:.0f}ms"))
+                     "-" if i.get("probe_latency_ms") is None else f"{i['probe_latency_ms']:.0f}ms",
+                     _dash(i.get("rotation")), _dash(i.get("in_flight")), _dash(i.get("queued"))))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     for i in data["instances"]:
@@ -205,6 +226,10 @@ def format_status(data: dict) -> str:
             elif value and i["state"] != "healthy":
                 lines.append(f"  {i['name']}: {label}: {value}")
     return "\n".join(lines)
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
 
 
 def _offline_status(args: argparse.Namespace) -> dict:
@@ -242,7 +267,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not running:
         return 3
     healthy = all(i["state"] == "healthy" and not i.get("drifting") for i in data["instances"])
-    return 0 if healthy and data["instances"] else 1
+    front = data.get("frontdoor")
+    front_ok = front is None or bool(front.get("up"))
+    return 0 if healthy and front_ok and data["instances"] else 1
 
 
 def cmd_reload(args: argparse.Namespace) -> int:

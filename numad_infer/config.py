@@ -12,6 +12,7 @@ import ipaddress
 import os
 import re
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -188,16 +189,19 @@ class MonitorSection(_Section):
     repair: bool = True
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: str, example: str = "127.0.0.1:9464") -> tuple[str, int]:
     """ "127.0.0.1:9464" or "[::1]:9464" -> (address, port)."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError('must be "ADDRESS:PORT", e.g. "127.0.0.1:9464", or "" (off)')
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+        raise ValueError(f'must be "ADDRESS:PORT", e.g. "{example}", or "" (off)')
+    bracketed = host.startswith("[") and host.endswith("]")
+    host = host[1:-1] if bracketed else host
     try:
-        ipaddress.ip_address(host)
+        address = ipaddress.ip_address(host)
     except ValueError as exc:
-        raise ValueError(f'{host!r} is not an IP address; write e.g. "127.0.0.1:9464"') from exc
+        raise ValueError(f'{host!r} is not an IP address; write e.g. "{example}"') from exc
+    if address.version == 6 and not bracketed:
+        raise ValueError(f'write an IPv6 address in brackets, e.g. "[{host}]:{port}"')
     return host, int(port)
 
 
@@ -213,6 +217,63 @@ class MetricsSection(_Section):
         return value
 
 
+class Affinity(str, Enum):
+    """Which instance a request goes to when it belongs to a conversation."""
+
+    NONE = "none"  # least connections only
+    HEADER = "header"  # a request header (frontend.affinity_header) names the conversation
+    USER = "user"  # the OpenAI "user" field of the JSON body names it
+
+
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+
+
+class FrontendSection(_Section):
+    """The front door: one HAProxy endpoint over every instance (see numad_infer.frontdoor)."""
+
+    # "" turns the front door off: clients then talk to the instances' own ports.
+    listen: SafeStr = "127.0.0.1:8000"
+    haproxy: SafeStr = "/usr/sbin/haproxy"
+    queue_size: int = Field(64, ge=1, le=100_000, description="requests that may wait for a busy instance")
+    queue_timeout_s: float = Field(30.0, gt=0, le=3600, description="longest wait in the queue before a 503")
+    # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
+    affinity: Affinity = Field(Affinity.NONE, strict=False)
+    affinity_header: SafeStr = "X-Session-Id"
+    affinity_expire_s: float = Field(1800.0, gt=0, le=86400 * 7)
+    drain_timeout_s: float = Field(120.0, ge=0, le=3600,
+                                   description="how long a restart waits for an instance's requests to finish")
+    request_timeout_s: float = Field(600.0, gt=0, le=86400, description="longest silence from an instance mid-request")
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        if value:
+            parse_listen(value, example="127.0.0.1:8000")
+        return value
+
+    @field_validator("haproxy")
+    @classmethod
+    def _binary(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute path to the haproxy binary, e.g. /usr/sbin/haproxy")
+        return value
+
+    @field_validator("affinity_header")
+    @classmethod
+    def _header(cls, value: str) -> str:
+        if not _HEADER_NAME.match(value):
+            raise ValueError("must be an HTTP header name: 1-64 of a-z A-Z 0-9 -, e.g. X-Session-Id")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.listen)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+
 class Config(_Section):
     model: ModelSection
     placement: PlacementSection = Field(default_factory=PlacementSection)
@@ -220,6 +281,7 @@ class Config(_Section):
     systemd: SystemdSection = Field(default_factory=SystemdSection)
     monitor: MonitorSection = Field(default_factory=MonitorSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
+    frontend: FrontendSection = Field(default_factory=FrontendSection)
 
 
 def _section_fields(loc: tuple[Any, ...]) -> list[str]:
@@ -260,7 +322,7 @@ def _error_to_config_error(source: str, raw: dict[str, Any], error: dict[str, An
         return ConfigError(source, key, "must be " + bounds[kind].format(**ctx), value, True)
     if kind in _TYPE_NAMES:
         return ConfigError(source, key, f"must be {_TYPE_NAMES[kind]}, not {type(value).__name__}", value, True)
-    if kind == "literal_error":
+    if kind in ("literal_error", "enum"):
         return ConfigError(source, key, f"must be one of {error['ctx']['expected']}", value, True)
     message = error["msg"].removeprefix("Value error, ")
     return ConfigError(source, key, message, value, True)

@@ -20,6 +20,7 @@ from numad_infer.backends import Backend
 from numad_infer.config import Config, load_config
 from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
+from numad_infer.frontdoor import Frontdoor, check_haproxy, server_name
 from numad_infer.modelfile import model_size
 from numad_infer.notify import Notifier
 from numad_infer.planner import Plan, make_plan
@@ -41,7 +42,8 @@ class Daemon:
         self.backend = backend
         self.state_file = state_file
         self.notifier = notifier or Notifier()
-        self.reconciler = Reconciler(backend, self.proc)
+        self.frontdoor = Frontdoor(backend.frontdoor_runner(state_file.parent))
+        self.reconciler = Reconciler(backend, self.proc, frontdoor=self.frontdoor)
         self.config: Config | None = None
         self.plan: Plan | None = None
         self.online: frozenset[int] | None = None
@@ -82,6 +84,9 @@ class Daemon:
         config = load_config(self.config_path)
         topology = self.sysfs.topology()
         plan = make_plan(config, topology, model_size(config.model.path, self.config_path), source=self.config_path)
+        # Checked before anything changes: a refused front door leaves the old plan running.
+        check_haproxy(config, self.config_path)
+        self.frontdoor.validate(config, plan)
         self.online = topology.online_cpus
         return config, plan
 
@@ -103,6 +108,11 @@ class Daemon:
     def _apply(self, config: Config, plan: Plan, why: str) -> None:
         result = self.reconciler.apply(config, plan, time.monotonic())
         self.config, self.plan = config, plan
+        try:
+            self.frontdoor.apply(config, plan)
+        except NumaInferError as exc:
+            self.frontdoor.error = str(exc)
+            log.error("front door: %s", exc)
         self._serve_metrics(config)
         self.warnings = list(plan.warnings) + self._host_warnings(config)
         for warning in self.warnings:
@@ -187,8 +197,17 @@ class Daemon:
                 "status": self.status_line(), "pass_duration_s": self.pass_duration_s,
                 "metrics": self._metrics_listen or None,
             },
-            "instances": [_instance_dict(rt, now, wall) for rt in self.reconciler.runtimes.values()],
+            "frontdoor": self._frontdoor_dict(),
+            "instances": [_instance_dict(rt, now, wall, self.frontdoor) for rt in self.reconciler.runtimes.values()],
         }
+
+    def _frontdoor_dict(self) -> dict[str, Any] | None:
+        fd = self.frontdoor
+        if not fd.listen:
+            return None
+        stats = fd.stats
+        return {"listen": fd.listen, "up": stats is not None, "queued": None if stats is None else stats.queued,
+                "in_flight": None if stats is None else stats.in_flight, "error": fd.error or None}
 
     def publish(self, now: float) -> None:
         self.latest = self.snapshot(now)
@@ -241,10 +260,11 @@ class Daemon:
     def _next_interval(self) -> float:
         # While an instance is starting, look again within a second: it answers as soon as
         # its model is loaded, and status should say so without waiting a whole interval.
+        # A draining one restarts as soon as its last request ends.
         assert self.config is not None
         interval = self.config.monitor.interval_s
-        starting = any(rt.supervision.state == State.STARTING for rt in self.reconciler.runtimes.values())
-        return min(interval, 1.0) if starting else interval
+        waiting = any(rt.supervision.state in (State.STARTING, State.DRAINING) for rt in self.reconciler.runtimes.values())
+        return min(interval, 1.0) if waiting else interval
 
     def shutdown(self) -> int:
         self.state = "stopping"
@@ -255,6 +275,8 @@ class Daemon:
         except NumaInferError as exc:
             log.error("cannot tell a stop from a restart (%s): stopping the instances", exc)
         if stop_all:
+            # The front door first: clients are refused at once rather than queued for nothing.
+            self.frontdoor.stop()
             log.info("stopping %d instance(s)", len(self.reconciler.runtimes))
             self.reconciler.stop_all()
             if self.config is not None:
@@ -284,9 +306,12 @@ def _python_has_llama_cpp(python: str) -> bool:
         return False
 
 
-def _instance_dict(rt: Runtime, now: float, wall: float) -> dict[str, Any]:
+def _instance_dict(rt: Runtime, now: float, wall: float, frontdoor: Frontdoor) -> dict[str, Any]:
     sup, inst, mem = rt.supervision, rt.instance, rt.memory
+    stat = None if frontdoor.stats is None else frontdoor.stats.servers.get(server_name(inst.name))
     return {
+        "in_flight": None if stat is None else stat.in_flight, "queued": None if stat is None else stat.queued,
+        "served": None if stat is None else stat.served, "rotation": None if stat is None else stat.status,
         "name": inst.name, "node": inst.node, "cpus": list(inst.cpus), "mems": list(inst.mems),
         "threads": inst.threads, "port": inst.port, "pid": rt.pid, "state": sup.state.value,
         "uptime_s": round(now - sup.started_at, 1) if sup.started_at is not None and rt.pid else None,

@@ -1,6 +1,12 @@
-"""HTTP health probe of one llama-cpp-python server.
+"""HTTP health probe of one llama-cpp-python server: busy is not hung.
 
-The server has no /health; `GET /v1/models` answers once the model is loaded.
+The server has no /health, and `GET /v1/models` waits on the model lock: while a
+request generates it either cuts that request short (interrupt_requests) or waits until
+the generation ends and looks dead. The server loads its model before it listens, and
+generation runs in a worker thread (ctypes releases the GIL), so any route that never
+takes the lock answers at once when the server is up, busy or not: FastAPI's own
+`/docs` page. A SIGSTOPped or wedged event loop still fails it; a generation thread
+that stops making progress is found from CPU time instead (see `reconcile`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ class ProbeResult:
     error: str = ""
 
 
-def probe(host: str, port: int, timeout_s: float, path: str = "/v1/models") -> ProbeResult:
+LIVENESS_PATH = "/docs"
+
+
+def probe(host: str, port: int, timeout_s: float, path: str = LIVENESS_PATH) -> ProbeResult:
     # A wildcard listen address is reachable on loopback.
     target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     started = time.monotonic()

@@ -37,6 +37,10 @@ class SnapshotCollector(Collector):
         latency = GaugeMetricFamily("numa_infer_probe_latency_seconds", "Latency of the last successful health probe", labels=labels)
         local = GaugeMetricFamily("numa_infer_local_memory_fraction", "Share of anonymous memory on the instance's own nodes", labels=labels)
         threads = GaugeMetricFamily("numa_infer_instance_threads", "Threads (OpenMP) the instance runs with", labels=labels)
+        in_flight = GaugeMetricFamily("numa_infer_instance_requests_in_flight",
+                                      "Requests the front door has sent to the instance and not finished", labels=labels)
+        queued = GaugeMetricFamily("numa_infer_instance_requests_queued",
+                                   "Requests waiting at the front door for this instance", labels=labels)
         drifts = CounterMetricFamily("numa_infer_drift_events", "Drift found, by kind", labels=labels + ["kind"])
         repairs = CounterMetricFamily("numa_infer_repairs", "Repairs done, by kind", labels=labels + ["kind"])
         for inst in instances:
@@ -50,10 +54,23 @@ class SnapshotCollector(Collector):
                 latency.add_metric(key, inst["probe_latency_ms"] / 1000)
             if inst.get("local_memory_fraction") is not None:
                 local.add_metric(key, inst["local_memory_fraction"])
+            if inst.get("in_flight") is not None:
+                in_flight.add_metric(key, inst["in_flight"])
+                queued.add_metric(key, inst["queued"])
             for kind in EVENT_KINDS:
                 drifts.add_metric(key + [kind], inst.get("drift_events", {}).get(kind, 0))
                 repairs.add_metric(key + [kind], inst.get("repairs", {}).get(kind, 0))
-        yield from (healthy, state, restarts, latency, local, threads, drifts, repairs)
+        yield from (healthy, state, restarts, latency, local, threads, in_flight, queued, drifts, repairs)
+        front = snap.get("frontdoor")
+        if front:
+            up = GaugeMetricFamily("numa_infer_frontdoor_up", "1 while the front door (HAProxy) answers its runtime API")
+            up.add_metric([], 1.0 if front["up"] else 0.0)
+            yield up
+            if front["up"]:
+                waiting = GaugeMetricFamily("numa_infer_frontdoor_requests_queued",
+                                            "Requests waiting at the front door for any instance")
+                waiting.add_metric([], front["queued"])
+                yield waiting
         passes = GaugeMetricFamily("numa_infer_pass_duration_seconds", "Duration of the last monitoring pass")
         passes.add_metric([], daemon.get("pass_duration_s") or 0.0)
         yield passes

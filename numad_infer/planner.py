@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from numad_infer.config import Config, ConfigError
+from numad_infer.config import Config, ConfigError, parse_listen
 from numad_infer.cpuset import format_list
 from numad_infer.topology import Node, Topology
 
@@ -229,4 +229,23 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
         Instance(i.name, i.node, i.cpus, i.places, i.mems, i.policy, len(i.cpus), base + k)
         for k, i in enumerate(instances)
     ]
+    _check_ports(config, instances, source)
     return Plan(instances=tuple(instances), warnings=tuple(warnings))
+
+
+def _check_ports(config: Config, instances: list[Instance], source: str) -> None:
+    """The front door and the metrics endpoint may not take a port an instance listens on, or each other's."""
+    ports = {i.port: i.name for i in instances}
+    span = f"{instances[0].port}-{instances[-1].port}" if len(instances) > 1 else str(instances[0].port)
+    metrics = parse_listen(config.metrics.listen)[1] if config.metrics.listen else None
+    if config.frontend.enabled:
+        port = config.frontend.address[1]
+        if port in ports:
+            raise ConfigError(source, "frontend.listen", f"port {port} is {ports[port]}'s (instances use {span}); "
+                              "pick a port outside that range or move server.base_port", config.frontend.listen, True)
+        if port == metrics:
+            raise ConfigError(source, "frontend.listen", f"port {port} is also metrics.listen's; give each its own",
+                              config.frontend.listen, True)
+    if metrics in ports:
+        raise ConfigError(source, "metrics.listen", f"port {metrics} is {ports[metrics]}'s (instances use {span}); "
+                          "pick a port outside that range", config.metrics.listen, True)

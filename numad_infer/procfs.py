@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from numad_infer.cpuset import CpuListError, parse_list
 
 _NODE_FIELD = re.compile(r"\bN(\d+)=(\d+)")
@@ -138,6 +140,14 @@ class ProcReader:
     def numa_balancing(self) -> int | None:
         text = self._read(self.proc / "sys/kernel/numa_balancing")
         return int(text.strip()) if text and text.strip().isdigit() else None
+
+    def cpu_seconds(self, pid: int) -> float | None:
+        """User + system CPU time of the whole process (every thread): it grows while a server generates."""
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return None
+        return times.user + times.system
 
     def running_commands(self, name: str) -> list[int]:
         pids = []

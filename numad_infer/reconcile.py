@@ -16,13 +16,20 @@ from numad_infer import drift, pinning
 from numad_infer.backends import Backend, Observation
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
+from numad_infer.frontdoor import Frontdoor
+from numad_infer.haproxy import AdminState
 from numad_infer.health import ProbeResult, probe
 from numad_infer.planner import Instance, Plan, PlanDiff, diff_plans
 from numad_infer.procfs import ProcReader
-from numad_infer.states import State, Supervision
+from numad_infer.states import RestartDecision, State, Supervision
 
 log = logging.getLogger(__name__)
 
+
+# CPU seconds a generating server uses per pass at the very least (one token takes more).
+PROGRESS_CPU_S = 0.01
+# Requests in flight and no CPU used for this long: the generation is wedged, not slow.
+STALL_AFTER_S = 30.0
 
 # What an Event is about: drift and repairs are counted per kind.
 EVENT_KINDS = ("affinity", "memory", "health", "exit")
@@ -55,17 +62,28 @@ class Runtime:
     lost: bool = False  # its main process disappeared and no successor was seen yet
     awaiting_restart: bool = False  # we asked for a restart: the next new PID is ours, not a crash
     migrated_from: int | None = None  # remote anonymous bytes before our last migrate_pages
+    cpu_seen: float | None = None  # the process's CPU seconds at the last pass
+    progress: bool | None = None  # did it use CPU since the last pass (None: not known yet)
+    stalled_since: float | None = None  # requests in flight and no CPU used since then
+
+    def new_process(self, pid: int | None) -> None:
+        """Forget everything measured on the previous process (a restart, a crash, adoption)."""
+        self.pid, self.good_masks, self.memory, self.memory_checked_at = pid, {}, None, 0.0
+        self.migrated_from, self.cpu_seen, self.progress, self.stalled_since = None, None, None, None
 
 
 class Reconciler:
-    def __init__(self, backend: Backend, proc: ProcReader | None = None, wall=time.time) -> None:
+    def __init__(self, backend: Backend, proc: ProcReader | None = None, wall=time.time,
+                 frontdoor: Frontdoor | None = None) -> None:
         self.backend = backend
+        self.frontdoor = frontdoor
         self.proc = proc or ProcReader()
         self.wall = wall
         self.config: Config | None = None
         self.plan: Plan | None = None
         self.specs: dict[str, str] = {}
         self.runtimes: dict[str, Runtime] = {}
+        self.rolling: list[str] = []  # definition changed, restart still to come (one at a time)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
 
     # -- applying a plan --------------------------------------------------------------------
@@ -86,15 +104,16 @@ class Reconciler:
         for instance in plan.instances:
             runtime = self.runtimes.get(instance.name)
             if runtime is None or instance.name in diff.changed:
-                runtime = self.runtimes[instance.name] = Runtime(instance, supervision=runtime.supervision if runtime else Supervision())
+                # Same process until the restart below (or the drain before it) replaces it.
+                runtime = self.runtimes[instance.name] = Runtime(
+                    instance, supervision=runtime.supervision if runtime else Supervision(),
+                    pid=runtime.pid if runtime else None)
             runtime.instance = instance
             if runtime.supervision.state == State.FAILED:
                 runtime.supervision = Supervision(restarts=runtime.supervision.restarts)  # a reload clears FAILED
             if instance.name in diff.changed:
-                log.info("%s: definition changed: restarting", instance.name)
-                self._isolated(instance.name, "restart", lambda i=instance: self.backend.restart(i))
-                runtime.awaiting_restart = True
-                runtime.supervision.on_started(now)
+                if instance.name not in self.rolling:
+                    self.rolling.append(instance.name)
             else:
                 already = running.get(instance.name)
                 self._isolated(instance.name, "start", lambda i=instance: self.backend.start(i))
@@ -107,7 +126,20 @@ class Reconciler:
                         runtime.supervision.on_started(now)
                 elif runtime.supervision.state in (State.STOPPED, State.FAILED):
                     runtime.supervision.on_started(now)
+        self.rolling = [name for name in self.rolling if name in self.runtimes]
+        self._roll(now)
         return diff
+
+    def _roll(self, now: float) -> None:
+        """Restart instances whose definition changed: behind a front door one at a time, so
+        the others keep serving; without one, all at once (nothing routes around them)."""
+        while self.rolling:
+            if self.frontdoor is not None and self.frontdoor.listen and any(
+                    rt.supervision.state in (State.DRAINING, State.STARTING) for rt in self.runtimes.values()):
+                return
+            name = self.rolling.pop(0)
+            log.info("%s: definition changed: restarting", name)
+            self._restart(self.runtimes[name], now, "definition changed", counted=False)
 
     def stop_all(self) -> None:
         for name in list(self.runtimes):
@@ -125,6 +157,8 @@ class Reconciler:
             # Not knowing is not "not running": act on nothing this pass.
             log.error("cannot read instance states, skipping this pass: %s", exc)
             return
+        if self.frontdoor is not None:
+            self.frontdoor.observe()
         probes = {
             name: self._pool.submit(probe, cfg.server.host, rt.instance.port, cfg.monitor.probe_timeout_s)
             for name, rt in self.runtimes.items() if observed[name].pid
@@ -134,6 +168,17 @@ class Reconciler:
                 self._monitor_one(runtime, observed[name], probes.get(name), now)
             except Exception:  # one instance's trouble never stops the others' monitoring
                 log.exception("%s: monitoring failed", name)
+            self._rotate(runtime)
+        self._roll(now)
+
+    def _rotate(self, rt: Runtime) -> None:
+        """In the front door only while healthy; draining while a restart waits for it."""
+        if self.frontdoor is None:
+            return
+        state = rt.supervision.state
+        wanted = (AdminState.READY if state == State.HEALTHY
+                  else AdminState.DRAIN if state == State.DRAINING else AdminState.MAINT)
+        self.frontdoor.set_state(rt.instance, wanted)
 
     def _monitor_one(self, rt: Runtime, seen: Observation, pending, now: float) -> None:
         cfg = self.config
@@ -150,17 +195,26 @@ class Reconciler:
                     # Nobody here restarted it: it died and systemd (Restart=) brought it back.
                     self._note(rt, "drift", "exit", f"main process {rt.pid or 'that exited'} replaced by {pid}")
                     sup.restarts += 1
-                if sup.state != State.FAILED:
+                if sup.state not in (State.FAILED, State.DRAINING):  # a drain still ends in its restart
                     sup.on_started(now)
                 rt.lost = rt.awaiting_restart = False
-            rt.pid, rt.good_masks, rt.memory, rt.memory_checked_at = pid, {}, None, 0.0
+            rt.new_process(pid)
         if sup.state == State.FAILED:
             return
         if pid is None:
             if not seen.pending:
                 self._maybe_restart(rt, now, f"not running ({seen.description})")
             return
+        self._track_progress(rt, pid, now)
+        if sup.state == State.DRAINING:
+            self._continue_drain(rt, now)
+            return
         result: ProbeResult = pending.result() if pending is not None else ProbeResult(False, 0.0, "not probed")
+        if result.ok and rt.stalled_since is not None and now - rt.stalled_since >= STALL_AFTER_S:
+            # The event loop answers, but the generation thread is wedged: requests are
+            # in flight and the process has not used any CPU for a long while.
+            result = ProbeResult(False, result.latency_s, f"stalled: requests in flight and no CPU used for "
+                                                          f"{now - rt.stalled_since:.0f}s")
         rt.last_probe = result
         if sup.on_probe(result.ok, now, cfg.monitor, result.error):
             self._maybe_restart(rt, now, f"{sup.failures} failed probes: {result.error}")
@@ -174,20 +228,73 @@ class Reconciler:
         assert cfg is not None
         sup = rt.supervision
         decision = sup.restart_decision(now, cfg.monitor)
-        if decision == "fail":
+        if decision == RestartDecision.FAIL:
             if sup.state != State.FAILED:
                 sup.on_failed(f"{cfg.monitor.max_restarts} restarts within {cfg.monitor.restart_window_s:g}s; last: {reason}")
                 log.error("%s: marked failed after %d restarts within %gs (%s); left alone until a reload",
                           rt.instance.name, cfg.monitor.max_restarts, cfg.monitor.restart_window_s, reason)
             return
-        if decision == "wait":
+        if decision == RestartDecision.WAIT:
             return
-        log.warning("%s: %s: restarting", rt.instance.name, reason)
-        self._note(rt, "repair", "health", f"restarted: {reason}")
+        self._restart(rt, now, reason, counted=True)
+
+    # -- restarts, drained out of the front door first --------------------------------------------
+    def _restart(self, rt: Runtime, now: float, reason: str, counted: bool) -> None:
+        """Restart one instance; with requests in flight at the front door, drain it first.
+
+        `counted`: a repair, which counts against monitor.max_restarts (a definition
+        change does not). An unhealthy instance is drained only while it still uses CPU:
+        a stopped or wedged one would never finish what it has.
+        """
+        cfg = self.config
+        assert cfg is not None
+        busy = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None else None
+        worth_waiting = not counted or rt.progress is True
+        if busy and worth_waiting and cfg.frontend.drain_timeout_s > 0:
+            assert self.frontdoor is not None
+            self.frontdoor.set_state(rt.instance, AdminState.DRAIN)
+            rt.supervision.on_drain(now, cfg.frontend.drain_timeout_s, reason, counted)
+            log.info("%s: %s: draining %d request(s) before the restart (at most %gs)", rt.instance.name, reason, busy,
+                     cfg.frontend.drain_timeout_s)
+            return
+        self._restart_now(rt, now, reason, counted)
+
+    def _continue_drain(self, rt: Runtime, now: float) -> None:
+        sup = rt.supervision
+        left = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None else None
+        if left and now < sup.drain_until and (rt.progress is not False or not sup.drain_counted):
+            return
+        why = ("drained" if not left else
+               f"{left} request(s) still running at the drain deadline" if now >= sup.drain_until else
+               f"{left} request(s) in flight but no progress")
+        log.info("%s: %s: restarting", rt.instance.name, why)
+        self._restart_now(rt, now, sup.drain_reason, sup.drain_counted)
+
+    def _restart_now(self, rt: Runtime, now: float, reason: str, counted: bool) -> None:
+        cfg = self.config
+        assert cfg is not None
+        if self.frontdoor is not None:
+            self.frontdoor.set_state(rt.instance, AdminState.MAINT)
+        if counted:
+            log.warning("%s: %s: restarting", rt.instance.name, reason)
+            self._note(rt, "repair", "health", f"restarted: {reason}")
         self._isolated(rt.instance.name, "restart", lambda: self.backend.restart(rt.instance))
-        sup.on_restart(now, cfg.monitor)
+        if counted:
+            rt.supervision.on_restart(now, cfg.monitor)
+        else:
+            rt.supervision.on_started(now)
         rt.awaiting_restart = True
-        rt.good_masks, rt.memory, rt.memory_checked_at = {}, None, 0.0
+        rt.new_process(rt.pid)
+
+    def _track_progress(self, rt: Runtime, pid: int, now: float) -> None:
+        cpu = self.proc.cpu_seconds(pid)
+        rt.progress = None if cpu is None or rt.cpu_seen is None else cpu - rt.cpu_seen >= PROGRESS_CPU_S
+        rt.cpu_seen = cpu
+        busy = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None else None
+        if busy and rt.progress is False:
+            rt.stalled_since = rt.stalled_since if rt.stalled_since is not None else now
+        else:
+            rt.stalled_since = None
 
     def _check_affinity(self, rt: Runtime, pid: int, now: float) -> None:
         cfg = self.config

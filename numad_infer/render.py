@@ -55,6 +55,9 @@ def server_argv(config: Config, instance: Instance) -> list[str]:
         # node read it first: each instance must own a copy of the weights on its node.
         "--use_mmap", "false",
         "--use_mlock", "true" if config.model.mlock else "false",
+        # The default (true) ends a running stream whenever another request arrives:
+        # concurrent clients, or a probe, would cut answers short.
+        "--interrupt_requests", "false",
         *config.server.extra_args,
     ]
 
@@ -126,10 +129,61 @@ def render_dropin(config: Config, instance: Instance) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The front door's unit and where it finds its files (the daemon writes the config into
+# its own RuntimeDirectory, kept across daemon restarts; HAProxy owns the socket's).
+FRONTDOOR_UNIT = "numa-infer-frontdoor.service"
+FRONTDOOR_RUN_DIR = "/run/numa-infer"
+FRONTDOOR_SOCKET = "/run/numa-infer-frontdoor/admin.sock"
+
+
+def render_frontdoor_unit(config: Config) -> str:
+    binary = config.frontend.haproxy
+    cfg = f"{FRONTDOOR_RUN_DIR}/haproxy.cfg"
+    check = " ".join(quote_arg(a) for a in (binary, "-c", "-q", "-f", cfg))
+    lines = [
+        MARKER,
+        "[Unit]",
+        "Description=numa-infer front door: one OpenAI endpoint over the llama.cpp instances (HAProxy)",
+        "Documentation=man:numa-infer(8) man:haproxy(1)",
+        # Not PartOf=numa-infer.service: a daemon restart or upgrade must not drop a connection.
+        "After=network.target",
+        "",
+        "[Service]",
+        # -Ws: master-worker with sd_notify; SIGUSR2 to the master reloads without
+        # dropping a connection (the new workers take over the listening socket).
+        "Type=notify",
+        "ExecStartPre=" + check,
+        "ExecStart=" + " ".join(quote_arg(a) for a in (binary, "-Ws", "-f", cfg)),
+        "ExecReload=" + check,
+        "ExecReload=/bin/kill -USR2 $MAINPID",
+        "KillMode=mixed",
+        "Restart=on-failure",
+        "RestartSec=2",
+        "RuntimeDirectory=numa-infer-frontdoor",
+        "DynamicUser=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=yes",
+        "PrivateTmp=yes",
+        "PrivateDevices=yes",
+        "NoNewPrivileges=yes",
+        "ProtectKernelTunables=yes",
+        "ProtectKernelModules=yes",
+        "ProtectControlGroups=yes",
+        "RestrictNamespaces=yes",
+        "LockPersonality=yes",
+        "RestrictRealtime=yes",
+        "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
+        "SystemCallArchitectures=native",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def render_units(config: Config, plan: Plan) -> dict[str, str]:
     """Relative path under the unit directory -> file content."""
     template = config.systemd.template
     files = {f"{template}@.service": render_template(config)}
+    if config.frontend.enabled:
+        files[FRONTDOOR_UNIT] = render_frontdoor_unit(config)
     for instance in plan.instances:
         files[f"{instance.unit}.d/{DROPIN_NAME}"] = render_dropin(config, instance)
     return files

@@ -12,8 +12,15 @@ class State(str, Enum):
     STARTING = "starting"  # started, model loading, within the grace period
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"  # probes failing, restart pending
+    DRAINING = "draining"  # out of the front door, finishing its requests before a restart
     FAILED = "failed"  # too many restarts: left alone until a reload
     STOPPED = "stopped"
+
+
+class RestartDecision(Enum):
+    RESTART = "restart"
+    WAIT = "wait"  # backing off
+    FAIL = "fail"  # restart budget exhausted
 
 
 @dataclass
@@ -27,6 +34,10 @@ class Supervision:
     restart_times: list[float] = field(default_factory=list)
     next_restart_at: float = 0.0
     last_error: str = ""
+    # While DRAINING: the restart that waits, and until when it may wait.
+    drain_until: float = 0.0
+    drain_reason: str = ""
+    drain_counted: bool = False  # a repair (counts against max_restarts), not a definition change
 
     def on_started(self, now: float) -> None:
         self.state, self.started_at, self.failures = State.STARTING, now, 0
@@ -36,7 +47,7 @@ class Supervision:
 
     def on_probe(self, ok: bool, now: float, monitor: MonitorSection, error: str = "") -> bool:
         """Record one probe; True when the instance should now be restarted."""
-        if self.state in (State.FAILED, State.STOPPED):
+        if self.state in (State.FAILED, State.STOPPED, State.DRAINING):
             return False
         if ok:
             self.state, self.failures, self.last_error = State.HEALTHY, 0, ""
@@ -49,14 +60,13 @@ class Supervision:
         self.state = State.UNHEALTHY
         return self.failures >= monitor.unhealthy_after
 
-    def restart_decision(self, now: float, monitor: MonitorSection) -> str:
-        """"restart", "wait" (backing off) or "fail" (budget exhausted)."""
+    def restart_decision(self, now: float, monitor: MonitorSection) -> RestartDecision:
         if self.state == State.FAILED:
-            return "fail"
+            return RestartDecision.FAIL
         self.restart_times = [t for t in self.restart_times if now - t < monitor.restart_window_s]
         if len(self.restart_times) >= monitor.max_restarts:
-            return "fail"
-        return "wait" if now < self.next_restart_at else "restart"
+            return RestartDecision.FAIL
+        return RestartDecision.WAIT if now < self.next_restart_at else RestartDecision.RESTART
 
     def on_restart(self, now: float, monitor: MonitorSection) -> None:
         self.restart_times.append(now)
@@ -64,6 +74,9 @@ class Supervision:
         # Exponential backoff from the second restart in the window on.
         self.next_restart_at = now + monitor.restart_backoff_s * 2 ** (len(self.restart_times) - 1)
         self.on_started(now)
+
+    def on_drain(self, now: float, timeout_s: float, reason: str, counted: bool) -> None:
+        self.state, self.drain_until, self.drain_reason, self.drain_counted = State.DRAINING, now + timeout_s, reason, counted
 
     def on_failed(self, reason: str) -> None:
         self.state, self.last_error = State.FAILED, reason

@@ -54,6 +54,10 @@ class Systemctl:
         if units:
             self.run("restart", "--no-block", *units)
 
+    def reload(self, *units: str) -> None:
+        if units:
+            self.run("reload", *units)
+
     def show_many(self, units: list[str], *props: str) -> dict[str, dict[str, str]]:
         """One systemctl call for many units (one fork per pass, not one per instance)."""
         if not units:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from numad_infer.atomicfile import write_atomic
 from numad_infer.errors import NumaInferError
-from numad_infer.render import DROPIN_NAME, MARKER
+from numad_infer.render import DROPIN_NAME, FRONTDOOR_UNIT, MARKER
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def managed_files(unit_dir: Path) -> list[str]:
     found: list[str] = []
     if not unit_dir.is_dir():
         return found
-    for path in sorted(unit_dir.glob("*@.service")):
+    for path in sorted([*unit_dir.glob("*@.service"), unit_dir / FRONTDOOR_UNIT]):
         if path.is_file() and _ours(path):
             found.append(path.name)
     for path in sorted(unit_dir.glob(f"*@*.service.d/{DROPIN_NAME}")):

@@ -64,7 +64,7 @@ class NotifyListener:
 class DaemonRun:
     def __init__(self, tmp: Path, model: Path, placement: str = "", monitor: str = "", env: dict[str, str] | None = None,
                  machine: fakesys.FakeMachine | None = None, extra_config: str = "", interval_s: float = 0.5,
-                 backoff_s: float = 0.2) -> None:
+                 backoff_s: float = 0.2, frontend: str | None = None) -> None:
         self.tmp = tmp
         self.model = model
         self.fsroot = fakesys.write_tree(tmp / "fs", machine or two_single_cpu_nodes())
@@ -72,6 +72,9 @@ class DaemonRun:
         self.config = tmp / "numa-infer.toml"
         self.base_port = 18000 + (os.getpid() * 7 + int(time.time() * 1000)) % 20000
         self.extra_config = extra_config
+        # The front door on a port of its own per run (tests may run while another daemon does).
+        self.frontend_port = self.base_port + 500
+        self.frontend = frontend if frontend is not None else f'listen = "127.0.0.1:{self.frontend_port}"\n' 
         self.interval_s, self.backoff_s = interval_s, backoff_s
         self.write_config(placement, monitor)
         self.notify = NotifyListener(tmp / "notify.sock")
@@ -89,7 +92,8 @@ class DaemonRun:
             f"[placement]\n{placement}\n"
             f'[server]\nbase_port = {self.base_port}\npython = "{sys.executable}"\n'
             f"[monitor]\ninterval_s = {self.interval_s}\nprobe_timeout_s = 1.0\nstartup_grace_s = 60\nunhealthy_after = 2\n"
-            f"restart_backoff_s = {self.backoff_s}\nnuma_maps_interval_s = 1\n{monitor}\n{extra or self.extra_config}"
+            f"restart_backoff_s = {self.backoff_s}\nnuma_maps_interval_s = 1\n{monitor}\n"
+            f"[frontend]\n{self.frontend}\n{extra or self.extra_config}"
         )
 
     def state(self) -> dict[str, Any] | None:

@@ -61,9 +61,9 @@ def test_plan_render_check_happy_path(tmp_path: Path, fs: Path, model: Path) -> 
     plan = json.loads(run("--config", str(config), "--fsroot", str(fs), "plan", "--json", check=True).stdout)
     assert [(i["name"], i["threads"], i["port"]) for i in plan["instances"]] == [("infer@0", 32, 8080), ("infer@1", 32, 8081)]
     out = run("--config", str(config), "--fsroot", str(fs), "check", check=True).stdout
-    assert "valid for this machine" in out and "2 to write" not in out and "3 to write" in out
+    assert "valid for this machine" in out and "3 to write" not in out and "4 to write" in out
     assert "wrote" in run("--config", str(config), "--fsroot", str(fs), "render", check=True).stdout
-    assert "up to date (3 files)" in run("--config", str(config), "--fsroot", str(fs), "render", check=True).stdout
+    assert "up to date (4 files)" in run("--config", str(config), "--fsroot", str(fs), "render", check=True).stdout
 
 
 @pytest.mark.parametrize("extra, fragment", [
@@ -72,6 +72,12 @@ def test_plan_render_check_happy_path(tmp_path: Path, fs: Path, model: Path) -> 
     ("[server]\nbase_port = 65535\n", "server.base_port = 65535"),
     ("[server]\nbase_prot = 1\n", 'did you mean "base_port"'),
     ("[placement\n", "invalid TOML"),
+    ("[frontend]\nlisten = \"localhost:80\"\n", "frontend.listen = \"localhost:80\": 'localhost' is not an IP address"),
+    ("[frontend]\nlisten = \"127.0.0.1:8081\"\n", "frontend.listen = \"127.0.0.1:8081\": port 8081 is infer@1's"),
+    ("[frontend]\nlisten = \"127.0.0.1:9000\"\n[metrics]\nlisten = \"127.0.0.1:9000\"\n", "also metrics.listen's"),
+    ("[metrics]\nlisten = \"127.0.0.1:8080\"\n", "metrics.listen = \"127.0.0.1:8080\": port 8080 is infer@0's"),
+    ("[frontend]\naffinity = \"cookie\"\n", "frontend.affinity = \"cookie\": must be one of 'none', 'header' or 'user'"),
+    ("[frontend]\nqueue_size = -1\n", "frontend.queue_size = -1: must be at least"),
 ])
 def test_bad_input_exits_1_without_traceback_and_writes_nothing(tmp_path: Path, fs: Path, model: Path, extra: str, fragment: str) -> None:
     config = write_config(tmp_path, model, extra)
@@ -81,6 +87,21 @@ def test_bad_input_exits_1_without_traceback_and_writes_nothing(tmp_path: Path, 
         assert proc.stderr.startswith(f"numa-infer: {config}") and fragment in proc.stderr
         assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
     assert not (tmp_path / "units").exists()
+
+
+def test_haproxy_missing_or_too_old_is_one_line_naming_the_key(tmp_path: Path, fs: Path, model: Path) -> None:
+    old = tmp_path / "old-haproxy"
+    old.write_text("#!/bin/sh\necho 'HAProxy version 2.4.22-0ubuntu0.22.04.1 2023/02/04'\n")
+    old.chmod(0o755)
+    not_haproxy = tmp_path / "nginx"
+    not_haproxy.write_text("#!/bin/sh\necho 'nginx version: nginx/1.22.1'\n")
+    not_haproxy.chmod(0o755)
+    for binary, fragment in ((tmp_path / "absent", "not found; install it (apt-get install haproxy)"),
+                             (old, "is HAProxy 2.4, older than 2.6"), (not_haproxy, "is not haproxy")):
+        config = write_config(tmp_path, model, f'[frontend]\nhaproxy = "{binary}"\n')
+        proc = run("--config", str(config), "--fsroot", str(fs), "check")
+        assert proc.returncode == 1 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
+        assert f'frontend.haproxy = "{binary}": {fragment}' in proc.stderr and 'frontend.listen = ""' in proc.stderr
 
 
 def test_missing_model_file(tmp_path: Path, fs: Path) -> None:

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
 
 from numad_infer.backends import Observation
 from numad_infer.config import MonitorSection, parse_config
 from numad_infer.drift import check_affinity, check_memory
+from numad_infer.haproxy import AdminState
 from numad_infer.planner import Plan, make_plan
 from numad_infer.procfs import NodeUsage, ThreadInfo, parse_numa_maps, parse_numa_stat
+from numad_infer import reconcile
+from numad_infer.health import ProbeResult
 from numad_infer.reconcile import Reconciler
-from numad_infer.states import State, Supervision
+from numad_infer.states import RestartDecision, State, Supervision
 from numad_infer.topology import RawCpu, RawNode, SysfsSnapshot, build_topology
 
 CPUS = frozenset({4, 5, 6, 7})
@@ -86,15 +91,15 @@ def test_restart_after_consecutive_failures_then_backoff_then_failed() -> None:
     sup.on_started(0.0)
     assert sup.on_probe(True, 1, MON) is False and sup.state == State.HEALTHY
     assert [sup.on_probe(False, t, MON) for t in (20, 21, 22)] == [False, False, True]
-    assert sup.restart_decision(22, MON) == "restart"
+    assert sup.restart_decision(22, MON) == RestartDecision.RESTART
     sup.on_restart(22, MON)
-    assert sup.restart_decision(23, MON) == "wait"  # backoff 2 s
-    assert sup.restart_decision(24, MON) == "restart"
+    assert sup.restart_decision(23, MON) == RestartDecision.WAIT  # backoff 2 s
+    assert sup.restart_decision(24, MON) == RestartDecision.RESTART
     sup.on_restart(24, MON)
-    assert sup.restart_decision(27, MON) == "wait"  # backoff doubled: 4 s
+    assert sup.restart_decision(27, MON) == RestartDecision.WAIT  # backoff doubled: 4 s
     sup.on_restart(28, MON)
-    assert sup.restart_decision(100, MON) == "fail"  # 3 restarts within the window
-    assert sup.restart_decision(200, MON) == "restart"  # the window moved on
+    assert sup.restart_decision(100, MON) == RestartDecision.FAIL  # 3 restarts within the window
+    assert sup.restart_decision(200, MON) == RestartDecision.RESTART  # the window moved on
 
 
 @dataclass
@@ -185,3 +190,118 @@ def test_unknown_instance_states_never_cause_a_restart() -> None:
     backend.observe = broken
     rec.monitor(1.0)
     assert backend.calls == []
+
+
+class FakeFrontdoor:
+    """Stands in for HAProxy's runtime API: requests in flight per instance, admin states set."""
+
+    listen = "127.0.0.1:8000"
+
+    def __init__(self) -> None:
+        self.in_flight_by: dict[str, int] = {}
+        self.states: list[tuple[str, AdminState]] = []
+
+    def observe(self):
+        return None
+
+    def in_flight(self, instance) -> int | None:
+        return self.in_flight_by.get(instance.name, 0)
+
+    def set_state(self, instance, state: AdminState) -> None:
+        self.states.append((instance.name, state))
+
+
+class FakeProc:
+    """CPU seconds per pid, advanced by the test (the real reader is psutil on /proc)."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[int, float] = {}
+
+    def cpu_seconds(self, pid: int) -> float | None:
+        return self.cpu.get(pid)
+
+    def threads(self, pid: int):
+        return []
+
+    def numa_maps(self, pid: int):
+        return None
+
+
+@pytest.fixture
+def probes_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No server listens in these tests: every instance answers its probe.
+    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout: ProbeResult(True, 0.001))
+
+
+def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart(probes_answer) -> None:
+    backend, front = RecordingBackend(), FakeFrontdoor()
+    rec = Reconciler(backend, FakeProc(), frontdoor=front)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.monitor(0.5)
+    front.states.clear()
+    backend.calls.clear()
+    front.in_flight_by["infer@2"] = 2
+    new = cfg("[placement]\nnodes = [0, 2]")
+    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    # Two requests still run on infer@2: no restart yet, only taken out of rotation.
+    assert backend.calls == [("stop", "infer@1")]
+    assert front.states == [("infer@2", AdminState.DRAIN)]
+    assert rec.runtimes["infer@2"].supervision.state == State.DRAINING
+    rec.monitor(2.0)
+    assert ("restart", "infer@2") not in backend.calls
+    front.in_flight_by["infer@2"] = 0
+    rec.monitor(3.0)
+    assert backend.calls[-1] == ("restart", "infer@2")
+    assert ("infer@2", AdminState.MAINT) in front.states
+    assert rec.runtimes["infer@2"].supervision.state == State.STARTING
+    assert rec.runtimes["infer@2"].supervision.restarts == 0  # a definition change is no repair
+
+
+def test_the_drain_is_bounded_by_drain_timeout_s(probes_answer) -> None:
+    backend, front = RecordingBackend(), FakeFrontdoor()
+    rec = Reconciler(backend, FakeProc(), frontdoor=front)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.monitor(0.5)
+    front.in_flight_by["infer@2"] = 1
+    new = cfg("[placement]\nnodes = [0, 2]\n[frontend]\ndrain_timeout_s = 10")
+    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    rec.monitor(10.9)
+    assert ("restart", "infer@2") not in backend.calls
+    rec.monitor(11.0)
+    assert backend.calls[-1] == ("restart", "infer@2")
+
+
+def test_an_unhealthy_instance_that_makes_no_progress_is_restarted_without_waiting() -> None:
+    # SIGSTOPped or wedged: it will never finish its request, so draining would only wait.
+    backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
+    rec = Reconciler(backend, proc, frontdoor=front)
+    config = cfg("[monitor]\nunhealthy_after = 1\nstartup_grace_s = 0\nprobe_timeout_s = 0.2")
+    rec.apply(config, make_plan(config, three_nodes()), 0.0)
+    backend.calls.clear()
+    pid = backend.running["infer@0"]
+    proc.cpu[pid] = 5.0
+    front.in_flight_by["infer@0"] = 1
+    rec.monitor(1.0)  # nothing listens on the ports: every probe fails
+    proc.cpu[pid] = 5.0  # and no CPU used since
+    rec.monitor(2.0)
+    assert ("restart", "infer@0") in backend.calls
+    assert rec.runtimes["infer@0"].supervision.restarts >= 1
+
+
+def test_behind_the_front_door_changed_instances_restart_one_at_a_time(probes_answer) -> None:
+    # A reload that changes every instance must leave some in rotation at every moment.
+    backend, front = RecordingBackend(), FakeFrontdoor()
+    rec = Reconciler(backend, FakeProc(), frontdoor=front)
+    backend.specs = lambda config, plan: {i.name: repr(i) + repr(config.server.extra_args) for i in plan.instances}
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.monitor(0.5)
+    backend.calls.clear()
+    new = cfg('[server]\nextra_args = ["--n_batch", "64"]')
+    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    assert backend.calls == [("restart", "infer@0")]
+    rec.monitor(2.0)  # infer@0 answers: healthy again, so the next one goes
+    assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1")]
+    rec.monitor(3.0)
+    assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1"), ("restart", "infer@2")]
+    rec.monitor(4.0)
+    assert all(rt.supervision.state == State.HEALTHY for rt in rec.runtimes.values())

@@ -40,7 +40,7 @@ CACHE=${NUMA_INFER_VM_CACHE:-$HOME/.cache/numa-infer/vm}
 WHEEL=${NUMA_INFER_LLAMA_WHEEL:?set NUMA_INFER_LLAMA_WHEEL to the llama-cpp-python wheel (tests/vm/run_suite.py does)}
 MIRROR=${NUMA_INFER_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # Dependencies of numa-infer's Debian package (debian/control), kept in the guest's apt cache.
-DEB_DEPENDS="python3-pydantic python3-psutil python3-sdnotify python3-prometheus-client"
+DEB_DEPENDS="python3-pydantic python3-psutil python3-sdnotify python3-prometheus-client haproxy"
 
 # Everything that shapes the image is a constant in this file, not an environment knob:
 # the key hashes this file, so changing any of these makes a new image.
@@ -48,14 +48,15 @@ SUITE=trixie
 IMG_SIZE=3G # sparse; the built root is ~1 GB, the rest is room for tests (snapshot=on: writes are discarded)
 KEEP=2      # image directories kept in the cache (most recently used first)
 GUEST_HOSTNAME="numa-e2e"
-PACKAGES=systemd,systemd-sysv,udev,dbus,python3,python3-venv,libgomp1,numactl,procps,curl,iproute2,linux-image-amd64,initramfs-tools,lz4,util-linux,ca-certificates
+PACKAGES=systemd,systemd-sysv,udev,dbus,python3,python3-venv,libgomp1,numactl,procps,curl,iproute2,haproxy,linux-image-amd64,initramfs-tools,lz4,util-linux,ca-certificates
 # Units that cost boot time under TCG or misbehave without a console (from the reference;
 # serial-getty@ttyS0 in particular: its hangup swallows console output).
 MASK_UNITS=(serial-getty@ttyS0.service getty@tty1.service apt-daily.timer apt-daily-upgrade.timer
   dpkg-db-backup.timer e2scrub_all.timer e2scrub_reap.service fstrim.timer systemd-pstore.service
   modprobe@drm.service modprobe@fuse.service modprobe@loop.service modprobe@dm_mod.service
   systemd-binfmt.service proc-sys-fs-binfmt_misc.automount sys-kernel-debug.mount
-  sys-kernel-tracing.mount dev-hugepages.mount)
+  sys-kernel-tracing.mount dev-hugepages.mount
+  haproxy.service) # Debian's own HAProxy instance: numa-infer runs its own (numa-infer-frontdoor.service)
 
 log() { echo "image.sh: $*" >&2; }
 die() { # die [STATUS] MESSAGE
