@@ -5,6 +5,7 @@ Pure. Every refusal is a `ConfigError` naming the key an operator must change.
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import asdict, dataclass, field
 
 from numad_infer.config import Config, ConfigError, parse_listen
@@ -230,7 +231,23 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
         for k, i in enumerate(instances)
     ]
     _check_ports(config, instances, source)
+    warnings += _exposure_warnings(config)
     return Plan(instances=tuple(instances), warnings=tuple(warnings))
+
+
+def _exposure_warnings(config: Config) -> list[str]:
+    """Anything that listens beyond loopback is said out loud (check, journal, status)."""
+    found = []
+    listening = [("server.host", config.server.host, "the instances (no authentication)")]
+    if config.frontend.enabled:
+        listening.append(("frontend.listen", config.frontend.address[0], "the front door (no authentication)"))
+    if config.metrics.listen:
+        listening.append(("metrics.listen", parse_listen(config.metrics.listen)[0], "the metrics endpoint"))
+    for key, host, what in listening:
+        if not ipaddress.ip_address(host).is_loopback:
+            found.append(f"{key} = {host}: {what} can be reached from other hosts; "
+                         "use 127.0.0.1 unless that is intended, and firewall it")
+    return found
 
 
 def _check_ports(config: Config, instances: list[Instance], source: str) -> None:

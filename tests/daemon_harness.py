@@ -72,9 +72,12 @@ class DaemonRun:
         self.config = tmp / "numa-infer.toml"
         self.base_port = 18000 + (os.getpid() * 7 + int(time.time() * 1000)) % 20000
         self.extra_config = extra_config
+        self.server_extra = ""  # more [server] keys
         # The front door on a port of its own per run (tests may run while another daemon does).
         self.frontend_port = self.base_port + 500
-        self.frontend = frontend if frontend is not None else f'listen = "127.0.0.1:{self.frontend_port}"\n' 
+        # `frontend`: the [frontend] keys; "{port}" stands for that port.
+        self.frontend = (frontend if frontend is not None else 'listen = "127.0.0.1:{port}"\n').replace(
+            "{port}", str(self.frontend_port))
         self.interval_s, self.backoff_s = interval_s, backoff_s
         self.write_config(placement, monitor)
         self.notify = NotifyListener(tmp / "notify.sock")
@@ -90,7 +93,7 @@ class DaemonRun:
         self.config.write_text(
             f'[model]\npath = "{self.model}"\ncontext_size = 256\n'
             f"[placement]\n{placement}\n"
-            f'[server]\nbase_port = {self.base_port}\npython = "{sys.executable}"\n'
+            f'[server]\nbase_port = {self.base_port}\npython = "{sys.executable}"\n{self.server_extra}\n'
             f"[monitor]\ninterval_s = {self.interval_s}\nprobe_timeout_s = 1.0\nstartup_grace_s = 60\nunhealthy_after = 2\n"
             f"restart_backoff_s = {self.backoff_s}\nnuma_maps_interval_s = 1\n{monitor}\n"
             f"[frontend]\n{self.frontend}\n{extra or self.extra_config}"

@@ -150,3 +150,14 @@ def test_real_captures_plan_without_overlap(captures, name: str) -> None:
     plan = make_plan(config(placement="smt = true"), read_topology(captures[name]))
     cpus = [c for i in plan.instances for c in i.cpus]
     assert plan.instances and len(cpus) == len(set(cpus))
+
+
+
+def test_listening_beyond_loopback_is_a_warning_naming_the_key(machine) -> None:
+    topo = machine(fakesys.dual_socket_smt)
+    quiet = make_plan(config(), topo)
+    assert not [w for w in quiet.warnings if "other hosts" in w]
+    loud = make_plan(config(server='host = "0.0.0.0"', frontend='listen = "10.1.2.3:8000"',
+                            metrics='listen = "[::]:9464"'), topo)
+    exposed = [w for w in loud.warnings if "can be reached from other hosts" in w]
+    assert [w.split(" = ")[0] for w in exposed] == ["server.host", "frontend.listen", "metrics.listen"], exposed
