@@ -64,7 +64,7 @@ class NotifyListener:
 class DaemonRun:
     def __init__(self, tmp: Path, model: Path, placement: str = "", monitor: str = "", env: dict[str, str] | None = None,
                  machine: fakesys.FakeMachine | None = None, extra_config: str = "", interval_s: float = 0.5,
-                 backoff_s: float = 0.2, frontend: str | None = None) -> None:
+                 backoff_s: float = 0.2, frontend: str | None = None, context_size: int = 256) -> None:
         self.tmp = tmp
         self.model = model
         self.fsroot = fakesys.write_tree(tmp / "fs", machine or two_single_cpu_nodes())
@@ -72,6 +72,7 @@ class DaemonRun:
         self.config = tmp / "numa-infer.toml"
         self.base_port = 18000 + (os.getpid() * 7 + int(time.time() * 1000)) % 20000
         self.extra_config = extra_config
+        self.context_size = context_size
         self.server_extra = ""  # more [server] keys
         # The front door on a port of its own per run (tests may run while another daemon does).
         self.frontend_port = self.base_port + 500
@@ -91,7 +92,7 @@ class DaemonRun:
 
     def write_config(self, placement: str = "", monitor: str = "", extra: str = "") -> None:
         self.config.write_text(
-            f'[model]\npath = "{self.model}"\ncontext_size = 256\n'
+            f'[model]\npath = "{self.model}"\ncontext_size = {self.context_size}\n'
             f"[placement]\n{placement}\n"
             f'[server]\nbase_port = {self.base_port}\npython = "{sys.executable}"\n{self.server_extra}\n'
             f"[monitor]\ninterval_s = {self.interval_s}\nprobe_timeout_s = 1.0\nstartup_grace_s = 60\nunhealthy_after = 2\n"

@@ -309,3 +309,20 @@ def test_status_and_metrics_show_the_front_door(daemon) -> None:
     body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
     assert "numa_infer_frontdoor_up 1.0" in body
     assert 'numa_infer_instance_requests_in_flight{instance="infer@0",node="0"} 0.0' in body
+
+
+def test_a_front_door_config_haproxy_refuses_is_a_refused_reload(daemon, tmp_path: Path) -> None:
+    run = daemon()
+    healthy_behind_frontdoor(run)
+    picky = tmp_path / "picky-haproxy"
+    # Stands in for an haproxy whose `-c` refuses the file (a real one accepts ours).
+    picky.write_text("#!/bin/sh\ncase \"$1\" in -v) echo 'HAProxy version 2.6.12 2023/01/01';; "
+                     "*) echo '[ALERT] config : parsing [x:3]: unknown keyword' >&2; exit 1;; esac\n")
+    picky.chmod(0o755)
+    run.frontend = f'listen = "127.0.0.1:{run.frontend_port}"\nhaproxy = "{picky}"\n'
+    run.write_config()
+    result = run.cli("reload")
+    assert result.returncode == 1 and "haproxy -c refused" in result.stderr and "unknown keyword" in result.stderr, result
+    state = fresh_state(run)
+    assert state["frontdoor"]["up"] and state["daemon"]["last_reload"]["ok"] is False
+    assert request(run.frontend_port, 4, stream=False).complete

@@ -127,11 +127,63 @@ def locality(pid: int, node: int) -> tuple[float, float, int]:
     return (anon.get(node, 0) / total if total else 0.0, files.get(node, 0) / ftotal if ftotal else 0.0, total)
 
 
-def complete(port: int) -> str:
+FRONT_PORT = 8000  # frontend.listen's default
+
+
+class Load:
+    """Clients sending completions through the front door until stopped (bounded: at most
+    `limit` requests each, each within 300 s); every outcome is kept."""
+
+    def __init__(self, clients: int = 2, limit: int = 300) -> None:
+        import threading
+        self.ok = 0
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._client, args=(limit,), daemon=True) for _ in range(clients)]
+
+    def _client(self, limit: int) -> None:
+        for _ in range(limit):
+            if self._stop.is_set():
+                return
+            try:
+                complete(FRONT_PORT, timeout=300)
+                with self._lock:
+                    self.ok += 1
+            except Exception as exc:  # every kind of failure counts
+                with self._lock:
+                    self.failures.append(f"{type(exc).__name__}: {exc}")
+
+    def __enter__(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self.threads:
+            t.join(330)
+
+    def verdict(self, what: str) -> str:
+        if self.failures or self.ok == 0:
+            raise Fail(f"during {what}: {self.ok} requests ok, {len(self.failures)} failed: {self.failures[:3]}")
+        return f"{self.ok} requests through the front door during {what}, 0 failed"
+
+
+def under_load(action, what: str):
+    """Run `action` while clients use the front door; no request may fail."""
+    with Load() as load:
+        time.sleep(3)  # requests in flight before the action
+        result = action()
+        time.sleep(3)  # and after it
+    return result, load.verdict(what)
+
+
+def complete(port: int, timeout: float = 120) -> str:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
                                  data=json.dumps({"prompt": "numa", "max_tokens": 4}).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.load(resp)["choices"][0]["text"]
 
 
@@ -194,6 +246,29 @@ def s1_start() -> str:
         complete(i["port"])
         notes.append(f"{name} anon {anon_local:.1%} local ({anon >> 20} MiB), page cache {file_local:.1%} local apart")
     return f"all healthy {took:.1f}s after start; " + "; ".join(notes)
+
+
+@scenario("1b-frontdoor")
+def s1b_frontdoor() -> str:
+    if sh("systemctl", "is-active", "numa-infer-frontdoor", check=False).strip() != "active":
+        raise Fail("numa-infer-frontdoor.service is not active")
+    user = sh("ps", "-o", "user=", "-p", str(main_pid("numa-infer-frontdoor"))).strip()
+    if user == "root":
+        raise Fail("haproxy runs as root")
+    before = {i["name"]: i.get("served") or 0 for i in status()["instances"]}
+    load = Load(clients=2, limit=6)
+    for t in load.threads:
+        t.start()
+    for t in load.threads:
+        t.join(900)
+    load.verdict("a burst")
+    state = wait(lambda: (s := status()) if all((i.get("served") or 0) > before[i["name"]] for i in s["instances"]) else None,
+                 30, "requests counted on both nodes")
+    front = state["frontdoor"]
+    if not front or not front["up"]:
+        raise Fail(f"status: front door {front}")
+    served = {i["name"]: i["served"] - before[i["name"]] for i in state["instances"]}
+    return f"haproxy as {user}; {load.ok} requests through :{FRONT_PORT}, served per node {served}"
 
 
 @scenario("2-kill-instance")
@@ -305,8 +380,13 @@ def instances_survive(action, what: str) -> tuple[dict[str, int], float]:
 
 @scenario("8b-daemon-restart")
 def s8b_daemon_restart() -> str:
-    pids, took = instances_survive(lambda: sh("systemctl", "restart", "numa-infer", timeout=300), "systemctl restart")
-    return f"restarted in {took:.1f}s, instances kept {pids}"
+    front = main_pid("numa-infer-frontdoor")
+    (pids, took), load = under_load(
+        lambda: instances_survive(lambda: sh("systemctl", "restart", "numa-infer", timeout=300), "systemctl restart"),
+        "systemctl restart numa-infer")
+    if main_pid("numa-infer-frontdoor") != front:
+        raise Fail("the daemon restart restarted the front door")
+    return f"restarted in {took:.1f}s, instances and front door kept {pids}; {load}"
 
 
 @scenario("9-stop")
@@ -314,12 +394,14 @@ def s9_stop() -> str:
     sh("systemctl", "stop", "numa-infer", timeout=300)
     active = sh("systemctl", "list-units", "--plain", "--no-legend", "--state=active", "infer@*", check=False).strip()
     servers = sh("pgrep", "-af", "llama_cpp.server", check=False).strip()
-    if active or servers:
-        raise Fail(f"left running: units {active!r}, processes {servers!r}")
+    front = sh("systemctl", "is-active", "numa-infer-frontdoor", check=False).strip()
+    if active or servers or front == "active":
+        raise Fail(f"left running: units {active!r}, processes {servers!r}, front door {front}")
     left = sorted(str(p) for p in Path("/run/systemd/system").glob("infer@*"))
+    left += sorted(str(p) for p in Path("/run/systemd/system").glob("numa-infer-frontdoor*"))
     if left:
         raise Fail(f"rendered units left behind: {left}")
-    return "no infer@ unit active, no server process left, rendered units removed"
+    return "no infer@ unit or front door active, no server process left, rendered units removed"
 
 
 # -- 2 sockets x 1 core x 2 threads ------------------------------------------------------------
@@ -381,6 +463,8 @@ def apt(*args: str) -> str:
 def d1_install() -> str:
     global NI
     deb = sorted(SHARE.glob("debs/numa-infer_0.1.0_all.deb"))[0]
+    if "haproxy" not in sh("dpkg-deb", "-f", str(deb), "Depends"):
+        raise Fail("the package does not depend on haproxy")
     apt("install", "--no-install-recommends", str(deb))
     NI = "/usr/bin/numa-infer"
     version = sh(NI, "--version").strip()
@@ -407,9 +491,11 @@ def d2_start() -> str:
 @scenario("d3-upgrade")
 def d3_upgrade() -> str:
     deb = sorted(SHARE.glob("debs/numa-infer_0.1.0+*_all.deb"))[0]
-    pids, took = instances_survive(lambda: apt("install", "--no-install-recommends", str(deb)), "the upgrade")
+    (pids, took), load = under_load(
+        lambda: instances_survive(lambda: apt("install", "--no-install-recommends", str(deb)), "the upgrade"),
+        "the package upgrade")
     version = sh("dpkg-query", "-W", "-f=${Version}", "numa-infer")
-    return f"upgraded to {version}, daemon restarted, healthy after {took:.1f}s; instances kept {pids}"
+    return f"upgraded to {version}, daemon restarted, healthy after {took:.1f}s; instances kept {pids}; {load}"
 
 
 @scenario("d4-purge")
@@ -421,6 +507,7 @@ def d4_purge() -> str:
     left = [p for p in ("/etc/numa-infer.toml", "/usr/bin/numa-infer", "/usr/lib/systemd/system/numa-infer.service",
                         "/run/numa-infer") if Path(p).exists()]
     left += sorted(str(p) for p in Path("/run/systemd/system").glob("infer@*"))
+    left += sorted(str(p) for p in Path("/run/systemd/system").glob("numa-infer-frontdoor*"))
     if active or servers or left:
         raise Fail(f"after purge: active {active!r}, processes {servers!r}, files {left}")
     if not model.exists():
@@ -431,7 +518,7 @@ def d4_purge() -> str:
 # -- benchmark (not part of CI): aggregate decode rate on the 2-node guest ------------------------------
 
 def aggregate_rate(ports: list[int], rounds: int, tokens: int) -> float:
-    """Two concurrent clients (one per entry of `ports`), each `rounds` completions; total tokens/s."""
+    """Concurrent clients (one per entry of `ports`), each `rounds` completions; total tokens/s."""
     import threading
     done: list[int] = []
 
@@ -454,32 +541,34 @@ def aggregate_rate(ports: list[int], rounds: int, tokens: int) -> float:
 
 @scenario("b1-aggregate-throughput")
 def b1_aggregate() -> str:
+    """Four clients through the front door: two per-node instances behind it vs one
+    interleaved instance over all CPUs behind it (same endpoint, same clients)."""
     global MODEL
     MODEL = "/var/lib/numa-infer/models/bench.gguf"
     sh("install", "-D", "-m", "0644", str(SHARE / "bench.gguf"), MODEL)
     write_config()
     sh("systemctl", "start", "numa-infer", timeout=300)
-    state = all_healthy(2)
-    per_node = aggregate_rate([i["port"] for i in state["instances"]], 2, 16)
+    all_healthy(2)
+    per_node = aggregate_rate([FRONT_PORT] * 4, 2, 16)
     sh("systemctl", "stop", "numa-infer", timeout=300)
     write_config('mode = "interleave"')
     sh("systemctl", "start", "numa-infer", timeout=300)
     (one,) = all_healthy(1)["instances"]
-    single = aggregate_rate([one["port"], one["port"]], 2, 16)
+    single = aggregate_rate([FRONT_PORT] * 4, 2, 16)
     sh("systemctl", "stop", "numa-infer", timeout=300)
-    return (f"two per-node instances (2 threads each), two clients: {per_node:.2f} tokens/s; one interleaved instance "
-            f"({one['threads']} threads), two clients: {single:.2f} tokens/s; ratio {per_node / single:.2f}x (TCG)")
+    return (f"four clients through the front door: two per-node instances (2 threads each) {per_node:.2f} tokens/s; "
+            f"one interleaved instance ({one['threads']} threads) {single:.2f} tokens/s; ratio {per_node / single:.2f}x (TCG)")
 
 
 GROUPS = {
-    "2x2": [s1_start, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill, s8b_daemon_restart,
+    "2x2": [s1_start, s1b_frontdoor, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill, s8b_daemon_restart,
             s9_stop],
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
     "bench": [b1_aggregate],
     # Not in CI: repeats the daemon replacements that must keep instances (a flake hunt).
     "restarts": [s1_start] + [s8_daemon_kill, s8b_daemon_restart] * 8 + [s9_stop],
-    "deb": [d1_install, d2_start, s2_kill, s4_affinity, d3_upgrade, d4_purge],
+    "deb": [d1_install, d2_start, s1b_frontdoor, s2_kill, s4_affinity, d3_upgrade, d4_purge],
 }
 
 # The emulated machine each group boots (tests/vm/image.sh run SHARE TOPO).
