@@ -17,7 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 from numad_infer import pinning
 from numad_infer.config import Config
@@ -28,7 +28,7 @@ from numad_infer.frontdoor import FrontdoorRunner
 from numad_infer.render import (DROPIN_NAME, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, FRONTDOOR_UNIT, instance_environment,
                                 render_units, server_argv)
 from numad_infer.systemctl import Systemctl, SystemctlError
-from numad_infer.unitdir import managed_files, write_units
+from numad_infer.unitdir import check_private_dir, managed_files, write_units
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ class Backend(Protocol):
     # Each instance in a cgroup of its own, whose memory.numa_stat is that instance's
     # memory (systemd units); otherwise memory is read from /proc/PID/numa_maps.
     instance_cgroups: bool
+    # The instances run as an unprivileged user of their own (systemd's DynamicUser), not
+    # as the daemon's user: the model must be readable by others.
+    unprivileged_instances: bool
 
     def specs(self, config: Config, plan: Plan) -> dict[str, str]: ...
     def current_specs(self, config: Config) -> dict[str, str]: ...
@@ -61,6 +64,7 @@ class Backend(Protocol):
 class SystemdBackend:
     name = "systemd"
     instance_cgroups = True
+    unprivileged_instances = True
 
     def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = "numa-infer.service") -> None:
         self.systemctl = systemctl or Systemctl()
@@ -185,6 +189,13 @@ class SystemdFrontdoorRunner:
         self.systemctl.stop(FRONTDOOR_UNIT)
 
 
+def open_log(log_dir: Path, name: str) -> BinaryIO:
+    """Append to a log in the daemon's state directory, never through a planted symlink."""
+    check_private_dir(log_dir)
+    fd = os.open(log_dir / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    return os.fdopen(fd, "ab")
+
+
 # Job types that bring the daemon back (systemctl restart, try-restart, reload-or-restart).
 RESTART_JOBS = ("restart", "try-restart", "reload-or-restart")
 
@@ -197,6 +208,7 @@ class ProcessBackend:
 
     name = "process"
     instance_cgroups = False  # children share the daemon's cgroup
+    unprivileged_instances = False  # the servers run as the daemon's user
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
@@ -231,8 +243,7 @@ class ProcessBackend:
             os.sched_setaffinity(0, cpus)
             pinning.set_mempolicy(policy, mems)
 
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_dir / f"{instance.name}.log", "ab") as output:
+        with open_log(self.log_dir, f"{instance.name}.log") as output:
             self.children[instance.name] = subprocess.Popen(
                 argv, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
                 preexec_fn=pin_in_child, start_new_session=True, close_fds=True,
@@ -298,8 +309,7 @@ class ProcessFrontdoorRunner:
         return self.child is not None and self.child.poll() is None
 
     def start(self, binary: str, config_path: Path) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.log_dir / "frontdoor.log", "ab") as output:
+        with open_log(self.log_dir, "frontdoor.log") as output:
             # -db: stay in the foreground; the master dies with the daemon (PDEATHSIG).
             self.child = subprocess.Popen(
                 [binary, "-W", "-db", "-f", str(config_path)], env=child_environ(), stdin=subprocess.DEVNULL,

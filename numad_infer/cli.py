@@ -41,10 +41,12 @@ def load_all(config_path: str, fsroot: str) -> Loaded:
     from numad_infer.modelfile import model_size
     from numad_infer.planner import make_plan
     from numad_infer.sysfs import read_topology
+    from numad_infer.systemctl import pid1_is_systemd
 
     config = load_config(config_path)
     topology = read_topology(fsroot)
-    size = model_size(config.model.path, config_path)
+    # Under systemd the instances run as a DynamicUser: what they can read is what counts.
+    size = model_size(config.model.path, config_path, unprivileged_instances=pid1_is_systemd())
     return Loaded(config, topology, make_plan(config, topology, size, source=config_path))
 
 
@@ -276,12 +278,27 @@ def cmd_reload(args: argparse.Namespace) -> int:
     """Signal the daemon and wait until it has applied (or refused) the configuration."""
     path = Path(args.state_file)
     state = read_state(path)
-    pid = args.pid or (state or {}).get("daemon", {}).get("pid")
+    pid = args.pid if args.pid is not None else (state or {}).get("daemon", {}).get("pid")
+    if args.pid is not None and args.pid <= 1:
+        print(f"numa-infer: --pid {args.pid} is not a daemon's PID (it must be > 1)", file=sys.stderr)
+        return 1
     if not _alive(pid):
         print("numa-infer: the daemon is not running", file=sys.stderr)
         return 3
+    # A stale state file (or a mistyped --pid) must never signal an unrelated process.
+    if not _is_numa_infer_daemon(pid):
+        print(f"numa-infer: process {pid} is not a numa-infer daemon (`numa-infer run`); not signalling it",
+              file=sys.stderr)
+        return 3 if args.pid is None else 1
     before = (state or {}).get("daemon", {}).get("generation", 0) if state and state["daemon"].get("pid") == pid else 0
-    os.kill(pid, signal.SIGHUP)
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except PermissionError:
+        print(f"numa-infer: cannot signal the daemon (pid {pid}): permission denied; run as root", file=sys.stderr)
+        return 1
+    except ProcessLookupError:
+        print("numa-infer: the daemon is not running", file=sys.stderr)
+        return 3
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         time.sleep(0.1)
@@ -296,6 +313,20 @@ def cmd_reload(args: argparse.Namespace) -> int:
             return 1
     print(f"numa-infer: the daemon did not finish reloading within {args.timeout:g}s", file=sys.stderr)
     return 1
+
+
+def _is_numa_infer_daemon(pid: int) -> bool:
+    import psutil
+
+    try:
+        argv = psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return False
+    # `numa-infer run ...` (console script) or `python -m numad_infer ... run ...`.
+    named = any(Path(a).name == "numa-infer" for a in argv[:2]) or "numad_infer" in argv[:3]
+    return named and "run" in argv
 
 
 def _join(names) -> str:

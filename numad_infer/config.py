@@ -151,7 +151,15 @@ class ServerSection(_Section):
         return value
 
 
-_UNIT_PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_UNIT_PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}$")
+# Template units that systemd or common packages ship: a rendered `<name>@.service` in
+# /run/systemd/system would shadow theirs (`user@` would break every login session).
+_FOREIGN_TEMPLATES = frozenset({
+    "user", "user-runtime-dir", "getty", "serial-getty", "container-getty", "console-getty", "autovt", "modprobe",
+    "systemd-fsck", "systemd-backlight", "systemd-journald", "systemd-udevd", "systemd-cryptsetup", "capsule",
+    "dbus", "openvpn", "wg-quick", "postgresql", "ssh", "sshd", "haproxy", "nginx", "lvm2-pvscan", "mdmon",
+    "dhcpcd", "wpa_supplicant", "ifup", "rescue", "emergency", "kmod-static-nodes", "numa-infer",
+})
 
 
 class SystemdSection(_Section):
@@ -168,11 +176,13 @@ class SystemdSection(_Section):
     @field_validator("template")
     @classmethod
     def _unit_name(cls, value: str) -> str:
-        if not _UNIT_PREFIX.match(value) or value == "numa-infer":
+        if not _UNIT_PREFIX.match(value):
             raise ValueError(
-                "must be 1-64 of the characters a-z A-Z 0-9 _ . : - (it becomes <template>@<n>.service) "
-                "and not \"numa-infer\""
+                "must start with a letter, then up to 63 of a-z A-Z 0-9 _ . : - "
+                "(it becomes <template>@<n>.service), e.g. \"infer\""
             )
+        if value in _FOREIGN_TEMPLATES or value.startswith("systemd-"):
+            raise ValueError("names a unit systemd or another package ships; pick a name of your own, e.g. \"infer\"")
         return value
 
 

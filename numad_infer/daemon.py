@@ -29,6 +29,8 @@ from numad_infer.reconcile import Reconciler, Runtime
 from numad_infer.states import State
 from numad_infer.statefile import write_state
 from numad_infer.sysfs import SysfsReader
+from numad_infer.systemctl import pid1_is_systemd
+from numad_infer.unitdir import check_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +85,7 @@ class Daemon:
     def _load(self) -> tuple[Config, Plan]:
         config = load_config(self.config_path)
         topology = self.sysfs.topology()
-        plan = make_plan(config, topology, model_size(config.model.path, self.config_path), source=self.config_path)
+        plan = make_plan(config, topology, model_size(config.model.path, self.config_path, self.backend.unprivileged_instances), source=self.config_path)
         # Checked before anything changes: a refused front door leaves the old plan running.
         check_haproxy(config, self.config_path)
         self.frontdoor.validate(config, plan)
@@ -99,14 +101,21 @@ class Daemon:
             found.append("numad is running: it re-pins processes and fights numa-infer; stop and disable it")
         python = config.server.python
         if python not in self._python_checked:
-            self._python_checked[python] = _python_has_llama_cpp(python)
+            self._python_checked[python] = _python_has_llama_cpp(python, self.backend.unprivileged_instances)
         if not self._python_checked[python]:
             found.append(f"server.python = {python} cannot import llama_cpp: install llama-cpp-python[server] "
                          "into it (e.g. python3 -m venv /opt/llm && /opt/llm/bin/pip install 'llama-cpp-python[server]')")
         return found
 
-    def _apply(self, config: Config, plan: Plan, why: str) -> None:
-        result = self.reconciler.apply(config, plan, time.monotonic())
+    def _apply(self, config: Config, plan: Plan, why: str) -> bool:
+        """Bring everything to the plan; False (reported like a refused reload) if the unit
+        definitions could not be written, with the running instances left alone."""
+        try:
+            result = self.reconciler.apply(config, plan, time.monotonic())
+        except (NumaInferError, OSError) as exc:
+            log.error("%s failed, still running the previous configuration: cannot apply the plan: %s", why, exc)
+            self.last_reload = {"at": time.time(), "ok": False, "error": f"cannot apply the plan: {exc}", "why": why}
+            return False
         self.config, self.plan = config, plan
         try:
             self.frontdoor.apply(config, plan)
@@ -122,6 +131,7 @@ class Daemon:
         self.last_reload = {"at": time.time(), "ok": True, "error": None, "why": why,
                             "added": list(result.added), "changed": list(result.changed),
                             "removed": list(result.removed), "unchanged": list(result.unchanged)}
+        return True
 
     def _serve_metrics(self, config: Config) -> None:
         listen = config.metrics.listen
@@ -222,12 +232,15 @@ class Daemon:
         self._install_signals()
         log.info("numa-infer %s starting (backend %s, config %s)", __version__, self.backend.name, self.config_path)
         try:
+            check_private_dir(self.state_file.parent)
             config, plan = self._load()
         except NumaInferError as exc:
             log.error("%s", exc)
             self.notifier.send(f"STATUS=configuration error: {exc}", "ERRNO=22")
             return 1
-        self._apply(config, plan, "start")
+        if not self._apply(config, plan, "start"):
+            self.notifier.send(f"STATUS=cannot apply the plan: {self.last_reload['error']}", "ERRNO=5")
+            return 1
         self.state = "running"
         self.generation += 1
         now = time.monotonic()
@@ -297,12 +310,32 @@ def _names(names: tuple[str, ...]) -> str:
     return ", ".join(names) if names else "none"
 
 
-def _python_has_llama_cpp(python: str) -> bool:
-    # find_spec only locates the package: importing llama_cpp would load the C library (slow).
+NOBODY = 65534
+
+
+def _python_has_llama_cpp(python: str, unprivileged: bool, timeout_s: float = 30.0) -> bool:
+    """Does `python` find llama_cpp? Run with no more privilege than the servers get.
+
+    Starting an interpreter runs code from its environment (a `.pth` file in a venv that
+    another user owns): where the servers run unprivileged (systemd's DynamicUser), the
+    check runs as nobody, never as root. find_spec only locates the package: importing
+    llama_cpp would load the C library (slow).
+    """
+    argv = [python, "-I", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"]
+    drop: dict[str, Any] = {}
+    if unprivileged and os.geteuid() == 0:
+        if pid1_is_systemd():
+            # As the instances themselves run: a transient unit with a DynamicUser (the
+            # daemon holds no CAP_SETUID to drop privileges itself).
+            argv = ["systemd-run", "--quiet", "--wait", "--pipe", "--collect", "-p", "DynamicUser=yes",
+                    "-p", f"RuntimeMaxSec={int(timeout_s)}", "-p", "ProtectSystem=strict", "-p", "PrivateTmp=yes",
+                    "--", *argv]
+        else:
+            drop = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
     try:
-        return subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"],
-                              capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
+        return subprocess.run(argv, capture_output=True, stdin=subprocess.DEVNULL, timeout=timeout_s + 5, cwd="/",
+                              env={"PATH": "/usr/bin:/bin"}, **drop).returncode == 0
+    except (OSError, subprocess.SubprocessError):
         return False
 
 

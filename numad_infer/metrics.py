@@ -10,7 +10,12 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+import socket
+import threading
+from wsgiref.simple_server import make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -83,6 +88,19 @@ def serve(listen: str, snapshot: Callable[[], dict[str, Any] | None]):
     host, port = parse_listen(listen)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    metrics_app = make_wsgi_app(registry)
+
+    def only_metrics(environ, start_response):
+        # prometheus_client answers every path; an endpoint should answer only its own.
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"numa-infer: metrics are at /metrics\n"]
+        return metrics_app(environ, start_response)
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = make_server(host, port, only_metrics, Server, handler_class=_SilentHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     log.info("metrics on http://%s/metrics", listen)
     return server

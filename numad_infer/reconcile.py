@@ -91,10 +91,12 @@ class Reconciler:
         new_specs = self.backend.specs(config, plan)
         old_specs = self.specs if self.plan is not None else self.backend.current_specs(config)
         diff = diff_plans(old_specs, new_specs)
+        # Definitions first: if they cannot be written (or systemd cannot reload them),
+        # this raises before anything running was touched, and the old plan stays whole.
+        self.backend.sync(config, plan)
         for name in diff.removed:
             self._isolated(name, "stop", lambda n=name: self.backend.stop(n))
             self.runtimes.pop(name, None)
-        self.backend.sync(config, plan)
         self.config, self.plan, self.specs = config, plan, new_specs
         try:
             running = {name: seen.pid for name, seen in self.backend.observe([i.name for i in plan.instances]).items()}

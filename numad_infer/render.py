@@ -9,6 +9,7 @@ the config rejects them, and `quote_arg` refuses them again as a last line of de
 
 from __future__ import annotations
 
+import ipaddress
 import re
 
 from numad_infer.config import Config
@@ -32,11 +33,17 @@ def escape_value(text: str) -> str:
     return text.replace("%", "%%")
 
 
-def quote_arg(arg: str) -> str:
-    """One command-line argument, double-quoted so spaces, quotes and `;` stay inside it."""
+def quote_arg(arg: str, command_line: bool = True) -> str:
+    """One argument, double-quoted so spaces, quotes and `;` stay inside it.
+
+    `$` is special only in command lines (variable expansion, `$$` for a literal one);
+    in `Environment=` systemd keeps `$$` as two characters.
+    """
     if _CONTROL.search(arg):
         raise RenderError(f"control character in command argument {arg!r}")
-    inner = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%").replace("$", "$$")
+    inner = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    if command_line:
+        inner = inner.replace("$", "$$")
     return f'"{inner}"'
 
 
@@ -76,6 +83,42 @@ def instance_environment(instance: Instance) -> dict[str, str]:
     }
 
 
+# The sandbox every unit numa-infer renders shares (instances and the front door): no
+# capabilities, nothing writable but a private /tmp, no view of other users' processes.
+SANDBOX = (
+    "CapabilityBoundingSet=",
+    "AmbientCapabilities=",
+    "NoNewPrivileges=yes",
+    "ProtectSystem=strict",
+    "PrivateTmp=yes",
+    "PrivateDevices=yes",
+    "PrivateMounts=yes",
+    "PrivateUsers=yes",
+    "ProtectKernelTunables=yes",
+    "ProtectKernelModules=yes",
+    "ProtectKernelLogs=yes",
+    "ProtectControlGroups=yes",
+    "ProtectClock=yes",
+    "ProtectHostname=yes",
+    "ProtectProc=invisible",
+    "RestrictNamespaces=yes",
+    "RestrictSUIDSGID=yes",
+    "LockPersonality=yes",
+    "RestrictRealtime=yes",
+    "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
+    "SystemCallArchitectures=native",
+    "UMask=0077",
+)
+
+
+def ip_allow_list(host: str) -> list[str]:
+    """Loopback only while the listen address is loopback (the default): the server then
+    cannot talk to, or be reached from, anything else."""
+    if ipaddress.ip_address(host).is_loopback:
+        return ["IPAddressDeny=any", "IPAddressAllow=localhost"]
+    return []
+
+
 def render_template(config: Config) -> str:
     lines = [
         MARKER,
@@ -92,19 +135,12 @@ def render_template(config: Config) -> str:
         "TimeoutStopSec=30",
         # Unprivileged and read-only: the server only reads the model and listens.
         "DynamicUser=yes",
-        "ProtectSystem=strict",
+        *SANDBOX,
         "ProtectHome=read-only",
-        "PrivateTmp=yes",
-        "PrivateDevices=yes",
-        "NoNewPrivileges=yes",
-        "ProtectKernelTunables=yes",
-        "ProtectKernelModules=yes",
-        "ProtectControlGroups=yes",
-        "RestrictNamespaces=yes",
-        "LockPersonality=yes",
-        "RestrictRealtime=yes",
-        "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
-        "SystemCallArchitectures=native",
+        # OpenMP pins its threads (sched_setaffinity, in @resources): @system-service keeps it.
+        "SystemCallFilter=@system-service",
+        "SystemCallErrorNumber=EPERM",
+        *ip_allow_list(config.server.host),
         "Environment=HOME=/tmp",
         "Environment=PYTHONUNBUFFERED=1",
     ]
@@ -114,7 +150,7 @@ def render_template(config: Config) -> str:
 
 
 def render_dropin(config: Config, instance: Instance) -> str:
-    env = " ".join(quote_arg(f"{k}={v}") for k, v in instance_environment(instance).items())
+    env = " ".join(quote_arg(f"{k}={v}", command_line=False) for k, v in instance_environment(instance).items())
     lines = [
         MARKER,
         f"# {instance.name}: node {instance.node if instance.node is not None else 'interleave'}, "
@@ -160,21 +196,20 @@ def render_frontdoor_unit(config: Config) -> str:
         "Restart=on-failure",
         "RestartSec=2",
         "RuntimeDirectory=numa-infer-frontdoor",
-        "DynamicUser=yes",
-        "ProtectSystem=strict",
+        # Root, but with no capability at all (the empty bounding set in SANDBOX): its
+        # admin socket is then root's, mode 600, and the daemon reaches it without a DAC
+        # override; a DynamicUser's socket would need one (or a socket open to everyone).
+        *SANDBOX,
         "ProtectHome=yes",
-        "PrivateTmp=yes",
-        "PrivateDevices=yes",
-        "NoNewPrivileges=yes",
-        "ProtectKernelTunables=yes",
-        "ProtectKernelModules=yes",
-        "ProtectControlGroups=yes",
-        "RestrictNamespaces=yes",
-        "LockPersonality=yes",
-        "RestrictRealtime=yes",
-        "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
-        "SystemCallArchitectures=native",
+        "SystemCallFilter=@system-service",
+        "SystemCallErrorNumber=EPERM",
+        *ip_allow_list(config.frontend.address[0]),
     ]
+    if config.frontend.address[1] < 1024:
+        # A privileged port: the one capability that needs, and no user namespace (a
+        # capability inside one does not reach the host's ports).
+        lines += ["CapabilityBoundingSet=CAP_NET_BIND_SERVICE", "AmbientCapabilities=CAP_NET_BIND_SERVICE",
+                  "PrivateUsers=no"]
     return "\n".join(lines) + "\n"
 
 

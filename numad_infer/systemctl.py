@@ -27,6 +27,7 @@ class Systemctl:
         self.binary = binary or shutil.which("systemctl") or "/usr/bin/systemctl"
         self.timeout_s = timeout_s
 
+    # Every call puts "--" before unit names: a name is never read as an option.
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         try:
             proc = subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=self.timeout_s,
@@ -44,19 +45,19 @@ class Systemctl:
 
     def start(self, *units: str) -> None:
         if units:
-            self.run("start", "--no-block", *units)
+            self.run("start", "--no-block", "--", *units)
 
     def stop(self, *units: str) -> None:
         if units:
-            self.run("stop", *units)
+            self.run("stop", "--", *units)
 
     def restart(self, *units: str) -> None:
         if units:
-            self.run("restart", "--no-block", *units)
+            self.run("restart", "--no-block", "--", *units)
 
     def reload(self, *units: str) -> None:
         if units:
-            self.run("reload", *units)
+            self.run("reload", "--", *units)
 
     def show_many(self, units: list[str], *props: str) -> dict[str, dict[str, str]]:
         """One systemctl call for many units (one fork per pass, not one per instance)."""
@@ -64,7 +65,7 @@ class Systemctl:
             return {}
         # check=True: a failed call (systemd busy reloading during a package upgrade) must
         # read as "unknown", never as "not running" -- that would restart healthy instances.
-        proc = self.run("show", *units, f"--property=Id,{','.join(props)}")
+        proc = self.run("show", f"--property=Id,{','.join(props)}", "--", *units)
         result: dict[str, dict[str, str]] = {}
         for block in proc.stdout.strip().split("\n\n"):
             fields = dict(line.partition("=")[::2] for line in block.splitlines() if "=" in line)

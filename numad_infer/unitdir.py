@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +59,33 @@ def plan_write(unit_dir: Path, files: dict[str, str]) -> WriteResult:
     return WriteResult(tuple(written), tuple(unchanged), tuple(removed))
 
 
+def check_private_dir(path: Path) -> None:
+    """Create `path` if needed; as root, refuse one another user could redirect or fill.
+
+    A root daemon that writes into a directory owned by someone else, writable by others,
+    or reached through a symlink can be made to write anywhere (a planted
+    `infer@0.service.d -> /etc/...`).
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return
+    for directory in (path, *path.parents):
+        if directory == Path("/"):
+            break
+        info = os.lstat(directory)
+        if stat.S_ISLNK(info.st_mode) and directory == path:
+            raise NumaInferError(f"{directory} is a symbolic link; numa-infer writes there as root: make it a directory")
+        if stat.S_ISLNK(info.st_mode):
+            continue  # a link higher up (/run -> /var/run) is the system's own
+        writable_by_others = info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX
+        if info.st_uid != 0 or writable_by_others:
+            raise NumaInferError(
+                f"{directory} is {'owned by uid ' + str(info.st_uid) if info.st_uid != 0 else 'writable by others'}; "
+                "numa-infer writes there as root: chown root and chmod go-w it, or choose another directory")
+
+
 def write_units(unit_dir: Path, files: dict[str, str]) -> WriteResult:
+    check_private_dir(unit_dir)
     result = plan_write(unit_dir, files)
     for rel in result.written:
         target = unit_dir / rel
@@ -65,6 +93,8 @@ def write_units(unit_dir: Path, files: dict[str, str]) -> WriteResult:
             # Never overwrite what an operator (or another tool) wrote under our names.
             raise NumaInferError(f"{target} exists and was not written by numa-infer; move it away first")
     for rel in result.written:
+        if (unit_dir / rel).parent != unit_dir:
+            check_private_dir((unit_dir / rel).parent)  # a drop-in directory: never a planted link
         write_atomic(unit_dir / rel, files[rel])
     for rel in result.removed:
         path = unit_dir / rel

@@ -34,7 +34,7 @@ BASE = '[model]\npath = "/m.gguf"\n'
         (BASE + '[metrics]\nlisten = "localhost:9464"\n', 'metrics.listen = "localhost:9464": \'localhost\' is not an IP address'),
         (BASE + '[metrics]\nlisten = "127.0.0.1"\n', 'metrics.listen = "127.0.0.1": must be "ADDRESS:PORT"'),
         (BASE + '[server]\nhost = "localhost"\n', 'server.host = "localhost": must be an IP address'),
-        (BASE + '[systemd]\ntemplate = "in fer"\n', 'systemd.template = "in fer": must be 1-64 of the characters'),
+        (BASE + '[systemd]\ntemplate = "in fer"\n', 'systemd.template = "in fer": must start with a letter, then up to 63 of'),
     ],
 )
 def test_invalid_config_message(text: str, expected: str) -> None:

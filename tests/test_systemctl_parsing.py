@@ -43,7 +43,7 @@ def test_one_systemctl_call_observes_every_instance(tmp_path: Path) -> None:
     assert (seen["infer@1"].pid, seen["infer@1"].pending, seen["infer@1"].description) == (None, True, "activating (auto-restart)")
     assert (seen["infer@2"].pid, seen["infer@2"].pending) == (None, False)
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert calls == ["show infer@0.service infer@1.service infer@2.service --property=Id,MainPID,ActiveState,SubState"]
+    assert calls == ["show --property=Id,MainPID,ActiveState,SubState -- infer@0.service infer@1.service infer@2.service"]
 
 
 def test_restart_job_of_the_daemon_keeps_instances(tmp_path: Path) -> None:

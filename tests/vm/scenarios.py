@@ -262,8 +262,12 @@ def s1b_frontdoor() -> str:
     for t in load.threads:
         t.join(900)
     load.verdict("a burst")
-    state = wait(lambda: (s := status()) if all((i.get("served") or 0) > before[i["name"]] for i in s["instances"]) else None,
-                 30, "requests counted on both nodes")
+
+    def both_served() -> dict | None:
+        now = status()
+        return now if all((i.get("served") or 0) > before[i["name"]] for i in now["instances"]) else None
+
+    state = wait(both_served, 30, "requests counted on both nodes")
     front = state["frontdoor"]
     if not front or not front["up"]:
         raise Fail(f"status: front door {front}")

@@ -1,0 +1,279 @@
+"""Least privilege and bad input (issue 10): each test here failed before its fix."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from numad_infer.config import ConfigError
+from numad_infer.modelfile import model_size
+
+GGUF = b"GGUF" + b"\0" * 60
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_fifo_as_model_is_refused_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.gguf"
+    os.mkfifo(fifo)
+    # Before: open() blocked forever waiting for a writer.
+    proc = subprocess.run([sys.executable, "-c", "from numad_infer.modelfile import model_size; "
+                           f"model_size({str(fifo)!r}, 'cfg')"], capture_output=True, text=True, timeout=10, cwd=ROOT)
+    assert proc.returncode == 1 and "is not a regular file" in proc.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root reads every file: only then is the check needed")
+def test_as_root_the_model_must_be_readable_by_the_unprivileged_instances(tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)
+    for parent in tmp_path.parents:  # pytest's own temporary directories are private
+        if parent == Path("/tmp"):
+            break
+        parent.chmod(parent.stat().st_mode | stat.S_IXOTH)
+    private = tmp_path / "private.gguf"
+    private.write_bytes(GGUF)
+    private.chmod(0o600)
+    with pytest.raises(ConfigError, match=r"cannot be read by the instances' unprivileged user \(chmod o\+r"):
+        model_size(str(private), "cfg", unprivileged_instances=True)
+    assert model_size(str(private), "cfg", unprivileged_instances=False) == len(GGUF)  # the process backend: root
+    hidden = tmp_path / "hidden"
+    hidden.mkdir(mode=0o700)
+    inside = hidden / "m.gguf"
+    inside.write_bytes(GGUF)
+    inside.chmod(0o644)
+    with pytest.raises(ConfigError, match="is not searchable by others"):
+        model_size(str(inside), "cfg", unprivileged_instances=True)
+    hidden.chmod(0o755)
+    assert model_size(str(inside), "cfg", unprivileged_instances=True) == len(GGUF)
+
+
+def reload_cli(state_file: Path, *args: str, user: int | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "numad_infer", "--state-file", str(state_file), "reload", *args,
+                           "--timeout", "2"], capture_output=True, text=True, cwd=ROOT, timeout=30,
+                          user=user, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_reload_never_signals_a_process_that_is_not_the_daemon(tmp_path: Path) -> None:
+    # A stale state file naming an unrelated process: before, it got SIGHUP (and died).
+    bystander = subprocess.Popen(["sleep", "60"])
+    try:
+        state = tmp_path / "state.json"
+        state.write_text('{"schema": 1, "daemon": {"pid": %d, "generation": 1}, "instances": []}' % bystander.pid)
+        proc = reload_cli(state)
+        assert proc.returncode == 3 and "is not a numa-infer daemon" in proc.stderr and proc.stderr.count("\n") == 1
+        proc = reload_cli(state, "--pid", str(bystander.pid))
+        assert proc.returncode == 1 and "is not a numa-infer daemon" in proc.stderr
+        assert bystander.poll() is None
+        for bad in ("-1", "0", "1"):
+            proc = reload_cli(state, "--pid", bad)
+            assert proc.returncode == 1 and "must be > 1" in proc.stderr and "Traceback" not in proc.stderr
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+@pytest.mark.parametrize("template, fragment", [
+    ("-Hroot", "must start with a letter"),
+    ("user", "names a unit systemd or another package ships"),
+    ("getty", "names a unit systemd or another package ships"),
+])
+def test_template_names_that_are_options_or_other_units_are_refused(template: str, fragment: str) -> None:
+    from numad_infer.config import parse_config
+
+    with pytest.raises(ConfigError, match=fragment) as caught:
+        parse_config(f'[model]\npath = "/m.gguf"\n[systemd]\ntemplate = "{template}"\n', "/etc/numa-infer.toml")
+    assert str(caught.value).startswith(f'/etc/numa-infer.toml: systemd.template = "{template}"')
+
+
+def test_every_systemctl_call_ends_its_options_before_unit_names(tmp_path: Path) -> None:
+    from numad_infer.systemctl import Systemctl
+
+    log = tmp_path / "calls"
+    fake = tmp_path / "systemctl"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
+    fake.chmod(0o755)
+    ctl = Systemctl(str(fake))
+    ctl.start("infer@0.service")
+    ctl.stop("infer@0.service")
+    ctl.restart("infer@0.service")
+    ctl.reload("numa-infer-frontdoor.service")
+    ctl.show_many(["infer@0.service"], "MainPID")
+    for line in log.read_text().splitlines():
+        words = line.split()
+        assert "--" in words and words.index("--") < words.index(next(w for w in words if w.endswith(".service"))), line
+
+
+def test_environment_values_keep_a_dollar_as_it_is() -> None:
+    from numad_infer.render import quote_arg
+
+    # In Environment= systemd expands nothing: "$$" would reach the process as two dollars.
+    assert quote_arg("A=x$y", command_line=False) == '"A=x$y"'
+    assert quote_arg("x$y") == '"x$$y"'  # a command line expands $: doubled to stay literal
+
+
+def test_the_metrics_endpoint_answers_only_metrics() -> None:
+    import socket
+    import urllib.error
+    import urllib.request
+
+    from numad_infer import metrics
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = metrics.serve(f"127.0.0.1:{port}", lambda: None)
+    try:
+        assert urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).status == 200
+        for path in ("/", "/anything", "/metrics/x"):
+            with pytest.raises(urllib.error.HTTPError) as caught:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5)
+            assert caught.value.code == 404
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the ownership checks apply to a root daemon")
+def test_as_root_no_write_through_a_planted_link_or_into_another_users_directory(tmp_path: Path) -> None:
+    from numad_infer.backends import open_log
+    from numad_infer.errors import NumaInferError
+    from numad_infer.unitdir import write_units
+
+    secret = tmp_path / "root-only"
+    secret.write_text("untouched\n")
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "infer@0.log").symlink_to(secret)
+    with pytest.raises(OSError):
+        open_log(logs, "infer@0.log")
+    assert secret.read_text() == "untouched\n"
+
+    units = tmp_path / "units"
+    units.mkdir()
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (units / "infer@0.service.d").symlink_to(target)
+    with pytest.raises(NumaInferError, match="is a symbolic link"):
+        write_units(units, {"infer@0.service.d/50-numa-infer.conf": "# Managed by numa-infer\n"})
+    assert list(target.iterdir()) == []
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    os.chown(foreign, 65534, 65534)
+    with pytest.raises(NumaInferError, match="owned by uid 65534"):
+        write_units(foreign, {"infer@.service": "x"})
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(NumaInferError, match="writable by others"):
+        open_log(shared, "infer@0.log")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root has privilege to drop")
+def test_the_llama_cpp_check_runs_the_configured_python_unprivileged() -> None:
+    import tempfile
+
+    from numad_infer.daemon import _python_has_llama_cpp
+
+    base = Path(tempfile.mkdtemp(prefix="numa-infer-pycheck-"))
+    try:
+        base.chmod(0o777)
+        seen = base / "uid"
+        fake = base / "python3"
+        # A stand-in interpreter that records who ran it (a .pth file would run the same way).
+        fake.write_text(f"#!/bin/sh\nid -u > {seen}\nexit 0\n")
+        fake.chmod(0o755)
+        assert _python_has_llama_cpp(str(fake), unprivileged=True)
+        assert seen.read_text().strip() == "65534"
+        hang = base / "hang"
+        hang.write_text("#!/bin/sh\nexec sleep 60\n")
+        hang.chmod(0o755)
+        started = time.monotonic()
+        assert not _python_has_llama_cpp(str(hang), unprivileged=True, timeout_s=1)
+        assert time.monotonic() - started < 10
+    finally:
+        import shutil
+        shutil.rmtree(base)
+
+
+def test_a_failed_unit_write_leaves_the_running_instances_alone() -> None:
+    from numad_infer.errors import NumaInferError
+    from numad_infer.planner import make_plan
+    from numad_infer.reconcile import Reconciler
+    from tests.test_drift_and_supervision import RecordingBackend, cfg, three_nodes
+
+    backend = RecordingBackend()
+    rec = Reconciler(backend)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    backend.calls.clear()
+
+    def refuse(config, plan):
+        raise NumaInferError("systemctl daemon-reload failed (1): Access denied")
+
+    backend.sync = refuse
+    new = cfg("[placement]\nnodes = [0, 2]")
+    with pytest.raises(NumaInferError):
+        rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    # Before: infer@1 was stopped first, then the write failed and the daemon exited.
+    assert backend.calls == [] and set(rec.runtimes) == {"infer@0", "infer@1", "infer@2"}
+
+
+def test_a_new_process_forgets_a_pending_memory_repair_measurement() -> None:
+    from numad_infer.planner import make_plan
+    from numad_infer.reconcile import Runtime
+    from tests.test_drift_and_supervision import cfg, three_nodes
+
+    rt = Runtime(make_plan(cfg(), three_nodes()).instances[0], pid=10)
+    rt.migrated_from = 512 << 20
+    rt.new_process(11)
+    # Before: the next reading of the new process reported "migrate_pages moved 512 MiB".
+    assert rt.migrated_from is None and rt.pid == 11 and rt.memory is None
+
+
+def exposure(tmp_path: Path, files: dict[str, str], unit: str) -> subprocess.CompletedProcess[str]:
+    """`systemd-analyze security --offline=true` on rendered files, copied as the issue says."""
+    root = tmp_path / "root"
+    for rel, text in files.items():
+        target = root / "etc/systemd/system" / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text)
+    return subprocess.run(["systemd-analyze", "security", "--offline=true", f"--root={root}", unit],
+                          capture_output=True, text=True)
+
+
+def score(tmp_path: Path, files: dict[str, str], unit: str, threshold: float) -> float:
+    proc = exposure(tmp_path, files, unit)
+    found = float(proc.stdout.rsplit("exposure level for", 1)[1].split(":")[1].split()[0])
+    # --threshold makes systemd-analyze itself fail above the goal (scores are x10 integers there).
+    strict = subprocess.run(["systemd-analyze", "security", "--offline=true", f"--root={tmp_path / 'root'}",
+                             f"--threshold={int(threshold * 10)}", unit], capture_output=True, text=True)
+    assert strict.returncode == 0, f"{unit}: exposure {found} above {threshold}"
+    return found
+
+
+@pytest.mark.parametrize("host, listen", [("127.0.0.1", "127.0.0.1:8000"), ("0.0.0.0", "0.0.0.0:80")])
+def test_rendered_units_are_hardened(tmp_path: Path, host: str, listen: str) -> None:
+    from numad_infer.config import parse_config
+    from numad_infer.planner import Instance, Plan
+    from numad_infer.render import render_units
+
+    config = parse_config(f'[model]\npath = "/m.gguf"\nmlock = true\n[server]\nhost = "{host}"\n'
+                          f'[frontend]\nlisten = "{listen}"\n')
+    plan = Plan((Instance("infer@0", 0, (0, 1), ((0,), (1,)), (0,), "bind", 2, 8080),))
+    files = render_units(config, plan)
+    instance = score(tmp_path, files, "infer@0.service", 2.0)
+    front = score(tmp_path, files, "numa-infer-frontdoor.service", 2.5)
+    print(f"exposure ({host}, {listen}): infer@0 {instance}, front door {front}")
+
+
+def test_the_shipped_daemon_unit_is_hardened(tmp_path: Path) -> None:
+    text = (ROOT / "packaging/systemd/numa-infer.service").read_text()
+    found = score(tmp_path, {"numa-infer.service": text}, "numa-infer.service", 3.0)
+    print(f"exposure: numa-infer.service {found}")
+    caps = next(line for line in text.splitlines() if line.startswith("CapabilityBoundingSet="))
+    assert caps == "CapabilityBoundingSet=CAP_SYS_NICE"
