@@ -43,7 +43,10 @@ def load_all(config_path: str, fsroot: str) -> Loaded:
     from numad_infer.sysfs import read_topology
     from numad_infer.systemctl import pid1_is_systemd
 
+    from numad_infer.unitdir import check_unit_names
+
     config = load_config(config_path)
+    check_unit_names(config, config_path)
     topology = read_topology(fsroot)
     # Under systemd the instances run as a DynamicUser: what they can read is what counts.
     size = model_size(config.model.path, config_path, unprivileged_instances=pid1_is_systemd())

@@ -141,14 +141,7 @@ class ServerSection(_Section):
     @field_validator("python")
     @classmethod
     def _absolute(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError("must be an absolute path to a Python interpreter, e.g. /opt/llm/bin/python3")
-        bad = sorted(set(value) & set("$\"'\\"))
-        if bad:
-            # systemd refuses quotes and backslashes in an executable name outright, and
-            # expands "$" in argv[0] but not in the path: no quoting makes it safe.
-            raise ValueError(f"may not contain {' '.join(bad)}; use a path (or symlink) without them")
-        return value
+        return executable_path(value, "/opt/llm/bin/python3")
 
 
 _UNIT_PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}$")
@@ -197,6 +190,21 @@ class MonitorSection(_Section):
     min_local_fraction: float = Field(0.9, ge=0, le=1)
     numa_maps_interval_s: float = Field(300.0, gt=0)
     repair: bool = True
+
+
+def executable_path(value: str, example: str) -> str:
+    """A program systemd will run (ExecStart=): absolute, normalized, a file name at the end."""
+    if not value.startswith("/"):
+        raise ValueError(f"must be an absolute path to the program, e.g. {example}")
+    bad = sorted(set(value) & set("$\"'\\"))
+    if bad:
+        # systemd refuses quotes and backslashes in an executable name outright, and
+        # expands "$" in argv[0] but not in the path: no quoting makes it safe.
+        raise ValueError(f"may not contain {' '.join(bad)}; use a path (or symlink) without them")
+    if value.endswith("/") or "//" in value or os.path.normpath(value) != value:
+        # systemd refuses a path that names a directory or is not normalized (found by fuzzing).
+        raise ValueError(f"must be a plain path to the program file (no trailing /, //, /./ or /../), e.g. {example}")
+    return value
 
 
 def parse_listen(value: str, example: str = "127.0.0.1:9464") -> tuple[str, int]:
@@ -264,9 +272,7 @@ class FrontendSection(_Section):
     @field_validator("haproxy")
     @classmethod
     def _binary(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError("must be an absolute path to the haproxy binary, e.g. /usr/sbin/haproxy")
-        return value
+        return executable_path(value, "/usr/sbin/haproxy")
 
     @field_validator("affinity_header")
     @classmethod

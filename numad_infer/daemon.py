@@ -30,7 +30,7 @@ from numad_infer.states import State
 from numad_infer.statefile import write_state
 from numad_infer.sysfs import SysfsReader
 from numad_infer.systemctl import pid1_is_systemd
-from numad_infer.unitdir import check_private_dir
+from numad_infer.unitdir import check_private_dir, check_unit_names
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class Daemon:
     # -- loading ----------------------------------------------------------------------------------
     def _load(self) -> tuple[Config, Plan]:
         config = load_config(self.config_path)
+        check_unit_names(config, self.config_path)
         topology = self.sysfs.topology()
         plan = make_plan(config, topology, model_size(config.model.path, self.config_path, self.backend.unprivileged_instances), source=self.config_path)
         # Checked before anything changes: a refused front door leaves the old plan running.

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.atomicfile import write_atomic
+from numad_infer.config import Config, ConfigError
 from numad_infer.errors import NumaInferError
 from numad_infer.render import DROPIN_NAME, FRONTDOOR_UNIT, MARKER
 
@@ -29,6 +30,24 @@ def _ours(path: Path) -> bool:
             return handle.readline().rstrip("\n") == MARKER
     except OSError:
         return False
+
+
+# Where systemd looks for units (systemd.unit(5), "Unit File Load Path"), most important first.
+SYSTEM_UNIT_DIRS = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/lib/systemd/system",
+                    "/usr/lib/systemd/system", "/lib/systemd/system")
+
+
+def check_unit_names(config: Config, source: str, dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS) -> None:
+    """Refuse names of units that someone else ships: ours in /run would shadow theirs."""
+    names = [(f"{config.systemd.template}@.service", "systemd.template", config.systemd.template)]
+    if config.frontend.enabled:
+        names.append((FRONTDOOR_UNIT, "frontend.listen", config.frontend.listen))
+    for name, key, value in names:
+        for directory in dirs:
+            path = Path(directory) / name
+            if path.is_file() and not _ours(path):
+                raise ConfigError(source, key, f"{path} exists and was not written by numa-infer: rendering {name} "
+                                  "would shadow it; pick another name", value, True)
 
 
 def managed_files(unit_dir: Path) -> list[str]:

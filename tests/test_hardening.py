@@ -277,3 +277,19 @@ def test_the_shipped_daemon_unit_is_hardened(tmp_path: Path) -> None:
     print(f"exposure: numa-infer.service {found}")
     caps = next(line for line in text.splitlines() if line.startswith("CapabilityBoundingSet="))
     assert caps == "CapabilityBoundingSet=CAP_SYS_NICE"
+
+
+def test_a_template_that_another_package_ships_is_refused(tmp_path: Path) -> None:
+    from numad_infer.config import parse_config
+    from numad_infer.unitdir import check_unit_names
+
+    vendor = tmp_path / "lib"
+    vendor.mkdir()
+    (vendor / "worker@.service").write_text("[Service]\nExecStart=/bin/true\n")
+    config = parse_config('[model]\npath = "/m.gguf"\n[systemd]\ntemplate = "worker"\n', "/etc/numa-infer.toml")
+    with pytest.raises(ConfigError, match=r'systemd.template = "worker": .*worker@.service exists and was not written'):
+        check_unit_names(config, "/etc/numa-infer.toml", dirs=(str(vendor),))
+    # One numa-infer rendered itself is its own.
+    (vendor / "worker@.service").write_text("# Managed by numa-infer: rewritten by `numa-infer render` and the daemon; "
+                                            "do not edit.\n")
+    check_unit_names(config, "/etc/numa-infer.toml", dirs=(str(vendor),))
