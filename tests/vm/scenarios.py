@@ -252,9 +252,16 @@ def s1_start() -> str:
 def s1b_frontdoor() -> str:
     if sh("systemctl", "is-active", "numa-infer-frontdoor", check=False).strip() != "active":
         raise Fail("numa-infer-frontdoor.service is not active")
-    user = sh("ps", "-o", "user=", "-p", str(main_pid("numa-infer-frontdoor"))).strip()
-    if user == "root":
-        raise Fail("haproxy runs as root")
+    # Root by design (its admin socket is then root's) but with no capability at all.
+    status_text = Path(f"/proc/{main_pid('numa-infer-frontdoor')}/status").read_text()
+    caps = {line.split(":")[0]: int(line.split()[1], 16) for line in status_text.splitlines() if line.startswith("Cap")}
+    if caps["CapEff"] or caps["CapBnd"] or caps["CapPrm"]:
+        raise Fail(f"haproxy holds capabilities: {caps}")
+    user = "root without capabilities"
+    daemon_caps = [line for line in Path(f"/proc/{main_pid('numa-infer')}/status").read_text().splitlines()
+                   if line.startswith("CapBnd:")][0]
+    if int(daemon_caps.split()[1], 16) != 1 << 23:  # CAP_SYS_NICE alone
+        raise Fail(f"the daemon's bounding set is not CAP_SYS_NICE alone: {daemon_caps}")
     before = {i["name"]: i.get("served") or 0 for i in status()["instances"]}
     load = Load(clients=2, limit=6)
     for t in load.threads:
