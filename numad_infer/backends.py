@@ -217,7 +217,7 @@ class ProcessBackend:
 
     def specs(self, config: Config, plan: Plan) -> dict[str, str]:
         return {i.name: json.dumps({"argv": server_argv(config, i), "env": instance_environment(i),
-                                    "cpus": i.cpus, "mems": i.mems, "policy": i.policy}, sort_keys=True)
+                                    "cpus": i.cpus, "mems": i.mems, "policy": i.policy.value}, sort_keys=True)
                 for i in plan.instances}
 
     def current_specs(self, config: Config) -> dict[str, str]:

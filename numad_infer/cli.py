@@ -17,10 +17,12 @@ from numad_infer import __version__
 from numad_infer.cpuset import format_list
 from numad_infer.defaults import DEFAULT_CONFIG_PATH, DEFAULT_STATE_FILE
 from numad_infer.errors import NumaInferError
-from numad_infer.statefile import read_state
+from numad_infer.states import State
+from numad_infer.status import read_status
 
 if TYPE_CHECKING:
     from numad_infer.config import Config
+    from numad_infer.status import Status
     from numad_infer.planner import Plan
     from numad_infer.topology import Topology
 
@@ -76,7 +78,7 @@ def format_plan(plan: "Plan") -> str:
     rows = [("INSTANCE", "NODE", "CPUS", "MEMS", "POLICY", "THREADS", "PORT")]
     for i in plan.instances:
         rows.append((i.name, "-" if i.node is None else str(i.node), format_list(i.cpus), format_list(i.mems),
-                     i.policy, str(i.threads), str(i.port)))
+                     i.policy.value, str(i.threads), str(i.port)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines += [f"warning: {w}" for w in plan.warnings]
@@ -189,47 +191,47 @@ def _age(seconds: float | None) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def format_status(data: dict) -> str:
-    d = data["daemon"]
-    lines = [f"numa-infer: {d['state']}" + (f" (pid {d['pid']}, backend {d['backend']})" if d.get("pid") else "")
-             + f", config {d['config']}"]
-    if d.get("status"):
-        lines.append(f"status: {d['status']}")
-    reload = d.get("last_reload") or {}
-    if reload:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(reload["at"]))
-        if reload.get("ok"):
-            lines.append(f"last {reload.get('why', 'reload')}: {when} ok (added {len(reload.get('added', []))}, "
-                         f"changed {len(reload.get('changed', []))}, removed {len(reload.get('removed', []))})")
+def format_status(status: "Status") -> str:
+    d = status.daemon
+    lines = [f"numa-infer: {d.state.value}" + (f" (pid {d.pid}, backend {d.backend})" if d.pid else "")
+             + f", config {d.config}"]
+    if d.status:
+        lines.append(f"status: {d.status}")
+    reload = d.last_reload
+    if reload is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(reload.at))
+        if reload.ok:
+            lines.append(f"last {reload.why}: {when} ok (added {len(reload.added)}, changed {len(reload.changed)}, "
+                         f"removed {len(reload.removed)})")
         else:
-            lines.append(f"last {reload.get('why', 'reload')}: {when} FAILED: {reload.get('error')}")
-    lines += [f"warning: {w}" for w in d.get("warnings", [])]
-    front = data.get("frontdoor")
-    if front:
-        if front.get("up"):
-            lines.append(f"front door: http://{front['listen']} up, {front['in_flight']} in flight, {front['queued']} queued")
+            lines.append(f"last {reload.why}: {when} FAILED: {reload.error}")
+    lines += [f"warning: {w}" for w in d.warnings]
+    front = status.frontdoor
+    if front is not None:
+        if front.up:
+            lines.append(f"front door: http://{front.listen} up, {front.in_flight} in flight, {front.queued} queued")
         else:
-            lines.append(f"front door: http://{front['listen']} DOWN" + (f": {front['error']}" if front.get("error") else ""))
+            lines.append(f"front door: http://{front.listen} DOWN" + (f": {front.error}" if front.error else ""))
     rows = [("INSTANCE", "NODE", "CPUS", "PORT", "PID", "STATE", "UPTIME", "RESTARTS", "LOCAL-MEM", "PROBE",
              "ROTATION", "INFLIGHT", "QUEUED")]
-    for i in data["instances"]:
-        frac = i.get("local_memory_fraction")
-        rows.append((i["name"], "-" if i.get("node") is None else str(i["node"]), format_list(i["cpus"]), str(i["port"]),
-                     str(i.get("pid") or "-"), i["state"] + (" drifting" if i.get("drifting") else ""),
-                     _age(i.get("uptime_s")), str(i.get("restarts", 0)),
+    for i in status.instances:
+        frac = i.local_memory_fraction
+        rows.append((i.name, _dash(i.node), format_list(i.cpus), str(i.port), _dash(i.pid),
+                     i.state.value + (" drifting" if i.drifting else ""), _age(i.uptime_s), str(i.restarts),
                      "-" if frac is None else f"{frac:.1%}",
-                     "-" if i.get("probe_latency_ms") is None else f"{i['probe_latency_ms']:.0f}ms",
-                     _dash(i.get("rotation")), _dash(i.get("in_flight")), _dash(i.get("queued"))))
+                     "-" if i.probe_latency_ms is None else f"{i.probe_latency_ms:.0f}ms",
+                     _dash(i.rotation), _dash(i.in_flight), _dash(i.queued)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    for i in data["instances"]:
-        for key, label in (("error", "error"), ("last_drift", "last drift"), ("last_repair", "last repair")):
-            value = i.get(key)
-            if isinstance(value, dict):
-                when = time.strftime("%H:%M:%S", time.localtime(value["at"]))
-                lines.append(f"  {i['name']}: {label} {when} [{value['kind']}] {value['detail']}")
-            elif value and i["state"] != "healthy":
-                lines.append(f"  {i['name']}: {label}: {value}")
+    for i in status.instances:
+        for label, event in (("last drift", i.last_drift), ("last repair", i.last_repair)):
+            if event is not None:
+                when = time.strftime("%H:%M:%S", time.localtime(event.at))
+                lines.append(f"  {i.name}: {label} {when} [{event.kind}] {event.detail}")
+        if i.error and i.state != State.HEALTHY:
+            lines.append(f"  {i.name}: error: {i.error}")
+        if i.unit_state:
+            lines.append(f"  {i.name}: unit {i.unit_state}")
     return "\n".join(lines)
 
 
@@ -237,17 +239,18 @@ def _dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _offline_status(args: argparse.Namespace) -> dict:
+def _offline_status(args: argparse.Namespace) -> "Status":
     """The daemon is down: still show the plan and what the units are doing."""
-    data: dict = {"daemon": {"state": "not running", "pid": None, "config": args.config, "warnings": []}, "instances": []}
+    from numad_infer.status import DaemonState, DaemonStatus, InstanceStatus, Status
+
     try:
         loaded = load_all(args.config, args.fsroot)
     except NumaInferError as exc:
-        data["daemon"]["warnings"].append(str(exc))
-        return data
+        return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=(str(exc),)), ())
     from numad_infer.backends import Observation, SystemdBackend
     from numad_infer.systemctl import pid1_is_systemd
 
+    warnings: list[str] = []
     names = [inst.name for inst in loaded.plan.instances]
     no_unit = Observation(None, False, "not running (process backend: instances stop with the daemon)")
     seen = dict.fromkeys(names, no_unit)
@@ -255,45 +258,54 @@ def _offline_status(args: argparse.Namespace) -> dict:
         try:
             seen = SystemdBackend().observe(names)
         except NumaInferError as exc:
-            data["daemon"]["warnings"].append(str(exc))
+            warnings.append(str(exc))
             seen = dict.fromkeys(names, Observation(None, False, "unknown"))
-    for inst in loaded.plan.instances:
-        pid, unit = seen[inst.name].pid, seen[inst.name].description
-        data["instances"].append({**inst.to_dict(), "pid": pid, "state": "running" if pid else "stopped",
-                                  "unit_state": unit, "restarts": 0, "local_memory_fraction": None})
-    return data
+    # Nobody supervises them: a running one is UNSUPERVISED, never "healthy".
+    instances = tuple(InstanceStatus(name=i.name, node=i.node, cpus=i.cpus, mems=i.mems, threads=i.threads, port=i.port,
+                                     pid=seen[i.name].pid,
+                                     state=State.UNSUPERVISED if seen[i.name].pid else State.STOPPED,
+                                     unit_state=seen[i.name].description)
+                      for i in loaded.plan.instances)
+    return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=tuple(warnings)), instances)
+
+
+def _running_daemon(path: Path) -> "Status | None":
+    """The published status, if its daemon is alive (StatusError for a file of another shape)."""
+    status = read_status(path)
+    if status is None or not status.daemon.state.live or not _alive(status.daemon.pid):
+        return None
+    return status
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    state = read_state(Path(args.state_file))
-    running = state is not None and state["daemon"].get("state") in ("starting", "running") and _alive(state["daemon"].get("pid"))
-    data = state if running else _offline_status(args)
-    print(json.dumps(data, indent=2) if args.json else format_status(data))
+    status = _running_daemon(Path(args.state_file))
+    running = status is not None
+    if status is None:
+        status = _offline_status(args)
+    print(json.dumps(status.to_json(), indent=2) if args.json else format_status(status))
     if not running:
         return 3
-    healthy = all(i["state"] == "healthy" and not i.get("drifting") for i in data["instances"])
-    front = data.get("frontdoor")
-    front_ok = front is None or bool(front.get("up"))
-    return 0 if healthy and front_ok and data["instances"] else 1
+    return 0 if status.healthy else 1
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
     """Signal the daemon and wait until it has applied (or refused) the configuration."""
     path = Path(args.state_file)
-    state = read_state(path)
-    pid = args.pid if args.pid is not None else (state or {}).get("daemon", {}).get("pid")
+    status = read_status(path)
+    pid = args.pid if args.pid is not None else (status.daemon.pid if status else None)
     if args.pid is not None and args.pid <= 1:
         print(f"numa-infer: --pid {args.pid} is not a daemon's PID (it must be > 1)", file=sys.stderr)
         return 1
     if not _alive(pid):
         print("numa-infer: the daemon is not running", file=sys.stderr)
         return 3
+    assert pid is not None
     # A stale state file (or a mistyped --pid) must never signal an unrelated process.
     if not _is_numa_infer_daemon(pid):
         print(f"numa-infer: process {pid} is not a numa-infer daemon (`numa-infer run`); not signalling it",
               file=sys.stderr)
         return 3 if args.pid is None else 1
-    before = (state or {}).get("daemon", {}).get("generation", 0) if state and state["daemon"].get("pid") == pid else 0
+    before = status.daemon.generation if status and status.daemon.pid == pid else 0
     try:
         os.kill(pid, signal.SIGHUP)
     except PermissionError:
@@ -305,14 +317,15 @@ def cmd_reload(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         time.sleep(0.1)
-        now_state = read_state(path)
-        if now_state and now_state["daemon"].get("pid") == pid and now_state["daemon"].get("generation", 0) > before:
-            result = now_state["daemon"].get("last_reload") or {}
-            if result.get("ok"):
-                print(f"reloaded: added {_join(result.get('added'))}, changed {_join(result.get('changed'))}, "
-                      f"removed {_join(result.get('removed'))}")
+        now = read_status(path)
+        if now is not None and now.daemon.pid == pid and now.daemon.generation > before:
+            result = now.daemon.last_reload
+            if result is not None and result.ok:
+                print(f"reloaded: added {_join(result.added)}, changed {_join(result.changed)}, "
+                      f"removed {_join(result.removed)}")
                 return 0
-            print(f"numa-infer: reload failed, still running the previous configuration: {result.get('error')}", file=sys.stderr)
+            error = result.error if result is not None else "unknown"
+            print(f"numa-infer: reload failed, still running the previous configuration: {error}", file=sys.stderr)
             return 1
     print(f"numa-infer: the daemon did not finish reloading within {args.timeout:g}s", file=sys.stderr)
     return 1

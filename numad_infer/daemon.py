@@ -27,7 +27,8 @@ from numad_infer.planner import Plan, make_plan
 from numad_infer.procfs import ProcReader
 from numad_infer.reconcile import Reconciler, Runtime
 from numad_infer.states import State
-from numad_infer.statefile import write_state
+from numad_infer.status import (DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, MemoryStatus, ReloadResult,
+                                Status, write_status)
 from numad_infer.sysfs import SysfsReader
 from numad_infer.systemctl import pid1_is_systemd
 from numad_infer.unitdir import check_private_dir, check_unit_names
@@ -50,14 +51,14 @@ class Daemon:
         self.plan: Plan | None = None
         self.online: frozenset[int] | None = None
         self.generation = 0
-        self.last_reload: dict[str, Any] = {}
+        self.last_reload: ReloadResult | None = None
         self.warnings: list[str] = []
         self.started_at = time.time()
-        self.state = "starting"
+        self.state = DaemonState.STARTING
         self._flags: set[str] = set()
         self._wake_r, self._wake_w = os.pipe()
         self._python_checked: dict[str, bool] = {}
-        self.latest: dict[str, Any] | None = None  # last published snapshot, read by the metrics thread
+        self.latest: Status | None = None  # last published snapshot (immutable), read by the metrics thread
         self.pass_duration_s: float | None = None
         self._metrics_server = None
         self._metrics_listen = ""
@@ -115,7 +116,7 @@ class Daemon:
             result = self.reconciler.apply(config, plan, time.monotonic())
         except (NumaInferError, OSError) as exc:
             log.error("%s failed, still running the previous configuration: cannot apply the plan: %s", why, exc)
-            self.last_reload = {"at": time.time(), "ok": False, "error": f"cannot apply the plan: {exc}", "why": why}
+            self.last_reload = ReloadResult(time.time(), False, why, f"cannot apply the plan: {exc}")
             return False
         self.config, self.plan = config, plan
         try:
@@ -129,9 +130,8 @@ class Daemon:
             log.warning("%s", warning)
         log.info("%s: %d instance(s): added %s, changed %s, removed %s, unchanged %s", why, len(plan.instances),
                  _names(result.added), _names(result.changed), _names(result.removed), _names(result.unchanged))
-        self.last_reload = {"at": time.time(), "ok": True, "error": None, "why": why,
-                            "added": list(result.added), "changed": list(result.changed),
-                            "removed": list(result.removed), "unchanged": list(result.unchanged)}
+        self.last_reload = ReloadResult(time.time(), True, why, None, result.added, result.changed, result.removed,
+                                        result.unchanged)
         return True
 
     def _serve_metrics(self, config: Config) -> None:
@@ -158,7 +158,7 @@ class Daemon:
         except NumaInferError as exc:
             # Keep running the old plan untouched; say why everywhere an operator looks.
             log.error("reload failed, still running the previous configuration: %s", exc)
-            self.last_reload = {"at": time.time(), "ok": False, "error": str(exc), "why": "reload"}
+            self.last_reload = ReloadResult(time.time(), False, "reload", str(exc))
         else:
             self._apply(config, plan, "reload")
         self.generation += 1
@@ -176,7 +176,7 @@ class Daemon:
         except NumaInferError as exc:
             log.error("the machine changed and the configuration no longer fits: %s", exc)
             self.online = online
-            self.last_reload = {"at": time.time(), "ok": False, "error": str(exc), "why": "cpu hotplug"}
+            self.last_reload = ReloadResult(time.time(), False, "cpu hotplug", str(exc))
             return
         self._apply(config, plan, "cpu hotplug")
 
@@ -193,37 +193,33 @@ class Daemon:
         extras = [f"{n} {s}" for s, n in sorted(by_state.items())] + ([f"{drifting} drifting"] if drifting else [])
         if extras:
             text += " (" + ", ".join(extras) + ")"
-        if self.last_reload.get("ok") is False:
-            text += f"; config error, running previous plan: {self.last_reload['error']}"
+        if self.last_reload is not None and not self.last_reload.ok:
+            text += f"; config error, running previous plan: {self.last_reload.error}"
         return text
 
-    def snapshot(self, now: float) -> dict[str, Any]:
+    def snapshot(self, now: float) -> Status:
         wall = time.time()
-        return {
-            "daemon": {
-                "state": self.state, "pid": os.getpid(), "version": __version__, "backend": self.backend.name,
-                "config": self.config_path, "started_at": self.started_at, "updated_at": wall,
-                "interval_s": self.config.monitor.interval_s if self.config else None,
-                "generation": self.generation, "last_reload": self.last_reload, "warnings": self.warnings,
-                "status": self.status_line(), "pass_duration_s": self.pass_duration_s,
-                "metrics": self._metrics_listen or None,
-            },
-            "frontdoor": self._frontdoor_dict(),
-            "instances": [_instance_dict(rt, now, wall, self.frontdoor) for rt in self.reconciler.runtimes.values()],
-        }
+        daemon = DaemonStatus(
+            state=self.state, config=self.config_path, pid=os.getpid(), version=__version__, backend=self.backend.name,
+            started_at=self.started_at, updated_at=wall,
+            interval_s=self.config.monitor.interval_s if self.config else None, generation=self.generation,
+            last_reload=self.last_reload, warnings=tuple(self.warnings), status=self.status_line(),
+            pass_duration_s=self.pass_duration_s, metrics=self._metrics_listen or None)
+        return Status(daemon, tuple(_instance_status(rt, now, self.frontdoor) for rt in self.reconciler.runtimes.values()),
+                      self._frontdoor_status())
 
-    def _frontdoor_dict(self) -> dict[str, Any] | None:
+    def _frontdoor_status(self) -> FrontdoorStatus | None:
         fd = self.frontdoor
         if not fd.listen:
             return None
         stats = fd.stats
-        return {"listen": fd.listen, "up": stats is not None, "queued": None if stats is None else stats.queued,
-                "in_flight": None if stats is None else stats.in_flight, "error": fd.error or None}
+        return FrontdoorStatus(fd.listen, stats is not None, None if stats is None else stats.queued,
+                               None if stats is None else stats.in_flight, fd.error or None)
 
     def publish(self, now: float) -> None:
         self.latest = self.snapshot(now)
         try:
-            write_state(self.state_file, self.latest)
+            write_status(self.state_file, self.latest)
         except OSError as exc:
             log.error("cannot write %s: %s", self.state_file, exc.strerror)
         self.notifier.status(self.status_line())
@@ -240,9 +236,10 @@ class Daemon:
             self.notifier.send(f"STATUS=configuration error: {exc}", "ERRNO=22")
             return 1
         if not self._apply(config, plan, "start"):
-            self.notifier.send(f"STATUS=cannot apply the plan: {self.last_reload['error']}", "ERRNO=5")
+            assert self.last_reload is not None
+            self.notifier.send(f"STATUS={self.last_reload.error}", "ERRNO=5")
             return 1
-        self.state = "running"
+        self.state = DaemonState.RUNNING
         self.generation += 1
         now = time.monotonic()
         self.publish(now)
@@ -281,7 +278,7 @@ class Daemon:
         return min(interval, 1.0) if waiting else interval
 
     def shutdown(self) -> int:
-        self.state = "stopping"
+        self.state = DaemonState.STOPPING
         self.notifier.stopping("stopping instances")
         stop_all = True
         try:
@@ -298,7 +295,7 @@ class Daemon:
                     self.backend.forget(self.config)
                 except Exception as exc:  # stopping must finish even if cleanup cannot
                     log.error("cannot remove rendered units: %s", exc)
-        self.state = "stopped"
+        self.state = DaemonState.STOPPED
         self.publish(time.monotonic())
         self.reconciler.close()
         if self._metrics_server is not None:
@@ -340,24 +337,20 @@ def _python_has_llama_cpp(python: str, unprivileged: bool, timeout_s: float = 30
         return False
 
 
-def _instance_dict(rt: Runtime, now: float, wall: float, frontdoor: Frontdoor) -> dict[str, Any]:
+def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor) -> InstanceStatus:
     sup, inst, mem = rt.supervision, rt.instance, rt.memory
     stat = None if frontdoor.stats is None else frontdoor.stats.servers.get(server_name(inst.name))
-    return {
-        "in_flight": None if stat is None else stat.in_flight, "queued": None if stat is None else stat.queued,
-        "served": None if stat is None else stat.served, "rotation": None if stat is None else stat.status,
-        "name": inst.name, "node": inst.node, "cpus": list(inst.cpus), "mems": list(inst.mems),
-        "threads": inst.threads, "port": inst.port, "pid": rt.pid, "state": sup.state.value,
-        "uptime_s": round(now - sup.started_at, 1) if sup.started_at is not None and rt.pid else None,
-        "restarts": sup.restarts, "consecutive_failures": sup.failures, "error": sup.last_error or None,
-        "drifting": rt.drifting,
-        "local_memory_fraction": None if mem is None or mem.local_fraction is None else round(mem.local_fraction, 4),
-        "memory": None if mem is None else {
-            "anon_bytes": mem.anon_bytes, "remote_bytes": mem.remote_bytes, "file_bytes": mem.file_bytes,
-            "file_local_fraction": None if mem.file_local_fraction is None else round(mem.file_local_fraction, 4),
-            "source": mem.source},
-        "probe_latency_ms": None if rt.last_probe is None or not rt.last_probe.ok else round(rt.last_probe.latency_s * 1000, 1),
-        "last_drift": rt.last_drift.to_dict() if rt.last_drift else None,
-        "last_repair": rt.last_repair.to_dict() if rt.last_repair else None,
-        "drift_events": dict(rt.drift_counts), "repairs": dict(rt.repair_counts),
-    }
+    return InstanceStatus(
+        name=inst.name, node=inst.node, cpus=inst.cpus, mems=inst.mems, threads=inst.threads, port=inst.port,
+        pid=rt.pid, state=sup.state,
+        uptime_s=round(now - sup.started_at, 1) if sup.started_at is not None and rt.pid else None,
+        restarts=sup.restarts, consecutive_failures=sup.failures, error=sup.last_error or None, drifting=rt.drifting,
+        local_memory_fraction=None if mem is None or mem.local_fraction is None else round(mem.local_fraction, 4),
+        memory=None if mem is None else MemoryStatus(
+            mem.anon_bytes, mem.remote_bytes, mem.file_bytes,
+            None if mem.file_local_fraction is None else round(mem.file_local_fraction, 4), mem.source),
+        probe_latency_ms=None if rt.last_probe is None or not rt.last_probe.ok else round(rt.last_probe.latency_s * 1000, 1),
+        last_drift=rt.last_drift, last_repair=rt.last_repair,
+        drift_events=dict(rt.drift_counts), repairs=dict(rt.repair_counts),
+        rotation=None if stat is None else stat.status, in_flight=None if stat is None else stat.in_flight,
+        queued=None if stat is None else stat.queued, served=None if stat is None else stat.served)

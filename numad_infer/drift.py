@@ -3,8 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from numad_infer.procfs import NodeUsage, ThreadInfo
+
+
+class EventKind(str, Enum):
+    """What drift (or its repair) is about: counted per kind in status and metrics.
+
+    A new kind is a member here, its verdict below and its check in `reconcile`."""
+
+    AFFINITY = "affinity"  # threads allowed or running outside the instance's CPUs
+    MEMORY = "memory"  # anonymous memory on other nodes than the instance's
+    HEALTH = "health"  # failed probes (repair: a restart)
+    EXIT = "exit"  # the main process went away
 
 
 @dataclass(frozen=True)

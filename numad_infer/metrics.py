@@ -1,6 +1,6 @@
 """Prometheus endpoint (`[metrics] listen`): the daemon's published snapshot, as metrics.
 
-Read at scrape time from the last snapshot the loop published (an immutable dict
+Read at scrape time from the last snapshot the loop published (an immutable Status
 swapped in whole), so the HTTP thread never touches state the loop is changing.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import socket
 import threading
@@ -20,21 +19,22 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from numad_infer.config import parse_listen
-from numad_infer.reconcile import EVENT_KINDS
+from numad_infer.drift import EventKind
 from numad_infer.states import State
+from numad_infer.status import Status
 
 log = logging.getLogger(__name__)
 
 
 class SnapshotCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, Any] | None]) -> None:
+    def __init__(self, snapshot: Callable[[], Status | None]) -> None:
         self.snapshot = snapshot
 
     def collect(self) -> Iterator:
         snap = self.snapshot()
         if snap is None:
             return
-        daemon, instances = snap["daemon"], snap["instances"]
+        daemon, instances = snap.daemon, snap.instances
         labels = ["instance", "node"]
         healthy = GaugeMetricFamily("numa_infer_instance_healthy", "1 if the instance answers its health probe", labels=labels)
         state = GaugeMetricFamily("numa_infer_instance_state", "1 for the instance's current state", labels=labels + ["state"])
@@ -49,42 +49,42 @@ class SnapshotCollector(Collector):
         drifts = CounterMetricFamily("numa_infer_drift_events", "Drift found, by kind", labels=labels + ["kind"])
         repairs = CounterMetricFamily("numa_infer_repairs", "Repairs done, by kind", labels=labels + ["kind"])
         for inst in instances:
-            key = [inst["name"], "" if inst["node"] is None else str(inst["node"])]
-            healthy.add_metric(key, 1.0 if inst["state"] == "healthy" else 0.0)
+            key = [inst.name, "" if inst.node is None else str(inst.node)]
+            healthy.add_metric(key, 1.0 if inst.state == State.HEALTHY else 0.0)
             for name in State:
-                state.add_metric(key + [name.value], 1.0 if inst["state"] == name.value else 0.0)
-            restarts.add_metric(key, inst["restarts"])
-            threads.add_metric(key, inst["threads"])
-            if inst.get("probe_latency_ms") is not None:
-                latency.add_metric(key, inst["probe_latency_ms"] / 1000)
-            if inst.get("local_memory_fraction") is not None:
-                local.add_metric(key, inst["local_memory_fraction"])
-            if inst.get("in_flight") is not None:
-                in_flight.add_metric(key, inst["in_flight"])
-                queued.add_metric(key, inst["queued"])
-            for kind in EVENT_KINDS:
-                drifts.add_metric(key + [kind], inst.get("drift_events", {}).get(kind, 0))
-                repairs.add_metric(key + [kind], inst.get("repairs", {}).get(kind, 0))
+                state.add_metric(key + [name.value], 1.0 if inst.state == name else 0.0)
+            restarts.add_metric(key, inst.restarts)
+            threads.add_metric(key, inst.threads)
+            if inst.probe_latency_ms is not None:
+                latency.add_metric(key, inst.probe_latency_ms / 1000)
+            if inst.local_memory_fraction is not None:
+                local.add_metric(key, inst.local_memory_fraction)
+            if inst.in_flight is not None:
+                in_flight.add_metric(key, inst.in_flight)
+                queued.add_metric(key, inst.queued or 0)
+            for kind in EventKind:
+                drifts.add_metric(key + [kind.value], inst.drift_events.get(kind.value, 0))
+                repairs.add_metric(key + [kind.value], inst.repairs.get(kind.value, 0))
         yield from (healthy, state, restarts, latency, local, threads, in_flight, queued, drifts, repairs)
-        front = snap.get("frontdoor")
-        if front:
+        front = snap.frontdoor
+        if front is not None:
             up = GaugeMetricFamily("numa_infer_frontdoor_up", "1 while the front door (HAProxy) answers its runtime API")
-            up.add_metric([], 1.0 if front["up"] else 0.0)
+            up.add_metric([], 1.0 if front.up else 0.0)
             yield up
-            if front["up"]:
+            if front.queued is not None:
                 waiting = GaugeMetricFamily("numa_infer_frontdoor_requests_queued",
                                             "Requests waiting at the front door for any instance")
-                waiting.add_metric([], front["queued"])
+                waiting.add_metric([], front.queued)
                 yield waiting
         passes = GaugeMetricFamily("numa_infer_pass_duration_seconds", "Duration of the last monitoring pass")
-        passes.add_metric([], daemon.get("pass_duration_s") or 0.0)
+        passes.add_metric([], daemon.pass_duration_s or 0.0)
         yield passes
         ok = GaugeMetricFamily("numa_infer_config_ok", "0 while the last reload was refused (old plan still running)")
-        ok.add_metric([], 0.0 if (daemon.get("last_reload") or {}).get("ok") is False else 1.0)
+        ok.add_metric([], 0.0 if daemon.last_reload is not None and not daemon.last_reload.ok else 1.0)
         yield ok
 
 
-def serve(listen: str, snapshot: Callable[[], dict[str, Any] | None]):
+def serve(listen: str, snapshot: Callable[[], Status | None]):
     host, port = parse_listen(listen)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))

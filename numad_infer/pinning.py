@@ -11,6 +11,8 @@ import errno
 import os
 import platform
 
+from numad_infer.planner import Policy
+
 MPOL_BIND = 2
 MPOL_INTERLEAVE = 3
 
@@ -44,10 +46,10 @@ def _syscall(index: int, *args: object) -> int:
     return result
 
 
-def set_mempolicy(policy: str, nodes: tuple[int, ...]) -> None:
+def set_mempolicy(policy: Policy, nodes: tuple[int, ...]) -> None:
     """Memory policy of the calling thread (inherited across fork and exec)."""
     maxnode = _maxnode(nodes)
-    mode = MPOL_INTERLEAVE if policy == "interleave" else MPOL_BIND
+    mode = MPOL_INTERLEAVE if policy == Policy.INTERLEAVE else MPOL_BIND
     _syscall(0, ctypes.c_int(mode), _nodemask(nodes, maxnode), ctypes.c_ulong(maxnode))
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 
 from numad_infer.config import Config, ConfigError, parse_listen
 from numad_infer.cpuset import format_list
@@ -16,6 +17,13 @@ from numad_infer.topology import Node, Topology
 MODEL_FRACTION_OF_NODE = 0.9
 
 
+class Policy(str, Enum):
+    """The instance's memory policy (systemd's NUMAPolicy=, the kernel's set_mempolicy)."""
+
+    BIND = "bind"  # its own node(s) only
+    INTERLEAVE = "interleave"  # pages spread over several nodes (a model bigger than one node)
+
+
 @dataclass(frozen=True)
 class Instance:
     name: str  # unit instance name: <template>@<id>
@@ -23,7 +31,7 @@ class Instance:
     cpus: tuple[int, ...]
     places: tuple[tuple[int, ...], ...]  # one OpenMP place per thread, in pinning order
     mems: tuple[int, ...]
-    policy: str  # "bind" or "interleave"
+    policy: Policy
     threads: int
     port: int
 
@@ -34,6 +42,7 @@ class Instance:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["places"] = [list(p) for p in self.places]
+        data["policy"] = self.policy.value
         for key in ("cpus", "mems"):
             data[key] = list(data[key])
         return data
@@ -190,7 +199,7 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
         cores = [c for nid in sorted(usable) for c in usable[nid]]
         cpus, places = _threads_of(cores, placement.smt)
         mems = tuple(sorted(n.id for n in selected if n.has_memory)) or tuple(sorted(usable))
-        instances.append(Instance(f"{template}@interleave", None, cpus, places, mems, "interleave", len(cpus), 0))
+        instances.append(Instance(f"{template}@interleave", None, cpus, places, mems, Policy.INTERLEAVE, len(cpus), 0))
     else:
         k = placement.instances_per_node
         for node_id in sorted(usable):
@@ -216,7 +225,7 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
             for j, group in enumerate(_split(node, cores, k)):
                 cpus, places = _threads_of(group, placement.smt)
                 ident = str(node_id) if k == 1 else f"{node_id}.{j}"
-                instances.append(Instance(f"{template}@{ident}", node_id, cpus, places, mems, "bind", len(cpus), 0))
+                instances.append(Instance(f"{template}@{ident}", node_id, cpus, places, mems, Policy.BIND, len(cpus), 0))
 
     base = config.server.base_port
     last = base + len(instances) - 1

@@ -13,15 +13,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from numad_infer import drift, pinning
+from numad_infer.drift import EventKind
 from numad_infer.backends import Backend, Observation
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.frontdoor import Frontdoor
 from numad_infer.haproxy import AdminState
 from numad_infer.health import ProbeResult, probe
-from numad_infer.planner import Instance, Plan, PlanDiff, diff_plans
+from numad_infer.planner import Instance, Plan, PlanDiff, Policy, diff_plans
 from numad_infer.procfs import ProcReader
 from numad_infer.states import RestartDecision, State, Supervision
+from numad_infer.status import Event
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +32,6 @@ log = logging.getLogger(__name__)
 PROGRESS_CPU_S = 0.01
 # Requests in flight and no CPU used for this long: the generation is wedged, not slow.
 STALL_AFTER_S = 30.0
-
-# What an Event is about: drift and repairs are counted per kind.
-EVENT_KINDS = ("affinity", "memory", "health", "exit")
-
-
-@dataclass
-class Event:
-    at: float
-    kind: str  # one of EVENT_KINDS
-    detail: str
-
-    def to_dict(self) -> dict:
-        return {"at": self.at, "kind": self.kind, "detail": self.detail}
-
 
 @dataclass
 class Runtime:
@@ -190,12 +178,12 @@ class Reconciler:
         if pid != rt.pid:
             if pid is None:
                 if rt.pid is not None:
-                    self._note(rt, "drift", "exit", f"main process {rt.pid} is gone")
+                    self._drift(rt, EventKind.EXIT, f"main process {rt.pid} is gone")
                     rt.lost = True
             else:
                 if (rt.pid is not None or rt.lost) and not rt.awaiting_restart:
                     # Nobody here restarted it: it died and systemd (Restart=) brought it back.
-                    self._note(rt, "drift", "exit", f"main process {rt.pid or 'that exited'} replaced by {pid}")
+                    self._drift(rt, EventKind.EXIT, f"main process {rt.pid or 'that exited'} replaced by {pid}")
                     sup.restarts += 1
                 if sup.state not in (State.FAILED, State.DRAINING):  # a drain still ends in its restart
                     sup.on_started(now)
@@ -279,7 +267,7 @@ class Reconciler:
             self.frontdoor.set_state(rt.instance, AdminState.MAINT)
         if counted:
             log.warning("%s: %s: restarting", rt.instance.name, reason)
-            self._note(rt, "repair", "health", f"restarted: {reason}")
+            self._repaired(rt, EventKind.HEALTH, f"restarted: {reason}")
         self._isolated(rt.instance.name, "restart", lambda: self.backend.restart(rt.instance))
         if counted:
             rt.supervision.on_restart(now, cfg.monitor)
@@ -310,7 +298,7 @@ class Reconciler:
         found = "; ".join(
             f"thread {d.tid} ({d.name}) allowed {format_list(d.allowed)}, last ran on {d.last_cpu}" for d in verdict.drifted[:4]
         ) + (f" and {len(verdict.drifted) - 4} more" if len(verdict.drifted) > 4 else "")
-        self._note(rt, "drift", "affinity", f"outside CPUs {format_list(cpus)}: {found}")
+        self._drift(rt, EventKind.AFFINITY, f"outside CPUs {format_list(cpus)}: {found}")
         if not cfg.monitor.repair:
             log.warning("%s: affinity drift: %s (repair = false: not fixed)", rt.instance.name, found)
             return
@@ -326,7 +314,7 @@ class Reconciler:
                 log.error("%s: cannot re-pin thread %d: %s", rt.instance.name, d.tid, exc.strerror)
         detail = f"re-pinned {len(fixed)} thread(s): {', '.join(fixed[:8])}" + (f"; {gone} exited meanwhile" if gone else "")
         log.warning("%s: affinity drift: %s; %s", rt.instance.name, found, detail)
-        self._note(rt, "repair", "affinity", detail)
+        self._repaired(rt, EventKind.AFFINITY, detail)
         rt.drifting = False
 
     def _check_memory(self, rt: Runtime, pid: int, now: float) -> None:
@@ -352,15 +340,15 @@ class Reconciler:
             detail = (f"migrate_pages moved {moved / 2**20:.1f} MiB back to node(s) {format_list(mems)}; "
                       f"now {verdict.local_fraction or 0:.1%} local")
             log.info("%s: memory repair result: %s", rt.instance.name, detail)
-            rt.last_repair = Event(self.wall(), "memory", detail)
+            rt.last_repair = Event(self.wall(), EventKind.MEMORY.value, detail)
             rt.migrated_from = None
         if not verdict.drifted:
             return
         found = (f"{verdict.local_fraction:.1%} of {verdict.anon_bytes / 2**20:.0f} MiB anonymous memory on nodes "
                  f"{format_list(mems)}; {verdict.remote_bytes / 2**20:.0f} MiB on node(s) {format_list(verdict.remote_nodes)}")
-        self._note(rt, "drift", "memory", found)
+        self._drift(rt, EventKind.MEMORY, found)
         rt.drifting = True
-        if not cfg.monitor.repair or rt.instance.policy == "interleave":
+        if not cfg.monitor.repair or rt.instance.policy == Policy.INTERLEAVE:
             log.warning("%s: memory drift: %s (not repaired)", rt.instance.name, found)
             return
         try:
@@ -371,19 +359,18 @@ class Reconciler:
         detail = (f"migrate_pages from node(s) {format_list(verdict.remote_nodes)} to {format_list(mems)}"
                   + (f"; {left} page(s) could not move" if left else ""))
         log.warning("%s: memory drift: %s; %s", rt.instance.name, found, detail)
-        self._note(rt, "repair", "memory", detail)
+        self._repaired(rt, EventKind.MEMORY, detail)
         rt.migrated_from = verdict.remote_bytes
         rt.memory_checked_at = 0.0  # measure the result at the next pass, even with numa_maps
 
     # -- helpers ------------------------------------------------------------------------------------
-    def _note(self, rt: Runtime, what: str, kind: str, detail: str) -> None:
-        event = Event(self.wall(), kind, detail)
-        if what == "drift":
-            rt.last_drift = event
-            rt.drift_counts[kind] = rt.drift_counts.get(kind, 0) + 1
-        else:
-            rt.last_repair = event
-            rt.repair_counts[kind] = rt.repair_counts.get(kind, 0) + 1
+    def _drift(self, rt: Runtime, kind: EventKind, detail: str) -> None:
+        rt.last_drift = Event(self.wall(), kind.value, detail)
+        rt.drift_counts[kind.value] = rt.drift_counts.get(kind.value, 0) + 1
+
+    def _repaired(self, rt: Runtime, kind: EventKind, detail: str) -> None:
+        rt.last_repair = Event(self.wall(), kind.value, detail)
+        rt.repair_counts[kind.value] = rt.repair_counts.get(kind.value, 0) + 1
 
     def _isolated(self, name: str, action: str, call):
         try:

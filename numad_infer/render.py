@@ -157,7 +157,7 @@ def render_dropin(config: Config, instance: Instance) -> str:
         f"CPUs {format_list(instance.cpus)}, memory {format_list(instance.mems)}, port {instance.port}",
         "[Service]",
         f"CPUAffinity={' '.join(str(c) for c in instance.cpus)}",
-        f"NUMAPolicy={instance.policy}",
+        f"NUMAPolicy={instance.policy.value}",
         f"NUMAMask={format_list(instance.mems)}",
         f"Environment={env}",
         "ExecStart=" + " ".join(quote_arg(a) for a in server_argv(config, instance)),

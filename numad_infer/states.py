@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from numad_infer.config import MonitorSection
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # `numa-infer status` reads states without loading pydantic
+    from numad_infer.config import MonitorSection
 
 
 class State(str, Enum):
@@ -15,6 +18,7 @@ class State(str, Enum):
     DRAINING = "draining"  # out of the front door, finishing its requests before a restart
     FAILED = "failed"  # too many restarts: left alone until a reload
     STOPPED = "stopped"
+    UNSUPERVISED = "unsupervised"  # running, but no daemon watches it (status with the daemon down)
 
 
 class RestartDecision(Enum):

@@ -62,7 +62,8 @@ def test_reload_never_signals_a_process_that_is_not_the_daemon(tmp_path: Path) -
     bystander = subprocess.Popen(["sleep", "60"])
     try:
         state = tmp_path / "state.json"
-        state.write_text('{"schema": 1, "daemon": {"pid": %d, "generation": 1}, "instances": []}' % bystander.pid)
+        state.write_text('{"schema": 2, "daemon": {"state": "running", "config": "/etc/numa-infer.toml", "pid": %d, '
+                         '"generation": 1}, "instances": []}' % bystander.pid)
         proc = reload_cli(state)
         assert proc.returncode == 3 and "is not a numa-infer daemon" in proc.stderr and proc.stderr.count("\n") == 1
         proc = reload_cli(state, "--pid", str(bystander.pid))
@@ -259,12 +260,12 @@ def score(tmp_path: Path, files: dict[str, str], unit: str, threshold: float) ->
 @pytest.mark.parametrize("host, listen", [("127.0.0.1", "127.0.0.1:8000"), ("0.0.0.0", "0.0.0.0:80")])
 def test_rendered_units_are_hardened(tmp_path: Path, host: str, listen: str) -> None:
     from numad_infer.config import parse_config
-    from numad_infer.planner import Instance, Plan
+    from numad_infer.planner import Instance, Plan, Policy
     from numad_infer.render import render_units
 
     config = parse_config(f'[model]\npath = "/m.gguf"\nmlock = true\n[server]\nhost = "{host}"\n'
                           f'[frontend]\nlisten = "{listen}"\n')
-    plan = Plan((Instance("infer@0", 0, (0, 1), ((0,), (1,)), (0,), "bind", 2, 8080),))
+    plan = Plan((Instance("infer@0", 0, (0, 1), ((0,), (1,)), (0,), Policy.BIND, 2, 8080),))
     files = render_units(config, plan)
     instance = score(tmp_path, files, "infer@0.service", 2.0)
     front = score(tmp_path, files, "numa-infer-frontdoor.service", 2.5)
@@ -293,3 +294,31 @@ def test_a_template_that_another_package_ships_is_refused(tmp_path: Path) -> Non
     (vendor / "worker@.service").write_text("# Managed by numa-infer: rewritten by `numa-infer render` and the daemon; "
                                             "do not edit.\n")
     check_unit_names(config, "/etc/numa-infer.toml", dirs=(str(vendor),))
+
+
+@pytest.mark.parametrize("text", ['{"schema": 1, "daemon": {"pid": 1}, "instances": []}',
+                                  '{"schema": 2, "daemon": {"pid": 7}}', '[1, 2]'])
+def test_status_on_a_state_file_of_another_shape_is_one_line(tmp_path: Path, text: str) -> None:
+    state = tmp_path / "state.json"
+    state.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "numad_infer", "--state-file", str(state), "status"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=30)
+    # Before: KeyError: 'backend' (a traceback).
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert str(state) in proc.stderr
+
+
+def test_the_status_model_round_trips_through_its_json() -> None:
+    from numad_infer.states import State
+    from numad_infer.status import (DaemonState, DaemonStatus, Event, FrontdoorStatus, InstanceStatus, MemoryStatus,
+                                    ReloadResult, Status)
+
+    status = Status(
+        DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml", pid=42, generation=3, warnings=("w",),
+                     last_reload=ReloadResult(1.0, True, "reload", None, ("infer@1",), (), (), ("infer@0",))),
+        (InstanceStatus("infer@0", 0, (0, 1), (0,), 2, 8080, 100, State.DRAINING, memory=MemoryStatus(1, 0, 2, 0.5, "cgroup"),
+                        last_drift=Event(2.0, "affinity", "x"), drift_events={"affinity": 1}, rotation="DRAIN",
+                        in_flight=1, queued=0, served=9),),
+        FrontdoorStatus("127.0.0.1:8000", True, 0, 1))
+    import json
+    assert Status.from_json(json.loads(json.dumps(status.to_json()))) == status

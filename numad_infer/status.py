@@ -1,0 +1,198 @@
+"""What `numa-infer status` shows, as one typed model: written by the daemon (the state
+file, every pass), read by the CLI and the Prometheus endpoint.
+
+Adding a column means a field here and a cell in `cli.format_status`, nothing else.
+Plain dataclasses, no pydantic: `numa-infer status` with the daemon running reads only
+this file and should start fast. The JSON shape is the state file's (schema `SCHEMA`);
+a file of another schema is refused with one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from numad_infer.atomicfile import write_atomic
+from numad_infer.errors import NumaInferError
+from numad_infer.states import State
+
+SCHEMA = 2
+
+
+class StatusError(NumaInferError):
+    pass
+
+
+class DaemonState(str, Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    NOT_RUNNING = "not running"  # no daemon: what `status` shows from the plan and the units
+
+    @property
+    def live(self) -> bool:
+        return self in (DaemonState.STARTING, DaemonState.RUNNING)
+
+
+@dataclass(frozen=True)
+class Event:
+    at: float  # wall-clock time
+    kind: str  # a drift.EventKind value
+    detail: str
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    at: float
+    ok: bool
+    why: str  # "start", "reload", "cpu hotplug"
+    error: str | None = None
+    added: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    unchanged: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MemoryStatus:
+    anon_bytes: int
+    remote_bytes: int
+    file_bytes: int
+    file_local_fraction: float | None
+    source: str
+
+
+@dataclass(frozen=True)
+class InstanceStatus:
+    name: str
+    node: int | None
+    cpus: tuple[int, ...]
+    mems: tuple[int, ...]
+    threads: int
+    port: int
+    pid: int | None
+    state: State
+    unit_state: str | None = None  # what systemd says, when no daemon supervises
+    uptime_s: float | None = None
+    restarts: int = 0
+    consecutive_failures: int = 0
+    error: str | None = None
+    drifting: bool = False
+    local_memory_fraction: float | None = None
+    memory: MemoryStatus | None = None
+    probe_latency_ms: float | None = None
+    last_drift: Event | None = None
+    last_repair: Event | None = None
+    drift_events: dict[str, int] = field(default_factory=dict)
+    repairs: dict[str, int] = field(default_factory=dict)
+    # From the front door (None without one): its view of this instance.
+    rotation: str | None = None  # HAProxy's words: UP, DOWN, DRAIN, MAINT
+    in_flight: int | None = None
+    queued: int | None = None
+    served: int | None = None
+
+
+@dataclass(frozen=True)
+class FrontdoorStatus:
+    listen: str
+    up: bool
+    queued: int | None = None
+    in_flight: int | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    state: DaemonState
+    config: str
+    pid: int | None = None
+    version: str | None = None
+    backend: str | None = None
+    started_at: float | None = None
+    updated_at: float | None = None
+    interval_s: float | None = None
+    generation: int = 0
+    last_reload: ReloadResult | None = None
+    warnings: tuple[str, ...] = ()
+    status: str | None = None  # the one line also sent as STATUS= to systemd
+    pass_duration_s: float | None = None
+    metrics: str | None = None
+
+
+@dataclass(frozen=True)
+class Status:
+    daemon: DaemonStatus
+    instances: tuple[InstanceStatus, ...]
+    frontdoor: FrontdoorStatus | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """Every instance healthy and undrifted, and the front door (if any) up: `status` exits 0."""
+        instances_ok = bool(self.instances) and all(i.state == State.HEALTHY and not i.drifting for i in self.instances)
+        return instances_ok and (self.frontdoor is None or self.frontdoor.up)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, **_plain(asdict(self))}
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "state file") -> "Status":
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            found = data.get("schema") if isinstance(data, dict) else None
+            raise StatusError(f"{source}: schema {found!r}, this numa-infer reads schema {SCHEMA}; "
+                              "restart the daemon (systemctl restart numa-infer) so both are the same version")
+        try:
+            d = data["daemon"]
+            daemon = DaemonStatus(**{**d, "state": DaemonState(d["state"]), "warnings": tuple(d.get("warnings", ())),
+                                     "last_reload": _reload(d.get("last_reload"))})
+            front = data.get("frontdoor")
+            return cls(daemon=daemon, instances=tuple(_instance(i) for i in data["instances"]),
+                       frontdoor=FrontdoorStatus(**front) if front else None)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StatusError(f"{source}: not a numa-infer state file ({type(exc).__name__}: {exc})") from None
+
+
+def _reload(data: dict[str, Any] | None) -> ReloadResult | None:
+    if not data:
+        return None
+    lists = {k: tuple(data.get(k) or ()) for k in ("added", "changed", "removed", "unchanged")}
+    return ReloadResult(**{**data, **lists})
+
+
+def _event(data: dict[str, Any] | None) -> Event | None:
+    return Event(**data) if data else None
+
+
+def _instance(data: dict[str, Any]) -> InstanceStatus:
+    memory = data.get("memory")
+    return InstanceStatus(**{**data, "state": State(data["state"]), "cpus": tuple(data["cpus"]),
+                             "mems": tuple(data["mems"]), "memory": MemoryStatus(**memory) if memory else None,
+                             "last_drift": _event(data.get("last_drift")), "last_repair": _event(data.get("last_repair"))})
+
+
+def _plain(value: Any) -> Any:
+    """asdict() output -> JSON types (enums by value, tuples as lists)."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def write_status(path: Path, status: Status) -> None:
+    # Rewritten every pass on /run (tmpfs): atomic for readers, no fsync needed.
+    write_atomic(path, json.dumps(status.to_json(), indent=1, sort_keys=True), durable=False)
+
+
+def read_status(path: Path) -> Status | None:
+    """None when there is no state file (or it cannot be read); StatusError for one of another shape."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return Status.from_json(data, str(path))
