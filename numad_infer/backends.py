@@ -69,7 +69,6 @@ class SystemdBackend:
     def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = "numa-infer.service") -> None:
         self.systemctl = systemctl or Systemctl()
         self.daemon_unit = daemon_unit
-        self.unit_dir: Path | None = None
 
     def specs(self, config: Config, plan: Plan) -> dict[str, str]:
         files = render_units(config, plan)
@@ -92,8 +91,7 @@ class SystemdBackend:
         return specs
 
     def sync(self, config: Config, plan: Plan) -> bool:
-        self.unit_dir = Path(config.systemd.unit_dir)
-        result = write_units(self.unit_dir, render_units(config, plan))
+        result = write_units(Path(config.systemd.unit_dir), render_units(config, plan))
         if result.changed:
             log.info("units: wrote %s, removed %s; systemctl daemon-reload",
                      ", ".join(result.written) or "nothing", ", ".join(result.removed) or "nothing")

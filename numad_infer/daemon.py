@@ -10,10 +10,8 @@ import logging
 import os
 import select
 import signal
-import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 from numad_infer import __version__, metrics
 from numad_infer.backends import Backend
@@ -21,6 +19,7 @@ from numad_infer.config import Config, load_config
 from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor import Frontdoor, check_haproxy, server_name
+from numad_infer.hostcheck import HostCheck
 from numad_infer.modelfile import model_size
 from numad_infer.notify import Notifier
 from numad_infer.planner import Plan, make_plan
@@ -30,7 +29,6 @@ from numad_infer.states import State
 from numad_infer.status import (DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, MemoryStatus, ReloadResult,
                                 Status, write_status)
 from numad_infer.sysfs import SysfsReader
-from numad_infer.systemctl import pid1_is_systemd
 from numad_infer.unitdir import check_private_dir, check_unit_names
 
 log = logging.getLogger(__name__)
@@ -48,7 +46,6 @@ class Daemon:
         self.frontdoor = Frontdoor(backend.frontdoor_runner(state_file.parent))
         self.reconciler = Reconciler(backend, self.proc, frontdoor=self.frontdoor)
         self.config: Config | None = None
-        self.plan: Plan | None = None
         self.online: frozenset[int] | None = None
         self.generation = 0
         self.last_reload: ReloadResult | None = None
@@ -57,11 +54,10 @@ class Daemon:
         self.state = DaemonState.STARTING
         self._flags: set[str] = set()
         self._wake_r, self._wake_w = os.pipe()
-        self._python_checked: dict[str, bool] = {}
+        self.host = HostCheck(self.proc, backend.unprivileged_instances)
         self.latest: Status | None = None  # last published snapshot (immutable), read by the metrics thread
         self.pass_duration_s: float | None = None
-        self._metrics_server = None
-        self._metrics_listen = ""
+        self.metrics = metrics.Endpoint(lambda: self.latest)
 
     # -- signals --------------------------------------------------------------------------------
     def _install_signals(self) -> None:
@@ -94,21 +90,6 @@ class Daemon:
         self.online = topology.online_cpus
         return config, plan
 
-    def _host_warnings(self, config: Config) -> list[str]:
-        found: list[str] = []
-        if self.proc.numa_balancing() == 1:
-            found.append("kernel.numa_balancing = 1: the kernel migrates pages behind numa-infer's back; "
-                         "set it to 0 (sysctl kernel.numa_balancing=0)")
-        if self.proc.running_commands("numad"):
-            found.append("numad is running: it re-pins processes and fights numa-infer; stop and disable it")
-        python = config.server.python
-        if python not in self._python_checked:
-            self._python_checked[python] = _python_has_llama_cpp(python, self.backend.unprivileged_instances)
-        if not self._python_checked[python]:
-            found.append(f"server.python = {python} cannot import llama_cpp: install llama-cpp-python[server] "
-                         "into it (e.g. python3 -m venv /opt/llm && /opt/llm/bin/pip install 'llama-cpp-python[server]')")
-        return found
-
     def _apply(self, config: Config, plan: Plan, why: str) -> bool:
         """Bring everything to the plan; False (reported like a refused reload) if the unit
         definitions could not be written, with the running instances left alone."""
@@ -118,14 +99,14 @@ class Daemon:
             log.error("%s failed, still running the previous configuration: cannot apply the plan: %s", why, exc)
             self.last_reload = ReloadResult(time.time(), False, why, f"cannot apply the plan: {exc}")
             return False
-        self.config, self.plan = config, plan
+        self.config = config
         try:
             self.frontdoor.apply(config, plan)
         except NumaInferError as exc:
             self.frontdoor.error = str(exc)
             log.error("front door: %s", exc)
-        self._serve_metrics(config)
-        self.warnings = list(plan.warnings) + self._host_warnings(config)
+        self.metrics.listen_on(config.metrics.listen)
+        self.warnings = list(plan.warnings) + self.host.warnings(config)
         for warning in self.warnings:
             log.warning("%s", warning)
         log.info("%s: %d instance(s): added %s, changed %s, removed %s, unchanged %s", why, len(plan.instances),
@@ -133,22 +114,6 @@ class Daemon:
         self.last_reload = ReloadResult(time.time(), True, why, None, result.added, result.changed, result.removed,
                                         result.unchanged)
         return True
-
-    def _serve_metrics(self, config: Config) -> None:
-        listen = config.metrics.listen
-        if listen == self._metrics_listen:
-            return
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server.server_close()
-            self._metrics_server = None
-        self._metrics_listen = ""
-        if listen:
-            try:
-                self._metrics_server = metrics.serve(listen, lambda: self.latest)
-                self._metrics_listen = listen
-            except OSError as exc:
-                log.error("metrics.listen = %s: cannot listen: %s", listen, exc.strerror)
 
     def reload(self) -> None:
         self.notifier.reloading()
@@ -204,7 +169,7 @@ class Daemon:
             started_at=self.started_at, updated_at=wall,
             interval_s=self.config.monitor.interval_s if self.config else None, generation=self.generation,
             last_reload=self.last_reload, warnings=tuple(self.warnings), status=self.status_line(),
-            pass_duration_s=self.pass_duration_s, metrics=self._metrics_listen or None)
+            pass_duration_s=self.pass_duration_s, metrics=self.metrics.listen or None)
         return Status(daemon, tuple(_instance_status(rt, now, self.frontdoor) for rt in self.reconciler.runtimes.values()),
                       self._frontdoor_status())
 
@@ -298,43 +263,13 @@ class Daemon:
         self.state = DaemonState.STOPPED
         self.publish(time.monotonic())
         self.reconciler.close()
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
+        self.metrics.listen_on("")
         log.info("stopped")
         return 0
 
 
 def _names(names: tuple[str, ...]) -> str:
     return ", ".join(names) if names else "none"
-
-
-NOBODY = 65534
-
-
-def _python_has_llama_cpp(python: str, unprivileged: bool, timeout_s: float = 30.0) -> bool:
-    """Does `python` find llama_cpp? Run with no more privilege than the servers get.
-
-    Starting an interpreter runs code from its environment (a `.pth` file in a venv that
-    another user owns): where the servers run unprivileged (systemd's DynamicUser), the
-    check runs as nobody, never as root. find_spec only locates the package: importing
-    llama_cpp would load the C library (slow).
-    """
-    argv = [python, "-I", "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"]
-    drop: dict[str, Any] = {}
-    if unprivileged and os.geteuid() == 0:
-        if pid1_is_systemd():
-            # As the instances themselves run: a transient unit with a DynamicUser (the
-            # daemon holds no CAP_SETUID to drop privileges itself).
-            argv = ["systemd-run", "--quiet", "--wait", "--pipe", "--collect", "-p", "DynamicUser=yes",
-                    "-p", f"RuntimeMaxSec={int(timeout_s)}", "-p", "ProtectSystem=strict", "-p", "PrivateTmp=yes",
-                    "--", *argv]
-        else:
-            drop = {"user": NOBODY, "group": NOBODY, "extra_groups": []}
-    try:
-        return subprocess.run(argv, capture_output=True, stdin=subprocess.DEVNULL, timeout=timeout_s + 5, cwd="/",
-                              env={"PATH": "/usr/bin:/bin"}, **drop).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
 
 
 def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor) -> InstanceStatus:

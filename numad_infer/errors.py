@@ -12,6 +12,3 @@ class TopologyError(NumaInferError):
 class ConfigError(NumaInferError):
     """The configuration file is invalid for this machine."""
 
-
-class PlanError(NumaInferError):
-    """A valid configuration that cannot be placed on this machine."""

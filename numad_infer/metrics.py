@@ -104,3 +104,27 @@ def serve(listen: str, snapshot: Callable[[], Status | None]):
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     log.info("metrics on http://%s/metrics", listen)
     return server
+
+
+class Endpoint:
+    """The metrics HTTP server, (re)started when `[metrics] listen` changes."""
+
+    def __init__(self, snapshot: Callable[[], Status | None]) -> None:
+        self.snapshot = snapshot
+        self.listen = ""
+        self._server = None
+
+    def listen_on(self, listen: str) -> None:
+        if listen == self.listen:
+            return
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        self.listen = ""
+        if listen:
+            try:
+                self._server = serve(listen, self.snapshot)
+                self.listen = listen
+            except OSError as exc:
+                log.error("metrics.listen = %s: cannot listen: %s", listen, exc.strerror)

@@ -76,8 +76,7 @@ class SysfsReader:
             if self._text(index / "level") == "3":
                 l3 = self._first_cpus(index, ("shared_cpu_list", "shared_cpu_map"))
                 break
-        node = next((int(m.group(2)) for e in _safe_iter(path) if (m := _NUMBERED.match(e)) and m.group(1) == "node"), None)
-        return RawCpu(online=online, siblings=siblings, l3=l3, node=node)
+        return RawCpu(online=online, siblings=siblings, l3=l3)
 
     def _read_node(self, path: Path, node_id: int) -> RawNode:
         cpus = self._first_cpus(path, ("cpulist", "cpumap"))
@@ -124,13 +123,6 @@ class SysfsReader:
     def online_cpus(self) -> frozenset[int] | None:
         """Cheap re-read for the daemon's machine-drift check."""
         return self._cpus(self.cpu_dir / "online")
-
-
-def _safe_iter(path: Path) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
 
 
 def read_topology(fsroot: str | os.PathLike[str] = "/") -> Topology:

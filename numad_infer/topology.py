@@ -20,7 +20,6 @@ class RawCpu:
     online: bool | None = None
     siblings: frozenset[int] | None = None
     l3: frozenset[int] | None = None
-    node: int | None = None  # from the cpuN/nodeM link, used only to explain orphans
 
 
 @dataclass(frozen=True)

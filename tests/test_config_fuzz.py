@@ -11,7 +11,6 @@ import io
 import json
 import math
 import shutil
-import subprocess
 import tempfile
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path

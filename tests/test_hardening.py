@@ -179,7 +179,7 @@ def test_as_root_no_write_through_a_planted_link_or_into_another_users_directory
 def test_the_llama_cpp_check_runs_the_configured_python_unprivileged() -> None:
     import tempfile
 
-    from numad_infer.daemon import _python_has_llama_cpp
+    from numad_infer.hostcheck import python_has_llama_cpp as _python_has_llama_cpp
 
     base = Path(tempfile.mkdtemp(prefix="numa-infer-pycheck-"))
     try:
