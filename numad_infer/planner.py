@@ -6,7 +6,7 @@ Pure. Every refusal is a `ConfigError` naming the key an operator must change.
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
 from numad_infer.config import Config, ConfigError, parse_listen
@@ -121,47 +121,73 @@ def _threads_of(cores: list[tuple[int, ...]], smt: bool) -> tuple[tuple[int, ...
 
 
 def make_plan(config: Config, topo: Topology, model_size: int | None = None, source: str = "config") -> Plan:
-    placement = config.placement
+    """The plan, in the order the kubelet's CPU allocator reads: which nodes, which of their
+    cores, how the cores become instances, then ports. Each step refuses what it cannot do."""
     warnings: list[str] = list(topo.warnings)
-    known = {n.id: n for n in topo.nodes}
-
-    if placement.nodes == "all":
-        selected = [n for n in topo.nodes if n.has_cpus or placement.mode == "interleave"]
+    selected = _select_nodes(config, topo, source)
+    reserved_cores = _reserved_cores(config, topo, warnings, source)
+    usable = _usable_cores(config, topo, selected, reserved_cores, warnings, source)
+    if config.placement.mode == "interleave":
+        instances = _interleaved_instance(config, selected, usable)
     else:
-        missing = [n for n in placement.nodes if n not in known]
-        if missing:
-            raise ConfigError(
-                source, "placement.nodes",
-                f"node {format_list(missing)} does not exist on this machine (nodes: {format_list(known)})",
-                placement.nodes, True,
-            )
-        selected = [known[n] for n in sorted(placement.nodes)]
-        cpuless = [n.id for n in selected if not n.has_cpus]
-        if cpuless and placement.mode == "per-node":
-            raise ConfigError(
-                source, "placement.nodes",
-                f"node {format_list(cpuless)} has no CPUs (memory-only) and cannot host an instance; "
-                "remove it, or use mode = \"interleave\" to spread memory over it",
-                placement.nodes, True,
-            )
+        instances = _per_node_instances(config, topo, usable, model_size, warnings, source)
+    instances = _assign_ports(config, instances, source)
+    _check_ports(config, instances, source)
+    warnings += _exposure_warnings(config)
+    return Plan(instances=tuple(instances), warnings=tuple(warnings))
 
-    reserved = placement.reserved
+
+def _select_nodes(config: Config, topo: Topology, source: str) -> list[Node]:
+    """Step 1: the nodes `placement.nodes` names (memory-only nodes only to interleave over)."""
+    placement = config.placement
+    known = {n.id: n for n in topo.nodes}
+    if placement.nodes == "all":
+        return [n for n in topo.nodes if n.has_cpus or placement.mode == "interleave"]
+    missing = [n for n in placement.nodes if n not in known]
+    if missing:
+        raise ConfigError(
+            source, "placement.nodes",
+            f"node {format_list(missing)} does not exist on this machine (nodes: {format_list(known)})",
+            placement.nodes, True,
+        )
+    selected = [known[n] for n in sorted(placement.nodes)]
+    cpuless = [n.id for n in selected if not n.has_cpus]
+    if cpuless and placement.mode == "per-node":
+        raise ConfigError(
+            source, "placement.nodes",
+            f"node {format_list(cpuless)} has no CPUs (memory-only) and cannot host an instance; "
+            "remove it, or use mode = \"interleave\" to spread memory over it",
+            placement.nodes, True,
+        )
+    return selected
+
+
+def _reserved_cores(config: Config, topo: Topology, warnings: list[str], source: str) -> set[tuple[int, ...]]:
+    """Step 2: `reserve_cpus`, widened to whole cores (a sibling would share its pipeline)."""
+    reserved = config.placement.reserved
     online = topo.online_cpus
     absent = reserved - online
     if absent:
         raise ConfigError(
             source, "placement.reserve_cpus",
             f"CPU {format_list(absent)} is not an online CPU of this machine (online: {format_list(online)})",
-            placement.reserve_cpus, True,
+            config.placement.reserve_cpus, True,
         )
-    # Reserving a CPU reserves its whole core: a sibling would share its pipeline.
-    reserved_cores = {topo.sibling_core(c) for c in reserved}
-    expanded = {c for core in reserved_cores if core for c in core}
+    cores = {topo.sibling_core(c) for c in reserved}
+    expanded = {c for core in cores if core for c in core}
     if expanded - reserved:
         warnings.append(
             f"reserve_cpus {format_list(reserved)} covers whole cores: CPUs {format_list(expanded)} are reserved"
         )
+    return {core for core in cores if core}
 
+
+def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved_cores: set[tuple[int, ...]],
+                  warnings: list[str], source: str) -> dict[int, list[tuple[int, ...]]]:
+    """Step 3: per selected node, its cores minus the reserved ones. Rule 1: only nodes with
+    cores left host an instance (with nodes = "all"; a node named by id must keep one)."""
+    placement = config.placement
+    known = {n.id: n for n in topo.nodes}
     usable: dict[int, list[tuple[int, ...]]] = {}
     fully_reserved: list[int] = []
     for node in selected:
@@ -188,45 +214,57 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
                 "reserves every CPU of every node: no instance could run; leave at least one core",
                 placement.reserve_cpus, True,
             )
-        # Rule 1: only nodes with CPUs left after reserve_cpus host an instance.
         warnings.append(f"reserve_cpus takes every CPU of node {format_list(fully_reserved)}: no instance there")
     if not usable:
         raise ConfigError(source, "placement.nodes", "selects no node with CPUs", placement.nodes, True)
+    return usable
 
+
+def _interleaved_instance(config: Config, selected: list[Node], usable: dict[int, list[tuple[int, ...]]]) -> list[Instance]:
+    """Step 4a (mode = "interleave"): one instance over every usable core, memory over every selected node."""
+    cores = [c for nid in sorted(usable) for c in usable[nid]]
+    cpus, places = _threads_of(cores, config.placement.smt)
+    mems = tuple(sorted(n.id for n in selected if n.has_memory)) or tuple(sorted(usable))
+    return [Instance(f"{config.systemd.template}@interleave", None, cpus, places, mems, Policy.INTERLEAVE, len(cpus), 0)]
+
+
+def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[tuple[int, ...]]],
+                        model_size: int | None, warnings: list[str], source: str) -> list[Instance]:
+    """Step 4b (mode = "per-node"): `instances_per_node` instances per node, split along L3,
+    each bound to the node's memory (or the nearest memory), the model fitting in it."""
+    k = config.placement.instances_per_node
+    known = {n.id: n for n in topo.nodes}
     instances: list[Instance] = []
-    template = config.systemd.template
-    if placement.mode == "interleave":
-        cores = [c for nid in sorted(usable) for c in usable[nid]]
-        cpus, places = _threads_of(cores, placement.smt)
-        mems = tuple(sorted(n.id for n in selected if n.has_memory)) or tuple(sorted(usable))
-        instances.append(Instance(f"{template}@interleave", None, cpus, places, mems, Policy.INTERLEAVE, len(cpus), 0))
-    else:
-        k = placement.instances_per_node
-        for node_id in sorted(usable):
-            node = known[node_id]
-            cores = usable[node_id]
-            if k > len(cores):
+    for node_id in sorted(usable):
+        node = known[node_id]
+        cores = usable[node_id]
+        if k > len(cores):
+            raise ConfigError(
+                source, "placement.instances_per_node",
+                f"node {node_id} has {len(cores)} usable core(s), fewer than {k} instances",
+                k, True,
+            )
+        mems = _memory_nodes(node, topo, warnings)
+        if model_size is not None:
+            capacity = sum(known[m].memory_total_bytes for m in mems)
+            if capacity and model_size * k > MODEL_FRACTION_OF_NODE * capacity:
                 raise ConfigError(
-                    source, "placement.instances_per_node",
-                    f"node {node_id} has {len(cores)} usable core(s), fewer than {k} instances",
-                    k, True,
+                    source, "placement.mode",
+                    f"the model ({_gib(model_size)}) x {k} instance(s) needs more than "
+                    f"{MODEL_FRACTION_OF_NODE:.0%} of node {node_id}'s memory ({_gib(capacity)}); "
+                    "set mode = \"interleave\" to spread one instance over several nodes",
+                    config.placement.mode, True,
                 )
-            mems = _memory_nodes(node, topo, warnings)
-            if model_size is not None:
-                capacity = sum(known[m].memory_total_bytes for m in mems)
-                if capacity and model_size * k > MODEL_FRACTION_OF_NODE * capacity:
-                    raise ConfigError(
-                        source, "placement.mode",
-                        f"the model ({_gib(model_size)}) x {k} instance(s) needs more than "
-                        f"{MODEL_FRACTION_OF_NODE:.0%} of node {node_id}'s memory ({_gib(capacity)}); "
-                        "set mode = \"interleave\" to spread one instance over several nodes",
-                        placement.mode, True,
-                    )
-            for j, group in enumerate(_split(node, cores, k)):
-                cpus, places = _threads_of(group, placement.smt)
-                ident = str(node_id) if k == 1 else f"{node_id}.{j}"
-                instances.append(Instance(f"{template}@{ident}", node_id, cpus, places, mems, Policy.BIND, len(cpus), 0))
+        for j, group in enumerate(_split(node, cores, k)):
+            cpus, places = _threads_of(group, config.placement.smt)
+            ident = str(node_id) if k == 1 else f"{node_id}.{j}"
+            instances.append(Instance(f"{config.systemd.template}@{ident}", node_id, cpus, places, mems, Policy.BIND,
+                                      len(cpus), 0))
+    return instances
 
+
+def _assign_ports(config: Config, instances: list[Instance], source: str) -> list[Instance]:
+    """Step 5: the k-th instance listens on base_port + k."""
     base = config.server.base_port
     last = base + len(instances) - 1
     if last > 65535:
@@ -235,13 +273,7 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
             f"{len(instances)} instances need ports {base}-{last}, past 65535; use at most {65536 - len(instances)}",
             base, True,
         )
-    instances = [
-        Instance(i.name, i.node, i.cpus, i.places, i.mems, i.policy, len(i.cpus), base + k)
-        for k, i in enumerate(instances)
-    ]
-    _check_ports(config, instances, source)
-    warnings += _exposure_warnings(config)
-    return Plan(instances=tuple(instances), warnings=tuple(warnings))
+    return [replace(i, threads=len(i.cpus), port=base + k) for k, i in enumerate(instances)]
 
 
 def _exposure_warnings(config: Config) -> list[str]:
