@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 from numad_infer import pinning
+from numad_infer.apikey import fingerprint, read_api_key
 from numad_infer.config import Config
+from numad_infer.errors import NumaInferError
 from numad_infer.cpuset import format_list
 from numad_infer.notify import child_environ
 from numad_infer.planner import Instance, Plan
@@ -73,8 +75,10 @@ class SystemdBackend:
     def specs(self, config: Config, plan: Plan) -> dict[str, str]:
         files = render_units(config, plan)
         template = files[f"{config.systemd.template}@.service"]
-        # A template change (mlock, hardening) changes every instance.
-        return {i.name: template + files[f"{i.unit}.d/{DROPIN_NAME}"] for i in plan.instances}
+        # A template change (mlock, hardening) changes every instance; so does a new API key,
+        # which is not in the unit text (a credential is read at start).
+        key = fingerprint(read_api_key(config, "server.api_key_file"))
+        return {i.name: template + files[f"{i.unit}.d/{DROPIN_NAME}"] + key for i in plan.instances}
 
     def current_specs(self, config: Config) -> dict[str, str]:
         """Specs of the units on disk: what a previous daemon left running (adoption)."""
@@ -85,8 +89,9 @@ class SystemdBackend:
                 name = rel.split("/")[0].removesuffix(".service.d")
                 template_path = unit_dir / f"{name.split('@')[0]}@.service"
                 try:
-                    specs[name] = template_path.read_text() + (unit_dir / rel).read_text()
-                except OSError:
+                    key = fingerprint(read_api_key(config, "server.api_key_file"))
+                    specs[name] = template_path.read_text() + (unit_dir / rel).read_text() + key
+                except (OSError, NumaInferError):
                     specs[name] = ""
         return specs
 
@@ -212,9 +217,11 @@ class ProcessBackend:
         self.log_dir = log_dir
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.config: Config | None = None
+        self.api_key: str | None = None
 
     def specs(self, config: Config, plan: Plan) -> dict[str, str]:
-        return {i.name: json.dumps({"argv": server_argv(config, i), "env": instance_environment(i),
+        key = fingerprint(read_api_key(config, "server.api_key_file"))
+        return {i.name: json.dumps({"argv": server_argv(config, i), "env": instance_environment(i), "key": key,
                                     "cpus": i.cpus, "mems": i.mems, "policy": i.policy.value}, sort_keys=True)
                 for i in plan.instances}
 
@@ -223,6 +230,7 @@ class ProcessBackend:
 
     def sync(self, config: Config, plan: Plan) -> bool:
         self.config = config
+        self.api_key = read_api_key(config, "server.api_key_file")
         return False
 
     def start(self, instance: Instance) -> None:
@@ -232,6 +240,8 @@ class ProcessBackend:
         argv = server_argv(self.config, instance)
         env = child_environ()
         env.update(instance_environment(instance))
+        if self.api_key is not None:
+            env["API_KEY"] = self.api_key  # the environment is readable by the child's user only, not argv
         cpus, mems, policy = frozenset(instance.cpus), instance.mems, instance.policy
 
         def pin_in_child() -> None:

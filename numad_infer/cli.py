@@ -128,8 +128,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     from numad_infer.frontdoor import Paths, check_haproxy, render_haproxy
     from numad_infer.haproxy import validate
 
+    from numad_infer.apikey import read_api_key
+
     loaded = load_all(args.config, args.fsroot)
     check_haproxy(loaded.config, args.config)
+    read_api_key(loaded.config, args.config)
     if loaded.config.frontend.enabled:
         # `haproxy -c` on what the daemon would write, in a scratch directory.
         with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
@@ -228,7 +231,7 @@ def format_status(status: "Status") -> str:
             if event is not None:
                 when = time.strftime("%H:%M:%S", time.localtime(event.at))
                 lines.append(f"  {i.name}: {label} {when} [{event.kind}] {event.detail}")
-        if i.error and i.state != State.HEALTHY:
+        if i.error:
             lines.append(f"  {i.name}: error: {i.error}")
         if i.unit_state:
             lines.append(f"  {i.name}: unit {i.unit_state}")

@@ -128,6 +128,8 @@ class ServerSection(_Section):
     base_port: int = Field(8080, ge=1, le=65535)
     python: SafeStr = "/usr/bin/python3"
     extra_args: list[SafeStr] = Field(default_factory=list)
+    # A root-only file holding the API key the instances require (Authorization: Bearer).
+    api_key_file: SafeStr = ""
 
     @field_validator("host")
     @classmethod
@@ -142,6 +144,25 @@ class ServerSection(_Section):
     @classmethod
     def _absolute(cls, value: str) -> str:
         return executable_path(value, "/opt/llm/bin/python3")
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _key_path(cls, value: str) -> str:
+        if value and not value.startswith("/"):
+            raise ValueError("must be an absolute path, e.g. /etc/numa-infer/api-key, or \"\" (no key)")
+        if value and any(c in value for c in ":%$\\\" "):
+            # It goes into LoadCredential=ID:PATH, where these would need quoting systemd lacks.
+            raise ValueError("may not contain : % $ \\ \" or spaces; use a plain path")
+        return value
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_key_in_argv(cls, value: list[str]) -> list[str]:
+        if any(arg == "--api_key" or arg.startswith("--api_key=") for arg in value):
+            # argv is world-readable (/proc/PID/cmdline) and so are the rendered units.
+            raise ValueError("may not carry --api_key (anyone on the host could read it); "
+                             "put the key in a root-only file and set server.api_key_file")
+        return value
 
 
 _UNIT_PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}$")

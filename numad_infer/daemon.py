@@ -19,6 +19,8 @@ from numad_infer.config import Config, load_config
 from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor import Frontdoor, check_haproxy, server_name
+from numad_infer.apikey import read_api_key
+from numad_infer.health import KeyCheck
 from numad_infer.hostcheck import HostCheck
 from numad_infer.modelfile import model_size
 from numad_infer.notify import Notifier
@@ -86,6 +88,7 @@ class Daemon:
         plan = make_plan(config, topology, model_size(config.model.path, self.config_path, self.backend.unprivileged_instances), source=self.config_path)
         # Checked before anything changes: a refused front door leaves the old plan running.
         check_haproxy(config, self.config_path)
+        read_api_key(config, self.config_path)
         self.frontdoor.validate(config, plan)
         self.online = topology.online_cpus
         return config, plan
@@ -279,7 +282,9 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor) -> InstanceS
         name=inst.name, node=inst.node, cpus=inst.cpus, mems=inst.mems, threads=inst.threads, port=inst.port,
         pid=rt.pid, state=sup.state,
         uptime_s=round(now - sup.started_at, 1) if sup.started_at is not None and rt.pid else None,
-        restarts=sup.restarts, consecutive_failures=sup.failures, error=sup.last_error or None, drifting=rt.drifting,
+        restarts=sup.restarts, consecutive_failures=sup.failures,
+        error=("refuses the API key of server.api_key_file: restart it to give it the current key"
+               if rt.key_check == KeyCheck.REJECTED else sup.last_error or None), drifting=rt.drifting,
         local_memory_fraction=None if mem is None or mem.local_fraction is None else round(mem.local_fraction, 4),
         memory=None if mem is None else MemoryStatus(
             mem.anon_bytes, mem.remote_bytes, mem.file_bytes,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import http.client
 import time
 from dataclasses import dataclass
+from enum import Enum
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,29 @@ class ProbeResult:
 
 
 LIVENESS_PATH = "/docs"
+
+
+class KeyCheck(Enum):
+    ACCEPTED = "accepted"
+    REJECTED = "rejected"  # 401/403: the instance requires another key
+    UNKNOWN = "unknown"  # busy (no answer in time) or another error: ask again later
+
+
+def check_key(host: str, port: int, key: str, timeout_s: float) -> KeyCheck:
+    """Does the instance take this API key? `GET /v1/models` authenticates before it waits
+    on the model, so a refused key answers at once even while the instance is busy."""
+    target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    conn = http.client.HTTPConnection(target, port, timeout=timeout_s)
+    try:
+        conn.request("GET", "/v1/models", headers={"Connection": "close", "Authorization": f"Bearer {key}"})
+        status = conn.getresponse().status
+    except (OSError, http.client.HTTPException):
+        return KeyCheck.UNKNOWN
+    finally:
+        conn.close()
+    if status in (401, 403):
+        return KeyCheck.REJECTED
+    return KeyCheck.ACCEPTED if status == 200 else KeyCheck.UNKNOWN
 
 
 def probe(host: str, port: int, timeout_s: float, path: str = LIVENESS_PATH) -> ProbeResult:

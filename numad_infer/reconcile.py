@@ -19,7 +19,8 @@ from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.frontdoor import Frontdoor
 from numad_infer.haproxy import AdminState
-from numad_infer.health import ProbeResult, probe
+from numad_infer.apikey import read_api_key
+from numad_infer.health import KeyCheck, ProbeResult, check_key, probe
 from numad_infer.planner import Instance, Plan, PlanDiff, Policy, diff_plans
 from numad_infer.procfs import ProcReader
 from numad_infer.states import RestartDecision, State, Supervision
@@ -53,11 +54,13 @@ class Runtime:
     cpu_seen: float | None = None  # the process's CPU seconds at the last pass
     progress: bool | None = None  # did it use CPU since the last pass (None: not known yet)
     stalled_since: float | None = None  # requests in flight and no CPU used since then
+    key_check: KeyCheck = KeyCheck.UNKNOWN  # does this process take server.api_key_file's key
 
     def new_process(self, pid: int | None) -> None:
         """Forget everything measured on the previous process (a restart, a crash, adoption)."""
         self.pid, self.good_masks, self.memory, self.memory_checked_at = pid, {}, None, 0.0
         self.migrated_from, self.cpu_seen, self.progress, self.stalled_since = None, None, None, None
+        self.key_check = KeyCheck.UNKNOWN
 
 
 class Reconciler:
@@ -72,6 +75,7 @@ class Reconciler:
         self.specs: dict[str, str] = {}
         self.runtimes: dict[str, Runtime] = {}
         self.rolling: list[str] = []  # definition changed, restart still to come (one at a time)
+        self.api_key: str | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
 
     # -- applying a plan --------------------------------------------------------------------
@@ -82,6 +86,7 @@ class Reconciler:
         # Definitions first: if they cannot be written (or systemd cannot reload them),
         # this raises before anything running was touched, and the old plan stays whole.
         self.backend.sync(config, plan)
+        self.api_key = read_api_key(config, "server.api_key_file")
         for name in diff.removed:
             self._isolated(name, "stop", lambda n=name: self.backend.stop(n))
             self.runtimes.pop(name, None)
@@ -210,6 +215,7 @@ class Reconciler:
             self._maybe_restart(rt, now, f"{sup.failures} failed probes: {result.error}")
             return
         rt.drifting = False
+        self._check_key(rt)
         self._check_affinity(rt, pid, now)
         self._check_memory(rt, pid, now)
 
@@ -285,6 +291,22 @@ class Reconciler:
             rt.stalled_since = rt.stalled_since if rt.stalled_since is not None else now
         else:
             rt.stalled_since = None
+
+    def _check_key(self, rt: Runtime) -> None:
+        """Once per process: does it take the configured API key? A refused key is reported as
+        such (the instance is healthy, its clients' requests would fail), never restarted."""
+        if self.api_key is None or rt.key_check == KeyCheck.ACCEPTED or rt.supervision.state != State.HEALTHY:
+            return
+        if self.frontdoor is not None and self.frontdoor.in_flight(rt.instance):
+            return  # busy: the check would wait on the model; ask when it is idle
+        cfg = self.config
+        assert cfg is not None
+        verdict = check_key(cfg.server.host, rt.instance.port, self.api_key, min(cfg.monitor.probe_timeout_s, 0.5))
+        if verdict == KeyCheck.REJECTED and rt.key_check != KeyCheck.REJECTED:
+            log.error("%s: refuses the API key of server.api_key_file (it runs with another one): restart it "
+                      "(systemctl restart %s) to give it the current key", rt.instance.name, rt.instance.unit)
+        if verdict != KeyCheck.UNKNOWN:
+            rt.key_check = verdict
 
     def _check_affinity(self, rt: Runtime, pid: int, now: float) -> None:
         cfg = self.config

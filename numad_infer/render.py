@@ -47,11 +47,22 @@ def quote_arg(arg: str, command_line: bool = True) -> str:
     return f'"{inner}"'
 
 
-def server_argv(config: Config, instance: Instance) -> list[str]:
+# llama_cpp.server reads its settings from the environment too (pydantic-settings): the
+# key reaches it as API_KEY, never in argv. Under systemd the key is a credential
+# (LoadCredential=, readable only by the service), copied into the environment here.
+KEY_CREDENTIAL = "api-key"
+_FROM_CREDENTIAL = ("import os, runpy; "
+                    "os.environ['API_KEY'] = open(os.path.join(os.environ['CREDENTIALS_DIRECTORY'], "
+                    f"'{KEY_CREDENTIAL}')).read().strip(); "
+                    "runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)")
+
+
+def server_argv(config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
     """The llama-cpp-python server command line of one instance (also used by the process backend)."""
     threads = str(instance.threads)
+    start = ["-c", _FROM_CREDENTIAL] if key_from_credential and config.server.api_key_file else ["-m", "llama_cpp.server"]
     return [
-        config.server.python, "-m", "llama_cpp.server",
+        config.server.python, *start,
         "--model", config.model.path,
         "--host", config.server.host,
         "--port", str(instance.port),
@@ -146,6 +157,8 @@ def render_template(config: Config) -> str:
     ]
     if config.model.mlock:
         lines.append("LimitMEMLOCK=infinity")
+    if config.server.api_key_file:
+        lines.append(f"LoadCredential={KEY_CREDENTIAL}:{escape_value(config.server.api_key_file)}")
     return "\n".join(lines) + "\n"
 
 
@@ -160,7 +173,7 @@ def render_dropin(config: Config, instance: Instance) -> str:
         f"NUMAPolicy={instance.policy.value}",
         f"NUMAMask={format_list(instance.mems)}",
         f"Environment={env}",
-        "ExecStart=" + " ".join(quote_arg(a) for a in server_argv(config, instance)),
+        "ExecStart=" + " ".join(quote_arg(a) for a in server_argv(config, instance, key_from_credential=True)),
     ]
     return "\n".join(lines) + "\n"
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -228,3 +229,40 @@ def test_cpu_going_offline_changes_the_plan(daemon) -> None:
     assert run.instance(state, "infer@0")["pid"] == pid0
     assert state["daemon"]["last_reload"]["why"] == "cpu hotplug"
     assert "CPUs changed: offline 1" in run.logs()
+
+
+def test_an_api_key_guards_the_instances_and_the_probe_still_passes(daemon, tmp_path: Path) -> None:
+    from numad_infer.health import KeyCheck, check_key
+
+    key = tmp_path / "api-key"
+    key.write_text("k-123\n")
+    key.chmod(0o600)
+    run = daemon()
+    before = {i["name"]: i["pid"] for i in run.all_healthy(2)["instances"]}
+    run.server_extra = f'api_key_file = "{key}"'
+    run.write_config()
+    reload = run.cli("reload")
+    assert reload.returncode == 0 and "changed infer@0, infer@1" in reload.stdout, reload  # a new key restarts them
+    state = run.wait(lambda s: all(i["state"] == "healthy" and i["pid"] not in (None, before[i["name"]])
+                                   for i in s["instances"]), 60, "healthy with the key")
+    port = run.instance(state, "infer@0")["port"]
+    body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+    for target in (port, run.frontend_port):
+        plain = urllib.request.Request(f"http://127.0.0.1:{target}/v1/completions", data=body, method="POST",
+                                       headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(plain, timeout=30)
+        assert refused.value.code == 401
+        keyed = urllib.request.Request(f"http://127.0.0.1:{target}/v1/completions", data=body, method="POST",
+                                       headers={"Content-Type": "application/json", "Authorization": "Bearer k-123"})
+        with urllib.request.urlopen(keyed, timeout=30) as response:
+            assert json.load(response)["usage"]["completion_tokens"] == 2
+    assert check_key("127.0.0.1", port, "k-123", 2) == KeyCheck.ACCEPTED
+    # What the daemon sees when an instance runs with another key than the file's.
+    assert check_key("127.0.0.1", port, "wrong", 2) == KeyCheck.REJECTED
+    time.sleep(3 * run.interval_s)
+    state = run.state()
+    assert all(i["state"] == "healthy" and i["error"] is None for i in state["instances"]), state
+    assert "k-123" not in (run.state_file.read_text() + run.config.read_text().replace(str(key), ""))
+    with open(f"/proc/{run.instance(state, 'infer@0')['pid']}/cmdline", "rb") as cmdline:
+        assert b"k-123" not in cmdline.read()

@@ -322,3 +322,28 @@ def test_the_status_model_round_trips_through_its_json() -> None:
         FrontdoorStatus("127.0.0.1:8000", True, 0, 1))
     import json
     assert Status.from_json(json.loads(json.dumps(status.to_json()))) == status
+
+
+def test_the_api_key_file_must_be_root_only_and_never_reaches_argv_or_a_unit(tmp_path: Path) -> None:
+    from numad_infer.apikey import read_api_key
+    from numad_infer.config import parse_config
+    from numad_infer.planner import Instance, Plan, Policy
+    from numad_infer.render import render_units
+
+    key = tmp_path / "api-key"
+    key.write_text("s3cr3t-key\n")
+    key.chmod(0o644)
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\napi_key_file = "{key}"\n', "cfg")
+    with pytest.raises(ConfigError, match=r"server.api_key_file = .*can be read or written by others \(mode 0644\); chmod 600"):
+        read_api_key(config, "cfg")
+    key.chmod(0o600)
+    assert read_api_key(config, "cfg") == "s3cr3t-key"
+    plan = Plan((Instance("infer@0", 0, (0,), ((0,),), (0,), Policy.BIND, 1, 8080),))
+    files = render_units(config, plan)
+    assert all("s3cr3t" not in text for text in files.values())
+    assert f"LoadCredential=api-key:{key}" in files["infer@.service"]
+    assert "CREDENTIALS_DIRECTORY" in files["infer@0.service.d/50-numa-infer.conf"]
+    with pytest.raises(ConfigError, match="may not carry --api_key"):
+        parse_config('[model]\npath = "/m.gguf"\n[server]\nextra_args = ["--api_key", "x"]\n', "cfg")
+    with pytest.raises(ConfigError, match="must be an absolute path"):
+        parse_config('[model]\npath = "/m.gguf"\n[server]\napi_key_file = "key"\n', "cfg")

@@ -37,11 +37,11 @@ def sh(*args: str, check: bool = True, timeout: float = 120) -> str:
     return proc.stdout
 
 
-def write_config(placement: str = "") -> None:
+def write_config(placement: str = "", server_extra: str = "") -> None:
     CONFIG.write_text(
         f'[model]\npath = "{MODEL}"\ncontext_size = 256\n'
         f"[placement]\n{placement}\n"
-        '[server]\npython = "/opt/llm/bin/python"\n'
+        f'[server]\npython = "/opt/llm/bin/python"\n{server_extra}\n'
         # TCG runs ~15x slower than the host: generous timeouts, short interval.
         "[monitor]\ninterval_s = 2.0\nprobe_timeout_s = 5.0\nstartup_grace_s = 240\nunhealthy_after = 2\n"
         "restart_backoff_s = 1.0\nmax_restarts = 10\n"
@@ -280,6 +280,52 @@ def s1b_frontdoor() -> str:
         raise Fail(f"status: front door {front}")
     served = {i["name"]: i["served"] - before[i["name"]] for i in state["instances"]}
     return f"haproxy as {user}; {load.ok} requests through :{FRONT_PORT}, served per node {served}"
+
+
+@scenario("1c-api-key")
+def s1c_api_key() -> str:
+    """A key from a root-only file: the instances require it (a credential, never argv or a
+    unit), clients through the front door send it, the daemon's probe keeps passing."""
+    import urllib.error
+    key = Path("/etc/numa-infer/api-key")
+    key.parent.mkdir(exist_ok=True)
+    key.write_text("vm-key-42\n")
+    key.chmod(0o600)
+    pids = {n: main_pid(n) for n in ("infer@0", "infer@1")}
+    write_config(server_extra=f'api_key_file = "{key}"')
+    sh(NI, "reload", timeout=300)
+    wait(lambda: all(main_pid(n) not in (0, p) for n, p in pids.items()), 240, "instances restarted with the key")
+    state = all_healthy(2)
+    body = json.dumps({"prompt": "numa", "max_tokens": 4}).encode()
+
+    def ask(port: int, headers: dict) -> int:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST", data=body,
+                                     headers={"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    codes = {"direct, no key": ask(inst(state, "infer@0")["port"], {}), "front door, no key": ask(FRONT_PORT, {}),
+             "front door, key": ask(FRONT_PORT, {"Authorization": "Bearer vm-key-42"})}
+    if codes != {"direct, no key": 401, "front door, no key": 401, "front door, key": 200}:
+        raise Fail(f"answers: {codes}")
+    leaks = [str(p) for p in Path("/run/systemd/system").rglob("*") if p.is_file() and "vm-key-42" in p.read_text()]
+    leaks += [n for n in ("infer@0", "infer@1") if b"vm-key-42" in Path(f"/proc/{main_pid(n)}/cmdline").read_bytes()]
+    if leaks:
+        raise Fail(f"the key is readable in {leaks}")
+    time.sleep(6)
+    state = status()
+    if any(i["state"] != "healthy" or i["error"] for i in state["instances"]):
+        raise Fail(f"not healthy with the key: {[(i['name'], i['state'], i['error']) for i in state['instances']]}")
+    # Back to no key for the scenarios that follow.
+    pids = {n: main_pid(n) for n in ("infer@0", "infer@1")}
+    write_config()
+    sh(NI, "reload", timeout=300)
+    wait(lambda: all(main_pid(n) not in (0, p) for n, p in pids.items()), 240, "instances restarted without the key")
+    all_healthy(2)
+    return f"answers {codes}; key in no unit file or argv; healthy"
 
 
 @scenario("2-kill-instance")
@@ -572,7 +618,7 @@ def b1_aggregate() -> str:
 
 
 GROUPS = {
-    "2x2": [s1_start, s1b_frontdoor, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill, s8b_daemon_restart,
+    "2x2": [s1_start, s1b_frontdoor, s1c_api_key, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill, s8b_daemon_restart,
             s9_stop],
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
