@@ -174,6 +174,7 @@ class SystemdFrontdoorRunner:
 
     socket_path = Path(FRONTDOOR_SOCKET)
     run_dir = Path(FRONTDOOR_RUN_DIR)
+    restarted_by_manager = True  # Restart=on-failure in its unit
 
     def __init__(self, systemctl: Systemctl) -> None:
         self.systemctl = systemctl
@@ -306,6 +307,8 @@ class ProcessBackend:
 
 class ProcessFrontdoorRunner:
     """HAProxy as the daemon's child, in master-worker mode (-W): SIGUSR2 reloads seamlessly."""
+
+    restarted_by_manager = False  # the daemon starts it again (Frontdoor.observe)
 
     def __init__(self, run_dir: Path, log_dir: Path) -> None:
         self.run_dir = run_dir

@@ -152,6 +152,8 @@ class FrontdoorRunner(Protocol):
 
     socket_path: Path
     run_dir: Path  # where the daemon writes haproxy.cfg and the saved server states
+    # Something else (systemd's Restart=) brings HAProxy back if it dies; otherwise the daemon does.
+    restarted_by_manager: bool
 
     def running(self) -> bool: ...
     def start(self, binary: str, config_path: Path) -> None: ...
@@ -166,6 +168,7 @@ class Frontdoor:
         self.paths = Paths(run_dir / "haproxy.cfg", run_dir / "haproxy.state", runner.socket_path)
         self.api = RuntimeAPI(str(runner.socket_path))
         self.listen = ""
+        self.binary = ""
         self.stats: BackendStat | None = None  # last pass's counters, None when unreadable
         self.error = ""  # why the last apply or read failed, for status
 
@@ -203,6 +206,7 @@ class Frontdoor:
             current = self.paths.config.read_text(encoding="utf-8")
         except OSError:
             current = ""
+        self.binary = config.frontend.haproxy
         if running and current == text:
             self.listen = config.frontend.listen
             return False
@@ -236,6 +240,9 @@ class Frontdoor:
         if not self.listen:
             self.stats = None
             return None
+        if not self.runner.restarted_by_manager and not self.runner.running():
+            log.error("front door: haproxy exited: starting it again")
+            self.runner.start(self.binary, self.paths.config)
         try:
             self.stats = self.api.backend(BACKEND)
             self.error = ""

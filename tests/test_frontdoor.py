@@ -326,3 +326,20 @@ def test_a_front_door_config_haproxy_refuses_is_a_refused_reload(daemon, tmp_pat
     state = fresh_state(run)
     assert state["frontdoor"]["up"] and state["daemon"]["last_reload"]["ok"] is False
     assert request(run.frontend_port, 4, stream=False).complete
+
+
+def test_haproxy_that_dies_is_started_again_by_the_daemon(daemon) -> None:
+    run = daemon()
+    healthy_behind_frontdoor(run)
+    # The master is the daemon's child; its worker has the same command line.
+    master = subprocess.run(["pgrep", "-P", str(run.proc.pid), "-f", "haproxy -W -db"],
+                            capture_output=True, text=True).stdout.split()
+    assert len(master) == 1, master
+    os.kill(int(master[0]), signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while "haproxy exited: starting it again" not in run.logs() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "haproxy exited: starting it again" in run.logs()
+    fresh_state(run)
+    healthy_behind_frontdoor(run, timeout=30)
+    assert request(run.frontend_port, 4, stream=False).complete
