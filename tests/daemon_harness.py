@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 from tests import fakesys
 
@@ -144,3 +146,33 @@ class DaemonRun:
         self.notify.close()
         self.log.close()
         return self.proc.returncode
+
+
+@contextmanager
+def daemons(tmp_path: Path, model: Path) -> Iterator[Callable[..., DaemonRun]]:
+    """A factory of DaemonRuns for one test; every daemon and server is gone afterwards."""
+    runs: list[DaemonRun] = []
+
+    def start(**kwargs) -> DaemonRun:
+        (tmp_path / f"d{len(runs)}").mkdir()
+        run = DaemonRun(tmp_path / f"d{len(runs)}", model, **kwargs)
+        runs.append(run)
+        return run
+
+    try:
+        yield start
+    finally:
+        for run in runs:
+            pids = [i["pid"] for i in (run.state() or {"instances": []})["instances"] if i.get("pid")]
+            for pid in pids:  # a SIGSTOPped server ignores SIGTERM until continued
+                _signal(pid, signal.SIGCONT)
+            run.stop()
+            for pid in pids:  # never leave a server behind, even when a test failed
+                _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_harness import ROOT, DaemonRun
+from tests.daemon_harness import ROOT, daemons
 
 
 @pytest.fixture(scope="session")
@@ -32,23 +32,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def daemon(tmp_path: Path, tiny_model: Path):
-    runs: list[DaemonRun] = []
-
-    def start(**kwargs) -> DaemonRun:
-        (tmp_path / f"d{len(runs)}").mkdir()
-        run = DaemonRun(tmp_path / f"d{len(runs)}", tiny_model, **kwargs)
-        runs.append(run)
-        return run
-
-    yield start
-    for run in runs:
-        pids = [i["pid"] for i in (run.state() or {"instances": []})["instances"] if i.get("pid")]
-        run.stop()
-        for pid in pids:  # never leave a server behind, even when a test failed
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    with daemons(tmp_path, tiny_model) as start:
+        yield start
 
 
 def allowed_cpus(pid: int) -> list[set[int]]:

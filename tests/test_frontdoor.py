@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_harness import ROOT, DaemonRun
+from tests.daemon_harness import ROOT, DaemonRun, daemons
 
 REQUEST_TIMEOUT_S = 120.0
 
@@ -38,28 +38,8 @@ def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def daemon(tmp_path: Path, slow_model: Path):
-    runs: list[DaemonRun] = []
-
-    def start(**kwargs) -> DaemonRun:
-        (tmp_path / f"d{len(runs)}").mkdir()
-        run = DaemonRun(tmp_path / f"d{len(runs)}", slow_model, **kwargs)
-        runs.append(run)
-        return run
-
-    yield start
-    for run in runs:
-        pids = [i["pid"] for i in (run.state() or {"instances": []})["instances"] if i.get("pid")]
-        for pid in pids:  # a SIGSTOPped server ignores SIGTERM
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-        run.stop()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    with daemons(tmp_path, slow_model) as start:
+        yield start
 
 
 @dataclass
