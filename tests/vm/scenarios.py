@@ -37,7 +37,7 @@ def sh(*args: str, check: bool = True, timeout: float = 120) -> str:
     return proc.stdout
 
 
-def write_config(placement: str = "", server_extra: str = "") -> None:
+def write_config(placement: str = "", server_extra: str = "", frontend: str = "") -> None:
     CONFIG.write_text(
         f'[model]\npath = "{MODEL}"\ncontext_size = 256\n'
         f"[placement]\n{placement}\n"
@@ -45,6 +45,7 @@ def write_config(placement: str = "", server_extra: str = "") -> None:
         # TCG runs ~15x slower than the host: generous timeouts, short interval.
         "[monitor]\ninterval_s = 2.0\nprobe_timeout_s = 5.0\nstartup_grace_s = 240\nunhealthy_after = 2\n"
         "restart_backoff_s = 1.0\nmax_restarts = 10\n"
+        f"[frontend]\n{frontend}\n"
     )
 
 
@@ -603,12 +604,14 @@ def b1_aggregate() -> str:
     global MODEL
     MODEL = "/var/lib/numa-infer/models/bench.gguf"
     sh("install", "-D", "-m", "0644", str(SHARE / "bench.gguf"), MODEL)
-    write_config()
+    # Under TCG a completion takes tens of seconds: the queue may wait that long.
+    slow = "queue_timeout_s = 1800\nrequest_timeout_s = 1800\n"
+    write_config(frontend=slow)
     sh("systemctl", "start", "numa-infer", timeout=300)
     all_healthy(2)
     per_node = aggregate_rate([FRONT_PORT] * 4, 2, 16)
     sh("systemctl", "stop", "numa-infer", timeout=300)
-    write_config('mode = "interleave"')
+    write_config('mode = "interleave"', frontend=slow)
     sh("systemctl", "start", "numa-infer", timeout=300)
     (one,) = all_healthy(1)["instances"]
     single = aggregate_rate([FRONT_PORT] * 4, 2, 16)
