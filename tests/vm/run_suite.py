@@ -83,7 +83,7 @@ def main() -> int:
             (shutil.copytree if src.is_dir() else shutil.copy)(src, share / item)
         if group == "deb":
             build_debs(share / "debs")
-        if group == "bench":
+        if group in ("bench", "filter-cost"):
             subprocess.run([str(python), str(ROOT / "tools/make_model.py"), str(share / "bench.gguf"), "--size", "small"],
                            check=True, stdout=subprocess.DEVNULL)
         (share / "test.sh").write_text(GUEST_TEST.format(group=group, setup="" if group == "deb" else WHEEL_SETUP))

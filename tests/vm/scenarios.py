@@ -608,16 +608,46 @@ def b1_aggregate() -> str:
     slow = "queue_timeout_s = 1800\nrequest_timeout_s = 1800\n"
     write_config(frontend=slow)
     sh("systemctl", "start", "numa-infer", timeout=300)
-    all_healthy(2)
+    state = all_healthy(2)
+    direct = aggregate_rate([i["port"] for i in state["instances"]], 2, 16)  # one client per instance, by hand
     per_node = aggregate_rate([FRONT_PORT] * 4, 2, 16)
+    journal = sh("journalctl", "-u", "infer@0", "-u", "numa-infer", "--no-pager", "-o", "cat", "-p", "warning",
+                 check=False).strip().splitlines()[-5:]
+    print(f"b1: direct {direct:.2f} tokens/s, through the front door {per_node:.2f}; warnings: {journal}", flush=True)
     sh("systemctl", "stop", "numa-infer", timeout=300)
     write_config('mode = "interleave"', frontend=slow)
     sh("systemctl", "start", "numa-infer", timeout=300)
     (one,) = all_healthy(1)["instances"]
     single = aggregate_rate([FRONT_PORT] * 4, 2, 16)
     sh("systemctl", "stop", "numa-infer", timeout=300)
-    return (f"four clients through the front door: two per-node instances (2 threads each) {per_node:.2f} tokens/s; "
+    return (f"two per-node instances (2 threads each), two clients on their ports: {direct:.2f} tokens/s; "
+            f"four clients through the front door: two per-node instances {per_node:.2f} tokens/s; "
             f"one interleaved instance ({one['threads']} threads) {single:.2f} tokens/s; ratio {per_node / single:.2f}x (TCG)")
+
+
+@scenario("b2-syscall-filter-cost")
+def b2_filter_cost() -> str:
+    """Not in CI: the instances' decode rate with and without their SystemCallFilter=, in one boot."""
+    global MODEL
+    MODEL = "/var/lib/numa-infer/models/bench.gguf"
+    sh("install", "-D", "-m", "0644", str(SHARE / "bench.gguf"), MODEL)
+    write_config()
+    sh("systemctl", "start", "numa-infer", timeout=300)
+    state = all_healthy(2)
+    ports = [i["port"] for i in state["instances"]]
+    filtered = aggregate_rate(ports, 1, 16)
+    for name in ("infer@0", "infer@1"):
+        drop = Path(f"/run/systemd/system/{name}.service.d/90-no-filter.conf")
+        drop.parent.mkdir(parents=True, exist_ok=True)
+        drop.write_text("[Service]\nSystemCallFilter=\n")
+    sh("systemctl", "daemon-reload")
+    pids = {n: main_pid(n) for n in ("infer@0", "infer@1")}
+    sh("systemctl", "restart", "infer@0", "infer@1", timeout=300)
+    wait(lambda: all(main_pid(n) not in (0, p) for n, p in pids.items()), 120, "restarted")
+    all_healthy(2)
+    unfiltered = aggregate_rate(ports, 1, 16)
+    sh("systemctl", "stop", "numa-infer", timeout=300)
+    return f"with SystemCallFilter {filtered:.2f} tokens/s, without {unfiltered:.2f} tokens/s"
 
 
 GROUPS = {
@@ -626,13 +656,14 @@ GROUPS = {
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
     "bench": [b1_aggregate],
+    "filter-cost": [b2_filter_cost],
     # Not in CI: repeats the daemon replacements that must keep instances (a flake hunt).
     "restarts": [s1_start] + [s8_daemon_kill, s8b_daemon_restart] * 8 + [s9_stop],
     "deb": [d1_install, d2_start, s1b_frontdoor, s2_kill, s4_affinity, d3_upgrade, d4_purge],
 }
 
 # The emulated machine each group boots (tests/vm/image.sh run SHARE TOPO).
-TOPOLOGY = {"2x2": "2x2", "2x2smt": "2x2smt", "4x1": "4x1", "deb": "2x2", "bench": "2x2", "restarts": "2x2"}
+TOPOLOGY = {"filter-cost": "2x2", "2x2": "2x2", "2x2smt": "2x2smt", "4x1": "4x1", "deb": "2x2", "bench": "2x2", "restarts": "2x2"}
 
 if __name__ == "__main__":
     for run in GROUPS[sys.argv[1]]:
