@@ -51,7 +51,7 @@ class Outcome:
     status: int = 0
     tokens: int = 0
     finish_reason: str | None = None
-    first_byte: bool = False  # did any byte of the response arrive
+    first_byte: bool = False  # did any byte of the response (its status line included) arrive
     error: str = ""
     seconds: float = 0.0
     served_by: str = ""
@@ -71,10 +71,11 @@ def request(port: int, max_tokens: int, stream: bool, headers: dict[str, str] | 
     started = time.monotonic()
     try:
         with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as response:
-            out.status = response.status
+            # The status line and headers are bytes received: an SSE response sends them
+            # before its first token, and from then on no proxy may send the request again.
+            out.status, out.first_byte = response.status, True
             if not stream:
                 data = response.read()
-                out.first_byte = bool(data)
                 doc = json.loads(data)
                 out.tokens = doc["usage"]["completion_tokens"]
                 out.finish_reason = doc["choices"][0]["finish_reason"]
@@ -189,7 +190,7 @@ def test_kill_9_under_load_loses_no_request_that_had_no_byte_yet(daemon) -> None
     print(f"kill -9 under load: {len(outcomes)} requests, {len(failed)} failed "
           f"({len(failed) - len(before_any_byte)} in flight with bytes received, {len(before_any_byte)} before any byte)")
     assert not before_any_byte, before_any_byte
-    # Those that failed had received part of a stream from the killed server.
+    # Those that failed had received part of a stream (at least its headers) from the killed server.
     assert all(o.stream for o in failed), failed
     run.wait(lambda s: run.instance(s, "infer@1")["pid"] not in (None, victim)
              and run.instance(s, "infer@1")["state"] == "healthy", 60, "infer@1 replaced")
