@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.daemon_harness import DaemonRun  # noqa: E402
+from tests.daemon_harness import DaemonRun, generated_model  # noqa: E402
 
 
 def post(port: int, body: dict, headers: dict[str, str] | None = None) -> dict:
@@ -161,11 +161,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-bench-frontdoor-"))
-    models = {}
-    for size in ("tiny", "small"):
-        models[size] = tmp / f"{size}.gguf"
-        subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(models[size]), "--size", size], check=True,
-                       stdout=subprocess.DEVNULL)
+    models = {size: generated_model(size) for size in ("tiny", "small")}  # readable by the servers' user
     print("machine: 2 instances (fake 2-node topology: instance k pinned to CPU k), loopback; "
           f"HAProxy {subprocess.run(['haproxy', '-v'], capture_output=True, text=True).stdout.split()[2]}")
     run = start_daemon(tmp / "tiny", models["tiny"])

@@ -20,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.daemon_harness import DaemonRun  # noqa: E402
+from tests.daemon_harness import DaemonRun, generated_model  # noqa: E402
 
 
 def pct(values: list[float], p: float) -> float:
@@ -40,9 +40,7 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=5)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-bench-"))
-    model = tmp / "tiny.gguf"
-    subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(model), "--size", "tiny"], check=True,
-                   stdout=subprocess.DEVNULL)
+    model = generated_model("tiny")  # readable by the servers' user (nobody, when run as root)
     (tmp / "d").mkdir()
     # Enough restart budget for the repeated kills below (the default marks it failed after 5).
     # Repeated kills on purpose: no restart budget or backoff in the way of the reaction time.

@@ -26,7 +26,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.daemon_harness import DaemonRun  # noqa: E402
+from tests.daemon_harness import DaemonRun, generated_model  # noqa: E402
 from tests import fakesys  # noqa: E402
 from numad_infer.sysfs import read_topology  # noqa: E402
 
@@ -85,9 +85,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-serving-"))
-    model = tmp / f"{args.size}.gguf"
-    subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(model), "--size", args.size], check=True,
-                   stdout=subprocess.DEVNULL)
+    model = generated_model(args.size)  # readable by the servers' user (nobody, when run as root)
     weights = model.stat().st_size
     topo = read_topology("/")
     print(f"# host: {os.cpu_count()} CPUs, {len(topo.nodes)} NUMA node(s); model {args.size}: {weights / 2**20:.0f} MiB;"

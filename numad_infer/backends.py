@@ -17,7 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from numad_infer import pinning
 from numad_infer.apikey import fingerprint, read_api_key
@@ -27,6 +27,7 @@ from numad_infer.cpuset import format_list
 from numad_infer.notify import child_environ
 from numad_infer.planner import Instance, Plan
 from numad_infer.frontdoor import FrontdoorRunner
+from numad_infer.identity import RunAs, instances_run_as
 from numad_infer.render import (DROPIN_NAME, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, FRONTDOOR_UNIT, instance_environment,
                                 render_units, server_argv)
 from numad_infer.systemctl import Systemctl, SystemctlError
@@ -47,10 +48,8 @@ class Backend(Protocol):
     # Each instance in a cgroup of its own, whose memory.numa_stat is that instance's
     # memory (systemd units); otherwise memory is read from /proc/PID/numa_maps.
     instance_cgroups: bool
-    # The instances run as an unprivileged user of their own (systemd's DynamicUser), not
-    # as the daemon's user: the model must be readable by others.
-    unprivileged_instances: bool
 
+    def instance_user(self, config: Config, source: str) -> RunAs | None: ...
     def specs(self, config: Config, plan: Plan) -> dict[str, str]: ...
     def current_specs(self, config: Config) -> dict[str, str]: ...
     def sync(self, config: Config, plan: Plan) -> bool: ...
@@ -66,11 +65,13 @@ class Backend(Protocol):
 class SystemdBackend:
     name = "systemd"
     instance_cgroups = True
-    unprivileged_instances = True
 
     def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = "numa-infer.service") -> None:
         self.systemctl = systemctl or Systemctl()
         self.daemon_unit = daemon_unit
+
+    def instance_user(self, config: Config, source: str) -> RunAs | None:
+        return instances_run_as(config.server.user, source, systemd_units=True)
 
     def specs(self, config: Config, plan: Plan) -> dict[str, str]:
         files = render_units(config, plan)
@@ -212,18 +213,24 @@ class ProcessBackend:
 
     name = "process"
     instance_cgroups = False  # children share the daemon's cgroup
-    unprivileged_instances = False  # the servers run as the daemon's user
 
     def __init__(self, log_dir: Path) -> None:
         self.log_dir = log_dir
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.config: Config | None = None
         self.api_key: str | None = None
+        self.runs_as: RunAs | None = None
+
+    def instance_user(self, config: Config, source: str) -> RunAs | None:
+        # A root daemon drops its servers to server.user; any other runs them as itself.
+        return instances_run_as(config.server.user, source, systemd_units=False)
 
     def specs(self, config: Config, plan: Plan) -> dict[str, str]:
         key = fingerprint(read_api_key(config, "server.api_key_file"))
+        user = self.instance_user(config, "server.user")
         return {i.name: json.dumps({"argv": server_argv(config, i), "env": instance_environment(i), "key": key,
-                                    "cpus": i.cpus, "mems": i.mems, "policy": i.policy.value}, sort_keys=True)
+                                    "cpus": i.cpus, "mems": i.mems, "policy": i.policy.value,
+                                    "user": None if user is None else user.name}, sort_keys=True)
                 for i in plan.instances}
 
     def current_specs(self, config: Config) -> dict[str, str]:
@@ -232,6 +239,7 @@ class ProcessBackend:
     def sync(self, config: Config, plan: Plan) -> bool:
         self.config = config
         self.api_key = read_api_key(config, "server.api_key_file")
+        self.runs_as = self.instance_user(config, "server.user")
         return False
 
     def start(self, instance: Instance) -> None:
@@ -243,21 +251,27 @@ class ProcessBackend:
         env.update(instance_environment(instance))
         if self.api_key is not None:
             env["API_KEY"] = self.api_key  # the environment is readable by the child's user only, not argv
+        switch: dict[str, Any] = {}
+        if self.runs_as is not None:
+            switch = self.runs_as.popen_kwargs()
+            env.update(HOME=self.runs_as.home, USER=self.runs_as.name, LOGNAME=self.runs_as.name)
         cpus, mems, policy = frozenset(instance.cpus), instance.mems, instance.policy
 
         def pin_in_child() -> None:
-            # Runs after fork, before exec: the server starts already pinned, so its
-            # first allocation (the weights) lands on its own node.
+            # Runs after fork, after the switch to server.user, before exec: the server
+            # starts already pinned, so its first allocation (the weights) lands on its
+            # own node. (PDEATHSIG is set after the switch, which would clear it.)
             _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
             os.sched_setaffinity(0, cpus)
             pinning.set_mempolicy(policy, mems)
 
         with open_log(self.log_dir, f"{instance.name}.log") as output:
             self.children[instance.name] = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
-                preexec_fn=pin_in_child, start_new_session=True, close_fds=True,
+                argv, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, cwd="/",
+                preexec_fn=pin_in_child, start_new_session=True, close_fds=True, **switch,
             )
-        log.info("%s: started pid %d on CPUs %s, memory node(s) %s", instance.name, self.children[instance.name].pid,
+        log.info("%s: started pid %d as %s on CPUs %s, memory node(s) %s", instance.name,
+                 self.children[instance.name].pid, "the daemon's user" if self.runs_as is None else self.runs_as.name,
                  format_list(instance.cpus), format_list(instance.mems))
 
     def stop(self, name: str, timeout_s: float = 15.0) -> None:

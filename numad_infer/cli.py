@@ -40,6 +40,7 @@ class Loaded:
 
 def load_all(config_path: str, fsroot: str) -> Loaded:
     from numad_infer.config import load_config
+    from numad_infer.identity import instances_run_as
     from numad_infer.modelfile import model_size
     from numad_infer.planner import make_plan
     from numad_infer.sysfs import read_topology
@@ -50,8 +51,10 @@ def load_all(config_path: str, fsroot: str) -> Loaded:
     config = load_config(config_path)
     check_unit_names(config, config_path)
     topology = read_topology(fsroot)
-    # Under systemd the instances run as a DynamicUser: what they can read is what counts.
-    size = model_size(config.model.path, config_path, unprivileged_instances=pid1_is_systemd())
+    # What counts is what the instances can read: under systemd a DynamicUser, otherwise
+    # server.user when run as root (the backends choose the same way).
+    size = model_size(config.model.path, config_path,
+                      instances_run_as(config.server.user, config_path, systemd_units=pid1_is_systemd()))
     return Loaded(config, topology, make_plan(config, topology, size, source=config_path))
 
 

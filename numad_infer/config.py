@@ -130,6 +130,16 @@ class ServerSection(_Section):
     extra_args: list[SafeStr] = Field(default_factory=list)
     # A root-only file holding the API key the instances require (Authorization: Bearer).
     api_key_file: SafeStr = ""
+    # Process backend, daemon run as root: the user the servers are dropped to (systemd
+    # units always get a DynamicUser instead). "root" keeps them root, with a warning.
+    user: SafeStr = "nobody"
+
+    @field_validator("user")
+    @classmethod
+    def _user_name(cls, value: str) -> str:
+        if not _USER_NAME.match(value):
+            raise ValueError("must be a user name (letters, digits, _ . -; not starting with - or a digit), e.g. \"nobody\"")
+        return value
 
     @field_validator("host")
     @classmethod
@@ -165,6 +175,7 @@ class ServerSection(_Section):
         return value
 
 
+_USER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
 _UNIT_PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}$")
 # Template units that systemd or common packages ship: a rendered `<name>@.service` in
 # /run/systemd/system would shadow theirs (`user@` would break every login session).

@@ -22,12 +22,13 @@ from numad_infer.frontdoor import Frontdoor, check_haproxy, server_name
 from numad_infer.apikey import read_api_key
 from numad_infer.health import KeyCheck
 from numad_infer.hostcheck import HostCheck
+from numad_infer.identity import RunAs
 from numad_infer.modelfile import model_size
 from numad_infer.notify import Notifier
 from numad_infer.planner import Plan, make_plan
 from numad_infer.procfs import ProcReader
 from numad_infer.reconcile import Reconciler, Runtime
-from numad_infer.states import State
+from numad_infer.states import IN_TRANSITION, State
 from numad_infer.status import (DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, MemoryStatus, ReloadResult,
                                 Status, write_status)
 from numad_infer.sysfs import SysfsReader
@@ -56,7 +57,8 @@ class Daemon:
         self.state = DaemonState.STARTING
         self._flags: set[str] = set()
         self._wake_r, self._wake_w = os.pipe()
-        self.host = HostCheck(self.proc, backend.unprivileged_instances)
+        self.host = HostCheck(self.proc)
+        self.runs_as: RunAs | None = None  # who the instances run as, None: the daemon's user
         self.latest: Status | None = None  # last published snapshot (immutable), read by the metrics thread
         self.pass_duration_s: float | None = None
         self.metrics = metrics.Endpoint(lambda: self.latest)
@@ -85,12 +87,15 @@ class Daemon:
         config = load_config(self.config_path)
         check_unit_names(config, self.config_path)
         topology = self.sysfs.topology()
-        plan = make_plan(config, topology, model_size(config.model.path, self.config_path, self.backend.unprivileged_instances), source=self.config_path)
+        runs_as = self.backend.instance_user(config, self.config_path)
+        size = model_size(config.model.path, self.config_path, runs_as)
+        plan = make_plan(config, topology, size, source=self.config_path)
         # Checked before anything changes: a refused front door leaves the old plan running.
         check_haproxy(config, self.config_path)
         read_api_key(config, self.config_path)
         self.frontdoor.validate(config, plan)
         self.online = topology.online_cpus
+        self.runs_as = runs_as
         return config, plan
 
     def _apply(self, config: Config, plan: Plan, why: str) -> bool:
@@ -109,7 +114,7 @@ class Daemon:
             self.frontdoor.error = str(exc)
             log.error("front door: %s", exc)
         self.metrics.listen_on(config.metrics.listen)
-        self.warnings = list(plan.warnings) + self.host.warnings(config)
+        self.warnings = list(plan.warnings) + self.host.warnings(config, self.runs_as)
         for warning in self.warnings:
             log.warning("%s", warning)
         log.info("%s: %d instance(s): added %s, changed %s, removed %s, unchanged %s", why, len(plan.instances),
@@ -242,7 +247,7 @@ class Daemon:
         # A draining one restarts as soon as its last request ends.
         assert self.config is not None
         interval = self.config.monitor.interval_s
-        waiting = any(rt.supervision.state in (State.STARTING, State.DRAINING) for rt in self.reconciler.runtimes.values())
+        waiting = any(rt.supervision.state in IN_TRANSITION for rt in self.reconciler.runtimes.values())
         return min(interval, 1.0) if waiting else interval
 
     def shutdown(self) -> int:

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 
 from numad_infer.config import ConfigError
+from numad_infer.identity import RunAs, unreadable_reason
 
 GGUF_MAGIC = b"GGUF"
 
 
-def model_size(path: str, source: str, unprivileged_instances: bool = False) -> int:
+def model_size(path: str, source: str, runs_as: RunAs | None = None) -> int:
     """Size in bytes of a readable GGUF file, or a ConfigError on `model.path`.
 
-    `unprivileged_instances`: the instances run as another, unprivileged user (systemd's
-    DynamicUser): as root, check what that user can read, not what root can.
+    `runs_as`: the instances run as another user (identity.instances_run_as): check what
+    that user can read, not what the daemon (root, as a rule) can.
     """
     try:
         mode = os.stat(path).st_mode
@@ -28,8 +28,9 @@ def model_size(path: str, source: str, unprivileged_instances: bool = False) -> 
     if not stat.S_ISREG(mode):
         # A FIFO or a device would block the read below (or never end).
         raise ConfigError(source, "model.path", "is not a regular file; name the .gguf file itself", path, True)
-    if unprivileged_instances and os.geteuid() == 0:
-        _readable_by_anyone(path, source)
+    reason = unreadable_reason(path, runs_as) if runs_as is not None else None
+    if reason is not None:
+        raise ConfigError(source, "model.path", f"cannot be read by the instances: {reason}", path, True)
     try:
         with open(path, "rb") as handle:
             magic = handle.read(4)
@@ -47,17 +48,3 @@ def model_size(path: str, source: str, unprivileged_instances: bool = False) -> 
     if magic != GGUF_MAGIC:
         raise ConfigError(source, "model.path", "is not a GGUF model file (llama.cpp loads only GGUF)", path, True)
     return size
-
-
-def _readable_by_anyone(path: str, source: str) -> None:
-    """As root every file is readable; the instances are not root (systemd's DynamicUser, no
-    group of the file's): the file needs read permission for others, and every directory
-    above it search permission. (ACLs are not consulted.)"""
-    target = Path(path).resolve()
-    for directory in reversed(target.parents):
-        if not os.stat(directory).st_mode & stat.S_IXOTH:
-            raise ConfigError(source, "model.path", f"cannot be read by the instances' unprivileged user: directory "
-                              f"{directory} is not searchable by others (chmod o+x {directory})", path, True)
-    if not os.stat(target).st_mode & stat.S_IROTH:
-        raise ConfigError(source, "model.path", "cannot be read by the instances' unprivileged user "
-                          f"(chmod o+r {target})", path, True)

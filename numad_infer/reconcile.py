@@ -23,7 +23,7 @@ from numad_infer.apikey import read_api_key
 from numad_infer.health import KeyCheck, ProbeResult, check_key, probe
 from numad_infer.planner import Instance, Plan, PlanDiff, Policy, diff_plans
 from numad_infer.procfs import ProcReader
-from numad_infer.states import RestartDecision, State, Supervision
+from numad_infer.states import IN_TRANSITION, RestartDecision, State, Supervision
 from numad_infer.status import Event
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,8 @@ class Runtime:
     last_repair: Event | None = None
     drift_counts: dict[str, int] = field(default_factory=dict)
     repair_counts: dict[str, int] = field(default_factory=dict)
+    # Measurements of the current process (its lifecycle is `supervision.state`):
     drifting: bool = False
-    lost: bool = False  # its main process disappeared and no successor was seen yet
-    awaiting_restart: bool = False  # we asked for a restart: the next new PID is ours, not a crash
     migrated_from: int | None = None  # remote anonymous bytes before our last migrate_pages
     cpu_seen: float | None = None  # the process's CPU seconds at the last pass
     progress: bool | None = None  # did it use CPU since the last pass (None: not known yet)
@@ -130,7 +129,7 @@ class Reconciler:
         the others keep serving; without one, all at once (nothing routes around them)."""
         while self.rolling:
             if self.frontdoor is not None and self.frontdoor.listen and any(
-                    rt.supervision.state in (State.DRAINING, State.STARTING) for rt in self.runtimes.values()):
+                    rt.supervision.state in IN_TRANSITION for rt in self.runtimes.values()):
                 return
             name = self.rolling.pop(0)
             log.info("%s: definition changed: restarting", name)
@@ -182,17 +181,14 @@ class Reconciler:
         pid = seen.pid
         if pid != rt.pid:
             if pid is None:
-                if rt.pid is not None:
+                if sup.state != State.RESTARTING:
                     self._drift(rt, EventKind.EXIT, f"main process {rt.pid} is gone")
-                    rt.lost = True
+                sup.on_exit()
             else:
-                if (rt.pid is not None or rt.lost) and not rt.awaiting_restart:
+                exited = rt.pid or "that exited"
+                if sup.on_new_pid(rt.pid is not None, now):
                     # Nobody here restarted it: it died and systemd (Restart=) brought it back.
-                    self._drift(rt, EventKind.EXIT, f"main process {rt.pid or 'that exited'} replaced by {pid}")
-                    sup.restarts += 1
-                if sup.state not in (State.FAILED, State.DRAINING):  # a drain still ends in its restart
-                    sup.on_started(now)
-                rt.lost = rt.awaiting_restart = False
+                    self._drift(rt, EventKind.EXIT, f"main process {exited} replaced by {pid}")
             rt.new_process(pid)
         if sup.state == State.FAILED:
             return
@@ -275,11 +271,7 @@ class Reconciler:
             log.warning("%s: %s: restarting", rt.instance.name, reason)
             self._repaired(rt, EventKind.HEALTH, f"restarted: {reason}")
         self._isolated(rt.instance.name, "restart", lambda: self.backend.restart(rt.instance))
-        if counted:
-            rt.supervision.on_restart(now, cfg.monitor)
-        else:
-            rt.supervision.on_started(now)
-        rt.awaiting_restart = True
+        rt.supervision.on_restart(now, cfg.monitor if counted else None)
         rt.new_process(rt.pid)
 
     def _track_progress(self, rt: Runtime, pid: int, now: float) -> None:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 from pathlib import Path
 
@@ -25,3 +27,14 @@ def captures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         (top,) = list(target.iterdir())
         roots[name] = top
     return roots
+
+
+def searchable_by_others(path: Path) -> Path:
+    """Let the instances' unprivileged user reach `path` (pytest's temporary directories
+    are 0700): a root `check` verifies the model as that user (modelfile.model_size)."""
+    for directory in [path, *path.parents]:
+        if directory == Path("/tmp") or directory == Path("/"):
+            break
+        if os.geteuid() == directory.stat().st_uid:
+            directory.chmod(directory.stat().st_mode | stat.S_IXOTH)
+    return path

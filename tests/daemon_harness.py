@@ -19,6 +19,68 @@ from tests import fakesys
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# -- what the servers run as ------------------------------------------------------------------
+# Run as root (CI), the daemon drops its servers to server.user (nobody): the interpreter,
+# llama-cpp-python and the model must then be readable by nobody, as on a real host. pytest's
+# temporary directories are private (0700) and this venv's interpreter may live under /root,
+# so the servers get a world-readable directory of their own with the model and, where
+# needed, a bridge venv: the system interpreter of the same Python version (same ABI) with
+# a .pth file naming this venv's site-packages.
+
+_shared: Path | None = None
+
+
+def shared_dir() -> Path:
+    """One world-readable (0755) scratch directory per test session."""
+    global _shared
+    if _shared is None:
+        import atexit
+        import shutil
+        import tempfile
+        _shared = Path(tempfile.mkdtemp(prefix="numa-infer-shared-"))
+        _shared.chmod(0o755)
+        atexit.register(shutil.rmtree, _shared, True)
+    return _shared
+
+
+def _runnable_by_others(path: Path) -> bool:
+    path = path.resolve()
+    return all(os.stat(d).st_mode & 0o001 for d in path.parents) and bool(os.stat(path).st_mode & 0o001)
+
+
+def server_python() -> str:
+    """An interpreter with llama_cpp that the servers' user can run."""
+    if os.geteuid() != 0 or _runnable_by_others(Path(sys.executable)):
+        return sys.executable
+    bridge = shared_dir() / "server-venv"
+    if not (bridge / "bin" / "python").exists():
+        version = "%d.%d" % sys.version_info[:2]
+        system = Path(f"/usr/bin/python{version}")
+        if not system.exists():
+            raise RuntimeError(f"running as root, the servers run as nobody and need an interpreter nobody can "
+                               f"run: {sys.executable} is not, and there is no {system} to bridge to")
+        subprocess.run([str(system), "-m", "venv", "--without-pip", str(bridge)], check=True)
+        import site
+        (bridge / "lib" / f"python{version}" / "site-packages" / "numa-infer-tests.pth").write_text(
+            "\n".join(site.getsitepackages()) + "\n")
+        subprocess.run(["chmod", "-R", "a+rX", str(bridge)], check=True)
+    return str(bridge / "bin" / "python")
+
+
+_models: dict[str, Path] = {}
+
+
+def generated_model(size: str) -> Path:
+    """tools/make_model.py's model of that size, once per session, readable by the servers."""
+    if size not in _models:
+        path = shared_dir() / f"{size}.gguf"
+        subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(path), "--size", size], check=True,
+                       capture_output=True)
+        path.chmod(0o644)
+        _models[size] = path
+    return _models[size]
+
+
 def two_single_cpu_nodes() -> fakesys.FakeMachine:
     """Stands in for a 2-node machine on a 2-CPU host: node 0 = CPU 0, node 1 = CPU 1.
 
@@ -96,7 +158,7 @@ class DaemonRun:
         self.config.write_text(
             f'[model]\npath = "{self.model}"\ncontext_size = {self.context_size}\n'
             f"[placement]\n{placement}\n"
-            f'[server]\nbase_port = {self.base_port}\npython = "{sys.executable}"\n{self.server_extra}\n'
+            f'[server]\nbase_port = {self.base_port}\npython = "{server_python()}"\n{self.server_extra}\n'
             f"[monitor]\ninterval_s = {self.interval_s}\nprobe_timeout_s = 1.0\nstartup_grace_s = 60\nunhealthy_after = 2\n"
             f"restart_backoff_s = {self.backoff_s}\nnuma_maps_interval_s = 1\n{monitor}\n"
             f"[frontend]\n{self.frontend}\n{extra or self.extra_config}"

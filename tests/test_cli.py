@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import fakesys
+from tests.conftest import searchable_by_others
 
 GGUF_HEADER = b"GGUF\x03\x00\x00\x00" + b"\x00" * 24
 
@@ -34,6 +35,8 @@ def model(tmp_path: Path) -> Path:
     path = tmp_path / "model dir" / "tiny.gguf"
     path.parent.mkdir()
     path.write_bytes(GGUF_HEADER)
+    path.chmod(0o644)
+    searchable_by_others(path.parent)
     return path
 
 
@@ -113,6 +116,7 @@ def test_missing_model_file(tmp_path: Path, fs: Path) -> None:
 def test_not_a_gguf_model(tmp_path: Path, fs: Path) -> None:
     bogus = tmp_path / "model.bin"
     bogus.write_bytes(b"PK\x03\x04")
+    searchable_by_others(tmp_path)
     proc = run("--config", str(write_config(tmp_path, bogus)), "--fsroot", str(fs), "check")
     assert proc.returncode == 1 and "is not a GGUF model file" in proc.stderr
 

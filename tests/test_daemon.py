@@ -11,23 +11,20 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
-from tests.daemon_harness import ROOT, daemons
+from tests.daemon_harness import daemons, generated_model
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny.gguf"
-    subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(path), "--size", "tiny"], check=True,
-                   capture_output=True)
-    return path
+def tiny_model() -> Path:
+    return generated_model("tiny")
 
 
 @pytest.fixture
@@ -68,6 +65,12 @@ def test_start_brings_up_pinned_healthy_instances_and_notifies(daemon) -> None:
         environ = open(f"/proc/{info['pid']}/environ", "rb").read().split(b"\0")
         assert b"OMP_NUM_THREADS=1" in environ and f"OMP_PLACES={{{cpu}}}".encode() in environ
         assert not any(e.startswith(b"NOTIFY_SOCKET=") for e in environ)
+        if os.geteuid() == 0:
+            # A root daemon drops its servers to server.user (default nobody), groups and all.
+            server = psutil.Process(info["pid"])
+            assert set(server.uids()) == {65534} and set(server.gids()) == {65534}, server.uids()
+            assert open(f"/proc/{info['pid']}/status").read().split("Groups:")[1].split("\n")[0].strip() == ""
+            assert b"HOME=/nonexistent" in environ or any(e.startswith(b"HOME=/") for e in environ)
         assert completion(info["port"])["choices"][0]["text"] is not None
     status = run.cli("status", "--json")
     assert status.returncode == 0, status.stdout + status.stderr

@@ -253,7 +253,7 @@ def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart(
     rec.monitor(3.0)
     assert backend.calls[-1] == ("restart", "infer@2")
     assert ("infer@2", AdminState.MAINT) in front.states
-    assert rec.runtimes["infer@2"].supervision.state == State.STARTING
+    assert rec.runtimes["infer@2"].supervision.state == State.RESTARTING
     assert rec.runtimes["infer@2"].supervision.restarts == 0  # a definition change is no repair
 
 
@@ -305,3 +305,78 @@ def test_behind_the_front_door_changed_instances_restart_one_at_a_time(probes_an
     assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1"), ("restart", "infer@2")]
     rec.monitor(4.0)
     assert all(rt.supervision.state == State.HEALTHY for rt in rec.runtimes.values())
+
+
+# -- one lifecycle: what happens to an instance's process is its state, not side flags -------------
+
+def lifecycle(rec: Reconciler, name: str = "infer@0") -> tuple[State, int]:
+    sup = rec.runtimes[name].supervision
+    return sup.state, sup.restarts
+
+
+def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off(probes_answer) -> None:
+    backend = RecordingBackend()
+    rec = Reconciler(backend)
+    rec.apply(cfg("[monitor]\nrestart_backoff_s = 5"), make_plan(cfg(), three_nodes()), 0.0)
+    rec.monitor(1.0)
+    assert lifecycle(rec) == (State.HEALTHY, 0)
+    backend.calls.clear()
+    first = backend.running.pop("infer@0")  # the process dies; this backend does not bring it back
+    rec.monitor(2.0)
+    # Gone, then restarted at once (the first restart in the window waits for nothing).
+    assert backend.calls == [("restart", "infer@0")] and lifecycle(rec) == (State.RESTARTING, 1)
+    assert rec.runtimes["infer@0"].last_drift.detail == f"main process {first} is gone"
+    rec.monitor(3.0)
+    # The new PID is the restart's result: not counted again as a crash.
+    assert lifecycle(rec) == (State.HEALTHY, 1)
+    backend.running.pop("infer@0")
+    rec.monitor(4.0)  # the second restart waits restart_backoff_s after the first (t = 2 + 5)
+    assert lifecycle(rec) == (State.BACKOFF, 1) and backend.calls == [("restart", "infer@0")]
+    rec.monitor(6.9)
+    assert lifecycle(rec) == (State.BACKOFF, 1)
+    rec.monitor(7.0)
+    assert lifecycle(rec) == (State.RESTARTING, 2) and backend.calls[-1] == ("restart", "infer@0")
+
+
+def test_a_process_the_service_manager_replaced_counts_as_a_crash_and_is_not_restarted_again(probes_answer) -> None:
+    backend = RecordingBackend()
+    rec = Reconciler(backend)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.monitor(1.0)
+    backend.calls.clear()
+    old = backend.running["infer@1"]
+    backend.running["infer@1"] = 999  # systemd's Restart= brought it back between two passes
+    rec.monitor(2.0)
+    assert backend.calls == [] and lifecycle(rec, "infer@1") == (State.HEALTHY, 1)
+    assert rec.runtimes["infer@1"].last_drift.detail == f"main process {old} replaced by 999"
+    assert lifecycle(rec, "infer@0") == (State.HEALTHY, 0)
+
+
+def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_crash(monkeypatch) -> None:
+    # systemctl restart --no-block: the old PID stays a while, then goes, then the new one comes.
+    answer = [True]
+    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout: ProbeResult(answer[0], 0.0, "refused"))
+    backend = RecordingBackend()
+    later: dict[str, int] = {}
+    backend.restart = lambda instance: (backend.calls.append(("restart", instance.name)),
+                                        later.__setitem__(instance.name, 555))
+    # Between the old process and the new one the unit is "activating": pending, as systemd says.
+    backend.observe = lambda names: {n: Observation(backend.running.get(n), n in later and n not in backend.running,
+                                                    "activating") for n in names}
+    rec = Reconciler(backend)
+    config = cfg("[monitor]\nunhealthy_after = 1\nstartup_grace_s = 30")
+    rec.apply(config, make_plan(config, three_nodes()), 0.0)
+    rec.monitor(0.5)
+    assert lifecycle(rec) == (State.HEALTHY, 0)
+    answer[0] = False  # from now on every probe fails
+    rec.monitor(1.0)
+    assert lifecycle(rec) == (State.RESTARTING, 1)
+    rec.monitor(2.0)  # same old PID, probe refused: part of the restart, not a new failure
+    assert lifecycle(rec) == (State.RESTARTING, 1) and backend.calls.count(("restart", "infer@0")) == 1
+    backend.running.pop("infer@0")
+    rec.monitor(3.0)  # the old one is gone: the restart's doing, no drift event
+    assert lifecycle(rec) == (State.RESTARTING, 1)
+    assert rec.runtimes["infer@0"].last_drift is None
+    backend.running["infer@0"] = later["infer@0"]
+    rec.monitor(4.0)
+    assert lifecycle(rec) == (State.STARTING, 1) and rec.runtimes["infer@0"].pid == 555

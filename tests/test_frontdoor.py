@@ -23,17 +23,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_harness import ROOT, DaemonRun, daemons
+from tests.daemon_harness import generated_model, ROOT, DaemonRun, daemons
 
 REQUEST_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "medium.gguf"
-    subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(path), "--size", "medium"], check=True,
-                   capture_output=True)
-    return path
+def slow_model() -> Path:
+    return generated_model("medium")
 
 
 @pytest.fixture

@@ -29,6 +29,8 @@ def test_a_fifo_as_model_is_refused_at_once(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="root reads every file: only then is the check needed")
 def test_as_root_the_model_must_be_readable_by_the_unprivileged_instances(tmp_path: Path) -> None:
+    from numad_infer.identity import DYNAMIC_USER, lookup
+
     tmp_path.chmod(0o755)
     for parent in tmp_path.parents:  # pytest's own temporary directories are private
         if parent == Path("/tmp"):
@@ -37,18 +39,36 @@ def test_as_root_the_model_must_be_readable_by_the_unprivileged_instances(tmp_pa
     private = tmp_path / "private.gguf"
     private.write_bytes(GGUF)
     private.chmod(0o600)
-    with pytest.raises(ConfigError, match=r"cannot be read by the instances' unprivileged user \(chmod o\+r"):
-        model_size(str(private), "cfg", unprivileged_instances=True)
-    assert model_size(str(private), "cfg", unprivileged_instances=False) == len(GGUF)  # the process backend: root
+    nobody = lookup("nobody", "cfg")
+    for user, who in ((DYNAMIC_USER, "systemd.s DynamicUser"), (nobody, "nobody")):
+        with pytest.raises(ConfigError, match=rf"cannot be read by the instances: {who} may not read it \(chmod o\+r"):
+            model_size(str(private), "cfg", user)
+    assert model_size(str(private), "cfg", None) == len(GGUF)  # servers that run as the daemon's user
+    assert model_size(str(private), "cfg", lookup("root", "cfg")) == len(GGUF)  # server.user = root
+    # The owner's bits count for the owner: a model of nobody's, mode 0600, is nobody's to read.
+    os.chown(private, nobody.uid or 0, nobody.gid or 0)
+    assert model_size(str(private), "cfg", nobody) == len(GGUF)
+    with pytest.raises(ConfigError, match="DynamicUser may not read it"):
+        model_size(str(private), "cfg", DYNAMIC_USER)
     hidden = tmp_path / "hidden"
     hidden.mkdir(mode=0o700)
     inside = hidden / "m.gguf"
     inside.write_bytes(GGUF)
     inside.chmod(0o644)
-    with pytest.raises(ConfigError, match="is not searchable by others"):
-        model_size(str(inside), "cfg", unprivileged_instances=True)
+    with pytest.raises(ConfigError, match=f"directory {hidden} is not searchable by nobody"):
+        model_size(str(inside), "cfg", nobody)
     hidden.chmod(0o755)
-    assert model_size(str(inside), "cfg", unprivileged_instances=True) == len(GGUF)
+    assert model_size(str(inside), "cfg", DYNAMIC_USER) == len(GGUF)
+
+
+def test_server_user_must_exist_and_be_a_user_name() -> None:
+    from numad_infer.config import parse_config
+    from numad_infer.identity import lookup
+
+    with pytest.raises(ConfigError, match=r"server.user = .*no such user on this host; create it"):
+        lookup("numa-infer-no-such-user", "cfg")
+    with pytest.raises(ConfigError, match="server.user.*must be a user name"):
+        parse_config('[model]\npath = "/m.gguf"\n[server]\nuser = "-x"\n', "cfg")
 
 
 def reload_cli(state_file: Path, *args: str, user: int | None = None) -> subprocess.CompletedProcess[str]:
@@ -180,6 +200,7 @@ def test_the_llama_cpp_check_runs_the_configured_python_unprivileged() -> None:
     import tempfile
 
     from numad_infer.hostcheck import python_has_llama_cpp as _python_has_llama_cpp
+    from numad_infer.identity import lookup
 
     base = Path(tempfile.mkdtemp(prefix="numa-infer-pycheck-"))
     try:
@@ -189,13 +210,13 @@ def test_the_llama_cpp_check_runs_the_configured_python_unprivileged() -> None:
         # A stand-in interpreter that records who ran it (a .pth file would run the same way).
         fake.write_text(f"#!/bin/sh\nid -u > {seen}\nexit 0\n")
         fake.chmod(0o755)
-        assert _python_has_llama_cpp(str(fake), unprivileged=True)
+        assert _python_has_llama_cpp(str(fake), lookup("nobody", "cfg"))
         assert seen.read_text().strip() == "65534"
         hang = base / "hang"
         hang.write_text("#!/bin/sh\nexec sleep 60\n")
         hang.chmod(0o755)
         started = time.monotonic()
-        assert not _python_has_llama_cpp(str(hang), unprivileged=True, timeout_s=1)
+        assert not _python_has_llama_cpp(str(hang), lookup("nobody", "cfg"), timeout_s=1)
         assert time.monotonic() - started < 10
     finally:
         import shutil
