@@ -78,6 +78,14 @@ def bandwidth_gbs(threads: int) -> float:
     return best / 1e9
 
 
+def host_machine() -> fakesys.FakeMachine:
+    """This host's own topology, as a sysfs tree the daemon can be pointed at."""
+    topo = read_topology("/")
+    return fakesys.FakeMachine(
+        nodes={n.id: fakesys.FakeNode(n.cpus, n.memory_total_bytes // 1024, tuple(n.distances.values())) for n in topo.nodes},
+        siblings=tuple(c for n in topo.nodes for c in n.cores), l3=tuple(n.cpus for n in topo.nodes if n.cpus), offline=())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--size", default="medium")
@@ -93,10 +101,7 @@ def main() -> None:
 
     # numa-infer: the plan for this machine (one instance per node, threads = physical cores).
     (tmp / "ni").mkdir()
-    machine = fakesys.FakeMachine(
-        nodes={n.id: fakesys.FakeNode(n.cpus, n.memory_total_bytes // 1024, tuple(n.distances.values())) for n in topo.nodes},
-        siblings=tuple(c for n in topo.nodes for c in n.cores), l3=tuple(n.cpus for n in topo.nodes if n.cpus), offline=())
-    run = DaemonRun(tmp / "ni", model, machine=machine, interval_s=5.0)
+    run = DaemonRun(tmp / "ni", model, machine=host_machine(), interval_s=5.0)
     try:
         state = run.all_healthy(len([n for n in topo.nodes if n.cpus]), timeout=600)
         first = state["instances"][0]

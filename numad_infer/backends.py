@@ -28,8 +28,9 @@ from numad_infer.notify import child_environ
 from numad_infer.planner import Instance, Plan
 from numad_infer.frontdoor import FrontdoorRunner
 from numad_infer.identity import RunAs, instances_run_as
+from numad_infer.engines import key_environment, server_argv
 from numad_infer.render import (DROPIN_NAME, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, FRONTDOOR_UNIT, instance_environment,
-                                render_units, server_argv)
+                                render_units)
 from numad_infer.systemctl import Systemctl, SystemctlError
 from numad_infer.unitdir import check_private_dir, managed_files, write_units
 
@@ -250,7 +251,7 @@ class ProcessBackend:
         env = child_environ()
         env.update(instance_environment(instance))
         if self.api_key is not None:
-            env["API_KEY"] = self.api_key  # the environment is readable by the child's user only, not argv
+            env.update(key_environment(self.config, self.api_key))  # readable by the child's user only, not argv
         switch: dict[str, Any] = {}
         if self.runs_as is not None:
             switch = self.runs_as.popen_kwargs()

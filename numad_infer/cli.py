@@ -23,6 +23,7 @@ from numad_infer.status import read_status
 if TYPE_CHECKING:
     from numad_infer.config import Config
     from numad_infer.status import Status
+    from numad_infer.identity import RunAs
     from numad_infer.planner import Plan
     from numad_infer.topology import Topology
 
@@ -36,6 +37,7 @@ class Loaded:
     config: "Config"
     topology: "Topology"
     plan: "Plan"
+    runs_as: "RunAs | None"  # who the instances run as (None: this user)
 
 
 def load_all(config_path: str, fsroot: str) -> Loaded:
@@ -53,9 +55,9 @@ def load_all(config_path: str, fsroot: str) -> Loaded:
     topology = read_topology(fsroot)
     # What counts is what the instances can read: under systemd a DynamicUser, otherwise
     # server.user when run as root (the backends choose the same way).
-    size = model_size(config.model.path, config_path,
-                      instances_run_as(config.server.user, config_path, systemd_units=pid1_is_systemd()))
-    return Loaded(config, topology, make_plan(config, topology, size, source=config_path))
+    runs_as = instances_run_as(config.server.user, config_path, systemd_units=pid1_is_systemd())
+    size = model_size(config.model.path, config_path, runs_as)
+    return Loaded(config, topology, make_plan(config, topology, size, source=config_path), runs_as)
 
 
 # -- presentation ------------------------------------------------------------------------
@@ -133,9 +135,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     from numad_infer.apikey import read_api_key
 
+    from numad_infer.config import Engine
+    from numad_infer.hostcheck import check_llama_server
+
     loaded = load_all(args.config, args.fsroot)
     check_haproxy(loaded.config, args.config)
     read_api_key(loaded.config, args.config)
+    if loaded.config.server.engine == Engine.LLAMA_SERVER:
+        check_llama_server(loaded.config, args.config, loaded.runs_as)
     if loaded.config.frontend.enabled:
         # `haproxy -c` on what the daemon would write, in a scratch directory.
         with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
@@ -218,15 +225,21 @@ def format_status(status: "Status") -> str:
             lines.append(f"front door: http://{front.listen} up, {front.in_flight} in flight, {front.queued} queued")
         else:
             lines.append(f"front door: http://{front.listen} DOWN" + (f": {front.error}" if front.error else ""))
+    # The engine's own columns only where an instance has them (llama-server).
+    engine = any(i.slots is not None for i in status.instances)
     rows = [("INSTANCE", "NODE", "CPUS", "PORT", "PID", "STATE", "UPTIME", "RESTARTS", "LOCAL-MEM", "PROBE",
-             "ROTATION", "INFLIGHT", "QUEUED")]
+             "ROTATION", "INFLIGHT", "QUEUED") + (("SLOTS", "TOK/S") if engine else ())]
     for i in status.instances:
         frac = i.local_memory_fraction
-        rows.append((i.name, _dash(i.node), format_list(i.cpus), str(i.port), _dash(i.pid),
-                     i.state.value + (" drifting" if i.drifting else ""), _age(i.uptime_s), str(i.restarts),
-                     "-" if frac is None else f"{frac:.1%}",
-                     "-" if i.probe_latency_ms is None else f"{i.probe_latency_ms:.0f}ms",
-                     _dash(i.rotation), _dash(i.in_flight), _dash(i.queued)))
+        row = (i.name, _dash(i.node), format_list(i.cpus), str(i.port), _dash(i.pid),
+               i.state.value + (" drifting" if i.drifting else ""), _age(i.uptime_s), str(i.restarts),
+               "-" if frac is None else f"{frac:.1%}",
+               "-" if i.probe_latency_ms is None else f"{i.probe_latency_ms:.0f}ms",
+               _dash(i.rotation), _dash(i.in_flight), _dash(i.queued))
+        if engine:
+            row += ("-" if i.slots is None else f"{_dash(i.busy_slots)}/{i.slots} busy",
+                    "-" if i.decode_tokens_per_s is None else f"{i.decode_tokens_per_s:.1f}")
+        rows.append(row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     for i in status.instances:

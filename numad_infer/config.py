@@ -123,7 +123,24 @@ class PlacementSection(_Section):
         return parse_list(self.reserve_cpus)
 
 
+class Engine(str, Enum):
+    """The inference server each instance runs (numad_infer.engines knows how to run each)."""
+
+    LLAMA_CPP_PYTHON = "llama-cpp-python"  # python -m llama_cpp.server: one request at a time
+    LLAMA_SERVER = "llama-server"  # llama.cpp's native server: `parallel` slots, continuous batching
+
+
+# Keys that mean something to one engine only: given for the other, they are a mistake.
+ENGINE_KEYS = {"python": Engine.LLAMA_CPP_PYTHON, "llama_server": Engine.LLAMA_SERVER, "parallel": Engine.LLAMA_SERVER}
+
+
 class ServerSection(_Section):
+    # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
+    engine: Engine = Field(Engine.LLAMA_CPP_PYTHON, strict=False)
+    # llama-server: its binary, and how many requests one instance serves at once (each
+    # slot has its own context_size, so the instance's context is context_size x parallel).
+    llama_server: SafeStr = "/usr/bin/llama-server"
+    parallel: int = Field(1, ge=1, le=64, description="slots per instance (llama-server)")
     host: SafeStr = "127.0.0.1"
     base_port: int = Field(8080, ge=1, le=65535)
     python: SafeStr = "/usr/bin/python3"
@@ -154,6 +171,11 @@ class ServerSection(_Section):
     @classmethod
     def _absolute(cls, value: str) -> str:
         return executable_path(value, "/opt/llm/bin/python3")
+
+    @field_validator("llama_server")
+    @classmethod
+    def _server_binary(cls, value: str) -> str:
+        return executable_path(value, "/usr/local/bin/llama-server")
 
     @field_validator("api_key_file")
     @classmethod
@@ -383,7 +405,7 @@ def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
         detail = str(exc).replace("at end of document", f"at line {text.count(chr(10)) + 1}, the end of the file")
         raise ConfigError(source, None, f"invalid TOML: {detail}") from None
     try:
-        return Config.model_validate(raw)
+        config = Config.model_validate(raw)
     except ValidationError as exc:
         # An unknown key first: a typo ("modle") also explains the "missing" that follows.
         errors = sorted(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
@@ -392,6 +414,18 @@ def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
         if len(errors) > 1:
             first = ConfigError(source, None, f"{first.args[0].removeprefix(source + ': ')} (and {len(errors) - 1} more problem(s))")
         raise first from None
+    _check_engine_keys(config, source)
+    return config
+
+
+def _check_engine_keys(config: Config, source: str) -> None:
+    """A key of the other engine is a mistake: it would silently do nothing."""
+    server = config.server
+    for key in sorted(server.model_fields_set & ENGINE_KEYS.keys()):
+        if ENGINE_KEYS[key] != server.engine:
+            raise ConfigError(source, f"server.{key}", f"applies to server.engine = \"{ENGINE_KEYS[key].value}\" "
+                              f"only, and server.engine is \"{server.engine.value}\"; remove the key or change the "
+                              "engine", getattr(server, key), True)
 
 
 def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH) -> Config:

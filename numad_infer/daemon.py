@@ -15,13 +15,14 @@ from pathlib import Path
 
 from numad_infer import __version__, metrics
 from numad_infer.backends import Backend
-from numad_infer.config import Config, load_config
+from numad_infer.config import Config, Engine, load_config
 from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor import Frontdoor, check_haproxy, server_name
 from numad_infer.apikey import read_api_key
 from numad_infer.health import KeyCheck
-from numad_infer.hostcheck import HostCheck
+from numad_infer.engines import slots as slots_of, traits
+from numad_infer.hostcheck import HostCheck, check_llama_server
 from numad_infer.identity import RunAs
 from numad_infer.modelfile import model_size
 from numad_infer.notify import Notifier
@@ -89,6 +90,8 @@ class Daemon:
         topology = self.sysfs.topology()
         runs_as = self.backend.instance_user(config, self.config_path)
         size = model_size(config.model.path, self.config_path, runs_as)
+        if config.server.engine == Engine.LLAMA_SERVER:
+            check_llama_server(config, self.config_path, runs_as)
         plan = make_plan(config, topology, size, source=self.config_path)
         # Checked before anything changes: a refused front door leaves the old plan running.
         check_haproxy(config, self.config_path)
@@ -178,8 +181,9 @@ class Daemon:
             interval_s=self.config.monitor.interval_s if self.config else None, generation=self.generation,
             last_reload=self.last_reload, warnings=tuple(self.warnings), status=self.status_line(),
             pass_duration_s=self.pass_duration_s, metrics=self.metrics.listen or None)
-        return Status(daemon, tuple(_instance_status(rt, now, self.frontdoor) for rt in self.reconciler.runtimes.values()),
-                      self._frontdoor_status())
+        slots = slots_of(self.config) if self.config is not None and traits(self.config).metrics_path else None
+        return Status(daemon, tuple(_instance_status(rt, now, self.frontdoor, slots)
+                                    for rt in self.reconciler.runtimes.values()), self._frontdoor_status())
 
     def _frontdoor_status(self) -> FrontdoorStatus | None:
         fd = self.frontdoor
@@ -280,7 +284,8 @@ def _names(names: tuple[str, ...]) -> str:
     return ", ".join(names) if names else "none"
 
 
-def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor) -> InstanceStatus:
+def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int | None) -> InstanceStatus:
+    """`slots`: requests an instance works on at once, where its engine reports them."""
     sup, inst, mem = rt.supervision, rt.instance, rt.memory
     stat = None if frontdoor.stats is None else frontdoor.stats.servers.get(server_name(inst.name))
     return InstanceStatus(
@@ -298,4 +303,6 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor) -> InstanceS
         last_drift=rt.last_drift, last_repair=rt.last_repair,
         drift_events=dict(rt.drift_counts), repairs=dict(rt.repair_counts),
         rotation=None if stat is None else stat.status, in_flight=None if stat is None else stat.in_flight,
-        queued=None if stat is None else stat.queued, served=None if stat is None else stat.served)
+        queued=None if stat is None else stat.queued, served=None if stat is None else stat.served,
+        slots=slots, busy_slots=None if rt.counters is None else rt.counters.busy_slots,
+        decode_tokens_per_s=None if rt.decode_tokens_per_s is None else round(rt.decode_tokens_per_s, 1))

@@ -1,12 +1,14 @@
-"""HTTP health probe of one llama-cpp-python server: busy is not hung.
+"""HTTP health probe of one server: busy is not hung.
 
-The server has no /health, and `GET /v1/models` waits on the model lock: while a
-request generates it either cuts that request short (interrupt_requests) or waits until
-the generation ends and looks dead. The server loads its model before it listens, and
-generation runs in a worker thread (ctypes releases the GIL), so any route that never
-takes the lock answers at once when the server is up, busy or not: FastAPI's own
-`/docs` page. A SIGSTOPped or wedged event loop still fails it; a generation thread
-that stops making progress is found from CPU time instead (see `reconcile`).
+The path is the engine's (engines.EngineTraits.liveness_path). llama-cpp-python has no
+/health, and `GET /v1/models` waits on the model lock: while a request generates it
+either cuts that request short (interrupt_requests) or waits until the generation ends
+and looks dead. That server loads its model before it listens, and generation runs in a
+worker thread (ctypes releases the GIL), so any route that never takes the lock answers
+at once when the server is up, busy or not: FastAPI's own `/docs` page. llama-server
+answers `/health` from its HTTP threads (503 while loading). A SIGSTOPped or wedged
+server still fails either; a generation that stops making progress is found from CPU
+time instead (see `reconcile`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,6 @@ class ProbeResult:
     ok: bool
     latency_s: float
     error: str = ""
-
-
-LIVENESS_PATH = "/docs"
 
 
 class KeyCheck(Enum):
@@ -50,7 +49,7 @@ def check_key(host: str, port: int, key: str, timeout_s: float) -> KeyCheck:
     return KeyCheck.ACCEPTED if status == 200 else KeyCheck.UNKNOWN
 
 
-def probe(host: str, port: int, timeout_s: float, path: str = LIVENESS_PATH) -> ProbeResult:
+def probe(host: str, port: int, timeout_s: float, path: str) -> ProbeResult:
     # A wildcard listen address is reachable on loopback.
     target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     started = time.monotonic()
@@ -69,5 +68,50 @@ def probe(host: str, port: int, timeout_s: float, path: str = LIVENESS_PATH) -> 
         return ProbeResult(False, time.monotonic() - started, exc.strerror or type(exc).__name__)
     except http.client.HTTPException as exc:
         return ProbeResult(False, time.monotonic() - started, f"bad HTTP answer: {type(exc).__name__}")
+    finally:
+        conn.close()
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """What an engine with its own Prometheus endpoint (llama-server --metrics) reports."""
+
+    tokens_predicted: float  # counter: tokens generated since the server started
+    busy_slots: int  # requests being worked on right now
+
+
+_COUNTER_NAMES = {"llamacpp:tokens_predicted_total": "tokens_predicted", "llamacpp:requests_processing": "busy_slots"}
+
+
+def parse_engine_metrics(text: str) -> EngineCounters | None:
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _COUNTER_NAMES:
+            try:
+                found[_COUNTER_NAMES[name]] = float(value.split()[0])
+            except (ValueError, IndexError):
+                return None
+    if len(found) != len(_COUNTER_NAMES):
+        return None
+    return EngineCounters(found["tokens_predicted"], int(found["busy_slots"]))
+
+
+def read_engine_metrics(host: str, port: int, path: str, key: str | None, timeout_s: float) -> EngineCounters | None:
+    """The server's own counters, or None (not answering, no such endpoint, a refused key)."""
+    target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    conn = http.client.HTTPConnection(target, port, timeout=timeout_s)
+    headers = {"Connection": "close"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        conn.request("GET", path, headers=headers)
+        response = conn.getresponse()
+        body = response.read(1 << 20)
+        if response.status != 200:
+            return None
+        return parse_engine_metrics(body.decode("utf-8", "replace"))
+    except (OSError, http.client.HTTPException):
+        return None
     finally:
         conn.close()

@@ -46,6 +46,12 @@ class SnapshotCollector(Collector):
                                       "Requests the front door has sent to the instance and not finished", labels=labels)
         queued = GaugeMetricFamily("numa_infer_instance_requests_queued",
                                    "Requests waiting at the front door for this instance", labels=labels)
+        decode = GaugeMetricFamily("numa_infer_instance_decode_tokens_per_second",
+                                   "Tokens the instance generated per second over the last pass (llama-server)", labels=labels)
+        busy = GaugeMetricFamily("numa_infer_instance_busy_slots", "Requests the instance works on now (llama-server)",
+                                 labels=labels)
+        slots = GaugeMetricFamily("numa_infer_instance_slots", "Requests the instance can work on at once (llama-server)",
+                                  labels=labels)
         drifts = CounterMetricFamily("numa_infer_drift_events", "Drift found, by kind", labels=labels + ["kind"])
         repairs = CounterMetricFamily("numa_infer_repairs", "Repairs done, by kind", labels=labels + ["kind"])
         for inst in instances:
@@ -62,10 +68,17 @@ class SnapshotCollector(Collector):
             if inst.in_flight is not None:
                 in_flight.add_metric(key, inst.in_flight)
                 queued.add_metric(key, inst.queued or 0)
+            if inst.slots is not None:
+                slots.add_metric(key, inst.slots)
+            if inst.busy_slots is not None:
+                busy.add_metric(key, inst.busy_slots)
+            if inst.decode_tokens_per_s is not None:
+                decode.add_metric(key, inst.decode_tokens_per_s)
             for kind in EventKind:
                 drifts.add_metric(key + [kind.value], inst.drift_events.get(kind.value, 0))
                 repairs.add_metric(key + [kind.value], inst.repairs.get(kind.value, 0))
-        yield from (healthy, state, restarts, latency, local, threads, in_flight, queued, drifts, repairs)
+        yield from (healthy, state, restarts, latency, local, threads, in_flight, queued, decode, busy, slots, drifts,
+                    repairs)
         front = snap.frontdoor
         if front is not None:
             up = GaugeMetricFamily("numa_infer_frontdoor_up", "1 while the front door (HAProxy) answers its runtime API")

@@ -14,13 +14,14 @@ from dataclasses import dataclass, field
 
 from numad_infer import drift, pinning
 from numad_infer.drift import EventKind
+from numad_infer.engines import traits
 from numad_infer.backends import Backend, Observation
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.frontdoor import Frontdoor
 from numad_infer.haproxy import AdminState
 from numad_infer.apikey import read_api_key
-from numad_infer.health import KeyCheck, ProbeResult, check_key, probe
+from numad_infer.health import EngineCounters, KeyCheck, ProbeResult, check_key, probe, read_engine_metrics
 from numad_infer.planner import Instance, Plan, PlanDiff, Policy, diff_plans
 from numad_infer.procfs import ProcReader
 from numad_infer.states import IN_TRANSITION, RestartDecision, State, Supervision
@@ -54,12 +55,27 @@ class Runtime:
     progress: bool | None = None  # did it use CPU since the last pass (None: not known yet)
     stalled_since: float | None = None  # requests in flight and no CPU used since then
     key_check: KeyCheck = KeyCheck.UNKNOWN  # does this process take server.api_key_file's key
+    # Engines with counters of their own (llama-server): the last reading, and the decode
+    # rate between the last two (tokens generated per second of wall time, all slots).
+    counters: EngineCounters | None = None
+    counters_at: float = 0.0
+    decode_tokens_per_s: float | None = None
 
     def new_process(self, pid: int | None) -> None:
         """Forget everything measured on the previous process (a restart, a crash, adoption)."""
         self.pid, self.good_masks, self.memory, self.memory_checked_at = pid, {}, None, 0.0
         self.migrated_from, self.cpu_seen, self.progress, self.stalled_since = None, None, None, None
         self.key_check = KeyCheck.UNKNOWN
+        self.counters, self.counters_at, self.decode_tokens_per_s = None, 0.0, None
+
+    def on_counters(self, counters: EngineCounters | None, now: float) -> None:
+        if counters is None:
+            self.decode_tokens_per_s = None
+            return
+        previous, previous_at = self.counters, self.counters_at
+        if previous is not None and now > previous_at and counters.tokens_predicted >= previous.tokens_predicted:
+            self.decode_tokens_per_s = (counters.tokens_predicted - previous.tokens_predicted) / (now - previous_at)
+        self.counters, self.counters_at = counters, now
 
 
 class Reconciler:
@@ -154,11 +170,20 @@ class Reconciler:
         if self.frontdoor is not None:
             self.frontdoor.observe()
         probes = {
-            name: self._pool.submit(probe, cfg.server.host, rt.instance.port, cfg.monitor.probe_timeout_s)
+            name: self._pool.submit(probe, cfg.server.host, rt.instance.port, cfg.monitor.probe_timeout_s,
+                                    traits(cfg).liveness_path)
             for name, rt in self.runtimes.items() if observed[name].pid
+        }
+        metrics_path = traits(cfg).metrics_path
+        counters = {
+            name: self._pool.submit(read_engine_metrics, cfg.server.host, rt.instance.port, metrics_path, self.api_key,
+                                    cfg.monitor.probe_timeout_s)
+            for name, rt in self.runtimes.items() if observed[name].pid and metrics_path is not None
         }
         for name, runtime in self.runtimes.items():
             try:
+                if name in counters:
+                    runtime.on_counters(counters[name].result(), now)
                 self._monitor_one(runtime, observed[name], probes.get(name), now)
             except Exception:  # one instance's trouble never stops the others' monitoring
                 log.exception("%s: monitoring failed", name)

@@ -14,6 +14,7 @@ import re
 
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
+from numad_infer.engines import KEY_CREDENTIAL, server_argv, traits
 from numad_infer.planner import Instance, Plan
 
 MARKER = "# Managed by numa-infer: rewritten by `numa-infer render` and the daemon; do not edit."
@@ -45,39 +46,6 @@ def quote_arg(arg: str, command_line: bool = True) -> str:
     if command_line:
         inner = inner.replace("$", "$$")
     return f'"{inner}"'
-
-
-# llama_cpp.server reads its settings from the environment too (pydantic-settings): the
-# key reaches it as API_KEY, never in argv. Under systemd the key is a credential
-# (LoadCredential=, readable only by the service), copied into the environment here.
-KEY_CREDENTIAL = "api-key"
-_FROM_CREDENTIAL = ("import os, runpy; "
-                    "os.environ['API_KEY'] = open(os.path.join(os.environ['CREDENTIALS_DIRECTORY'], "
-                    f"'{KEY_CREDENTIAL}')).read().strip(); "
-                    "runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)")
-
-
-def server_argv(config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
-    """The llama-cpp-python server command line of one instance (also used by the process backend)."""
-    threads = str(instance.threads)
-    start = ["-c", _FROM_CREDENTIAL] if key_from_credential and config.server.api_key_file else ["-m", "llama_cpp.server"]
-    return [
-        config.server.python, *start,
-        "--model", config.model.path,
-        "--host", config.server.host,
-        "--port", str(instance.port),
-        "--n_ctx", str(config.model.context_size),
-        "--n_threads", threads,
-        "--n_threads_batch", threads,
-        # With mmap every instance would share one page cache of the file, on whichever
-        # node read it first: each instance must own a copy of the weights on its node.
-        "--use_mmap", "false",
-        "--use_mlock", "true" if config.model.mlock else "false",
-        # The default (true) ends a running stream whenever another request arrives:
-        # concurrent clients, or a probe, would cut answers short.
-        "--interrupt_requests", "false",
-        *config.server.extra_args,
-    ]
 
 
 def omp_places(instance: Instance) -> str:
@@ -159,6 +127,10 @@ def render_template(config: Config) -> str:
         lines.append("LimitMEMLOCK=infinity")
     if config.server.api_key_file:
         lines.append(f"LoadCredential={KEY_CREDENTIAL}:{escape_value(config.server.api_key_file)}")
+        key_file_env = traits(config).key_file_env
+        if key_file_env is not None:
+            # %d: the service's credentials directory (a specifier, so not escaped).
+            lines.append(f"Environment={key_file_env}=%d/{KEY_CREDENTIAL}")
     return "\n".join(lines) + "\n"
 
 

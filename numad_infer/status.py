@@ -94,6 +94,10 @@ class InstanceStatus:
     in_flight: int | None = None
     queued: int | None = None
     served: int | None = None
+    # From the engine's own counters (llama-server; None for llama-cpp-python).
+    slots: int | None = None  # requests it works on at once (server.parallel)
+    busy_slots: int | None = None
+    decode_tokens_per_s: float | None = None  # generated tokens per second over the last pass
 
 
 @dataclass(frozen=True)

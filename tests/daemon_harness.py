@@ -67,6 +67,33 @@ def server_python() -> str:
     return str(bridge / "bin" / "python")
 
 
+_llama_server: Path | None = None
+
+
+def llama_server_binary() -> Path:
+    """llama.cpp's llama-server, built from the pinned sdist's vendored tree (cached by
+    scripts/build-llama-server), copied where the servers' user can run it."""
+    global _llama_server
+    if _llama_server is None:
+        built = subprocess.run([str(ROOT / "scripts/build-llama-server")], check=True, capture_output=True, text=True,
+                               cwd=ROOT).stdout.strip().splitlines()[-1]
+        _llama_server = shared_dir() / "llama-server"
+        import shutil
+        shutil.copy(built, _llama_server)
+        _llama_server.chmod(0o755)
+    return _llama_server
+
+
+ENGINES = ("llama-cpp-python", "llama-server")
+
+
+def engine_keys(engine: str) -> str:
+    """The [server] keys that choose an engine, for a test config."""
+    if engine == "llama-server":
+        return f'engine = "llama-server"\nllama_server = "{llama_server_binary()}"\n'
+    return f'python = "{server_python()}"\n'
+
+
 _models: dict[str, Path] = {}
 
 
@@ -128,7 +155,8 @@ class NotifyListener:
 class DaemonRun:
     def __init__(self, tmp: Path, model: Path, placement: str = "", monitor: str = "", env: dict[str, str] | None = None,
                  machine: fakesys.FakeMachine | None = None, extra_config: str = "", interval_s: float = 0.5,
-                 backoff_s: float = 0.2, frontend: str | None = None, context_size: int = 256) -> None:
+                 backoff_s: float = 0.2, frontend: str | None = None, context_size: int = 256,
+                 engine: str = "llama-cpp-python") -> None:
         self.tmp = tmp
         self.model = model
         self.fsroot = fakesys.write_tree(tmp / "fs", machine or two_single_cpu_nodes())
@@ -138,6 +166,7 @@ class DaemonRun:
         self.extra_config = extra_config
         self.context_size = context_size
         self.server_extra = ""  # more [server] keys
+        self.engine = engine
         # The front door on a port of its own per run (tests may run while another daemon does).
         self.frontend_port = self.base_port + 500
         # `frontend`: the [frontend] keys; "{port}" stands for that port.
@@ -158,7 +187,7 @@ class DaemonRun:
         self.config.write_text(
             f'[model]\npath = "{self.model}"\ncontext_size = {self.context_size}\n'
             f"[placement]\n{placement}\n"
-            f'[server]\nbase_port = {self.base_port}\npython = "{server_python()}"\n{self.server_extra}\n'
+            f'[server]\nbase_port = {self.base_port}\n{engine_keys(self.engine)}{self.server_extra}\n'
             f"[monitor]\ninterval_s = {self.interval_s}\nprobe_timeout_s = 1.0\nstartup_grace_s = 60\nunhealthy_after = 2\n"
             f"restart_backoff_s = {self.backoff_s}\nnuma_maps_interval_s = 1\n{monitor}\n"
             f"[frontend]\n{self.frontend}\n{extra or self.extra_config}"

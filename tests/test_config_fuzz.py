@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from numad_infer import cli
 from numad_infer.config import ConfigError, parse_config
 from numad_infer.planner import make_plan
-from numad_infer.render import render_units, server_argv
+from numad_infer.engines import server_argv
+from numad_infer.render import render_units
 from numad_infer.sysfs import read_topology
 from tests import fakesys
 from tests.test_render import directives, systemd_split, systemd_verify

@@ -1,4 +1,4 @@
-"""The daemon on this host: process backend, real llama-cpp-python servers on a tiny model.
+"""The daemon on this host: process backend, real servers of both engines on a tiny model.
 
 The topology is a fake 2-node sysfs (tests/daemon_harness.py) because these CI hosts
 have one node and two CPUs; processes, pinning, probes, signals and the notify socket
@@ -7,6 +7,7 @@ are all real.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.daemon_harness import daemons, generated_model
+from tests.daemon_harness import ENGINES, daemons, generated_model
 
 
 @pytest.fixture(scope="session")
@@ -27,10 +28,11 @@ def tiny_model() -> Path:
     return generated_model("tiny")
 
 
-@pytest.fixture
-def daemon(tmp_path: Path, tiny_model: Path):
+@pytest.fixture(params=ENGINES)
+def daemon(request: pytest.FixtureRequest, tmp_path: Path, tiny_model: Path):
+    """Every test here runs once per engine: the supervision must not care which."""
     with daemons(tmp_path, tiny_model) as start:
-        yield start
+        yield functools.partial(start, engine=request.param)
 
 
 def allowed_cpus(pid: int) -> list[set[int]]:

@@ -230,7 +230,7 @@ class FakeProc:
 @pytest.fixture
 def probes_answer(monkeypatch: pytest.MonkeyPatch) -> None:
     # No server listens in these tests: every instance answers its probe.
-    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout: ProbeResult(True, 0.001))
+    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout, path: ProbeResult(True, 0.001))
 
 
 def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart(probes_answer) -> None:
@@ -355,7 +355,7 @@ def test_a_process_the_service_manager_replaced_counts_as_a_crash_and_is_not_res
 def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_crash(monkeypatch) -> None:
     # systemctl restart --no-block: the old PID stays a while, then goes, then the new one comes.
     answer = [True]
-    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout: ProbeResult(answer[0], 0.0, "refused"))
+    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout, path: ProbeResult(answer[0], 0.0, "refused"))
     backend = RecordingBackend()
     later: dict[str, int] = {}
     backend.restart = lambda instance: (backend.calls.append(("restart", instance.name)),

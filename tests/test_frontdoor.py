@@ -9,6 +9,7 @@ Every load loop is bounded in count and in time.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_harness import generated_model, ROOT, DaemonRun, daemons
+from tests.daemon_harness import ENGINES, generated_model, ROOT, DaemonRun, daemons
 
 REQUEST_TIMEOUT_S = 120.0
 
@@ -33,10 +34,11 @@ def slow_model() -> Path:
     return generated_model("medium")
 
 
-@pytest.fixture
-def daemon(tmp_path: Path, slow_model: Path):
+@pytest.fixture(params=ENGINES)
+def daemon(request: pytest.FixtureRequest, tmp_path: Path, slow_model: Path):
+    """Every test here runs once per engine (llama-server with one slot unless a test asks)."""
     with daemons(tmp_path, slow_model) as start:
-        yield start
+        yield functools.partial(start, engine=request.param)
 
 
 @dataclass

@@ -52,7 +52,7 @@ def main() -> int:
     if os.environ.get("NUMA_INFER_SKIP_VM") == "1":
         print("SKIP vm suite: NUMA_INFER_SKIP_VM=1 is set")
         return 0
-    groups = args.group or ["2x2", "2x2smt", "4x1", "deb"]
+    groups = args.group or ["2x2", "2x2smt", "4x1", "engine", "deb"]
 
     t0 = time.monotonic()
     python = ROOT / ".venv/bin/python"
@@ -83,6 +83,11 @@ def main() -> int:
             (shutil.copytree if src.is_dir() else shutil.copy)(src, share / item)
         if group == "deb":
             build_debs(share / "debs")
+        if group == "engine":
+            # llama.cpp's llama-server, built from the pinned sdist (cached), through the share.
+            built = subprocess.run([str(ROOT / "scripts/build-llama-server")], check=True, stdout=subprocess.PIPE,
+                                   text=True).stdout.strip().splitlines()[-1]
+            shutil.copy(built, share / "llama-server")
         if group in ("bench", "filter-cost"):
             subprocess.run([str(python), str(ROOT / "tools/make_model.py"), str(share / "bench.gguf"), "--size", "small"],
                            check=True, stdout=subprocess.DEVNULL)

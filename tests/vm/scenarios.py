@@ -37,11 +37,18 @@ def sh(*args: str, check: bool = True, timeout: float = 120) -> str:
     return proc.stdout
 
 
+LLAMA_SERVER = "/usr/local/bin/llama-server"  # the "engine" group installs it from the share
+ENGINE = "llama-cpp-python"  # the "engine" group switches to "llama-server"
+ENGINE_KEYS = {"llama-cpp-python": 'python = "/opt/llm/bin/python"\n',
+               "llama-server": f'engine = "llama-server"\nllama_server = "{LLAMA_SERVER}"\nparallel = 2\n'}
+SERVER_PROCESS = {"llama-cpp-python": "llama_cpp.server", "llama-server": "llama-server"}
+
+
 def write_config(placement: str = "", server_extra: str = "", frontend: str = "") -> None:
     CONFIG.write_text(
         f'[model]\npath = "{MODEL}"\ncontext_size = 256\n'
         f"[placement]\n{placement}\n"
-        f'[server]\npython = "/opt/llm/bin/python"\n{server_extra}\n'
+        f'[server]\n{ENGINE_KEYS[ENGINE]}{server_extra}\n'
         # TCG runs ~15x slower than the host: generous timeouts, short interval.
         "[monitor]\ninterval_s = 2.0\nprobe_timeout_s = 5.0\nstartup_grace_s = 240\nunhealthy_after = 2\n"
         "restart_backoff_s = 1.0\nmax_restarts = 10\n"
@@ -453,7 +460,7 @@ def s8b_daemon_restart() -> str:
 def s9_stop() -> str:
     sh("systemctl", "stop", "numa-infer", timeout=300)
     active = sh("systemctl", "list-units", "--plain", "--no-legend", "--state=active", "infer@*", check=False).strip()
-    servers = sh("pgrep", "-af", "llama_cpp.server", check=False).strip()
+    servers = sh("pgrep", "-af", SERVER_PROCESS[ENGINE], check=False).strip()
     front = sh("systemctl", "is-active", "numa-infer-frontdoor", check=False).strip()
     if active or servers or front == "active":
         raise Fail(f"left running: units {active!r}, processes {servers!r}, front door {front}")
@@ -575,6 +582,58 @@ def d4_purge() -> str:
     return "nothing running, package files gone, the operator's model kept"
 
 
+# -- the second engine: llama.cpp's llama-server, 2 slots per instance ------------------------------
+
+@scenario("e1-llama-server")
+def e1_llama_server() -> str:
+    """engine = "llama-server" under systemd: healthy, pinned, weights local, both slots used."""
+    global ENGINE
+    ENGINE = "llama-server"
+    sh("install", "-D", "-m", "0755", str(SHARE / "llama-server"), LLAMA_SERVER)
+    write_config()
+    sh(NI, "check", timeout=120)
+    t0 = time.monotonic()
+    sh("systemctl", "start", "numa-infer", timeout=300)
+    state = all_healthy(2)
+    took = time.monotonic() - t0
+    notes = []
+    for name, node in (("infer@0", 0), ("infer@1", 1)):
+        pid = main_pid(name)
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if cmdline[0].decode() != LLAMA_SERVER or b"--parallel" not in cmdline:
+            raise Fail(f"{name} runs {cmdline[:3]}, not {LLAMA_SERVER} with --parallel")
+        if Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[0] == "0":
+            raise Fail(f"{name} runs as root")
+        cpus = node_cpus(node)
+        bad = {t: m for t, m in thread_masks(pid).items() if not m <= cpus}
+        if bad:
+            raise Fail(f"{name} threads outside node {node} CPUs {sorted(cpus)}: {bad}")
+        anon_local, _, anon = wait(lambda: (l := locality(pid, node))[2] > 0 and l, 30, "anon memory")
+        # Not mmap: the weights are anonymous memory, so nearly all of the model is counted here.
+        if anon_local < 0.95 or anon < Path(MODEL).stat().st_size // 2:
+            raise Fail(f"{name}: {anon_local:.1%} of {anon >> 20} MiB anonymous memory on node {node} "
+                       f"(model {Path(MODEL).stat().st_size >> 20} MiB)")
+        complete(inst(state, name)["port"])
+        notes.append(f"{name} anon {anon_local:.1%} local ({anon >> 20} MiB)")
+    # Two requests at once on one instance's two slots, through the front door.
+    import threading
+    answers: list[str] = []
+    clients = [threading.Thread(target=lambda: answers.append(complete(FRONT_PORT, timeout=240))) for _ in range(4)]
+    for c in clients:
+        c.start()
+    for c in clients:
+        c.join()
+    if len(answers) != 4:
+        raise Fail(f"{4 - len(answers)} of 4 concurrent requests through the front door failed")
+    shown = wait(lambda: (s := status()) and all(i["slots"] == 2 and i["decode_tokens_per_s"] is not None
+                                                 for i in s["instances"]) and s, 30, "slots and tokens/s in status")
+    text = subprocess.run([NI, "status"], capture_output=True, text=True).stdout
+    if "SLOTS" not in text or "TOK/S" not in text:
+        raise Fail(f"numa-infer status lacks the engine's columns:\n{text}")
+    rates = [i["decode_tokens_per_s"] for i in shown["instances"]]
+    return f"all healthy {took:.1f}s after start; " + "; ".join(notes) + f"; 4 concurrent requests served; status tokens/s {rates}"
+
+
 # -- benchmark (not part of CI): aggregate decode rate on the 2-node guest ------------------------------
 
 def aggregate_rate(ports: list[int], rounds: int, tokens: int) -> float:
@@ -657,6 +716,7 @@ GROUPS = {
             s9_stop],
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
+    "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, s9_stop],
     "bench": [b1_aggregate],
     "filter-cost": [b2_filter_cost],
     # Not in CI: repeats the daemon replacements that must keep instances (a flake hunt).
@@ -665,7 +725,7 @@ GROUPS = {
 }
 
 # The emulated machine each group boots (tests/vm/image.sh run SHARE TOPO).
-TOPOLOGY = {"filter-cost": "2x2", "2x2": "2x2", "2x2smt": "2x2smt", "4x1": "4x1", "deb": "2x2", "bench": "2x2", "restarts": "2x2"}
+TOPOLOGY = {"engine": "2x2", "filter-cost": "2x2", "2x2": "2x2", "2x2smt": "2x2smt", "4x1": "4x1", "deb": "2x2", "bench": "2x2", "restarts": "2x2"}
 
 if __name__ == "__main__":
     for run in GROUPS[sys.argv[1]]:
