@@ -90,6 +90,8 @@ class Reconciler:
         self.specs: dict[str, str] = {}
         self.runtimes: dict[str, Runtime] = {}
         self.rolling: list[str] = []  # definition changed, restart still to come (one at a time)
+        self.rolled: list[str] = []  # restarted by the current rollout: must be healthy before the next
+        self._rollout_stopped = False  # said so in the journal once
         self.api_key: str | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
 
@@ -137,17 +139,34 @@ class Reconciler:
                 elif runtime.supervision.state in (State.STOPPED, State.FAILED):
                     runtime.supervision.on_started(now)
         self.rolling = [name for name in self.rolling if name in self.runtimes]
+        if diff.changed:  # a new rollout; one still under way continues with the new definition
+            self.rolled, self._rollout_stopped = [], False
         self._roll(now)
         return diff
 
     def _roll(self, now: float) -> None:
         """Restart instances whose definition changed: behind a front door one at a time, so
-        the others keep serving; without one, all at once (nothing routes around them)."""
+        the others keep serving; without one, all at once (nothing routes around them).
+
+        The next one goes only once every instance restarted so far is healthy on the new
+        definition: one that does not come up (a bad extra_args, a model the engine cannot
+        load) stops the rollout there, with the others still serving on the old one.
+        """
         while self.rolling:
-            if self.frontdoor is not None and self.frontdoor.listen and any(
-                    rt.supervision.state in IN_TRANSITION for rt in self.runtimes.values()):
-                return
+            if self.frontdoor is not None and self.frontdoor.listen:
+                if any(rt.supervision.state in IN_TRANSITION for rt in self.runtimes.values()):
+                    return
+                stuck = [n for n in self.rolled if n in self.runtimes
+                         and self.runtimes[n].supervision.state != State.HEALTHY]
+                if stuck:
+                    if not self._rollout_stopped:
+                        log.error("rolling restart stopped: %s not healthy on the new definition; %s keep the old one "
+                                  "until it is (or until a reload fixes the configuration)", ", ".join(stuck),
+                                  ", ".join(self.rolling))
+                        self._rollout_stopped = True
+                    return
             name = self.rolling.pop(0)
+            self.rolled.append(name)
             log.info("%s: definition changed: restarting", name)
             self._restart(self.runtimes[name], now, "definition changed", counted=False)
 

@@ -212,7 +212,10 @@ class DaemonRun:
         raise AssertionError(f"timed out waiting for {what}; last state: {json.dumps(state, indent=1)}\n{self.logs()}")
 
     def all_healthy(self, count: int, timeout: float = 90) -> dict[str, Any]:
-        return self.wait(lambda s: len(s["instances"]) == count and all(i["state"] == "healthy" for i in s["instances"]),
+        """`count` healthy instances, and the front door up when there is one (llama-server
+        loads the tiny model before haproxy has started)."""
+        return self.wait(lambda s: len(s["instances"]) == count and all(i["state"] == "healthy" for i in s["instances"])
+                         and (s.get("frontdoor") is None or s["frontdoor"]["up"]),
                          timeout, f"{count} healthy instances")
 
     def instance(self, state: dict[str, Any], name: str) -> dict[str, Any]:

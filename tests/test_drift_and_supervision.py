@@ -380,3 +380,32 @@ def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_cr
     backend.running["infer@0"] = later["infer@0"]
     rec.monitor(4.0)
     assert lifecycle(rec) == (State.STARTING, 1) and rec.runtimes["infer@0"].pid == 555
+
+
+def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definition(monkeypatch, caplog) -> None:
+    # A bad extra_args: the first instance restarted on it never answers. The others must
+    # keep serving on the old definition, not follow it down.
+    backend, front = RecordingBackend(), FakeFrontdoor()
+    rec = Reconciler(backend, FakeProc(), frontdoor=front)
+    broken: set[int] = set()
+    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout, path: ProbeResult(port not in broken, 0.0, "refused"))
+    backend.specs = lambda config, plan: {i.name: repr(i) + repr(config.server.extra_args) for i in plan.instances}
+    base = "[monitor]\nstartup_grace_s = 0\nunhealthy_after = 1\nrestart_backoff_s = 1\n"
+    rec.apply(cfg(base), make_plan(cfg(base), three_nodes()), 0.0)
+    rec.monitor(0.5)
+    backend.calls.clear()
+    new = cfg(base + '[server]\nextra_args = ["--bogus"]')
+    broken.add(8080)  # infer@0, once restarted on the new definition, never answers
+    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    for t in range(2, 30):
+        rec.monitor(float(t))
+    restarted = {name for call, name in backend.calls if call == "restart"}
+    assert restarted == {"infer@0"}, backend.calls
+    assert "rolling restart stopped: infer@0 not healthy on the new definition" in caplog.text
+    assert rec.runtimes["infer@1"].supervision.state == State.HEALTHY
+    broken.clear()  # a reload that fixes it: the rollout goes on
+    fixed = cfg(base + '[server]\nextra_args = ["--good"]')
+    rec.apply(fixed, make_plan(fixed, three_nodes()), 40.0)
+    for t in range(41, 50):
+        rec.monitor(float(t))
+    assert {name for call, name in backend.calls if call == "restart"} == {"infer@0", "infer@1", "infer@2"}

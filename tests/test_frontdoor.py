@@ -202,7 +202,8 @@ def test_a_reload_that_changes_the_instances_fails_no_request(daemon) -> None:
     load = Load(run.frontend_port, clients=4, per_client=8, max_tokens=12).start()
     time.sleep(1.5)
     # Changes every instance's command line: they restart one at a time, each drained first.
-    run.server_extra = 'extra_args = ["--n_batch", "64"]'
+    run.server_extra = ('extra_args = ["--batch-size", "64"]' if run.engine == "llama-server"
+                        else 'extra_args = ["--n_batch", "64"]')
     run.write_config()
     reload = subprocess.Popen([sys.executable, "-m", "numad_infer", "--config", str(run.config), "--state-file",
                                str(run.state_file), "--fsroot", str(run.fsroot), "reload"], cwd=ROOT,
