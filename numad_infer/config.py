@@ -87,11 +87,17 @@ class _Section(BaseModel):
 
 
 class ModelSection(_Section):
-    path: SafeStr = Field(description="GGUF model file every instance loads")
-    context_size: int = Field(4096, ge=64, le=1_048_576, description="context window (tokens) per instance")
+    path: SafeStr = Field(
+        description="GGUF model every instance loads; must be a readable regular file, also for the instances' user",
+        json_schema_extra={"kind": "absolute path"},
+    )
+    context_size: int = Field(
+        4096, ge=64, le=1_048_576,
+        description="context window (tokens) per instance; with llama-server, per slot",
+    )
     mlock: bool = Field(
         False,
-        description="lock the weights in RAM (mlock); needs LimitMEMLOCK=infinity, which the units then set",
+        description="lock the weights in RAM; the units then get `LimitMEMLOCK=infinity`",
     )
 
     @field_validator("path")
@@ -103,11 +109,40 @@ class ModelSection(_Section):
 
 
 class PlacementSection(_Section):
-    mode: Literal["per-node", "interleave"] = "per-node"
-    nodes: NodeSelection = "all"
-    smt: bool = False
-    reserve_cpus: SafeStr = ""
-    instances_per_node: int = Field(1, ge=1, le=256)
+    mode: Literal["per-node", "interleave"] = Field(
+        "per-node",
+        description=(
+            "one instance per node, or one over all selected nodes with `NUMAPolicy=interleave` (models "
+            "bigger than a node)"
+        ),
+    )
+    nodes: NodeSelection = Field(
+        "all",
+        description=(
+            "nodes to use; CPU-less nodes never host an instance (listing one is an error in per-node mode; "
+            "in interleave mode its memory is used)"
+        ),
+        json_schema_extra={"kind": "`\"all\"` or list of node ids"},
+    )
+    smt: bool = Field(
+        False,
+        description="false: one thread per physical core (lowest sibling); true: every logical CPU",
+    )
+    reserve_cpus: SafeStr = Field(
+        "",
+        description=(
+            "CPUs kept for the OS and the daemon, e.g. `\"0\"`, `\"0,64\"`; reserving a CPU reserves its whole "
+            "core"
+        ),
+        json_schema_extra={"kind": "CPU list"},
+    )
+    instances_per_node: int = Field(
+        1, ge=1, le=256,
+        description=(
+            "split each node's cores into this many instances (along shared-L3 boundaries when they divide "
+            "evenly); names become `infer@<node>.<k>`"
+        ),
+    )
 
     @field_validator("reserve_cpus")
     @classmethod
@@ -136,20 +171,81 @@ ENGINE_KEYS = {"python": Engine.LLAMA_CPP_PYTHON, "llama_server": Engine.LLAMA_S
 
 class ServerSection(_Section):
     # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
-    engine: Engine = Field(Engine.LLAMA_CPP_PYTHON, strict=False)
+    engine: Engine = Field(
+        Engine.LLAMA_CPP_PYTHON, strict=False,
+        description=(
+            "the inference server every instance runs: llama-cpp-python's (`python -m llama_cpp.server`, one "
+            "request at a time) or llama.cpp's native `llama-server` (`parallel` slots with continuous "
+            "batching: more tokens/s under concurrency, see `bench/README.md`); keys of the other engine are "
+            "refused"
+        ),
+    )
     # llama-server: its binary, and how many requests one instance serves at once (each
     # slot has its own context_size, so the instance's context is context_size x parallel).
-    llama_server: SafeStr = "/usr/bin/llama-server"
-    parallel: int = Field(1, ge=1, le=64, description="slots per instance (llama-server)")
-    host: SafeStr = "127.0.0.1"
-    base_port: int = Field(8080, ge=1, le=65535)
-    python: SafeStr = "/usr/bin/python3"
-    extra_args: list[SafeStr] = Field(default_factory=list)
+    llama_server: SafeStr = Field(
+        "/usr/bin/llama-server",
+        description=(
+            "llama-server only: the binary (`scripts/build-llama-server` builds it from the pinned sdist's "
+            "vendored llama.cpp; Debian's `llama.cpp` package ships one where the release has it); `check` "
+            "refuses one that is missing, not executable or not llama-server"
+        ),
+        json_schema_extra={"kind": "absolute path"},
+    )
+    parallel: int = Field(
+        1, ge=1, le=64,
+        description=(
+            "llama-server only: requests one instance works on at once (its slots); each slot gets "
+            "`model.context_size` tokens, so the instance's context is `context_size x parallel`; the front "
+            "door sends each instance at most this many requests at once"
+        ),
+    )
+    host: SafeStr = Field(
+        "127.0.0.1",
+        description="listen address of every instance",
+        json_schema_extra={"kind": "IP address"},
+    )
+    base_port: int = Field(
+        8080, ge=1, le=65535,
+        description="the k-th instance of the plan listens on `base_port + k`",
+    )
+    python: SafeStr = Field(
+        "/usr/bin/python3",
+        description=(
+            "llama-cpp-python only: the interpreter that has llama-cpp-python (no `$ \" ' \\` : systemd refuses"
+            " them in an executable path)"
+        ),
+        json_schema_extra={"kind": "absolute path"},
+    )
+    extra_args: list[SafeStr] = Field(
+        default_factory=list,
+        description=(
+            "more server arguments (of the chosen engine), each passed as one argument (not an API key: argv "
+            "is world-readable)"
+        ),
+    )
     # A root-only file holding the API key the instances require (Authorization: Bearer).
-    api_key_file: SafeStr = ""
+    api_key_file: SafeStr = Field(
+        "",
+        description=(
+            "a root-only file (mode 600) holding the API key every instance requires (`Authorization: Bearer "
+            "KEY`, also through the front door); it reaches the servers as a systemd credential (process "
+            "backend: their environment), never argv or a unit file; an instance that refuses the key is "
+            "reported as such, not restarted; `\"\"`: no key"
+        ),
+        json_schema_extra={"kind": "absolute path or `\"\"`"},
+    )
     # Process backend, daemon run as root: the user the servers are dropped to (systemd
     # units always get a DynamicUser instead). "root" keeps them root, with a warning.
-    user: SafeStr = "nobody"
+    user: SafeStr = Field(
+        "nobody",
+        description=(
+            "process backend only, daemon run as root: the user the servers run as (switched between fork and"
+            " exec, with that user's own groups only); the model and `server.python` must be readable by it, "
+            "and `check` says so when not; `\"root\"` keeps them root, with a warning. Under systemd the "
+            "instances always get a `DynamicUser`"
+        ),
+        json_schema_extra={"kind": "user name"},
+    )
 
     @field_validator("user")
     @classmethod
@@ -210,8 +306,19 @@ _FOREIGN_TEMPLATES = frozenset({
 
 
 class SystemdSection(_Section):
-    unit_dir: SafeStr = "/run/systemd/system"
-    template: SafeStr = "infer"
+    unit_dir: SafeStr = Field(
+        "/run/systemd/system",
+        description="where units are rendered; as root it must be owned by root and not writable by others",
+        json_schema_extra={"kind": "absolute path"},
+    )
+    template: SafeStr = Field(
+        "infer",
+        description=(
+            "units are `<template>@<instance>.service`; names of units systemd or common packages ship are "
+            "refused"
+        ),
+        json_schema_extra={"kind": "unit-name prefix"},
+    )
 
     @field_validator("unit_dir")
     @classmethod
@@ -234,16 +341,58 @@ class SystemdSection(_Section):
 
 
 class MonitorSection(_Section):
-    interval_s: float = Field(5.0, gt=0, le=3600)
-    probe_timeout_s: float = Field(2.0, gt=0, le=600)
-    startup_grace_s: float = Field(300.0, ge=0, le=86400)
-    unhealthy_after: int = Field(3, ge=1, le=1000)
-    max_restarts: int = Field(5, ge=1, le=1000)
-    restart_window_s: float = Field(900.0, gt=0)
-    restart_backoff_s: float = Field(5.0, ge=0, le=3600)
-    min_local_fraction: float = Field(0.9, ge=0, le=1)
-    numa_maps_interval_s: float = Field(300.0, gt=0)
-    repair: bool = True
+    interval_s: float = Field(
+        5.0, gt=0, le=3600,
+        description="seconds between monitoring passes",
+    )
+    probe_timeout_s: float = Field(
+        2.0, gt=0, le=600,
+        description=(
+            "timeout of the health probe (a route that never waits on the model, so a busy server answers at "
+            "once: `GET /docs` for llama-cpp-python, `GET /health` for llama-server)"
+        ),
+    )
+    startup_grace_s: float = Field(
+        300.0, ge=0, le=86400,
+        description="model loading time during which failed probes do not count",
+    )
+    unhealthy_after: int = Field(
+        3, ge=1, le=1000,
+        description="consecutive failed probes before a restart",
+    )
+    max_restarts: int = Field(
+        5, ge=1, le=1000,
+        description=(
+            "restarts within `restart_window_s` before the instance is marked failed (left alone until a "
+            "reload)"
+        ),
+    )
+    restart_window_s: float = Field(
+        900.0, gt=0,
+        description="window for `max_restarts`",
+    )
+    restart_backoff_s: float = Field(
+        5.0, ge=0, le=3600,
+        description=(
+            "the first restart in the window is immediate; each later one waits this long, doubled each time "
+            "(state `backoff`)"
+        ),
+    )
+    min_local_fraction: float = Field(
+        0.9, ge=0, le=1,
+        description="anonymous memory on the instance's `mems` below this is memory drift",
+    )
+    numa_maps_interval_s: float = Field(
+        300.0, gt=0,
+        description=(
+            "without cgroup v2 `memory.numa_stat`, how often `/proc/PID/numa_maps` (which walks all page "
+            "tables) may be read"
+        ),
+    )
+    repair: bool = Field(
+        True,
+        description="false: report drift, never re-pin or migrate",
+    )
 
 
 def executable_path(value: str, example: str) -> str:
@@ -279,7 +428,16 @@ def parse_listen(value: str, example: str = "127.0.0.1:9464") -> tuple[str, int]
 
 class MetricsSection(_Section):
     # Off by default; an address other than loopback only when the operator writes one.
-    listen: SafeStr = ""
+    listen: SafeStr = Field(
+        "",
+        description=(
+            "Prometheus endpoint `/metrics`: per-instance health, state, restarts, probe latency, local "
+            "memory fraction, threads, requests in flight and queued, llama-server's decode tokens/s, busy "
+            "slots and slots, drift events and repairs by kind, the pass duration, the front door's state and"
+            " queue; `\"\"`: off; loopback unless you write another address"
+        ),
+        json_schema_extra={"kind": "`\"ADDRESS:PORT\"` or `\"\"`"},
+    )
 
     @field_validator("listen")
     @classmethod
@@ -304,17 +462,59 @@ class FrontendSection(_Section):
     """The front door: one HAProxy endpoint over every instance (see numad_infer.frontdoor)."""
 
     # "" turns the front door off: clients then talk to the instances' own ports.
-    listen: SafeStr = "127.0.0.1:8000"
-    haproxy: SafeStr = "/usr/sbin/haproxy"
-    queue_size: int = Field(64, ge=1, le=100_000, description="requests that may wait for a busy instance")
-    queue_timeout_s: float = Field(30.0, gt=0, le=3600, description="longest wait in the queue before a 503")
+    listen: SafeStr = Field(
+        "127.0.0.1:8000",
+        description=(
+            "the front door: one OpenAI endpoint (HAProxy) over every instance; `\"\"` turns it off (clients "
+            "then use the instances' ports)"
+        ),
+        json_schema_extra={"kind": "`\"ADDRESS:PORT\"` or `\"\"`"},
+    )
+    haproxy: SafeStr = Field(
+        "/usr/sbin/haproxy",
+        description="the HAProxy binary (2.6 or newer; Debian's `haproxy` package)",
+        json_schema_extra={"kind": "absolute path"},
+    )
+    queue_size: int = Field(
+        64, ge=1, le=100_000,
+        description=(
+            "requests that may wait for a free instance; one more gets `503` (JSON body, `Retry-After: 1`) at"
+            " once"
+        ),
+    )
+    queue_timeout_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="longest wait in that queue before a `503`",
+    )
     # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
-    affinity: Affinity = Field(Affinity.NONE, strict=False)
-    affinity_header: SafeStr = "X-Session-Id"
-    affinity_expire_s: float = Field(1800.0, gt=0, le=86400 * 7)
-    drain_timeout_s: float = Field(120.0, ge=0, le=3600,
-                                   description="how long a restart waits for an instance's requests to finish")
-    request_timeout_s: float = Field(600.0, gt=0, le=86400, description="longest silence from an instance mid-request")
+    affinity: Affinity = Field(
+        Affinity.NONE, strict=False,
+        description=(
+            "keep the turns of a conversation on the instance that holds its prompt prefix: by a request "
+            "header, or by the OpenAI `user` field of the JSON body; the first turn goes to the least busy "
+            "instance"
+        ),
+    )
+    affinity_header: SafeStr = Field(
+        "X-Session-Id",
+        description="the header `affinity = \"header\"` reads",
+        json_schema_extra={"kind": "header name"},
+    )
+    affinity_expire_s: float = Field(
+        1800.0, gt=0, le=86400 * 7,
+        description="a conversation idle this long may land elsewhere",
+    )
+    drain_timeout_s: float = Field(
+        120.0, ge=0, le=3600,
+        description=(
+            "before a restart the daemon makes, how long it waits for the instance's requests to finish (0: "
+            "no wait)"
+        ),
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, le=86400,
+        description="longest silence from a client or an instance in the middle of a request",
+    )
 
     @field_validator("listen")
     @classmethod

@@ -419,7 +419,9 @@ class Reconciler:
         log.warning("%s: memory drift: %s; %s", rt.instance.name, found, detail)
         self._repaired(rt, EventKind.MEMORY, detail)
         rt.migrated_from = verdict.remote_bytes
-        rt.memory_checked_at = 0.0  # measure the result at the next pass, even with numa_maps
+        # Measure the result at the next pass, even with numa_maps (whatever the clock reads:
+        # a monotonic clock is small on a host that booted minutes ago).
+        rt.memory_checked_at = float("-inf")
 
     # -- helpers ------------------------------------------------------------------------------------
     def _drift(self, rt: Runtime, kind: EventKind, detail: str) -> None:

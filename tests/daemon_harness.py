@@ -97,6 +97,31 @@ def engine_keys(engine: str) -> str:
 _models: dict[str, Path] = {}
 
 
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+_handed_out: set[int] = set()
+
+
+def free_port_block(count: int, also: tuple[int, ...] = ()) -> int:
+    """A base port such that base..base+count-1 and base+k for k in `also` are free now (and
+    not handed to another run of this session): instances take base_port + k."""
+    import random
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - max((count, *also)))
+        ports = [*range(base, base + count), *(base + k for k in also)]
+        if not _handed_out.intersection(ports) and all(_port_free(p) for p in ports):
+            _handed_out.update(ports)
+            return base
+    raise RuntimeError("no free block of ports on 127.0.0.1")
+
+
 def generated_model(size: str) -> Path:
     """tools/make_model.py's model of that size, once per session, readable by the servers."""
     if size not in _models:
@@ -162,7 +187,7 @@ class DaemonRun:
         self.fsroot = fakesys.write_tree(tmp / "fs", machine or two_single_cpu_nodes())
         self.state_file = tmp / "run" / "state.json"
         self.config = tmp / "numa-infer.toml"
-        self.base_port = 18000 + (os.getpid() * 7 + int(time.time() * 1000)) % 20000
+        self.base_port = free_port_block(8, also=(500,))
         self.extra_config = extra_config
         self.context_size = context_size
         self.server_extra = ""  # more [server] keys

@@ -409,3 +409,50 @@ def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definit
     for t in range(41, 50):
         rec.monitor(float(t))
     assert {name for call, name in backend.calls if call == "restart"} == {"infer@0", "infer@1", "infer@2"}
+
+
+def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(probes_answer, monkeypatch) -> None:
+    # A fake /proc/PID/numa_maps with most anonymous pages on the wrong node (this CI host
+    # has one node, where memory is always local), and migrate_pages recorded, not called.
+    from numad_infer import pinning
+
+    backend, proc = RecordingBackend(), FakeProc()
+    usage: dict[int, NodeUsage] = {}
+    proc.numa_maps = lambda pid: usage.get(pid, NodeUsage(anon={0: 200 << 20, 2: 800 << 20}, file={1: 50 << 20},
+                                                          source="numa_maps"))
+    moved: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+
+    def migrate(pid: int, from_nodes, to_nodes) -> int:
+        moved.append((pid, tuple(from_nodes), tuple(to_nodes)))
+        usage[pid] = NodeUsage(anon={0: 990 << 20, 2: 10 << 20}, file={1: 50 << 20}, source="numa_maps")
+        return 0
+
+    monkeypatch.setattr(pinning, "migrate_pages", migrate)
+    rec = Reconciler(backend, proc)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.monitor(1.0)
+    pid0 = backend.running["infer@0"]
+    # Every instance read 20 % local: each is moved back from node 2 (and 0) to its own node.
+    assert (pid0, (2,), (0,)) in moved
+    rt = rec.runtimes["infer@0"]
+    assert rt.last_drift.kind == "memory" and "20.0% of 1000 MiB" in rt.last_drift.detail
+    assert rt.repair_counts == {"memory": 1}
+    rec.monitor(2.0)  # the reading after the migration says what moved
+    assert rt.memory.local_fraction == 0.99
+    assert rt.last_repair.detail.startswith("migrate_pages moved 790.0 MiB back to node(s) 0; now 99.0% local")
+    assert [m for m in moved if m[0] == pid0] == [(pid0, (2,), (0,))]  # once: the page cache on node 1 stays
+    assert (backend.running["infer@1"], (0, 2), (1,)) in moved
+
+
+def test_interleaved_instances_are_never_migrated(probes_answer, monkeypatch) -> None:
+    from numad_infer import pinning
+
+    backend, proc = RecordingBackend(), FakeProc()
+    proc.numa_maps = lambda pid: NodeUsage(anon={0: 1 << 20, 1: 1 << 20, 2: 1 << 20}, source="numa_maps")
+    monkeypatch.setattr(pinning, "migrate_pages", lambda *a: pytest.fail("migrate_pages called"))
+    config = cfg('[placement]\nmode = "interleave"')
+    rec = Reconciler(backend, proc)
+    rec.apply(config, make_plan(config, three_nodes()), 0.0)
+    rec.monitor(1.0)
+    (rt,) = rec.runtimes.values()
+    assert rt.memory is not None and not rt.memory.drifted

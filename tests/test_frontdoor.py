@@ -143,6 +143,11 @@ def healthy_behind_frontdoor(run: DaemonRun, count: int = 2, timeout: float = 12
                     timeout, f"{count} healthy instances in rotation")
 
 
+def under_load(run: DaemonRun) -> None:
+    """Wait until both instances are working on requests from the front door."""
+    run.wait(lambda s: all((i.get("in_flight") or 0) > 0 for i in s["instances"]), 30, "requests in flight on both")
+
+
 def restarts(state: dict) -> int:
     return sum(i["restarts"] for i in state["instances"])
 
@@ -180,7 +185,7 @@ def test_kill_9_under_load_loses_no_request_that_had_no_byte_yet(daemon) -> None
     run = daemon()
     healthy_behind_frontdoor(run)
     load = Load(run.frontend_port, clients=6, per_client=6, max_tokens=12).start()
-    time.sleep(2.0)
+    under_load(run)
     victim = run.instance(run.state(), "infer@1")["pid"]
     os.kill(victim, signal.SIGKILL)
     outcomes = load.wait()
@@ -200,7 +205,7 @@ def test_a_reload_that_changes_the_instances_fails_no_request(daemon) -> None:
     state = healthy_behind_frontdoor(run)
     old = {i["name"]: i["pid"] for i in state["instances"]}
     load = Load(run.frontend_port, clients=4, per_client=8, max_tokens=12).start()
-    time.sleep(1.5)
+    under_load(run)
     # Changes every instance's command line: they restart one at a time, each drained first.
     run.server_extra = ('extra_args = ["--batch-size", "64"]' if run.engine == "llama-server"
                         else 'extra_args = ["--n_batch", "64"]')

@@ -1,0 +1,38 @@
+"""The configuration reference in README.md and numa-infer.toml(5) is generated from the
+schema: this fails when a key, a limit, a default or a description changed without
+`tools/config_reference.py` being run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from numad_infer import configref
+from numad_infer.config import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_key_reference_in_readme_and_man_page_is_what_the_schema_says() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/config_reference.py"), "--check"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_key_has_a_description_and_the_limits_are_shown() -> None:
+    docs = {d.key: d for d in configref.keys()}
+    assert set(docs) == {f"{s}.{k}" for s, f in Config.model_fields.items() for k in f.annotation.model_fields}
+    assert all(d.meaning for d in docs.values()), [k for k, d in docs.items() if not d.meaning]
+    assert docs["model.context_size"].kind == "int 64..1048576"
+    assert docs["monitor.interval_s"].kind == "float > 0, <= 3600"
+    assert docs["monitor.restart_window_s"].kind == "float > 0"
+    assert docs["placement.instances_per_node"].kind == "int 1..256"
+    assert docs["server.engine"].default == '"llama-cpp-python"' and docs["model.path"].default is None
+    assert docs["frontend.affinity"].kind == '`"none"` or `"header"` or `"user"`'
+
+
+def test_roff_escaping_keeps_code_and_backslashes() -> None:
+    assert configref._roff("no `$ \" ' \\` here") == "no \\fB$ \" ' \\e\\fR here"
+    assert configref._roff(".starts with a dot") == "\\&.starts with a dot"
+    assert configref._roff("`--api-key`") == "\\fB\\-\\-api\\-key\\fR"
