@@ -350,6 +350,47 @@ def cmd_reload(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Measure thread counts (and the memory bandwidth) on this machine with this model;
+    print the table and the choice; with --apply, write it into the file and reload."""
+    from numad_infer import tuner
+    from numad_infer.configedit import apply_edits
+    from numad_infer.tune import format_report
+
+    def progress(text: str) -> None:
+        if not args.json:
+            print(f"tune: {text}", file=sys.stderr, flush=True)
+
+    request = tuner.TuneRequest(args.config, args.fsroot, Path(args.state_file), args.nodes, args.quick, args.apply,
+                                args.stop_instances, args.samples, args.tokens)
+    try:
+        report, edits = tuner.run(request, progress)
+    except tuner.TuneError as exc:
+        print(f"numa-infer tune: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("numa-infer tune: interrupted; nothing was changed (held instances were released)", file=sys.stderr)
+        return 130
+    print(json.dumps(report.to_json(), indent=1) if args.json else format_report(report))
+    if not args.apply:
+        return 0
+    if not edits:
+        print(f"{args.config}: unchanged (the current settings are the fastest measured, or within the noise)")
+        return 0
+    from numad_infer.planner import make_plan
+    from numad_infer.sysfs import read_topology
+
+    topology = read_topology(args.fsroot)
+    backup = apply_edits(Path(args.config), edits, lambda cfg: make_plan(cfg, topology, source=args.config) and None)
+    print(f"{args.config}: " + ", ".join(f"{e.section}.{e.key} = {json.dumps(e.value)}" for e in edits)
+          + f" (previous file kept as {backup})")
+    status = read_status(Path(args.state_file))
+    if status is not None and status.daemon.state.live:
+        args.pid, args.timeout = None, 300.0
+        return cmd_reload(args)
+    return 0
+
+
 def _is_numa_infer_daemon(pid: int) -> bool:
     import psutil
 
@@ -397,6 +438,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", parents=[common], help="instances, health and drift (exit 0 healthy, 1 not, 3 daemon down)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("tune", parents=[common], help="measure threads and memory bandwidth with this model; pick the fastest")
+    p.add_argument("--nodes", type=lambda v: [int(n) for n in v.split(",")], default=None,
+                   help="nodes to measure, e.g. 0,1 (default: the first planned node; the grid runs on the first)")
+    p.add_argument("--quick", action="store_true", help="fewer candidates, samples and tokens")
+    p.add_argument("--json", action="store_true", help="print every figure as JSON")
+    p.add_argument("--apply", action="store_true", help="write the winner into the config file (a backup is kept) and reload")
+    p.add_argument("--stop-instances", action="store_true",
+                   help="without a front door: stop each node's instance while it is measured")
+    p.add_argument("--samples", type=int, default=None, help="repeats of every figure (default 5, --quick 3)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens generated per decode sample (default 64, --quick 16)")
+    p.set_defaults(func=cmd_tune)
     p = sub.add_parser("reload", parents=[common], help="make the daemon re-read its configuration and wait for the result")
     p.add_argument("--pid", type=int, help="daemon PID (default: from the state file)")
     p.add_argument("--timeout", type=float, default=300.0)

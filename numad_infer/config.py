@@ -80,6 +80,15 @@ def _node_selection(value: Any) -> Any:
 
 
 NodeSelection = Annotated[Literal["all"] | list[int], BeforeValidator(_node_selection)]
+# "auto" (threads = the instance's CPUs: today's rule) or a count, which the planner checks
+# against each instance's CPUs.
+def _thread_count(value: Any) -> Any:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 4096):
+        return value
+    raise ValueError('must be "auto" or a number of threads from 1 to 4096')
+
+
+ThreadCount = Annotated[Literal["auto"] | int, BeforeValidator(_thread_count)]
 
 
 class _Section(BaseModel):
@@ -142,6 +151,23 @@ class PlacementSection(_Section):
             "split each node's cores into this many instances (along shared-L3 boundaries when they divide "
             "evenly); names become `infer@<node>.<k>`"
         ),
+    )
+    threads: ThreadCount = Field(
+        "auto",
+        description=(
+            "threads per instance for generation (decoding): `\"auto\"` is one per CPU of the instance (one per "
+            "physical core unless `smt = true`); a number takes that many, the instance's first CPUs in order. "
+            "`numa-infer tune` measures which is fastest"
+        ),
+        json_schema_extra={"kind": '`"auto"` or int >= 1'},
+    )
+    threads_batch: ThreadCount = Field(
+        "auto",
+        description=(
+            "threads per instance for prompt processing (compute-bound, where SMT siblings may help): "
+            "`\"auto\"` is the same as `threads`"
+        ),
+        json_schema_extra={"kind": '`"auto"` or int >= 1'},
     )
 
     @field_validator("reserve_cpus")

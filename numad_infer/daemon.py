@@ -13,7 +13,7 @@ import signal
 import time
 from pathlib import Path
 
-from numad_infer import __version__, metrics
+from numad_infer import __version__, holds, metrics
 from numad_infer.backends import Backend
 from numad_infer.config import Config, Engine, load_config
 from numad_infer.cpuset import format_list
@@ -105,6 +105,7 @@ class Daemon:
         """Bring everything to the plan; False (reported like a refused reload) if the unit
         definitions could not be written, with the running instances left alone."""
         try:
+            self._read_holds()
             result = self.reconciler.apply(config, plan, time.monotonic())
         except (NumaInferError, OSError) as exc:
             log.error("%s failed, still running the previous configuration: cannot apply the plan: %s", why, exc)
@@ -125,6 +126,9 @@ class Daemon:
         self.last_reload = ReloadResult(time.time(), True, why, None, result.added, result.changed, result.removed,
                                         result.unchanged)
         return True
+
+    def _read_holds(self) -> None:
+        self.reconciler.holds = {h.instance: f"{h.by} (pid {h.pid})" for h in holds.active(holds.hold_dir(self.state_file)).values()}
 
     def reload(self) -> None:
         self.notifier.reloading()
@@ -233,6 +237,7 @@ class Daemon:
             if now >= next_pass:
                 assert self.config is not None
                 self._check_machine()
+                self._read_holds()
                 self.reconciler.monitor(now)
                 self.pass_duration_s = time.monotonic() - now
                 self.publish(now)

@@ -64,7 +64,7 @@ def server_argv(config: Config, instance: Instance, key_from_credential: bool = 
     """
     if config.server.engine == Engine.LLAMA_SERVER:
         return _llama_server_argv(config, instance)
-    threads = str(instance.threads)
+    threads, batch = str(instance.threads), str(instance.threads_batch)
     start = ["-c", _FROM_CREDENTIAL] if key_from_credential and config.server.api_key_file else ["-m", "llama_cpp.server"]
     return [
         config.server.python, *start,
@@ -73,7 +73,7 @@ def server_argv(config: Config, instance: Instance, key_from_credential: bool = 
         "--port", str(instance.port),
         "--n_ctx", str(config.model.context_size),
         "--n_threads", threads,
-        "--n_threads_batch", threads,
+        "--n_threads_batch", batch,
         # With mmap every instance would share one page cache of the file, on whichever
         # node read it first: each instance must own a copy of the weights on its node.
         "--use_mmap", "false",
@@ -86,7 +86,7 @@ def server_argv(config: Config, instance: Instance, key_from_credential: bool = 
 
 
 def _llama_server_argv(config: Config, instance: Instance) -> list[str]:
-    threads = str(instance.threads)
+    threads, batch = str(instance.threads), str(instance.threads_batch)
     parallel = config.server.parallel
     return [
         config.server.llama_server,
@@ -97,7 +97,7 @@ def _llama_server_argv(config: Config, instance: Instance) -> list[str]:
         "--ctx-size", str(config.model.context_size * parallel),
         "--parallel", str(parallel),
         "--threads", threads,
-        "--threads-batch", threads,
+        "--threads-batch", batch,
         # Not mmap (this llama.cpp spells --no-mmap as a load mode): the weights are read
         # into the instance's own memory, allocated under its NUMA policy, on its node.
         "--load-mode", "mlock" if config.model.mlock else "none",

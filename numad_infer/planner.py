@@ -32,8 +32,9 @@ class Instance:
     places: tuple[tuple[int, ...], ...]  # one OpenMP place per thread, in pinning order
     mems: tuple[int, ...]
     policy: Policy
-    threads: int
+    threads: int  # generation threads (OMP_NUM_THREADS)
     port: int
+    threads_batch: int = 0  # prompt-processing threads; set by the planner's thread step
 
     @property
     def unit(self) -> str:
@@ -132,6 +133,7 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
     else:
         instances = _per_node_instances(config, topo, usable, model_size, warnings, source)
     instances = _assign_ports(config, instances, source)
+    instances = _thread_counts(config, instances, source)
     _check_ports(config, instances, source)
     warnings += _exposure_warnings(config)
     return Plan(instances=tuple(instances), warnings=tuple(warnings))
@@ -273,7 +275,28 @@ def _assign_ports(config: Config, instances: list[Instance], source: str) -> lis
             f"{len(instances)} instances need ports {base}-{last}, past 65535; use at most {65536 - len(instances)}",
             base, True,
         )
-    return [replace(i, threads=len(i.cpus), port=base + k) for k, i in enumerate(instances)]
+    return [replace(i, port=base + k) for k, i in enumerate(instances)]
+
+
+def _thread_counts(config: Config, instances: list[Instance], source: str) -> list[Instance]:
+    """Step 6: threads (generation) and threads_batch (prompt): one per CPU of the instance
+    ("auto"), or the configured count, which no instance may have more of than CPUs."""
+    placement = config.placement
+    for key, wanted in (("placement.threads", placement.threads), ("placement.threads_batch", placement.threads_batch)):
+        if wanted == "auto":
+            continue
+        short = min(instances, key=lambda i: len(i.cpus))
+        if wanted > len(short.cpus):
+            smt = ("with smt = true" if placement.smt else "one per physical core with smt = false; smt = true counts "
+                   "SMT siblings too")
+            raise ConfigError(source, key, f"{short.name} has only {len(short.cpus)} CPUs ({smt}); use at most "
+                              f"{len(short.cpus)} or \"auto\"", wanted, True)
+    result = []
+    for i in instances:
+        threads = len(i.cpus) if placement.threads == "auto" else placement.threads
+        batch = threads if placement.threads_batch == "auto" else placement.threads_batch
+        result.append(replace(i, threads=threads, threads_batch=batch))
+    return result
 
 
 def _exposure_warnings(config: Config) -> list[str]:

@@ -92,6 +92,7 @@ class Reconciler:
         self.rolling: list[str] = []  # definition changed, restart still to come (one at a time)
         self.rolled: list[str] = []  # restarted by the current rollout: must be healthy before the next
         self._rollout_stopped = False  # said so in the journal once
+        self.holds: dict[str, str] = {}  # instance -> who holds it stopped (holds.py), from the daemon each pass
         self.api_key: str | None = None
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
 
@@ -126,6 +127,8 @@ class Reconciler:
             if instance.name in diff.changed:
                 if instance.name not in self.rolling:
                     self.rolling.append(instance.name)
+            elif instance.name in self.holds:
+                pass  # stays stopped until released (monitor starts it then)
             else:
                 already = running.get(instance.name)
                 self._isolated(instance.name, "start", lambda i=instance: self.backend.start(i))
@@ -165,6 +168,8 @@ class Reconciler:
                                   ", ".join(self.rolling))
                         self._rollout_stopped = True
                     return
+            if self.rolling[0] in self.holds:
+                return  # held: its restart waits for the release (it starts on the new definition then)
             name = self.rolling.pop(0)
             self.rolled.append(name)
             log.info("%s: definition changed: restarting", name)
@@ -234,6 +239,19 @@ class Reconciler:
                     # Nobody here restarted it: it died and systemd (Restart=) brought it back.
                     self._drift(rt, EventKind.EXIT, f"main process {exited} replaced by {pid}")
             rt.new_process(pid)
+        held_by = self.holds.get(rt.instance.name)
+        if held_by is not None:
+            self._hold(rt, pid, now, held_by)
+            return
+        if sup.state == State.HELD:
+            log.info("%s: released: starting it again", rt.instance.name)
+            self._isolated(rt.instance.name, "start", lambda: self.backend.start(rt.instance))
+            sup.on_released(now)
+            return
+        if sup.state == State.DRAINING and sup.drain_then_hold:
+            log.info("%s: the hold was released before the drain ended: back in service", rt.instance.name)
+            sup.drain_then_hold = False
+            sup.on_started(now)
         if sup.state == State.FAILED:
             return
         if pid is None:
@@ -295,6 +313,38 @@ class Reconciler:
             return
         self._restart_now(rt, now, reason, counted)
 
+    def _hold(self, rt: Runtime, pid: int | None, now: float, by: str) -> None:
+        """Held by another process: out of the front door (drained first, as for a restart),
+        then stopped until the hold is released."""
+        cfg = self.config
+        assert cfg is not None
+        sup = rt.supervision
+        if sup.state == State.HELD:
+            if pid is not None:  # started by someone else meanwhile: stop it again
+                self._isolated(rt.instance.name, "stop", lambda: self.backend.stop(rt.instance.name))
+            return
+        if sup.state == State.DRAINING and sup.drain_then_hold:
+            if pid is not None:
+                self._track_progress(rt, pid, now)
+            self._continue_drain(rt, now)
+            return
+        busy = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None and pid is not None else None
+        if busy and cfg.frontend.drain_timeout_s > 0:
+            assert self.frontdoor is not None
+            self.frontdoor.set_state(rt.instance, AdminState.DRAIN)
+            sup.on_drain(now, cfg.frontend.drain_timeout_s, f"held by {by}", counted=False, then_hold=True)
+            log.info("%s: held by %s: draining %d request(s) first (at most %gs)", rt.instance.name, by, busy,
+                     cfg.frontend.drain_timeout_s)
+            return
+        self._stop_held(rt, by)
+
+    def _stop_held(self, rt: Runtime, by: str) -> None:
+        if self.frontdoor is not None:
+            self.frontdoor.set_state(rt.instance, AdminState.MAINT)
+        log.info("%s: held by %s: stopping it until the hold is released", rt.instance.name, by)
+        self._isolated(rt.instance.name, "stop", lambda: self.backend.stop(rt.instance.name))
+        rt.supervision.on_held(by)
+
     def _continue_drain(self, rt: Runtime, now: float) -> None:
         sup = rt.supervision
         left = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None else None
@@ -303,6 +353,10 @@ class Reconciler:
         why = ("drained" if not left else
                f"{left} request(s) still running at the drain deadline" if now >= sup.drain_until else
                f"{left} request(s) in flight but no progress")
+        if sup.drain_then_hold:
+            log.info("%s: %s", rt.instance.name, why)
+            self._stop_held(rt, sup.drain_reason.removeprefix("held by "))
+            return
         log.info("%s: %s: restarting", rt.instance.name, why)
         self._restart_now(rt, now, sup.drain_reason, sup.drain_counted)
 

@@ -18,6 +18,7 @@ class State(str, Enum):
         UNHEALTHY / EXITED -> (BACKOFF ->) RESTARTING -> STARTING
         HEALTHY / UNHEALTHY -> DRAINING -> RESTARTING   (behind a front door)
         any -> FAILED (restart budget spent; a reload clears it)
+        any -> (DRAINING ->) HELD -> STARTING   (a hold, taken and released by another process)
     """
 
     STARTING = "starting"  # started, model loading, within the grace period
@@ -28,6 +29,7 @@ class State(str, Enum):
     EXITED = "exited"  # the main process is gone and nothing has replaced it yet
     BACKOFF = "backoff"  # waiting out restart_backoff_s before the next restart
     FAILED = "failed"  # too many restarts: left alone until a reload
+    HELD = "held"  # stopped on request (holds.py: `numa-infer tune` measures its node)
     STOPPED = "stopped"
     UNSUPERVISED = "unsupervised"  # running, but no daemon watches it (status with the daemon down)
 
@@ -57,6 +59,7 @@ class Supervision:
     drain_until: float = 0.0
     drain_reason: str = ""
     drain_counted: bool = False  # a repair (counts against max_restarts), not a definition change
+    drain_then_hold: bool = False  # the drain ends in a stop (a hold), not a restart
 
     def on_started(self, now: float) -> None:
         self.state, self.started_at, self.failures = State.STARTING, now, 0
@@ -66,8 +69,8 @@ class Supervision:
 
     # -- the main process, as the backend reports it ----------------------------------------------
     def on_exit(self) -> None:
-        """The main process is gone. During a restart that is the restart's doing."""
-        if self.state not in (State.FAILED, State.STOPPED, State.RESTARTING):
+        """The main process is gone. During a restart (or a hold) that is the asker's doing."""
+        if self.state not in (State.FAILED, State.STOPPED, State.RESTARTING, State.HELD):
             self.state = State.EXITED
 
     def on_new_pid(self, had_process: bool, now: float) -> bool:
@@ -85,7 +88,7 @@ class Supervision:
 
     def on_probe(self, ok: bool, now: float, monitor: MonitorSection, error: str = "") -> bool:
         """Record one probe; True when the instance should now be restarted."""
-        if self.state in (State.FAILED, State.STOPPED, State.DRAINING, State.EXITED):
+        if self.state in (State.FAILED, State.STOPPED, State.DRAINING, State.EXITED, State.HELD):
             return False
         in_grace = (self.state in (State.STARTING, State.RESTARTING) and self.started_at is not None
                     and now - self.started_at < monitor.startup_grace_s)
@@ -123,8 +126,17 @@ class Supervision:
             self.next_restart_at = now + monitor.restart_backoff_s * 2 ** (len(self.restart_times) - 1)
         self.state, self.started_at, self.failures = State.RESTARTING, now, 0
 
-    def on_drain(self, now: float, timeout_s: float, reason: str, counted: bool) -> None:
+    def on_drain(self, now: float, timeout_s: float, reason: str, counted: bool, then_hold: bool = False) -> None:
         self.state, self.drain_until, self.drain_reason, self.drain_counted = State.DRAINING, now + timeout_s, reason, counted
+        self.drain_then_hold = then_hold
+
+    def on_held(self, by: str) -> None:
+        self.state, self.started_at, self.failures, self.last_error = State.HELD, None, 0, f"held by {by}"
+        self.drain_then_hold = False
+
+    def on_released(self, now: float) -> None:
+        self.last_error = ""
+        self.on_started(now)
 
     def on_failed(self, reason: str) -> None:
         self.state, self.last_error = State.FAILED, reason

@@ -456,3 +456,53 @@ def test_interleaved_instances_are_never_migrated(probes_answer, monkeypatch) ->
     rec.monitor(1.0)
     (rt,) = rec.runtimes.values()
     assert rt.memory is not None and not rt.memory.drifted
+
+
+def test_a_hold_drains_then_stops_the_instance_and_its_release_starts_it_again(probes_answer) -> None:
+    backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
+    rec = Reconciler(backend, proc, frontdoor=front)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.monitor(0.5)
+    backend.calls.clear()
+    pid = backend.running["infer@1"]
+    proc.cpu[pid] = 1.0
+    front.in_flight_by["infer@1"] = 2
+    rec.holds = {"infer@1": "numa-infer tune (pid 4242)"}
+    rec.monitor(1.0)
+    assert lifecycle(rec, "infer@1")[0] == State.DRAINING and ("infer@1", AdminState.DRAIN) in front.states
+    assert backend.calls == []  # its requests finish first
+    front.in_flight_by["infer@1"] = 0
+    rec.monitor(2.0)
+    assert backend.calls == [("stop", "infer@1")] and lifecycle(rec, "infer@1") == (State.HELD, 0)
+    assert rec.runtimes["infer@1"].supervision.last_error == "held by numa-infer tune (pid 4242)"
+    for t in (3.0, 4.0, 5.0):  # held: never restarted, never counted, out of rotation
+        rec.monitor(t)
+    assert backend.calls == [("stop", "infer@1")]
+    assert [state for name, state in front.states[-3:] if name == "infer@1"] == [AdminState.MAINT]
+    assert lifecycle(rec, "infer@0") == (State.HEALTHY, 0)  # the other nodes serve throughout
+    # A reload meanwhile does not start it either.
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 5.5)
+    assert "infer@1" not in backend.running
+    rec.holds = {}
+    rec.monitor(6.0)
+    assert backend.calls[-1] == ("start", "infer@1") and lifecycle(rec, "infer@1") == (State.STARTING, 0)
+    rec.monitor(7.0)
+    assert lifecycle(rec, "infer@1") == (State.HEALTHY, 0)
+
+
+def test_a_hold_whose_holder_died_is_dropped(tmp_path) -> None:
+    import os
+    import subprocess
+
+    from numad_infer import holds
+
+    mine = holds.acquire(tmp_path, "infer@0", "test")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    (tmp_path / "infer@1.hold").write_text(f'{{"pid": {gone.pid}, "by": "x", "since": 0}}')
+    (tmp_path / "infer@2.hold").write_text("not json")
+    found = holds.active(tmp_path)
+    assert set(found) == {"infer@0"} and found["infer@0"].pid == os.getpid()
+    assert not (tmp_path / "infer@1.hold").exists()
+    holds.release(mine)
+    assert holds.active(tmp_path) == {}

@@ -6,7 +6,7 @@ _numa_infer()
     local cur prev words cword split
     _init_completion -s || return
 
-    local commands="topology plan render check run status reload"
+    local commands="topology plan render check run status reload tune"
     local global_opts="--config --fsroot --state-file"
 
     # Options that take an argument.
@@ -31,7 +31,7 @@ _numa_infer()
             _pids
             return
             ;;
-        --timeout)
+        --timeout | --nodes | --samples | --tokens)
             return
             ;;
     esac
@@ -41,7 +41,7 @@ _numa_infer()
     local i command=""
     for ((i = 1; i < cword; i++)); do
         case ${words[i]} in
-            --config | --fsroot | --state-file | --output | --backend | --pid | --timeout)
+            --config | --fsroot | --state-file | --output | --backend | --pid | --timeout | --nodes | --samples | --tokens)
                 ((i++))
                 ;;
             -*) ;;
@@ -68,6 +68,7 @@ _numa_infer()
         check) opts="" ;;
         run) opts="--backend --verbose" ;;
         reload) opts="--pid --timeout" ;;
+        tune) opts="--nodes --quick --json --apply --stop-instances --samples --tokens" ;;
         *) return ;;
     esac
     if [[ $cur == -* ]]; then

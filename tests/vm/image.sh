@@ -40,7 +40,7 @@ CACHE=${NUMA_INFER_VM_CACHE:-$HOME/.cache/numa-infer/vm}
 WHEEL=${NUMA_INFER_LLAMA_WHEEL:?set NUMA_INFER_LLAMA_WHEEL to the llama-cpp-python wheel (tests/vm/run_suite.py does)}
 MIRROR=${NUMA_INFER_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 # Dependencies of numa-infer's Debian package (debian/control), kept in the guest's apt cache.
-DEB_DEPENDS="python3-pydantic python3-psutil python3-sdnotify python3-prometheus-client haproxy"
+DEB_DEPENDS="python3-pydantic python3-psutil python3-sdnotify python3-prometheus-client python3-tomlkit haproxy"
 
 # Everything that shapes the image is a constant in this file, not an environment knob:
 # the key hashes this file, so changing any of these makes a new image.

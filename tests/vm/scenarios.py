@@ -456,6 +456,50 @@ def s8b_daemon_restart() -> str:
     return f"restarted in {took:.1f}s, instances and front door kept {pids}; {load}"
 
 
+@scenario("t1-tune")
+def t1_tune() -> str:
+    """numa-infer tune on the running fleet under systemd: each node's instance held (drained,
+    stopped) while its node is measured, given back after; --apply edits and reloads."""
+    before = {i["name"]: (i["restarts"], i["pid"]) for i in all_healthy(2)["instances"]}
+    config_before = CONFIG.read_text()
+    t0 = time.monotonic()
+    proc = subprocess.run([NI, "tune", "--quick", "--nodes", "0,1", "--samples", "2", "--tokens", "6", "--json"],
+                          capture_output=True, text=True, timeout=1500)
+    if proc.returncode != 0:
+        raise Fail(f"tune failed ({proc.returncode}): {proc.stderr[-600:]}")
+    report = json.loads(proc.stdout)
+    pairs = {(b["cpus_node"], b["memory_node"]) for b in report["bandwidth_gbs"]}
+    if pairs != {(0, 0), (0, 1), (1, 0), (1, 1)}:
+        raise Fail(f"bandwidth matrix has {sorted(pairs)}, not 2 x 2")
+    threads = [c["threads"] for c in report["candidates"]]
+    if threads != [2, 1]:
+        raise Fail(f"candidates {threads}, expected [2, 1] on a 2-CPU node")
+    journal = sh("journalctl", "-u", "numa-infer", "--no-pager", "-o", "cat", check=False)
+    for name in ("infer@0", "infer@1"):
+        if f"{name}: held by numa-infer tune" not in journal or f"{name}: released" not in journal:
+            raise Fail(f"{name} was not held and released (journal)")
+    state = all_healthy(2)
+    restarts = {i["name"]: i["restarts"] for i in state["instances"]}
+    if restarts != {n: r for n, (r, _) in before.items()}:
+        raise Fail(f"holds counted as restarts: {before} -> {restarts}")
+    took = time.monotonic() - t0
+    applied = subprocess.run([NI, "tune", "--quick", "--samples", "2", "--tokens", "6", "--apply"],
+                             capture_output=True, text=True, timeout=1500)
+    if applied.returncode != 0:
+        raise Fail(f"tune --apply failed ({applied.returncode}): {applied.stderr[-600:]}")
+    all_healthy(2)
+    changed = CONFIG.read_text() != config_before
+    if changed and "reloaded:" not in applied.stdout:
+        raise Fail(f"tune --apply changed the file but did not reload: {applied.stdout[-400:]}")
+    write_config()  # the scenarios after this one expect the default settings
+    sh("systemctl", "reload", "numa-infer", timeout=300)
+    all_healthy(2)
+    best = {c["key"]: (c["winner"], c["verdict"]) for c in report["choices"]}
+    return (f"2x2 bandwidth matrix {[round(b['median'], 1) for b in report['bandwidth_gbs']]} GB/s (TCG); "
+            f"candidates {threads}; choices {best}; {took:.0f}s with both nodes held in turn; "
+            f"--apply {'changed and reloaded' if changed else 'kept the file'}")
+
+
 @scenario("9-stop")
 def s9_stop() -> str:
     sh("systemctl", "stop", "numa-infer", timeout=300)
@@ -713,7 +757,7 @@ def b2_filter_cost() -> str:
 
 GROUPS = {
     "2x2": [s1_start, s1b_frontdoor, s1c_api_key, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill, s8b_daemon_restart,
-            s9_stop],
+            t1_tune, s9_stop],
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
     "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, s9_stop],

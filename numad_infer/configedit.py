@@ -1,0 +1,58 @@
+"""Edit the operator's configuration file in place, keeping its comments, order and layout
+(tomlkit round-trips TOML), for `numa-infer tune --apply`.
+
+All or nothing: the edited text is validated the way `check` validates (schema, then the
+plan on this machine) before anything is written; the old file is kept as a backup; the
+new one replaces it in one rename, with the old file's mode and owner.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from numad_infer.atomicfile import write_atomic
+from numad_infer.config import Config, ConfigError, parse_config
+
+
+@dataclass(frozen=True)
+class Edit:
+    section: str
+    key: str
+    value: Any
+
+
+def edited_text(text: str, edits: list[Edit]) -> str:
+    import tomlkit  # only `tune --apply` needs it
+
+    document = tomlkit.parse(text)
+    for edit in edits:
+        if edit.section not in document:
+            document[edit.section] = tomlkit.table()
+        document[edit.section][edit.key] = edit.value  # type: ignore[index]
+    return tomlkit.dumps(document)
+
+
+def apply_edits(path: Path, edits: list[Edit], validate: Callable[[Config], None]) -> Path:
+    """Write `edits` into the file at `path`; returns the backup's path. `validate` gets the
+    parsed result (e.g. plan it on this machine) and raises ConfigError to refuse it."""
+    source = str(path)
+    original = path.read_text(encoding="utf-8")
+    text = edited_text(original, edits)
+    try:
+        validate(parse_config(text, source))
+    except ConfigError as exc:
+        raise ConfigError(source, None, f"the tuned settings were refused, nothing written: "
+                                        f"{str(exc).removeprefix(exc.source + ': ')}") from None
+    backup = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.bak")
+    shutil.copy2(path, backup)
+    st = os.stat(path)
+    write_atomic(path, text)
+    os.chmod(path, st.st_mode & 0o7777)
+    if os.geteuid() == 0:
+        os.chown(path, st.st_uid, st.st_gid)
+    return backup

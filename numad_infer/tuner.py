@@ -1,0 +1,353 @@
+"""`numa-infer tune`, the measuring part: real servers of the configured engine on the
+real topology with the configured model, one candidate at a time, pinned and bound the
+way the daemon would run them (the process backend's start), and the bandwidth matrix.
+
+A running fleet is not taken down: each node's instance is held (`holds.py`) while that
+node is measured, so the daemon drains it out of the front door, stops it, and brings it
+back when the hold goes away (at the end, on Ctrl-C, or when tune dies: a hold names its
+holder's PID). Without a front door a hold would cut that node's clients off, so tune
+refuses unless told `--stop-instances`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from numad_infer import bandwidth
+from numad_infer.apikey import read_api_key
+from numad_infer.backends import ProcessBackend
+from numad_infer.config import Config
+from numad_infer.engines import traits
+from numad_infer.health import probe
+from numad_infer.planner import Instance, make_plan
+from numad_infer.topology import Topology
+from numad_infer.tune import Candidate, Figure, Report, Result
+
+if TYPE_CHECKING:
+    from numad_infer.configedit import Edit
+
+log = logging.getLogger(__name__)
+
+# Prompt processing is measured on this many words (~1.3 tokens each with the generated
+# models' vocabulary); decoding on --tokens generated tokens minus one.
+PROMPT_WORDS = 200
+
+
+class TuneError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    samples: int  # repeats of every figure
+    tokens: int  # generated per decode sample
+    startup_timeout_s: float
+
+
+def candidate_config(config: Config, node: int, threads: int, port: int, smt: bool) -> Config:
+    """The configuration of one measuring server: the node's instance as the daemon would
+    plan it, with `threads` for both thread counts, on a port of tune's own. `smt`: with
+    the SMT siblings among its CPUs (needed for more threads than physical cores)."""
+    placement = config.placement.model_copy(update={"nodes": [node], "mode": "per-node", "instances_per_node": 1,
+                                                      "threads": threads, "threads_batch": threads, "smt": smt})
+    server = config.server.model_copy(update={"base_port": port})
+    frontend = config.frontend.model_copy(update={"listen": ""})
+    return config.model_copy(update={"placement": placement, "server": server, "frontend": frontend})
+
+
+class Measurer:
+    def __init__(self, config: Config, topology: Topology, model_size: int, log_dir: Path, settings: Settings,
+                 progress: Callable[[str], None]) -> None:
+        self.config, self.topology, self.model_size = config, topology, model_size
+        self.log_dir, self.settings, self.progress = log_dir, settings, progress
+        self.key = read_api_key(config, "server.api_key_file")
+
+    def instance_for(self, node: int, threads: int, port: int) -> tuple[Config, Instance]:
+        physical = len(self._plan(candidate_config(self.config, node, 1, port, smt=False)).cpus)
+        cfg = candidate_config(self.config, node, threads, port, smt=self.config.placement.smt or threads > physical)
+        return cfg, self._plan(cfg)
+
+    def _plan(self, cfg: Config) -> Instance:
+        (instance,) = make_plan(cfg, self.topology, self.model_size, source="tune").instances
+        return instance
+
+    def measure(self, node: int, candidate: Candidate, port: int) -> Result:
+        cfg, instance = self.instance_for(node, candidate.threads, port)
+        backend = ProcessBackend(self.log_dir)
+        backend.sync(cfg, make_plan(cfg, self.topology, self.model_size, source="tune"))
+        self.progress(f"node {node}, {candidate.threads} threads ({candidate.label}): starting the server")
+        backend.start(instance)
+        try:
+            self._wait_ready(backend, cfg, instance)
+            client = Client(cfg.server.host, instance.port, self.key)
+            _, probe_tokens, _ = client.complete(client.fresh(20), 4)  # warm up, and the tokens per word
+            # The prompt fills at most ~70 % of the context (the generated models tokenise "wordN" into several).
+            words = max(8, min(PROMPT_WORDS, int(0.7 * cfg.model.context_size * 21 / max(probe_tokens, 1))))
+            decode, prompt = [], []
+            for sample in range(self.settings.samples):
+                self.progress(f"node {node}, {candidate.threads} threads: sample {sample + 1}/{self.settings.samples}")
+                decode.append(client.decode_rate(self.settings.tokens))
+                prompt.append(client.prompt_rate(words))
+            return Result(candidate, Figure(tuple(decode)), Figure(tuple(prompt)))
+        finally:
+            backend.stop(instance.name)
+
+    def _wait_ready(self, backend: ProcessBackend, cfg: Config, instance: Instance) -> None:
+        deadline = time.monotonic() + self.settings.startup_timeout_s
+        path = traits(cfg).liveness_path
+        while time.monotonic() < deadline:
+            if backend.main_pid(instance.name) is None:
+                raise TuneError(f"the server for {instance.threads} threads exited ({backend.describe(instance.name)}); "
+                                f"see {self.log_dir / (instance.name + '.log')}")
+            if probe(cfg.server.host, instance.port, 2.0, path).ok:
+                return
+            time.sleep(0.2)
+        raise TuneError(f"the server for {instance.threads} threads did not answer within "
+                        f"{self.settings.startup_timeout_s:g}s")
+
+    def bandwidth(self, nodes: list[int], samples: int) -> dict[tuple[int, int], Figure]:
+        """(CPU node, memory node) -> GB/s, read by the CPUs the node's instance would get."""
+        cpus = {}
+        for node in nodes:
+            _, instance = self.instance_for(node, 1, self.config.server.base_port)
+            cpus[node] = instance.cpus
+        memory_nodes = [n.id for n in self.topology.nodes if n.memory_total_bytes > 0]
+        found = bandwidth.matrix(cpus, memory_nodes, samples, progress=self.progress)
+        return {k: Figure(v.samples_gbs) for k, v in found.items()}
+
+
+class Client:
+    """Completions against one server, timed from the client: the same for both engines."""
+
+    def __init__(self, host: str, port: int, key: str | None) -> None:
+        self.host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        self.port, self.key = port, key
+
+    def complete(self, prompt: str, max_tokens: int) -> tuple[float, int, int]:
+        """(seconds, prompt tokens, completion tokens)."""
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.key is not None:
+            headers["Authorization"] = f"Bearer {self.key}"
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+        started = time.monotonic()
+        try:
+            conn.request("POST", "/v1/completions", body=body, headers=headers)
+            response = conn.getresponse()
+            data = response.read()
+        finally:
+            conn.close()
+        elapsed = time.monotonic() - started
+        if response.status != 200:
+            raise TuneError(f"completion failed: HTTP {response.status}: {data[:200]!r}")
+        usage = json.loads(data)["usage"]
+        return elapsed, usage["prompt_tokens"], usage["completion_tokens"]
+
+    @staticmethod
+    def fresh(words: int) -> str:
+        # A new first word every time: neither engine may reuse a cached prompt prefix.
+        return secrets.token_hex(4) + " " + " ".join(f"word{i % 97}" for i in range(words))
+
+    def decode_rate(self, tokens: int) -> float:
+        """Generated tokens/s, from the arrival times of a streamed completion's tokens: the
+        first token (which carries the prompt's time) starts the clock, the last stops it."""
+        body = json.dumps({"prompt": self.fresh(8), "max_tokens": tokens, "temperature": 0, "stream": True}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.key is not None:
+            headers["Authorization"] = f"Bearer {self.key}"
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=600)
+        arrivals: list[float] = []
+        try:
+            conn.request("POST", "/v1/completions", body=body, headers=headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                raise TuneError(f"completion failed: HTTP {response.status}: {response.read()[:200]!r}")
+            for raw in response:
+                line = raw.strip()
+                if line.startswith(b"data: {") and b'"text":""' not in line.replace(b" ", b""):
+                    arrivals.append(time.monotonic())
+        finally:
+            conn.close()
+        if len(arrivals) < 3:
+            raise TuneError(f"asked for {tokens} streamed tokens, got {len(arrivals)}")
+        return (len(arrivals) - 1) / max(arrivals[-1] - arrivals[0], 1e-6)
+
+    def prompt_rate(self, words: int) -> float:
+        """Prompt tokens/s: a long prompt against a short one, one token generated each."""
+        short, short_tokens, _ = self.complete(self.fresh(4), 1)
+        long, long_tokens, _ = self.complete(self.fresh(words), 1)
+        return (long_tokens - short_tokens) / max(long - short, 1e-6)
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TuneRequest:
+    config_path: str
+    fsroot: str
+    state_file: Path
+    nodes: list[int] | None
+    quick: bool
+    apply: bool
+    stop_instances: bool
+    samples: int | None
+    tokens: int | None
+
+
+class Fleet:
+    """The daemon's instances on the nodes being measured: held one node at a time."""
+
+    def __init__(self, state_file: Path, progress: Callable[[str], None]) -> None:
+        from numad_infer.status import read_status
+
+        self.state_file, self.progress = state_file, progress
+        self.status = read_status(state_file)
+        self.taken: list[Path] = []
+
+    @property
+    def live(self) -> bool:
+        return self.status is not None and self.status.daemon.state.live and self.status.daemon.pid is not None
+
+    def instances_on(self, node: int) -> list[str]:
+        if not self.live:
+            return []
+        assert self.status is not None
+        return [i.name for i in self.status.instances if i.node == node or i.node is None]
+
+    def hold(self, node: int, timeout_s: float) -> None:
+        from numad_infer import holds
+        from numad_infer.states import State
+        from numad_infer.status import read_status
+
+        names = self.instances_on(node)
+        if not names:
+            return
+        directory = holds.hold_dir(self.state_file)
+        for name in names:
+            self.taken.append(holds.acquire(directory, name, "numa-infer tune"))
+        self.progress(f"node {node}: asking the daemon to drain and stop {', '.join(names)}")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = read_status(self.state_file)
+            states = {i.name: i.state for i in status.instances} if status else {}
+            if all(states.get(n) == State.HELD for n in names):
+                return
+            time.sleep(0.5)
+        raise TuneError(f"the daemon did not stop {', '.join(names)} within {timeout_s:g}s")
+
+    def release(self, wait_s: float) -> None:
+        """Give the held instances back and wait until they serve again (one node down at a time)."""
+        from numad_infer import holds
+        from numad_infer.states import State
+        from numad_infer.status import read_status
+
+        names = [p.name.removesuffix(holds.SUFFIX) for p in self.taken]
+        for path in self.taken:
+            holds.release(path)
+        self.taken = []
+        if not names:
+            return
+        self.progress(f"released {', '.join(names)}; waiting for them to be healthy again")
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            status = read_status(self.state_file)
+            if status and all(i.state == State.HEALTHY for i in status.instances if i.name in names):
+                return
+            time.sleep(0.5)
+        log.warning("%s not healthy again within %gs after the release", ", ".join(names), wait_s)
+
+    def drop(self) -> None:
+        """On any exit: never leave a hold behind."""
+        from numad_infer import holds
+
+        for path in self.taken:
+            holds.release(path)
+        self.taken = []
+
+
+def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, list[Edit]]:
+    import tempfile
+
+    from numad_infer.cli import load_all
+    from numad_infer.config import ConfigError, Engine
+    from numad_infer.configedit import Edit
+    from numad_infer.hostcheck import check_llama_server
+    from numad_infer.modelfile import model_size
+    from numad_infer.tune import Choice, Verdict, choose, thread_grid
+
+    loaded = load_all(request.config_path, request.fsroot)
+    config, topology, plan = loaded.config, loaded.topology, loaded.plan
+    if config.server.engine == Engine.LLAMA_SERVER:
+        check_llama_server(config, request.config_path, loaded.runs_as)
+    if config.placement.mode != "per-node":
+        raise ConfigError(request.config_path, "placement.mode", "tune measures per-node instances; "
+                          "set mode = \"per-node\" to tune threads (layouts are not measured yet)")
+    planned = {i.node: i for i in plan.instances if i.node is not None}
+    nodes = request.nodes if request.nodes else [min(planned)]
+    for node in nodes:
+        if node not in planned:
+            raise ConfigError(request.config_path, "placement.nodes", f"node {node} hosts no instance in the plan "
+                              f"(planned nodes: {', '.join(map(str, sorted(planned)))})")
+    fleet = Fleet(request.state_file, progress)
+    if fleet.live and not config.frontend.enabled and not request.stop_instances:
+        raise TuneError("the daemon is running and there is no front door to route around a node under measurement: "
+                        "its clients would be cut off. Pass --stop-instances to stop each node's instance while "
+                        "it is measured, or stop numa-infer first")
+    size = model_size(config.model.path, request.config_path, loaded.runs_as)
+    settings = Settings(samples=request.samples or (3 if request.quick else 5),
+                        tokens=request.tokens or (16 if request.quick else 64),
+                        startup_timeout_s=config.monitor.startup_grace_s or 300.0)
+    log_dir = Path(tempfile.mkdtemp(prefix="numa-infer-tune-"))
+    log_dir.chmod(0o700)
+    measurer = Measurer(config, topology, size, log_dir, settings, progress)
+    node = nodes[0]
+    instance = planned[node]
+    node_obj = next(n for n in topology.nodes if n.id == node)
+    reserved = {c for c in config.placement.reserved}
+    cores = [core for core in node_obj.cores if not reserved & set(core)]
+    grid = thread_grid(len(cores), sum(len(c) for c in cores), request.quick)
+    current = {"placement.threads": instance.threads, "placement.threads_batch": instance.threads_batch}
+    for value in current.values():
+        if value not in {c.threads for c in grid}:
+            grid.append(Candidate(value, "current setting"))
+    report = Report(model=config.model.path, weight_bytes=size, engine=config.server.engine.value, node=node,
+                    cpus=instance.cpus)
+    try:
+        for measured in nodes:
+            fleet.hold(measured, config.frontend.drain_timeout_s + 120)
+            try:
+                report.bandwidth.update(measurer.bandwidth([measured], settings.samples))
+                if measured == node:
+                    port = _free_port()
+                    for candidate in grid:
+                        report.results.append(measurer.measure(node, candidate, port))
+            finally:
+                fleet.release(config.monitor.startup_grace_s + 60)
+    finally:
+        fleet.drop()
+    choices: list[Choice] = [choose(report.results, "placement.threads", "decode", current["placement.threads"]),
+                             choose(report.results, "placement.threads_batch", "prompt",
+                                    current["placement.threads_batch"])]
+    report.choices = choices
+    edits: list[Edit] = []
+    if any(c.verdict == Verdict.CHANGE for c in choices):
+        threads, batch = choices[0].value, choices[1].value
+        if max(threads, batch) > len(cores) and not config.placement.smt:
+            edits.append(Edit("placement", "smt", True))
+        edits += [Edit("placement", "threads", threads), Edit("placement", "threads_batch", batch)]
+    return report, edits
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,224 @@
+"""`numa-infer tune`: the grid, the choice and its noise verdict (fed known measurements),
+the thread keys in the planner, `--apply`'s file edit, and tune end to end on the fake
+2-node machine (real servers, real holds against a running daemon)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from numad_infer.config import ConfigError, parse_config
+from numad_infer.configedit import Edit, apply_edits, edited_text
+from numad_infer.planner import make_plan
+from numad_infer.sysfs import read_topology
+from numad_infer.tune import Candidate, Figure, Report, Result, Verdict, choose, format_report, thread_grid
+from tests import fakesys
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def result(threads: int, decode: tuple[float, ...], prompt: tuple[float, ...] = (100.0, 100.0, 100.0)) -> Result:
+    return Result(Candidate(threads, "t"), Figure(decode), Figure(prompt))
+
+
+def test_the_grid_has_physical_cores_smt_and_a_few_below() -> None:
+    assert [c.threads for c in thread_grid(32, 64)] == [64, 32, 31, 30, 24, 16]
+    assert [c.threads for c in thread_grid(32, 64, quick=True)] == [64, 32, 31]
+    assert [c.threads for c in thread_grid(2, 2)] == [2, 1]
+    assert [c.threads for c in thread_grid(1, 1)] == [1]
+    assert thread_grid(32, 64)[0].label == "SMT siblings too"
+
+
+def test_the_winner_is_the_best_measured_candidate_and_a_clear_margin_changes_the_setting() -> None:
+    results = [result(64, (80, 81, 79)), result(32, (100, 101, 99)), result(31, (104, 105, 103)), result(16, (60, 61, 59))]
+    choice = choose(results, "placement.threads", "decode", current=32)
+    assert (choice.winner, choice.verdict, choice.value) == (31, Verdict.CHANGE, 31)
+    assert choice.margin == pytest.approx(0.04) and choice.noise == pytest.approx(0.01)
+
+
+def test_a_margin_within_the_noise_keeps_the_current_setting() -> None:
+    results = [result(32, (90, 100, 110)), result(31, (95, 104, 106))]
+    choice = choose(results, "placement.threads", "decode", current=32)
+    assert choice.winner == 31 and choice.verdict == Verdict.KEEP and choice.value == 32
+    assert choice.margin == pytest.approx(0.04) and choice.noise == pytest.approx(0.1)
+    report = Report("m.gguf", 2**30, "llama-cpp-python", 0, (0, 1), {(0, 0): Figure((20.0, 21.0))}, results, [choice])
+    text = format_report(report)
+    assert "within the noise (±10.0%); keep the current setting" in text
+    assert json.loads(json.dumps(report.to_json()))["choices"][0]["verdict"] == "keep"
+
+
+def test_prompt_threads_are_chosen_by_prompt_speed_apart_from_decode() -> None:
+    results = [result(64, (80, 80, 80), (300, 301, 299)), result(32, (100, 100, 100), (200, 200, 200))]
+    assert choose(results, "placement.threads", "decode", current=32).value == 32
+    assert choose(results, "placement.threads_batch", "prompt", current=32).value == 64
+
+
+def test_the_current_setting_must_have_been_measured() -> None:
+    with pytest.raises(ValueError, match="was not measured"):
+        choose([result(8, (1, 1))], "placement.threads", "decode", current=16)
+
+
+def test_thread_keys_are_checked_against_the_plan(tmp_path: Path) -> None:
+    topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
+
+    def plan(placement: str):
+        return make_plan(parse_config(f'[model]\npath = "/m.gguf"\n[placement]\n{placement}', "/etc/x.toml"), topo,
+                         source="/etc/x.toml")
+
+    auto = plan("").instances[0]
+    assert (auto.threads, auto.threads_batch) == (32, 32)
+    tuned = plan("threads = 31\nthreads_batch = 24").instances[0]
+    assert (tuned.threads, tuned.threads_batch) == (31, 24)
+    with pytest.raises(ConfigError, match=r"placement.threads = 33: infer@0 has only 32 CPUs \(one per physical core "
+                                          r"with smt = false; smt = true counts SMT siblings too\)"):
+        plan("threads = 33")
+    assert plan("smt = true\nthreads_batch = 64").instances[0].threads_batch == 64
+    with pytest.raises(ConfigError, match="placement.threads_batch = 65"):
+        plan("smt = true\nthreads_batch = 65")
+
+
+CONFIG = """# numa-infer on this box; tuned by hand in 2025
+[model]
+path = "/m.gguf"   # the 8B model
+
+[placement]
+smt = false        # A/B tested: off is faster here
+# threads = 30
+
+[server]
+base_port = 9000
+"""
+
+
+def test_apply_edits_the_file_keeping_comments_and_a_backup(tmp_path: Path) -> None:
+    path = tmp_path / "numa-infer.toml"
+    path.write_text(CONFIG)
+    path.chmod(0o640)
+    topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
+    backup = apply_edits(path, [Edit("placement", "threads", 31), Edit("placement", "threads_batch", 32)],
+                         lambda cfg: make_plan(cfg, topo) and None)
+    text = path.read_text()
+    for kept in ("# numa-infer on this box; tuned by hand in 2025", 'path = "/m.gguf"   # the 8B model',
+                 "smt = false        # A/B tested: off is faster here", "# threads = 30", "base_port = 9000"):
+        assert kept in text
+    assert parse_config(text, "x").placement.threads == 31 and parse_config(text, "x").placement.threads_batch == 32
+    assert backup.read_text() == CONFIG and oct(path.stat().st_mode & 0o777) == "0o640"
+    # A section that is not there yet is added.
+    assert "[placement]\nthreads = 4" in edited_text('[model]\npath = "/m.gguf"\n', [Edit("placement", "threads", 4)])
+
+
+def test_apply_refuses_a_result_the_plan_refuses_and_writes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "numa-infer.toml"
+    path.write_text(CONFIG)
+    topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
+    with pytest.raises(ConfigError, match=r"the tuned settings were refused, nothing written: placement.threads = 64: "):
+        apply_edits(path, [Edit("placement", "threads", 64)], lambda cfg: make_plan(cfg, topo) and None)
+    assert path.read_text() == CONFIG and list(tmp_path.glob("*.bak")) == []
+
+
+# -- end to end: real servers (llama-cpp-python, tiny model), the daemon's holds -------------------
+
+from tests.daemon_harness import daemons, generated_model  # noqa: E402
+
+
+def tune(run, *args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "numad_infer", "--config", str(run.config), "--fsroot", str(run.fsroot),
+                           "--state-file", str(run.state_file), "tune", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):
+    with daemons(tmp_path, generated_model("tiny")) as start:
+        yield start
+
+
+def test_tune_measures_every_candidate_it_lists_and_applies_the_winner(daemon) -> None:
+    # This host as it is (2 CPUs, one node): the grid is 2 threads (today's rule) and 1.
+    from bench.serving import host_machine
+
+    run = daemon(machine=host_machine(), frontend='listen = ""\n')
+    run.stop()  # no daemon: tune runs its own servers on the node
+    run.write_config(extra="# the operator's note\n")
+    done = tune(run, "--quick", "--json", "--samples", "2", "--tokens", "8")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert [c["threads"] for c in report["candidates"]] == [2, 1]
+    for c in report["candidates"]:
+        assert len(c["decode_tokens_per_s"]["samples"]) == 2 and c["decode_tokens_per_s"]["median"] > 0
+        assert len(c["prompt_tokens_per_s"]["samples"]) == 2 and c["prompt_tokens_per_s"]["median"] > 0
+    assert [(b["cpus_node"], b["memory_node"]) for b in report["bandwidth_gbs"]] == [(0, 0)]
+    assert report["bandwidth_gbs"][0]["median"] > 0.5
+    choices = {c["key"]: c for c in report["choices"]}
+    best = max(report["candidates"], key=lambda c: c["decode_tokens_per_s"]["median"])
+    assert choices["placement.threads"]["winner"] == best["threads"] and choices["placement.threads"]["current"] == 2
+    applied = tune(run, "--quick", "--samples", "2", "--tokens", "8", "--apply")
+    assert applied.returncode == 0, applied.stderr
+    text = run.config.read_text()
+    assert "# the operator's note" in text
+    if "threads = " in text:  # a winner beyond the noise was written, with a backup
+        assert list(run.config.parent.glob("numa-infer.toml.*.bak"))
+        assert "(previous file kept as" in applied.stdout
+    else:
+        assert "unchanged" in applied.stdout
+
+
+def test_tune_on_a_running_fleet_holds_one_node_at_a_time_and_gives_it_back(daemon) -> None:
+    run = daemon()
+    state = run.all_healthy(2)
+    before = {i["name"]: i["restarts"] for i in state["instances"]}
+    done = tune(run, "--quick", "--json", "--nodes", "0,1", "--samples", "2", "--tokens", "8")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert {(b["cpus_node"], b["memory_node"]) for b in report["bandwidth_gbs"]} == {(0, 0), (1, 0)}
+    logs = run.logs()
+    for name in ("infer@0", "infer@1"):
+        assert f"{name}: held by numa-infer tune" in logs and f"{name}: released: starting it again" in logs
+    state = run.all_healthy(2)
+    assert {i["name"]: i["restarts"] for i in state["instances"]} == before  # a hold is not a crash
+    assert not list((run.state_file.parent / "holds").glob("*.hold"))
+
+
+def test_tune_interrupted_leaves_the_fleet_as_it_was(daemon) -> None:
+    import signal
+
+    run = daemon()
+    run.all_healthy(2)
+    config_before = run.config.read_text()
+    proc = subprocess.Popen([sys.executable, "-m", "numad_infer", "--config", str(run.config), "--fsroot",
+                             str(run.fsroot), "--state-file", str(run.state_file), "tune", "--apply"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    run.wait(lambda s: any(i["state"] == "held" for i in s["instances"]), 120, "an instance held by tune")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "interrupted; nothing was changed" in err
+    run.all_healthy(2, timeout=120)
+    assert run.config.read_text() == config_before
+    assert not list((run.state_file.parent / "holds").glob("*.hold"))
+    assert not tune_servers()  # no measuring server left behind
+
+
+def tune_servers() -> list[int]:
+    """Processes writing to a tune log directory: tune's own measuring servers."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if "/numa-infer-tune-" in os.readlink(f"/proc/{pid}/fd/1"):
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def test_tune_refuses_a_running_fleet_without_a_front_door(daemon) -> None:
+    run = daemon(frontend='listen = ""\n')
+    run.all_healthy(2)
+    done = tune(run, "--quick")
+    assert done.returncode == 1 and "no front door to route around a node" in done.stderr
+    assert "--stop-instances" in done.stderr
