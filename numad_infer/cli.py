@@ -228,7 +228,7 @@ def format_status(status: "Status") -> str:
     # The engine's own columns only where an instance has them (llama-server).
     engine = any(i.slots is not None for i in status.instances)
     rows = [("INSTANCE", "NODE", "CPUS", "PORT", "PID", "STATE", "UPTIME", "RESTARTS", "LOCAL-MEM", "PROBE",
-             "ROTATION", "INFLIGHT", "QUEUED") + (("SLOTS", "TOK/S") if engine else ())]
+             "ROTATION", "INFLIGHT", "QUEUED") + (("SLOTS", "TOK/S", "BW-EFF") if engine else ())]
     for i in status.instances:
         frac = i.local_memory_fraction
         row = (i.name, _dash(i.node), format_list(i.cpus), str(i.port), _dash(i.pid),
@@ -238,7 +238,8 @@ def format_status(status: "Status") -> str:
                _dash(i.rotation), _dash(i.in_flight), _dash(i.queued))
         if engine:
             row += ("-" if i.slots is None else f"{_dash(i.busy_slots)}/{i.slots} busy",
-                    "-" if i.decode_tokens_per_s is None else f"{i.decode_tokens_per_s:.1f}")
+                    "-" if i.decode_tokens_per_s is None else f"{i.decode_tokens_per_s:.1f}",
+                    "-" if i.decode_efficiency is None else f"{i.decode_efficiency:.0%}")
         rows.append(row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -362,7 +363,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
             print(f"tune: {text}", file=sys.stderr, flush=True)
 
     request = tuner.TuneRequest(args.config, args.fsroot, Path(args.state_file), args.nodes, args.quick, args.apply,
-                                args.stop_instances, args.samples, args.tokens)
+                                args.stop_instances, args.samples, args.tokens, args.layouts)
     try:
         report, edits = tuner.run(request, progress)
     except tuner.TuneError as exc:
@@ -446,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--apply", action="store_true", help="write the winner into the config file (a backup is kept) and reload")
     p.add_argument("--stop-instances", action="store_true",
                    help="without a front door: stop each node's instance while it is measured")
+    p.add_argument("--layouts", action="store_true",
+                   help="also measure layouts (per node, k per node along L3, interleaved) under concurrent clients; "
+                        "needs the whole machine")
     p.add_argument("--samples", type=int, default=None, help="repeats of every figure (default 5, --quick 3)")
     p.add_argument("--tokens", type=int, default=None, help="tokens generated per decode sample (default 64, --quick 16)")
     p.set_defaults(func=cmd_tune)

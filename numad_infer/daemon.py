@@ -13,7 +13,7 @@ import signal
 import time
 from pathlib import Path
 
-from numad_infer import __version__, holds, metrics
+from numad_infer import __version__, bandwidth, holds, metrics
 from numad_infer.backends import Backend
 from numad_infer.config import Config, Engine, load_config
 from numad_infer.cpuset import format_list
@@ -60,6 +60,8 @@ class Daemon:
         self._wake_r, self._wake_w = os.pipe()
         self.host = HostCheck(self.proc)
         self.runs_as: RunAs | None = None  # who the instances run as, None: the daemon's user
+        self.model_bytes = 0
+        self.tuned = bandwidth.Results(state_file.parent / bandwidth.RESULTS_NAME)  # what `numa-infer tune` measured
         self.latest: Status | None = None  # last published snapshot (immutable), read by the metrics thread
         self.pass_duration_s: float | None = None
         self.metrics = metrics.Endpoint(lambda: self.latest)
@@ -90,6 +92,7 @@ class Daemon:
         topology = self.sysfs.topology()
         runs_as = self.backend.instance_user(config, self.config_path)
         size = model_size(config.model.path, self.config_path, runs_as)
+        self.model_bytes = size
         if config.server.engine == Engine.LLAMA_SERVER:
             check_llama_server(config, self.config_path, runs_as)
         plan = make_plan(config, topology, size, source=self.config_path)
@@ -186,8 +189,15 @@ class Daemon:
             last_reload=self.last_reload, warnings=tuple(self.warnings), status=self.status_line(),
             pass_duration_s=self.pass_duration_s, metrics=self.metrics.listen or None)
         slots = slots_of(self.config) if self.config is not None and traits(self.config).metrics_path else None
-        return Status(daemon, tuple(_instance_status(rt, now, self.frontdoor, slots)
+        return Status(daemon, tuple(_instance_status(rt, now, self.frontdoor, slots, self._efficiency(rt))
                                     for rt in self.reconciler.runtimes.values()), self._frontdoor_status())
+
+    def _efficiency(self, rt: Runtime) -> float | None:
+        """Decode tokens/s x bytes of weights read per token / the node's measured bandwidth."""
+        if rt.decode_tokens_per_s is None or rt.instance.node is None or not self.model_bytes:
+            return None
+        gbs = self.tuned.local_gbs(rt.instance.node)
+        return None if not gbs else rt.decode_tokens_per_s * self.model_bytes / (gbs * 1e9)
 
     def _frontdoor_status(self) -> FrontdoorStatus | None:
         fd = self.frontdoor
@@ -289,7 +299,8 @@ def _names(names: tuple[str, ...]) -> str:
     return ", ".join(names) if names else "none"
 
 
-def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int | None) -> InstanceStatus:
+def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int | None,
+                     efficiency: float | None) -> InstanceStatus:
     """`slots`: requests an instance works on at once, where its engine reports them."""
     sup, inst, mem = rt.supervision, rt.instance, rt.memory
     stat = None if frontdoor.stats is None else frontdoor.stats.servers.get(server_name(inst.name))
@@ -310,4 +321,5 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
         rotation=None if stat is None else stat.status, in_flight=None if stat is None else stat.in_flight,
         queued=None if stat is None else stat.queued, served=None if stat is None else stat.served,
         slots=slots, busy_slots=None if rt.counters is None else rt.counters.busy_slots,
-        decode_tokens_per_s=None if rt.decode_tokens_per_s is None else round(rt.decode_tokens_per_s, 1))
+        decode_tokens_per_s=None if rt.decode_tokens_per_s is None else round(rt.decode_tokens_per_s, 1),
+        decode_efficiency=None if efficiency is None else round(efficiency, 4))

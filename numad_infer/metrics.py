@@ -50,6 +50,9 @@ class SnapshotCollector(Collector):
                                    "Tokens the instance generated per second over the last pass (llama-server)", labels=labels)
         busy = GaugeMetricFamily("numa_infer_instance_busy_slots", "Requests the instance works on now (llama-server)",
                                  labels=labels)
+        efficiency = GaugeMetricFamily("numa_infer_instance_decode_efficiency",
+                                       "Decode tokens/s x weight bytes / the node's read bandwidth (numa-infer tune)",
+                                       labels=labels)
         slots = GaugeMetricFamily("numa_infer_instance_slots", "Requests the instance can work on at once (llama-server)",
                                   labels=labels)
         drifts = CounterMetricFamily("numa_infer_drift_events", "Drift found, by kind", labels=labels + ["kind"])
@@ -74,11 +77,13 @@ class SnapshotCollector(Collector):
                 busy.add_metric(key, inst.busy_slots)
             if inst.decode_tokens_per_s is not None:
                 decode.add_metric(key, inst.decode_tokens_per_s)
+            if inst.decode_efficiency is not None:
+                efficiency.add_metric(key, inst.decode_efficiency)
             for kind in EventKind:
                 drifts.add_metric(key + [kind.value], inst.drift_events.get(kind.value, 0))
                 repairs.add_metric(key + [kind.value], inst.repairs.get(kind.value, 0))
-        yield from (healthy, state, restarts, latency, local, threads, in_flight, queued, decode, busy, slots, drifts,
-                    repairs)
+        yield from (healthy, state, restarts, latency, local, threads, in_flight, queued, decode, efficiency, busy,
+                    slots, drifts, repairs)
         front = snap.frontdoor
         if front is not None:
             up = GaugeMetricFamily("numa_infer_frontdoor_up", "1 while the front door (HAProxy) answers its runtime API")

@@ -123,6 +123,8 @@ class Report:
     bandwidth: dict[tuple[int, int], Figure] = field(default_factory=dict)  # (cpu node, memory node) -> GB/s
     results: list[Result] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)
+    layout_results: list["LayoutResult"] = field(default_factory=list)
+    current_layout: "Layout | None" = None
 
     def to_json(self) -> dict[str, Any]:
         def figure(f: Figure) -> dict[str, Any]:
@@ -138,6 +140,10 @@ class Report:
                             "decode_efficiency": _round(r.efficiency(self.weight_bytes, local.median if local else None))}
                            for r in self.results],
             "choices": [{**asdict(c), "verdict": c.verdict.value, "value": c.value} for c in self.choices],
+            "layouts": [{"mode": r.layout.mode, "instances_per_node": r.layout.instances_per_node, "name": r.layout.name,
+                         "instances": r.instances, "clients": r.clients, "aggregate_tokens_per_s": figure(r.aggregate),
+                         "p50_s": round(r.p50_s, 3), "p99_s": round(r.p99_s, 3),
+                         "current": r.layout == self.current_layout} for r in self.layout_results],
         }
 
 
@@ -179,4 +185,75 @@ def format_report(report: Report) -> str:
         else:
             lines.append(f"{c.key}: {c.winner} measured {c.margin:+.1%} over the current {c.current}, within the "
                          f"noise (±{c.noise:.1%}); keep the current setting")
+    if report.layout_results and report.current_layout is not None:
+        lines.append(format_layouts(report.layout_results, report.current_layout))
+    return "\n".join(lines)
+
+
+# -- layouts under concurrency -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    mode: str  # placement.mode
+    instances_per_node: int
+    label: str
+
+    @property
+    def name(self) -> str:
+        return "interleave" if self.mode == "interleave" else f"per-node x{self.instances_per_node}"
+
+
+@dataclass(frozen=True)
+class LayoutResult:
+    layout: Layout
+    instances: int
+    clients: int
+    aggregate: Figure  # tokens/s over all clients
+    p50_s: float  # request latency
+    p99_s: float
+
+
+def layouts(l3_per_node: int, cores_per_node: int) -> list[Layout]:
+    """One instance per node (today's default), k per node along the shared L3 caches
+    (or 2 when a node has one L3 and enough cores), and one interleaved over every node."""
+    found = [Layout("per-node", 1, "one per node")]
+    k = l3_per_node if l3_per_node > 1 else (2 if cores_per_node >= 4 else 1)
+    if k > 1:
+        found.append(Layout("per-node", k, "one per shared L3" if l3_per_node > 1 else "two per node"))
+    found.append(Layout("interleave", 1, "one over all nodes"))
+    return found
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def choose_layout(results: list[LayoutResult], current: Layout) -> tuple[LayoutResult, float, float, Verdict]:
+    """(winner, margin over the current layout, noise, verdict), by aggregate tokens/s."""
+    best = max(results, key=lambda r: r.aggregate.median)
+    base = next(r for r in results if r.layout == current)
+    margin = best.aggregate.median / base.aggregate.median - 1 if base.aggregate.median > 0 else float("inf")
+    noise = max(best.aggregate.spread, base.aggregate.spread)
+    verdict = Verdict.CHANGE if best.layout != current and margin > noise else Verdict.KEEP
+    return best, margin, noise, verdict
+
+
+def format_layouts(results: list[LayoutResult], current: Layout) -> str:
+    best, margin, noise, verdict = choose_layout(results, current)
+    rows = [("LAYOUT", "INSTANCES", "CLIENTS", "AGGREGATE tok/s", "P50 s", "P99 s", "")]
+    for r in results:
+        note = ", ".join(n for n, on in (("current", r.layout == current), ("best", r is best)) if on)
+        rows.append((r.layout.name, str(r.instances), str(r.clients), str(r.aggregate), f"{r.p50_s:.2f}",
+                     f"{r.p99_s:.2f}", note))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    if verdict == Verdict.CHANGE:
+        lines.append(f"layout {best.layout.name}: {margin:+.1%} aggregate tokens/s over the current {current.name} "
+                     f"(noise ±{noise:.1%})")
+    elif best.layout == current:
+        lines.append(f"layout: the current {current.name} is the fastest measured; keep it")
+    else:
+        lines.append(f"layout: {best.layout.name} measured {margin:+.1%} over the current {current.name}, within the "
+                     f"noise (±{noise:.1%}); keep the current layout")
     return "\n".join(lines)

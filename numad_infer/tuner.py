@@ -28,7 +28,7 @@ from numad_infer.engines import traits
 from numad_infer.health import probe
 from numad_infer.planner import Instance, make_plan
 from numad_infer.topology import Topology
-from numad_infer.tune import Candidate, Figure, Report, Result
+from numad_infer.tune import Candidate, Figure, Layout, LayoutResult, Report, Result, percentile
 
 if TYPE_CHECKING:
     from numad_infer.configedit import Edit
@@ -111,6 +111,70 @@ class Measurer:
             time.sleep(0.2)
         raise TuneError(f"the server for {instance.threads} threads did not answer within "
                         f"{self.settings.startup_timeout_s:g}s")
+
+    def measure_layout(self, layout: Layout, clients: int, rounds: int, port: int) -> LayoutResult:
+        """Every instance of `layout` at once, `clients` concurrent clients spread over them
+        (client k on instance k mod n), each sending `rounds` completions, `samples` times."""
+        placement = self.config.placement.model_copy(update={"mode": layout.mode,
+                                                              "instances_per_node": layout.instances_per_node})
+        cfg = self.config.model_copy(update={
+            "placement": placement, "server": self.config.server.model_copy(update={"base_port": port}),
+            "frontend": self.config.frontend.model_copy(update={"listen": ""})})
+        plan = make_plan(cfg, self.topology, self.model_size, source="tune")
+        backend = ProcessBackend(self.log_dir)
+        backend.sync(cfg, plan)
+        self.progress(f"layout {layout.name}: starting {len(plan.instances)} instance(s)")
+        try:
+            for instance in plan.instances:
+                backend.start(instance)
+            for instance in plan.instances:
+                self._wait_ready(backend, cfg, instance)
+            ports = [i.port for i in plan.instances]
+            for port_ in ports:
+                Client(cfg.server.host, port_, self.key).complete("warm up", 2)
+            rates: list[float] = []
+            latencies: list[float] = []
+            for sample in range(self.settings.samples):
+                self.progress(f"layout {layout.name}: {clients} clients, sample {sample + 1}/{self.settings.samples}")
+                rate, seconds = self._concurrent(cfg.server.host, ports, clients, rounds)
+                rates.append(rate)
+                latencies += seconds
+            return LayoutResult(layout, len(plan.instances), clients, Figure(tuple(rates)),
+                                percentile(latencies, 0.5), percentile(latencies, 0.99))
+        finally:
+            for instance in plan.instances:
+                backend.stop(instance.name)
+
+    def _concurrent(self, host: str, ports: list[int], clients: int, rounds: int) -> tuple[float, list[float]]:
+        import threading
+
+        tokens: list[int] = []
+        seconds: list[float] = []
+        errors: list[str] = []
+        lock = threading.Lock()
+
+        def client(port: int) -> None:
+            session = Client(host, port, self.key)
+            for _ in range(rounds):
+                try:
+                    took, _, got = session.complete(session.fresh(8), self.settings.tokens)
+                except (OSError, TuneError) as exc:
+                    with lock:
+                        errors.append(str(exc))
+                    return
+                with lock:
+                    tokens.append(got)
+                    seconds.append(took)
+
+        threads = [threading.Thread(target=client, args=(ports[k % len(ports)],), daemon=True) for k in range(clients)]
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise TuneError(f"{len(errors)} request(s) failed: {errors[0]}")
+        return sum(tokens) / (time.monotonic() - started), seconds
 
     def bandwidth(self, nodes: list[int], samples: int) -> dict[tuple[int, int], Figure]:
         """(CPU node, memory node) -> GB/s, read by the CPUs the node's instance would get."""
@@ -199,6 +263,7 @@ class TuneRequest:
     stop_instances: bool
     samples: int | None
     tokens: int | None
+    layouts: bool = False
 
 
 class Fleet:
@@ -220,6 +285,12 @@ class Fleet:
             return []
         assert self.status is not None
         return [i.name for i in self.status.instances if i.node == node or i.node is None]
+
+    def hold_all(self, timeout_s: float) -> None:
+        """Every instance (layouts need the whole machine): only with --stop-instances."""
+        for node in sorted({i.node for i in self.status.instances if i.node is not None} if self.live and self.status
+                           else set()):
+            self.hold(node, timeout_s)
 
     def hold(self, node: int, timeout_s: float) -> None:
         from numad_infer import holds
@@ -280,7 +351,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     from numad_infer.configedit import Edit
     from numad_infer.hostcheck import check_llama_server
     from numad_infer.modelfile import model_size
-    from numad_infer.tune import Choice, Verdict, choose, thread_grid
+    from numad_infer.tune import Choice, Verdict, choose, choose_layout, layouts, thread_grid
 
     loaded = load_all(request.config_path, request.fsroot)
     config, topology, plan = loaded.config, loaded.topology, loaded.plan
@@ -296,6 +367,9 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
             raise ConfigError(request.config_path, "placement.nodes", f"node {node} hosts no instance in the plan "
                               f"(planned nodes: {', '.join(map(str, sorted(planned)))})")
     fleet = Fleet(request.state_file, progress)
+    if fleet.live and request.layouts and not request.stop_instances:
+        raise TuneError("measuring layouts needs every CPU of the machine, so the whole service would be down: "
+                        "pass --stop-instances to accept that, or stop numa-infer first")
     if fleet.live and not config.frontend.enabled and not request.stop_instances:
         raise TuneError("the daemon is running and there is no front door to route around a node under measurement: "
                         "its clients would be cut off. Pass --stop-instances to stop each node's instance while "
@@ -332,6 +406,38 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
                 fleet.release(config.monitor.startup_grace_s + 60)
     finally:
         fleet.drop()
+    if request.layouts:
+        candidates = layouts(len(node_obj.l3_groups) or 1, len(cores))
+        current_layout = next((lay for lay in candidates if lay.mode == config.placement.mode
+                               and lay.instances_per_node == config.placement.instances_per_node), None)
+        if current_layout is None:
+            current_layout = Layout(config.placement.mode, config.placement.instances_per_node, "current setting")
+            candidates.insert(0, current_layout)
+        most = 0
+        for layout in candidates:
+            placement = config.placement.model_copy(update={"mode": layout.mode,
+                                                          "instances_per_node": layout.instances_per_node})
+            try:
+                most = max(most, len(make_plan(config.model_copy(update={"placement": placement}), topology, size,
+                                               source="tune").instances))
+            except ConfigError as exc:
+                progress(f"layout {layout.name}: not possible here ({exc}); skipped")
+                candidates = [c for c in candidates if c is not layout]
+        clients = max(4, 2 * most)
+        report.current_layout = current_layout
+        try:
+            fleet.hold_all(config.frontend.drain_timeout_s + 120)
+            for layout in candidates:
+                report.layout_results.append(measurer.measure_layout(layout, clients, 2, _free_port_block(most)))
+        finally:
+            fleet.release(config.monitor.startup_grace_s + 60)
+            fleet.drop()
+    # For the daemon: status then shows llama-server's decode as a share of this bandwidth.
+    try:
+        bandwidth.save(request.state_file.parent / bandwidth.RESULTS_NAME,
+                       {k: f.median for k, f in report.bandwidth.items()})
+    except OSError as exc:
+        log.warning("cannot keep the bandwidth figures for the daemon: %s", exc)
     choices: list[Choice] = [choose(report.results, "placement.threads", "decode", current["placement.threads"]),
                              choose(report.results, "placement.threads_batch", "prompt",
                                     current["placement.threads_batch"])]
@@ -342,7 +448,34 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
         if max(threads, batch) > len(cores) and not config.placement.smt:
             edits.append(Edit("placement", "smt", True))
         edits += [Edit("placement", "threads", threads), Edit("placement", "threads_batch", batch)]
+    if report.layout_results and report.current_layout is not None:
+        best, _, _, verdict = choose_layout(report.layout_results, report.current_layout)
+        if verdict == Verdict.CHANGE:
+            edits += [Edit("placement", "mode", best.layout.mode),
+                      Edit("placement", "instances_per_node", best.layout.instances_per_node)]
     return report, edits
+
+
+def _free_port_block(count: int) -> int:
+    """A base port with `count` free ports from it (the instances of one layout)."""
+    import random
+    import socket
+
+    for _ in range(100):
+        base = random.randrange(20000, 60000)
+        try:
+            sockets = []
+            for port in range(base, base + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+        return base
+    raise TuneError("no block of free ports on 127.0.0.1")
 
 
 def _free_port() -> int:

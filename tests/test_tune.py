@@ -82,6 +82,24 @@ def test_thread_keys_are_checked_against_the_plan(tmp_path: Path) -> None:
         plan("smt = true\nthreads_batch = 65")
 
 
+def test_layouts_and_their_choice() -> None:
+    from numad_infer.tune import Layout, LayoutResult, choose_layout, layouts, percentile
+
+    assert [lay.name for lay in layouts(4, 16)] == ["per-node x1", "per-node x4", "interleave"]
+    assert [lay.name for lay in layouts(1, 8)] == ["per-node x1", "per-node x2", "interleave"]
+    assert [lay.name for lay in layouts(1, 2)] == ["per-node x1", "interleave"]
+    one, four, inter = layouts(4, 16)
+    results = [LayoutResult(one, 2, 8, Figure((100, 102, 98)), 1.0, 1.2),
+               LayoutResult(four, 8, 8, Figure((130, 131, 129)), 0.8, 0.9),
+               LayoutResult(inter, 1, 8, Figure((60, 61, 59)), 2.0, 2.4)]
+    best, margin, noise, verdict = choose_layout(results, one)
+    assert best.layout == four and verdict == Verdict.CHANGE and margin == pytest.approx(0.3)
+    noisy = [LayoutResult(one, 2, 8, Figure((80, 100, 120)), 1, 1), LayoutResult(four, 8, 8, Figure((105, 106)), 1, 1)]
+    assert choose_layout(noisy, one)[3] == Verdict.KEEP
+    assert percentile([1.0, 2.0, 3.0, 4.0, 100.0], 0.5) == 3.0 and percentile([1.0, 2.0, 100.0], 0.99) == 100.0
+    assert Layout("interleave", 1, "x").name == "interleave"
+
+
 CONFIG = """# numa-infer on this box; tuned by hand in 2025
 [model]
 path = "/m.gguf"   # the 8B model
@@ -222,3 +240,68 @@ def test_tune_refuses_a_running_fleet_without_a_front_door(daemon) -> None:
     done = tune(run, "--quick")
     assert done.returncode == 1 and "no front door to route around a node" in done.stderr
     assert "--stop-instances" in done.stderr
+
+
+def test_the_bandwidth_tune_measured_is_kept_for_the_daemon(tmp_path: Path) -> None:
+    from numad_infer import bandwidth
+
+    path = tmp_path / bandwidth.RESULTS_NAME
+    results = bandwidth.Results(path)
+    assert results.local_gbs(0) is None
+    bandwidth.save(path, {(0, 0): 40.0, (0, 1): 25.0})
+    bandwidth.save(path, {(1, 1): 38.5})  # a later run on node 1 adds to it
+    assert (results.local_gbs(0), results.local_gbs(1)) == (40.0, 38.5)
+    os.utime(path, (1, 1))
+    bandwidth.save(path, {(0, 0): 41.0})
+    assert results.local_gbs(0) == 41.0  # re-read when the file changed
+
+
+def test_status_shows_llama_server_decode_as_a_share_of_the_measured_bandwidth(daemon) -> None:
+    import threading
+    import urllib.request
+
+    from numad_infer import bandwidth
+
+    run = daemon(engine="llama-server")
+    run.all_healthy(2)
+    bandwidth.save(run.state_file.parent / bandwidth.RESULTS_NAME, {(0, 0): 10.0, (1, 1): 10.0})
+    port = run.instance(run.state(), "infer@0")["port"]
+    stop = threading.Event()
+
+    def load() -> None:
+        body = json.dumps({"prompt": "hello", "max_tokens": 32}).encode()
+        while not stop.is_set():
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=30).read()
+
+    client = threading.Thread(target=load, daemon=True)
+    client.start()
+    try:
+        state = run.wait(lambda s: (run.instance(s, "infer@0").get("decode_efficiency") or 0) > 0, 30,
+                         "decode efficiency in status")
+    finally:
+        stop.set()
+        client.join(30)
+    inst = run.instance(state, "infer@0")
+    expected = inst["decode_tokens_per_s"] * run.model.stat().st_size / 10e9
+    assert inst["decode_efficiency"] == pytest.approx(expected, rel=0.01, abs=1e-4)
+    text = run.cli("status").stdout
+    assert "BW-EFF" in text and "TOK/S" in text
+
+
+def test_layouts_are_measured_under_concurrency_and_compared_with_the_current_one(daemon) -> None:
+    run = daemon(frontend='listen = ""\n')
+    run.all_healthy(2)
+    refused = tune(run, "--quick", "--layouts", "--stop-instances", "--samples", "1", "--tokens", "4", "--json")
+    assert refused.returncode == 0, refused.stderr  # --stop-instances: the whole fleet held, then given back
+    report = json.loads(refused.stdout)
+    assert [(lay["name"], lay["instances"], lay["clients"]) for lay in report["layouts"]] == [
+        ("per-node x1", 2, 4), ("interleave", 1, 4)]
+    assert next(lay for lay in report["layouts"] if lay["current"])["name"] == "per-node x1"
+    for lay in report["layouts"]:
+        assert lay["aggregate_tokens_per_s"]["median"] > 0 and 0 < lay["p50_s"] <= lay["p99_s"]
+    run.all_healthy(2, timeout=120)
+    assert "held by numa-infer tune" in run.logs()
+    without = tune(run, "--quick", "--layouts")
+    assert without.returncode == 1 and "the whole service would be down" in without.stderr

@@ -68,7 +68,7 @@ _numa_infer()
         check) opts="" ;;
         run) opts="--backend --verbose" ;;
         reload) opts="--pid --timeout" ;;
-        tune) opts="--nodes --quick --json --apply --stop-instances --samples --tokens" ;;
+        tune) opts="--nodes --quick --json --apply --stop-instances --layouts --samples --tokens" ;;
         *) return ;;
     esac
     if [[ $cur == -* ]]; then
