@@ -182,15 +182,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    from numad_infer.holds import alive
+
+    return alive(pid)
 
 
 def _age(seconds: float | None) -> str:

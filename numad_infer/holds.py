@@ -47,7 +47,10 @@ def release(path: Path) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int | None) -> bool:
+    """Is there a process `pid` (one of another user's counts too)?"""
+    if not pid:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -73,7 +76,7 @@ def active(directory: Path) -> dict[str, Hold]:
                         float(data.get("since", 0)))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if hold.pid > 1 and _alive(hold.pid):
+        if hold.pid > 1 and alive(hold.pid):
             found[hold.instance] = hold
         else:
             release(path)

@@ -278,19 +278,23 @@ def score(tmp_path: Path, files: dict[str, str], unit: str, threshold: float) ->
     return found
 
 
-@pytest.mark.parametrize("host, listen", [("127.0.0.1", "127.0.0.1:8000"), ("0.0.0.0", "0.0.0.0:80")])
-def test_rendered_units_are_hardened(tmp_path: Path, host: str, listen: str) -> None:
+@pytest.mark.parametrize("host, listen, engine", [
+    ("127.0.0.1", "127.0.0.1:8000", ""), ("0.0.0.0", "0.0.0.0:80", ""),
+    ("127.0.0.1", "127.0.0.1:8000", 'engine = "llama-server"\nparallel = 4\napi_key_file = "/etc/numa-infer/key"\n'),
+])
+def test_rendered_units_are_hardened(tmp_path: Path, host: str, listen: str, engine: str) -> None:
     from numad_infer.config import parse_config
     from numad_infer.planner import Instance, Plan, Policy
     from numad_infer.render import render_units
 
-    config = parse_config(f'[model]\npath = "/m.gguf"\nmlock = true\n[server]\nhost = "{host}"\n'
+    config = parse_config(f'[model]\npath = "/m.gguf"\nmlock = true\n[server]\nhost = "{host}"\n{engine}'
                           f'[frontend]\nlisten = "{listen}"\n')
     plan = Plan((Instance("infer@0", 0, (0, 1), ((0,), (1,)), (0,), Policy.BIND, 2, 8080),))
     files = render_units(config, plan)
     instance = score(tmp_path, files, "infer@0.service", 2.0)
     front = score(tmp_path, files, "numa-infer-frontdoor.service", 2.5)
-    print(f"exposure ({host}, {listen}): infer@0 {instance}, front door {front}")
+    name = 'llama-server' if 'llama-server' in engine else 'llama-cpp-python'
+    print(f"exposure ({host}, {listen}, {name}): infer@0 {instance}, front door {front}")
 
 
 def test_the_shipped_daemon_unit_is_hardened(tmp_path: Path) -> None:
