@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,9 +20,8 @@ from numad_infer.states import State
 from numad_infer.status import read_status
 
 if TYPE_CHECKING:
-    from numad_infer.config import Config
     from numad_infer.status import Status
-    from numad_infer.identity import RunAs
+    from numad_infer.loading import Loaded
     from numad_infer.planner import Plan
     from numad_infer.topology import Topology
 
@@ -32,32 +30,10 @@ if TYPE_CHECKING:
 # operator's status check (or a monitoring script) should not pay ~100 ms for pydantic.
 
 
-@dataclass(frozen=True)
-class Loaded:
-    config: "Config"
-    topology: "Topology"
-    plan: "Plan"
-    runs_as: "RunAs | None"  # who the instances run as (None: this user)
+def load_all(config_path: str, fsroot: str) -> "Loaded":
+    from numad_infer.loading import load_all as load
 
-
-def load_all(config_path: str, fsroot: str) -> Loaded:
-    from numad_infer.config import load_config
-    from numad_infer.identity import instances_run_as
-    from numad_infer.modelfile import model_size
-    from numad_infer.planner import make_plan
-    from numad_infer.sysfs import read_topology
-    from numad_infer.systemctl import pid1_is_systemd
-
-    from numad_infer.unitdir import check_unit_names
-
-    config = load_config(config_path)
-    check_unit_names(config, config_path)
-    topology = read_topology(fsroot)
-    # What counts is what the instances can read: under systemd a DynamicUser, otherwise
-    # server.user when run as root (the backends choose the same way).
-    runs_as = instances_run_as(config.server.user, config_path, systemd_units=pid1_is_systemd())
-    size = model_size(config.model.path, config_path, runs_as)
-    return Loaded(config, topology, make_plan(config, topology, size, source=config_path), runs_as)
+    return load(config_path, fsroot)
 
 
 # -- presentation ------------------------------------------------------------------------

@@ -346,7 +346,7 @@ class Fleet:
 def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, list[Edit]]:
     import tempfile
 
-    from numad_infer.cli import load_all
+    from numad_infer.loading import load_all
     from numad_infer.config import ConfigError, Engine
     from numad_infer.configedit import Edit
     from numad_infer.hostcheck import check_llama_server
