@@ -659,7 +659,11 @@ def e1_llama_server() -> str:
                        f"(model {Path(MODEL).stat().st_size >> 20} MiB)")
         complete(inst(state, name)["port"])
         notes.append(f"{name} anon {anon_local:.1%} local ({anon >> 20} MiB)")
-    # Two requests at once on one instance's two slots, through the front door.
+    # Two requests at once on one instance's two slots, through the front door. llama-server
+    # loads the tiny model before haproxy has started under TCG: wait for the front door to
+    # listen with both instances in rotation.
+    wait(lambda: (s := status()).get("frontdoor") and s["frontdoor"]["up"]
+         and all(i["rotation"] == "UP" for i in s["instances"]), 180, "the front door up, both instances in rotation")
     import threading
     answers: list[str] = []
     clients = [threading.Thread(target=lambda: answers.append(complete(FRONT_PORT, timeout=240))) for _ in range(4)]
