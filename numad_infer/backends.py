@@ -27,8 +27,8 @@ from numad_infer.cpuset import format_list
 from numad_infer.notify import child_environ
 from numad_infer.planner import Instance, Plan
 from numad_infer.frontdoor import FrontdoorRunner
-from numad_infer.identity import RunAs, instances_run_as
-from numad_infer.engines import key_environment, server_argv
+from numad_infer.identity import BackendKind, RunAs, instances_run_as
+from numad_infer.engines import engine_of
 from numad_infer.render import (DROPIN_NAME, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, FRONTDOOR_UNIT, instance_environment,
                                 render_units)
 from numad_infer.systemctl import Systemctl, SystemctlError
@@ -46,11 +46,11 @@ class Observation:
 
 class Backend(Protocol):
     name: str
+    kind: BackendKind  # decides who the instances run as (identity.instances_run_as)
     # Each instance in a cgroup of its own, whose memory.numa_stat is that instance's
     # memory (systemd units); otherwise memory is read from /proc/PID/numa_maps.
     instance_cgroups: bool
 
-    def instance_user(self, config: Config, source: str) -> RunAs | None: ...
     def specs(self, config: Config, plan: Plan) -> dict[str, str]: ...
     def current_specs(self, config: Config) -> dict[str, str]: ...
     def sync(self, config: Config, plan: Plan) -> bool: ...
@@ -65,14 +65,12 @@ class Backend(Protocol):
 
 class SystemdBackend:
     name = "systemd"
+    kind = BackendKind.SYSTEMD
     instance_cgroups = True
 
     def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = "numa-infer.service") -> None:
         self.systemctl = systemctl or Systemctl()
         self.daemon_unit = daemon_unit
-
-    def instance_user(self, config: Config, source: str) -> RunAs | None:
-        return instances_run_as(config.server.user, source, systemd_units=True)
 
     def specs(self, config: Config, plan: Plan) -> dict[str, str]:
         files = render_units(config, plan)
@@ -213,6 +211,7 @@ class ProcessBackend:
     """Instances as the daemon's own children, pinned between fork and exec."""
 
     name = "process"
+    kind = BackendKind.PROCESS
     instance_cgroups = False  # children share the daemon's cgroup
 
     def __init__(self, log_dir: Path) -> None:
@@ -222,14 +221,10 @@ class ProcessBackend:
         self.api_key: str | None = None
         self.runs_as: RunAs | None = None
 
-    def instance_user(self, config: Config, source: str) -> RunAs | None:
-        # A root daemon drops its servers to server.user; any other runs them as itself.
-        return instances_run_as(config.server.user, source, systemd_units=False)
-
     def specs(self, config: Config, plan: Plan) -> dict[str, str]:
         key = fingerprint(read_api_key(config, "server.api_key_file"))
-        user = self.instance_user(config, "server.user")
-        return {i.name: json.dumps({"argv": server_argv(config, i), "env": instance_environment(i), "key": key,
+        user = instances_run_as(config.server.user, "server.user", self.kind)
+        return {i.name: json.dumps({"argv": engine_of(config).argv(config, i), "env": instance_environment(i), "key": key,
                                     "cpus": i.cpus, "mems": i.mems, "policy": i.policy.value,
                                     "user": None if user is None else user.name}, sort_keys=True)
                 for i in plan.instances}
@@ -240,18 +235,18 @@ class ProcessBackend:
     def sync(self, config: Config, plan: Plan) -> bool:
         self.config = config
         self.api_key = read_api_key(config, "server.api_key_file")
-        self.runs_as = self.instance_user(config, "server.user")
+        self.runs_as = instances_run_as(config.server.user, "server.user", self.kind)
         return False
 
     def start(self, instance: Instance) -> None:
         if self.main_pid(instance.name) is not None:
             return
         assert self.config is not None
-        argv = server_argv(self.config, instance)
+        argv = engine_of(self.config).argv(self.config, instance)
         env = child_environ()
         env.update(instance_environment(instance))
         if self.api_key is not None:
-            env.update(key_environment(self.config, self.api_key))  # readable by the child's user only, not argv
+            env.update(engine_of(self.config).key_environment(self.api_key))  # readable by the child's user only, not argv
         switch: dict[str, Any] = {}
         if self.runs_as is not None:
             switch = self.runs_as.popen_kwargs()

@@ -30,10 +30,12 @@ if TYPE_CHECKING:
 # operator's status check (or a monitoring script) should not pay ~100 ms for pydantic.
 
 
-def load_all(config_path: str, fsroot: str) -> "Loaded":
-    from numad_infer.loading import load_all as load
+def load_all(args: argparse.Namespace) -> "Loaded":
+    """The one pipeline (loading.py), for the backend `--backend` names."""
+    from numad_infer.identity import backend_kind
+    from numad_infer.loading import load
 
-    return load(config_path, fsroot)
+    return load(args.config, backend_kind(args.backend), args.fsroot)
 
 
 # -- presentation ------------------------------------------------------------------------
@@ -55,14 +57,15 @@ def format_topology(topo: "Topology") -> str:
     return "\n".join(out)
 
 
-def format_plan(plan: "Plan") -> str:
+def format_plan(plan: "Plan", warnings: "tuple[str, ...] | None" = None) -> str:
+    """The plan as a table, then `warnings` (default: the plan's own)."""
     rows = [("INSTANCE", "NODE", "CPUS", "MEMS", "POLICY", "THREADS", "PORT")]
     for i in plan.instances:
         rows.append((i.name, "-" if i.node is None else str(i.node), format_list(i.cpus), format_list(i.mems),
                      i.policy.value, str(i.threads), str(i.port)))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines += [f"warning: {w}" for w in plan.warnings]
+    lines += [f"warning: {w}" for w in (plan.warnings if warnings is None else warnings)]
     return "\n".join(lines)
 
 
@@ -77,7 +80,7 @@ def cmd_topology(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    loaded = load_all(args.config, args.fsroot)
+    loaded = load_all(args)
     print(json.dumps(loaded.plan.to_dict(), indent=2) if args.json else format_plan(loaded.plan))
     return 0
 
@@ -86,7 +89,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     from numad_infer.render import render_units
     from numad_infer.unitdir import write_units
 
-    loaded = load_all(args.config, args.fsroot)
+    loaded = load_all(args)
     unit_dir = Path(args.output or loaded.config.systemd.unit_dir)
     result = write_units(unit_dir, render_units(loaded.config, loaded.plan))
     for rel in result.written:
@@ -104,30 +107,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     from numad_infer.render import render_units
     from numad_infer.unitdir import plan_write
 
-    import tempfile
-
-    from numad_infer.frontdoor import Paths, check_haproxy, render_haproxy
-    from numad_infer.haproxy import validate
-
-    from numad_infer.apikey import read_api_key
-
-    from numad_infer.config import Engine
-    from numad_infer.hostcheck import check_llama_server
-
-    loaded = load_all(args.config, args.fsroot)
-    check_haproxy(loaded.config, args.config)
-    read_api_key(loaded.config, args.config)
-    if loaded.config.server.engine == Engine.LLAMA_SERVER:
-        check_llama_server(loaded.config, args.config, loaded.runs_as)
-    if loaded.config.frontend.enabled:
-        # `haproxy -c` on what the daemon would write, in a scratch directory.
-        with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
-            base = Path(scratch)
-            cfg = base / "haproxy.cfg"
-            cfg.write_text(render_haproxy(loaded.config, loaded.plan, Paths(cfg, base / "state", base / "sock")))
-            validate(loaded.config.frontend.haproxy, str(cfg))
+    loaded = load_all(args)
     print(f"{args.config}: valid for this machine")
-    print(format_plan(loaded.plan))
+    print(format_plan(loaded.plan, loaded.warnings))
     pending = plan_write(Path(loaded.config.systemd.unit_dir), render_units(loaded.config, loaded.plan))
     if pending.changed:
         print(f"units in {loaded.config.systemd.unit_dir} differ from this plan: "
@@ -137,11 +119,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _make_backend(choice: str, state_file: Path):
     from numad_infer.backends import ProcessBackend, SystemdBackend
-    from numad_infer.systemctl import pid1_is_systemd
+    from numad_infer.identity import BackendKind, backend_kind
 
-    if choice == "auto":
-        choice = "systemd" if pid1_is_systemd() else "process"
-    return SystemdBackend() if choice == "systemd" else ProcessBackend(state_file.parent / "logs")
+    if backend_kind(choice) == BackendKind.SYSTEMD:
+        return SystemdBackend()
+    return ProcessBackend(state_file.parent / "logs")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -234,17 +216,17 @@ def _offline_status(args: argparse.Namespace) -> "Status":
     from numad_infer.status import DaemonState, DaemonStatus, InstanceStatus, Status
 
     try:
-        loaded = load_all(args.config, args.fsroot)
+        loaded = load_all(args)
     except NumaInferError as exc:
         return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=(str(exc),)), ())
     from numad_infer.backends import Observation, SystemdBackend
-    from numad_infer.systemctl import pid1_is_systemd
+    from numad_infer.identity import BackendKind
 
     warnings: list[str] = []
     names = [inst.name for inst in loaded.plan.instances]
     no_unit = Observation(None, False, "not running (process backend: instances stop with the daemon)")
     seen = dict.fromkeys(names, no_unit)
-    if pid1_is_systemd():
+    if loaded.kind == BackendKind.SYSTEMD:
         try:
             seen = SystemdBackend().observe(names)
         except NumaInferError as exc:
@@ -325,15 +307,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     """Measure thread counts (and the memory bandwidth) on this machine with this model;
     print the table and the choice; with --apply, write it into the file and reload."""
     from numad_infer import tuner
-    from numad_infer.configedit import apply_edits
     from numad_infer.tune import format_report
 
     def progress(text: str) -> None:
         if not args.json:
             print(f"tune: {text}", file=sys.stderr, flush=True)
 
+    from numad_infer.identity import backend_kind
+
     request = tuner.TuneRequest(args.config, args.fsroot, Path(args.state_file), args.nodes, args.quick, args.apply,
-                                args.stop_instances, args.samples, args.tokens, args.layouts)
+                                args.stop_instances, args.samples, args.tokens, args.layouts, backend_kind(args.backend))
     try:
         report, edits = tuner.run(request, progress)
     except tuner.TuneError as exc:
@@ -348,11 +331,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not edits:
         print(f"{args.config}: unchanged (the current settings are the fastest measured, or within the noise)")
         return 0
-    from numad_infer.planner import make_plan
-    from numad_infer.sysfs import read_topology
-
-    topology = read_topology(args.fsroot)
-    backup = apply_edits(Path(args.config), edits, lambda cfg: make_plan(cfg, topology, source=args.config) and None)
+    backup = tuner.write_tuned(args.config, args.fsroot, request.kind, edits)
     print(f"{args.config}: " + ", ".join(f"{e.section}.{e.key} = {json.dumps(e.value)}" for e in edits)
           + f" (previous file kept as {backup})")
     status = read_status(Path(args.state_file))
@@ -385,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--config", default=argparse.SUPPRESS, help=f"configuration file (default {DEFAULT_CONFIG_PATH})")
     common.add_argument("--fsroot", default=argparse.SUPPRESS, help="read DIR/sys and DIR/proc instead of / (like HWLOC_FSROOT)")
     common.add_argument("--state-file", default=argparse.SUPPRESS, help=f"daemon status file (default {DEFAULT_STATE_FILE})")
+    common.add_argument("--backend", choices=("auto", "systemd", "process"), default=argparse.SUPPRESS,
+                        help="where the instances run: systemd units, or child processes where systemd is not PID 1 "
+                             "(auto, the default); decides who they run as, which every check honours")
     parser = argparse.ArgumentParser(prog="numa-infer", parents=[common],
                                      description="One pinned llama.cpp server per NUMA node, under systemd.")
     parser.add_argument("--version", action="version", version=f"numa-infer {__version__}")
@@ -402,8 +384,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", parents=[common], help="validate the configuration against this machine")
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("run", parents=[common], help="run the daemon (what numa-infer.service starts)")
-    p.add_argument("--backend", choices=("auto", "systemd", "process"), default="auto",
-                   help="systemd units, or child processes where systemd is not PID 1 (auto)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("status", parents=[common], help="instances, health and drift (exit 0 healthy, 1 not, 3 daemon down)")
@@ -435,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     args.config = getattr(args, "config", DEFAULT_CONFIG_PATH)
     args.fsroot = getattr(args, "fsroot", "/")
     args.state_file = getattr(args, "state_file", os.environ.get("NUMA_INFER_STATE_FILE", DEFAULT_STATE_FILE))
+    args.backend = getattr(args, "backend", "auto")
     try:
         return args.func(args)
     except NumaInferError as exc:

@@ -184,27 +184,18 @@ class PlacementSection(_Section):
         return parse_list(self.reserve_cpus)
 
 
-class Engine(str, Enum):
-    """The inference server each instance runs (numad_infer.engines knows how to run each)."""
-
-    LLAMA_CPP_PYTHON = "llama-cpp-python"  # python -m llama_cpp.server: one request at a time
-    LLAMA_SERVER = "llama-server"  # llama.cpp's native server: `parallel` slots, continuous batching
-
-
-# Keys that mean something to one engine only: given for the other, they are a mistake.
-ENGINE_KEYS = {"python": Engine.LLAMA_CPP_PYTHON, "llama_server": Engine.LLAMA_SERVER, "parallel": Engine.LLAMA_SERVER}
-
-
 class ServerSection(_Section):
-    # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
-    engine: Engine = Field(
-        Engine.LLAMA_CPP_PYTHON, strict=False,
+    # A registered engine's name (numad_infer.engines): an open set, so a string checked
+    # against the registry rather than an enum.
+    engine: SafeStr = Field(
+        "llama-cpp-python",
         description=(
             "the inference server every instance runs: llama-cpp-python's (`python -m llama_cpp.server`, one "
             "request at a time) or llama.cpp's native `llama-server` (`parallel` slots with continuous "
             "batching: more tokens/s under concurrency, see `bench/README.md`); keys of the other engine are "
             "refused"
         ),
+        json_schema_extra={"kind": '`"llama-cpp-python"` or `"llama-server"`'},
     )
     # llama-server: its binary, and how many requests one instance serves at once (each
     # slot has its own context_size, so the instance's context is context_size x parallel).
@@ -272,6 +263,15 @@ class ServerSection(_Section):
         ),
         json_schema_extra={"kind": "user name"},
     )
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        from numad_infer import engines  # the engines import this module
+
+        if value not in engines.names():
+            raise ValueError(f"must be one of {', '.join(repr(n) for n in engines.names())}")
+        return value
 
     @field_validator("user")
     @classmethod
@@ -645,13 +645,17 @@ def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
 
 
 def _check_engine_keys(config: Config, source: str) -> None:
-    """A key of the other engine is a mistake: it would silently do nothing."""
+    """A key of another engine is a mistake: it would silently do nothing."""
+    from numad_infer import engines
+
     server = config.server
-    for key in sorted(server.model_fields_set & ENGINE_KEYS.keys()):
-        if ENGINE_KEYS[key] != server.engine:
-            raise ConfigError(source, f"server.{key}", f"applies to server.engine = \"{ENGINE_KEYS[key].value}\" "
-                              f"only, and server.engine is \"{server.engine.value}\"; remove the key or change the "
-                              "engine", getattr(server, key), True)
+    for engine in engines.engines():
+        if engine.name == server.engine:
+            continue
+        for key in sorted(server.model_fields_set & engine.own_keys):
+            raise ConfigError(source, f"server.{key}", f"applies to server.engine = \"{engine.name}\" only, and "
+                              f"server.engine is \"{server.engine}\"; remove the key or change the engine",
+                              getattr(server, key), True)
 
 
 def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH) -> Config:

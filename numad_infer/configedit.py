@@ -1,8 +1,8 @@
 """Edit the operator's configuration file in place, keeping its comments, order and layout
 (tomlkit round-trips TOML), for `numa-infer tune --apply`.
 
-All or nothing: the edited text is validated the way `check` validates (schema, then the
-plan on this machine) before anything is written; the old file is kept as a backup; the
+All or nothing: the edited text is validated by the caller's validator (for `tune
+--apply`, loading.validate: exactly what `check` runs) before anything is written; the old file is kept as a backup; the
 new one replaces it in one rename, with the old file's mode and owner.
 """
 
@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from numad_infer.atomicfile import write_atomic
 from numad_infer.config import Config, ConfigError, parse_config
+from numad_infer.errors import NumaInferError
 
 
 @dataclass(frozen=True)
@@ -39,15 +40,16 @@ def edited_text(text: str, edits: list[Edit]) -> str:
 
 def apply_edits(path: Path, edits: list[Edit], validate: Callable[[Config], None]) -> Path:
     """Write `edits` into the file at `path`; returns the backup's path. `validate` gets the
-    parsed result (e.g. plan it on this machine) and raises ConfigError to refuse it."""
+    parsed result and raises a NumaInferError (a ConfigError, HAProxy's refusal ...) to refuse it."""
     source = str(path)
     original = path.read_text(encoding="utf-8")
     text = edited_text(original, edits)
     try:
         validate(parse_config(text, source))
-    except ConfigError as exc:
-        raise ConfigError(source, None, f"the tuned settings were refused, nothing written: "
-                                        f"{str(exc).removeprefix(exc.source + ': ')}") from None
+    except NumaInferError as exc:
+        # A ConfigError names its file first: said once, in the message below.
+        reason = str(exc).removeprefix(f"{exc.source}: " if isinstance(exc, ConfigError) else "")
+        raise ConfigError(source, None, f"the tuned settings were refused, nothing written: {reason}") from None
     backup = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.bak")
     shutil.copy2(path, backup)
     st = os.stat(path)

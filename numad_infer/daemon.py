@@ -13,27 +13,24 @@ import signal
 import time
 from pathlib import Path
 
-from numad_infer import __version__, bandwidth, holds, metrics
+from numad_infer import __version__, bandwidth, holds, loading, metrics
 from numad_infer.backends import Backend
-from numad_infer.config import Config, Engine, load_config
+from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
-from numad_infer.frontdoor import Frontdoor, check_haproxy, server_name
-from numad_infer.apikey import read_api_key
+from numad_infer.frontdoor import Frontdoor, server_name
 from numad_infer.health import KeyCheck
-from numad_infer.engines import slots as slots_of, traits
-from numad_infer.hostcheck import HostCheck, check_llama_server
+from numad_infer.engines import Engine
 from numad_infer.identity import RunAs
-from numad_infer.modelfile import model_size
 from numad_infer.notify import Notifier
-from numad_infer.planner import Plan, make_plan
+from numad_infer.planner import Plan
 from numad_infer.procfs import ProcReader
 from numad_infer.reconcile import Reconciler, Runtime
 from numad_infer.states import IN_TRANSITION, State
 from numad_infer.status import (DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, MemoryStatus, ReloadResult,
                                 Status, write_status)
 from numad_infer.sysfs import SysfsReader
-from numad_infer.unitdir import check_private_dir, check_unit_names
+from numad_infer.unitdir import check_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +55,10 @@ class Daemon:
         self.state = DaemonState.STARTING
         self._flags: set[str] = set()
         self._wake_r, self._wake_w = os.pipe()
-        self.host = HostCheck(self.proc)
         self.runs_as: RunAs | None = None  # who the instances run as, None: the daemon's user
         self.model_bytes = 0
+        self.engine: Engine | None = None
+        self.load_warnings: tuple[str, ...] = ()
         self.tuned = bandwidth.Results(state_file.parent / bandwidth.RESULTS_NAME)  # what `numa-infer tune` measured
         self.latest: Status | None = None  # last published snapshot (immutable), read by the metrics thread
         self.pass_duration_s: float | None = None
@@ -87,22 +85,12 @@ class Daemon:
 
     # -- loading ----------------------------------------------------------------------------------
     def _load(self) -> tuple[Config, Plan]:
-        config = load_config(self.config_path)
-        check_unit_names(config, self.config_path)
-        topology = self.sysfs.topology()
-        runs_as = self.backend.instance_user(config, self.config_path)
-        size = model_size(config.model.path, self.config_path, runs_as)
-        self.model_bytes = size
-        if config.server.engine == Engine.LLAMA_SERVER:
-            check_llama_server(config, self.config_path, runs_as)
-        plan = make_plan(config, topology, size, source=self.config_path)
-        # Checked before anything changes: a refused front door leaves the old plan running.
-        check_haproxy(config, self.config_path)
-        read_api_key(config, self.config_path)
-        self.frontdoor.validate(config, plan)
-        self.online = topology.online_cpus
-        self.runs_as = runs_as
-        return config, plan
+        """The pipeline every command uses (loading.py); refused there, nothing changes here."""
+        loaded = loading.load(self.config_path, self.backend.kind, self.sysfs)
+        self.online = loaded.topology.online_cpus
+        self.runs_as, self.model_bytes, self.engine = loaded.runs_as, loaded.model_bytes, loaded.engine
+        self.load_warnings = loaded.warnings
+        return loaded.config, loaded.plan
 
     def _apply(self, config: Config, plan: Plan, why: str) -> bool:
         """Bring everything to the plan; False (reported like a refused reload) if the unit
@@ -121,7 +109,7 @@ class Daemon:
             self.frontdoor.error = str(exc)
             log.error("front door: %s", exc)
         self.metrics.listen_on(config.metrics.listen)
-        self.warnings = list(plan.warnings) + self.host.warnings(config, self.runs_as)
+        self.warnings = list(self.load_warnings)
         for warning in self.warnings:
             log.warning("%s", warning)
         log.info("%s: %d instance(s): added %s, changed %s, removed %s, unchanged %s", why, len(plan.instances),
@@ -188,7 +176,9 @@ class Daemon:
             interval_s=self.config.monitor.interval_s if self.config else None, generation=self.generation,
             last_reload=self.last_reload, warnings=tuple(self.warnings), status=self.status_line(),
             pass_duration_s=self.pass_duration_s, metrics=self.metrics.listen or None)
-        slots = slots_of(self.config) if self.config is not None and traits(self.config).metrics_path else None
+        # The slots column only for an engine that reports its busy slots.
+        engine = self.engine
+        slots = engine.slots(self.config) if engine is not None and self.config is not None and engine.metrics_path else None
         return Status(daemon, tuple(_instance_status(rt, now, self.frontdoor, slots, self._efficiency(rt))
                                     for rt in self.reconciler.runtimes.values()), self._frontdoor_status())
 

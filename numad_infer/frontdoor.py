@@ -7,7 +7,7 @@ servers in and out of rotation through the runtime API. How HAProxy runs (a syst
 unit, or a child process) is a `FrontdoorRunner` from the backend.
 
 Why these HAProxy settings (each one is a finding, see issue 9):
-- `maxconn` per server = what the engine serves at once (`engines.slots`: 1 for
+- `maxconn` per server = what the engine serves at once (`Engine.slots`: 1 for
   llama-cpp-python, `server.parallel` for llama-server): one more request would wait
   inside the server, where no other instance can take it. HAProxy queues it instead and
   gives it to whichever instance frees up first (`balance leastconn`).
@@ -17,7 +17,7 @@ Why these HAProxy settings (each one is a finding, see issue 9):
 - `retry-on conn-failure empty-response` + `option redispatch 1`: a request that got no
   byte back is sent again, to another server every time.
 - health checks on the engine's path that never waits on the model
-  (`engines.EngineTraits.liveness_path`): a busy server is not a down server.
+  (`Engine.liveness_path`): a busy server is not a down server.
 - `load-server-state-from-file`: a reload keeps the drain/maint states the daemon set.
 """
 
@@ -32,7 +32,7 @@ from typing import Protocol
 from numad_infer import haproxy
 from numad_infer.config import Affinity, Config, ConfigError, FrontendSection
 from numad_infer.haproxy import AdminState, BackendStat, HaproxyError, RuntimeAPI
-from numad_infer.engines import slots, traits
+from numad_infer.engines import engine_of
 from numad_infer.planner import Instance, Plan
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,8 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths) -> str:
     target = f"[{target}]" if ":" in target else target
     queue_s = _ms(front.queue_timeout_s)
     request_s = _ms(front.request_timeout_s)
-    per_server = slots(config)
+    engine = engine_of(config)
+    per_server = engine.slots(config)
     maxconn = len(plan.instances) * per_server + front.queue_size + SPARE_CONNECTIONS
     lines = [
         MARKER,
@@ -108,7 +109,7 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths) -> str:
         f"    http-request return status 503 content-type application/json string '{_BUSY_BODY}' "
         f"hdr Retry-After 1 if {{ queue({BACKEND}) ge {front.queue_size} }}",
         f"    http-error status 503 content-type application/json string '{_BUSY_BODY}' hdr Retry-After 1",
-        f"    option httpchk GET {traits(config).liveness_path}",
+        f"    option httpchk GET {engine.liveness_path}",
         "    http-check expect status 200",
         f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {per_server} "
         "observe layer4 error-limit 1 on-error mark-down",

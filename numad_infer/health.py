@@ -1,6 +1,6 @@
 """HTTP health probe of one server: busy is not hung.
 
-The path is the engine's (engines.EngineTraits.liveness_path). llama-cpp-python has no
+The path is the engine's (`Engine.liveness_path`). llama-cpp-python has no
 /health, and `GET /v1/models` waits on the model lock: while a request generates it
 either cuts that request short (interrupt_requests) or waits until the generation ends
 and looks dead. That server loads its model before it listens, and generation runs in a
@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
+from numad_infer.engines import Engine, EngineCounters
+
 
 @dataclass(frozen=True)
 class ProbeResult:
@@ -32,13 +34,13 @@ class KeyCheck(Enum):
     UNKNOWN = "unknown"  # busy (no answer in time) or another error: ask again later
 
 
-def check_key(host: str, port: int, key: str, timeout_s: float) -> KeyCheck:
-    """Does the instance take this API key? `GET /v1/models` authenticates before it waits
-    on the model, so a refused key answers at once even while the instance is busy."""
+def check_key(host: str, port: int, key: str, timeout_s: float, path: str) -> KeyCheck:
+    """Does the instance take this API key? `path` (`Engine.key_check_path`) authenticates
+    before it waits on the model, so a refused key answers at once even while it is busy."""
     target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     conn = http.client.HTTPConnection(target, port, timeout=timeout_s)
     try:
-        conn.request("GET", "/v1/models", headers={"Connection": "close", "Authorization": f"Bearer {key}"})
+        conn.request("GET", path, headers={"Connection": "close", "Authorization": f"Bearer {key}"})
         status = conn.getresponse().status
     except (OSError, http.client.HTTPException):
         return KeyCheck.UNKNOWN
@@ -72,45 +74,22 @@ def probe(host: str, port: int, timeout_s: float, path: str) -> ProbeResult:
         conn.close()
 
 
-@dataclass(frozen=True)
-class EngineCounters:
-    """What an engine with its own Prometheus endpoint (llama-server --metrics) reports."""
-
-    tokens_predicted: float  # counter: tokens generated since the server started
-    busy_slots: int  # requests being worked on right now
-
-
-_COUNTER_NAMES = {"llamacpp:tokens_predicted_total": "tokens_predicted", "llamacpp:requests_processing": "busy_slots"}
-
-
-def parse_engine_metrics(text: str) -> EngineCounters | None:
-    found: dict[str, float] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in _COUNTER_NAMES:
-            try:
-                found[_COUNTER_NAMES[name]] = float(value.split()[0])
-            except (ValueError, IndexError):
-                return None
-    if len(found) != len(_COUNTER_NAMES):
+def read_engine_metrics(engine: Engine, host: str, port: int, key: str | None, timeout_s: float) -> EngineCounters | None:
+    """The server's own counters, or None (none at all, not answering, a refused key)."""
+    if engine.metrics_path is None:
         return None
-    return EngineCounters(found["tokens_predicted"], int(found["busy_slots"]))
-
-
-def read_engine_metrics(host: str, port: int, path: str, key: str | None, timeout_s: float) -> EngineCounters | None:
-    """The server's own counters, or None (not answering, no such endpoint, a refused key)."""
     target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     conn = http.client.HTTPConnection(target, port, timeout=timeout_s)
     headers = {"Connection": "close"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"
     try:
-        conn.request("GET", path, headers=headers)
+        conn.request("GET", engine.metrics_path, headers=headers)
         response = conn.getresponse()
         body = response.read(1 << 20)
         if response.status != 200:
             return None
-        return parse_engine_metrics(body.decode("utf-8", "replace"))
+        return engine.parse_metrics(body.decode("utf-8", "replace"))
     except (OSError, http.client.HTTPException):
         return None
     finally:

@@ -1,4 +1,4 @@
-"""Who the instances run as, when that is not the daemon's own user.
+"""Where the instances run (the backend kind) and who they run as, decided here once.
 
 Under systemd every instance unit has a DynamicUser: a uid allocated at start, in no
 group that owns files, so only "others" permissions count for it. Under the process
@@ -13,9 +13,25 @@ import os
 import pwd
 import stat
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 from numad_infer.config import ConfigError
+
+
+class BackendKind(str, Enum):
+    SYSTEMD = "systemd"  # one unit per instance (systemd is PID 1)
+    PROCESS = "process"  # the daemon's own children
+
+
+def backend_kind(choice: str = "auto", fsroot: str = "/") -> BackendKind:
+    """`--backend` (auto, systemd, process) as a kind: auto means systemd where it is PID 1.
+    The one place that asks; every command and the daemon take its answer."""
+    if choice == "auto":
+        from numad_infer.systemctl import pid1_is_systemd
+
+        return BackendKind.SYSTEMD if pid1_is_systemd(fsroot) else BackendKind.PROCESS
+    return BackendKind(choice)
 
 
 @dataclass(frozen=True)
@@ -75,13 +91,13 @@ def _allows(st: os.stat_result, user: RunAs, owner_bit: int, group_bit: int, oth
     return bool(st.st_mode & other_bit)
 
 
-def instances_run_as(user: str, source: str, systemd_units: bool) -> RunAs | None:
+def instances_run_as(user: str, source: str, kind: BackendKind) -> RunAs | None:
     """Who the instances will run as: None when that is the daemon's own user.
 
-    `systemd_units`: the systemd backend (DynamicUser). Otherwise the process backend,
-    which switches to `server.user` only when the daemon is root.
+    Under systemd, a DynamicUser. Under the process backend, `server.user` when the
+    daemon is root (it switches between fork and exec); otherwise the daemon's user.
     """
-    if systemd_units:
+    if kind == BackendKind.SYSTEMD:
         return DYNAMIC_USER
     if os.geteuid() != 0:
         return None

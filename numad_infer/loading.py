@@ -1,35 +1,83 @@
-"""Configuration, topology and plan, loaded and checked together, as the commands (`plan`,
-`render`, `check`, offline `status`, `tune`) need them. The daemon loads its own way
-(daemon._load), with the backend's view of who the instances run as."""
+"""The one loading and validation pipeline: configuration, topology, who the instances run
+as, model, engine, front door, key file and plan, checked together and in one order.
+
+The daemon (start, reload, CPU hotplug), `check`, `plan`, `render`, offline `status`,
+`tune` and `tune --apply` all go through `load` (a file) or `validate` (a parsed
+configuration, e.g. the text `tune --apply` is about to write): what one of them
+refuses, all of them refuse, and nothing is written or changed before it passes.
+"""
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
+from numad_infer import haproxy
+from numad_infer.apikey import read_api_key
 from numad_infer.config import Config, load_config
-from numad_infer.identity import RunAs, instances_run_as
+from numad_infer.engines import Engine, engine_of
+from numad_infer.frontdoor import Paths, check_haproxy, render_haproxy
+from numad_infer.hostcheck import InstanceHost, host_warnings
+from numad_infer.identity import BackendKind, RunAs, instances_run_as
 from numad_infer.modelfile import model_size
 from numad_infer.planner import Plan, make_plan
-from numad_infer.sysfs import read_topology
-from numad_infer.systemctl import pid1_is_systemd
+from numad_infer.procfs import ProcReader
+from numad_infer.sysfs import SysfsReader
 from numad_infer.topology import Topology
-from numad_infer.unitdir import check_unit_names
+from numad_infer.unitdir import SYSTEM_UNIT_DIRS, check_unit_names
 
 
 @dataclass(frozen=True)
 class Loaded:
+    source: str  # the configuration file, as errors name it
     config: Config
     topology: Topology
     plan: Plan
-    runs_as: RunAs | None  # who the instances run as (None: this user)
+    kind: BackendKind  # where the instances run
+    runs_as: RunAs | None  # who they run as (None: the daemon's own user)
+    engine: Engine
+    model_bytes: int
+    # What does not stop the plan but undoes its work or may stop an instance: the
+    # plan's, the engine's and the host's, in that order.
+    warnings: tuple[str, ...]
 
 
-def load_all(config_path: str, fsroot: str) -> Loaded:
-    config = load_config(config_path)
-    check_unit_names(config, config_path)
-    topology = read_topology(fsroot)
-    # What counts is what the instances can read: under systemd a DynamicUser, otherwise
-    # server.user when run as root (the backends choose the same way).
-    runs_as = instances_run_as(config.server.user, config_path, systemd_units=pid1_is_systemd())
-    size = model_size(config.model.path, config_path, runs_as)
-    return Loaded(config, topology, make_plan(config, topology, size, source=config_path), runs_as)
+def load(source: str, kind: BackendKind, sysfs: SysfsReader | str = "/",
+         unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS) -> Loaded:
+    """Read the file at `source` and validate it on this machine (ConfigError otherwise)."""
+    reader = sysfs if isinstance(sysfs, SysfsReader) else SysfsReader(sysfs)
+    return validate(load_config(source), source, reader.topology(), kind, unit_dirs)
+
+
+def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
+             unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS) -> Loaded:
+    """Every check a configuration must pass before anything runs it; changes nothing.
+
+    The order is the order an operator fixes things in: names, then what the instances
+    need (a readable model, a working engine), then the plan, then the front door and key.
+    """
+    check_unit_names(config, source, unit_dirs)
+    runs_as = instances_run_as(config.server.user, source, kind)
+    size = model_size(config.model.path, source, runs_as)
+    engine = engine_of(config)
+    engine_warnings = engine.check_host(config, source, InstanceHost(runs_as))
+    plan = make_plan(config, topology, size, source=source)
+    check_haproxy(config, source)
+    read_api_key(config, source)
+    _check_frontdoor_config(config, plan)
+    # Processes are always this machine's, even with --fsroot.
+    warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as))
+    return Loaded(source, config, topology, plan, kind, runs_as, engine, size, warnings)
+
+
+def _check_frontdoor_config(config: Config, plan: Plan) -> None:
+    """`haproxy -c` on what the daemon would write (HaproxyError when refused), in a
+    scratch directory: the running front door's files are not touched."""
+    if not config.frontend.enabled:
+        return
+    with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
+        base = Path(scratch)
+        paths = Paths(base / "haproxy.cfg", base / "haproxy.state", base / "admin.sock")
+        paths.config.write_text(render_haproxy(config, plan, paths), encoding="utf-8")
+        haproxy.validate(config.frontend.haproxy, str(paths.config))

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from numad_infer import drift, pinning
 from numad_infer.drift import EventKind
-from numad_infer.engines import traits
+from numad_infer.engines import engine_of
 from numad_infer.backends import Backend, Observation
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
@@ -193,16 +193,16 @@ class Reconciler:
             return
         if self.frontdoor is not None:
             self.frontdoor.observe()
+        engine = engine_of(cfg)
         probes = {
             name: self._pool.submit(probe, cfg.server.host, rt.instance.port, cfg.monitor.probe_timeout_s,
-                                    traits(cfg).liveness_path)
+                                    engine.liveness_path)
             for name, rt in self.runtimes.items() if observed[name].pid
         }
-        metrics_path = traits(cfg).metrics_path
         counters = {
-            name: self._pool.submit(read_engine_metrics, cfg.server.host, rt.instance.port, metrics_path, self.api_key,
+            name: self._pool.submit(read_engine_metrics, engine, cfg.server.host, rt.instance.port, self.api_key,
                                     cfg.monitor.probe_timeout_s)
-            for name, rt in self.runtimes.items() if observed[name].pid and metrics_path is not None
+            for name, rt in self.runtimes.items() if observed[name].pid and engine.metrics_path is not None
         }
         for name, runtime in self.runtimes.items():
             try:
@@ -391,7 +391,8 @@ class Reconciler:
             return  # busy: the check would wait on the model; ask when it is idle
         cfg = self.config
         assert cfg is not None
-        verdict = check_key(cfg.server.host, rt.instance.port, self.api_key, min(cfg.monitor.probe_timeout_s, 0.5))
+        verdict = check_key(cfg.server.host, rt.instance.port, self.api_key, min(cfg.monitor.probe_timeout_s, 0.5),
+                            engine_of(cfg).key_check_path)
         if verdict == KeyCheck.REJECTED and rt.key_check != KeyCheck.REJECTED:
             log.error("%s: refuses the API key of server.api_key_file (it runs with another one): restart it "
                       "(systemctl restart %s) to give it the current key", rt.instance.name, rt.instance.unit)

@@ -14,7 +14,7 @@ import re
 
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
-from numad_infer.engines import KEY_CREDENTIAL, server_argv, traits
+from numad_infer.engines import KEY_CREDENTIAL, engine_of
 from numad_infer.planner import Instance, Plan
 
 MARKER = "# Managed by numa-infer: rewritten by `numa-infer render` and the daemon; do not edit."
@@ -127,10 +127,8 @@ def render_template(config: Config) -> str:
         lines.append("LimitMEMLOCK=infinity")
     if config.server.api_key_file:
         lines.append(f"LoadCredential={KEY_CREDENTIAL}:{escape_value(config.server.api_key_file)}")
-        key_file_env = traits(config).key_file_env
-        if key_file_env is not None:
-            # %d: the service's credentials directory (a specifier, so not escaped).
-            lines.append(f"Environment={key_file_env}=%d/{KEY_CREDENTIAL}")
+        # %d: the service's credentials directory (a specifier, so not escaped).
+        lines += [f"Environment={name}={value}" for name, value in engine_of(config).credential_environment().items()]
     return "\n".join(lines) + "\n"
 
 
@@ -145,7 +143,7 @@ def render_dropin(config: Config, instance: Instance) -> str:
         f"NUMAPolicy={instance.policy.value}",
         f"NUMAMask={format_list(instance.mems)}",
         f"Environment={env}",
-        "ExecStart=" + " ".join(quote_arg(a) for a in server_argv(config, instance, key_from_credential=True)),
+        "ExecStart=" + " ".join(quote_arg(a) for a in engine_of(config).argv(config, instance, key_from_credential=True)),
     ]
     return "\n".join(lines) + "\n"
 

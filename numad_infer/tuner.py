@@ -24,8 +24,9 @@ from numad_infer import bandwidth
 from numad_infer.apikey import read_api_key
 from numad_infer.backends import ProcessBackend
 from numad_infer.config import Config
-from numad_infer.engines import traits
+from numad_infer.engines import engine_of
 from numad_infer.health import probe
+from numad_infer.identity import BackendKind
 from numad_infer.planner import Instance, make_plan
 from numad_infer.topology import Topology
 from numad_infer.tune import Candidate, Figure, Layout, LayoutResult, Report, Result, percentile
@@ -101,7 +102,7 @@ class Measurer:
 
     def _wait_ready(self, backend: ProcessBackend, cfg: Config, instance: Instance) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout_s
-        path = traits(cfg).liveness_path
+        path = engine_of(cfg).liveness_path
         while time.monotonic() < deadline:
             if backend.main_pid(instance.name) is None:
                 raise TuneError(f"the server for {instance.threads} threads exited ({backend.describe(instance.name)}); "
@@ -264,6 +265,7 @@ class TuneRequest:
     samples: int | None
     tokens: int | None
     layouts: bool = False
+    kind: BackendKind = BackendKind.PROCESS  # the daemon's backend: decides who the instances run as
 
 
 class Fleet:
@@ -346,17 +348,13 @@ class Fleet:
 def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, list[Edit]]:
     import tempfile
 
-    from numad_infer.loading import load_all
-    from numad_infer.config import ConfigError, Engine
+    from numad_infer.loading import load
+    from numad_infer.config import ConfigError
     from numad_infer.configedit import Edit
-    from numad_infer.hostcheck import check_llama_server
-    from numad_infer.modelfile import model_size
     from numad_infer.tune import Choice, Verdict, choose, choose_layout, layouts, thread_grid
 
-    loaded = load_all(request.config_path, request.fsroot)
-    config, topology, plan = loaded.config, loaded.topology, loaded.plan
-    if config.server.engine == Engine.LLAMA_SERVER:
-        check_llama_server(config, request.config_path, loaded.runs_as)
+    loaded = load(request.config_path, request.kind, request.fsroot)
+    config, topology, plan, size = loaded.config, loaded.topology, loaded.plan, loaded.model_bytes
     if config.placement.mode != "per-node":
         raise ConfigError(request.config_path, "placement.mode", "tune measures per-node instances; "
                           "set mode = \"per-node\" to tune threads (layouts are not measured yet)")
@@ -374,7 +372,6 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
         raise TuneError("the daemon is running and there is no front door to route around a node under measurement: "
                         "its clients would be cut off. Pass --stop-instances to stop each node's instance while "
                         "it is measured, or stop numa-infer first")
-    size = model_size(config.model.path, request.config_path, loaded.runs_as)
     settings = Settings(samples=request.samples or (3 if request.quick else 5),
                         tokens=request.tokens or (16 if request.quick else 64),
                         startup_timeout_s=config.monitor.startup_grace_s or 300.0)
@@ -391,7 +388,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     for value in current.values():
         if value not in {c.threads for c in grid}:
             grid.append(Candidate(value, "current setting"))
-    report = Report(model=config.model.path, weight_bytes=size, engine=config.server.engine.value, node=node,
+    report = Report(model=config.model.path, weight_bytes=size, engine=config.server.engine, node=node,
                     cpus=instance.cpus)
     try:
         for measured in nodes:
@@ -454,6 +451,18 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
             edits += [Edit("placement", "mode", best.layout.mode),
                       Edit("placement", "instances_per_node", best.layout.instances_per_node)]
     return report, edits
+
+
+def write_tuned(config_path: str, fsroot: str, kind: BackendKind, edits: list[Edit]) -> Path:
+    """`tune --apply`: write `edits` into the file, refused exactly as `check` would refuse
+    the edited file (the same pipeline, loading.validate), with nothing written then.
+    Returns the backup's path."""
+    from numad_infer import loading
+    from numad_infer.configedit import apply_edits
+    from numad_infer.sysfs import read_topology
+
+    topology = read_topology(fsroot)
+    return apply_edits(Path(config_path), edits, lambda cfg: loading.validate(cfg, config_path, topology, kind) and None)
 
 
 def _free_port_block(count: int) -> int:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from numad_infer import cli
 from numad_infer.config import ConfigError, parse_config
 from numad_infer.planner import make_plan
-from numad_infer.engines import server_argv
+from numad_infer.engines import engine_of
 from numad_infer.render import render_units
 from numad_infer.sysfs import read_topology
 from tests import fakesys
@@ -141,7 +141,7 @@ def test_any_config_is_accepted_or_refused_in_one_line_and_renders_only_what_it_
         dropin = files[f"{instance.unit}.d/50-numa-infer.conf"]
         exec_start = dict(directives(dropin))["ExecStart"]
         # Exactly the arguments the config asked for, each one whole.
-        assert systemd_split(exec_start) == server_argv(config, instance)
+        assert systemd_split(exec_start) == engine_of(config).argv(config, instance)
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")

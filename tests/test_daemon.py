@@ -251,9 +251,9 @@ def test_an_api_key_guards_the_instances_and_the_probe_still_passes(daemon, tmp_
                                        headers={"Content-Type": "application/json", "Authorization": "Bearer k-123"})
         with urllib.request.urlopen(keyed, timeout=30) as response:
             assert json.load(response)["usage"]["completion_tokens"] == 2
-    assert check_key("127.0.0.1", port, "k-123", 2) == KeyCheck.ACCEPTED
+    assert check_key("127.0.0.1", port, "k-123", 2, "/v1/models") == KeyCheck.ACCEPTED
     # What the daemon sees when an instance runs with another key than the file's.
-    assert check_key("127.0.0.1", port, "wrong", 2) == KeyCheck.REJECTED
+    assert check_key("127.0.0.1", port, "wrong", 2, "/v1/models") == KeyCheck.REJECTED
     # Three more monitoring passes, each with its probe and key check: still no restart.
     since = time.time()
     state = run.wait(lambda s: s["daemon"]["updated_at"] > since + 3 * run.interval_s, 30, "three more passes")

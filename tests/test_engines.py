@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from numad_infer.config import ConfigError, parse_config
-from numad_infer.engines import server_argv, slots
+from numad_infer.engines import EngineCounters, LlamaServer, engine_of
 from numad_infer.frontdoor import SPARE_CONNECTIONS, Paths, render_haproxy
-from numad_infer.health import EngineCounters, parse_engine_metrics
-from numad_infer.hostcheck import check_llama_server
+from numad_infer.hostcheck import InstanceHost
 from numad_infer.planner import make_plan
 from numad_infer.reconcile import Runtime
 from numad_infer.render import render_units
@@ -69,7 +68,8 @@ def test_the_unit_runs_llama_server_with_the_instance_placement_and_no_mmap(tmp_
         assert argv[argv.index(flag) + 1] == value, flag
     assert "--metrics" in argv and "llama_cpp.server" not in d["ExecStart"]
     mlocked = config(SERVER + "parallel = 4\n").model_copy(update={"model": config().model.model_copy(update={"mlock": True})})
-    assert server_argv(mlocked, plan.instances[0])[server_argv(mlocked, plan.instances[0]).index("--load-mode") + 1] == "mlock"
+    argv = engine_of(mlocked).argv(mlocked, plan.instances[0])
+    assert argv[argv.index("--load-mode") + 1] == "mlock"
 
 
 def test_the_api_key_reaches_llama_server_as_a_credential_file_not_argv(tmp_path: Path) -> None:
@@ -100,7 +100,7 @@ def test_the_front_door_sends_each_instance_as_many_requests_as_it_has_slots(tmp
         cfg = config(server)
         plan = plan_for(tmp_path / str(per_server), cfg)
         text = render_haproxy(cfg, plan, Paths(Path("/c"), Path("/s"), Path("/k")))
-        assert slots(cfg) == per_server
+        assert engine_of(cfg).slots(cfg) == per_server
         assert f" maxconn {per_server} " in text and f"option httpchk GET {path}" in text
         assert f"    maxconn {len(plan.instances) * per_server + cfg.frontend.queue_size + SPARE_CONNECTIONS}\n" in text
 
@@ -116,6 +116,7 @@ llamacpp:requests_deferred 0
 
 
 def test_llama_server_counters_are_read_and_turned_into_a_decode_rate() -> None:
+    parse_engine_metrics = LlamaServer().parse_metrics
     assert parse_engine_metrics(METRICS) == EngineCounters(4096.0, 3)
     assert parse_engine_metrics("llamacpp:requests_processing 1\n") is None  # a counter missing
     assert parse_engine_metrics("llamacpp:tokens_predicted_total x\nllamacpp:requests_processing 1\n") is None
@@ -128,6 +129,10 @@ def test_llama_server_counters_are_read_and_turned_into_a_decode_rate() -> None:
     assert rt.decode_tokens_per_s == 100.0
     rt.new_process(42)
     assert rt.counters is None and rt.decode_tokens_per_s is None
+
+
+def check_llama_server(cfg, source: str, runs_as) -> list[str]:
+    return engine_of(cfg).check_host(cfg, source, InstanceHost(runs_as))
 
 
 def test_the_binary_must_be_there_executable_and_llama_server(tmp_path: Path) -> None:
@@ -161,5 +166,4 @@ def test_the_binary_check_runs_unprivileged_and_accepts_the_real_llama_server() 
     binary = llama_server_binary()
     assert stat.S_IMODE(binary.stat().st_mode) & 0o001
     cfg = config(f'[server]\nengine = "llama-server"\nllama_server = "{binary}"\n')
-    line = check_llama_server(cfg, "cfg", lookup("nobody", "cfg"))
-    assert line.startswith("version: ")
+    assert check_llama_server(cfg, "cfg", lookup("nobody", "cfg")) == []

@@ -199,8 +199,14 @@ def test_as_root_no_write_through_a_planted_link_or_into_another_users_directory
 def test_the_llama_cpp_check_runs_the_configured_python_unprivileged() -> None:
     import tempfile
 
-    from numad_infer.hostcheck import python_has_llama_cpp as _python_has_llama_cpp
+    from numad_infer.config import parse_config
+    from numad_infer.engines import LlamaCppPython
+    from numad_infer.hostcheck import InstanceHost, run_as
     from numad_infer.identity import lookup
+
+    def _python_has_llama_cpp(python: str, runs_as) -> bool:
+        cfg = parse_config(f'[model]\npath = "/m.gguf"\n[server]\npython = "{python}"\n', "cfg")
+        return LlamaCppPython().check_host(cfg, "cfg", InstanceHost(runs_as)) == []
 
     base = Path(tempfile.mkdtemp(prefix="numa-infer-pycheck-"))
     try:
@@ -216,7 +222,7 @@ def test_the_llama_cpp_check_runs_the_configured_python_unprivileged() -> None:
         hang.write_text("#!/bin/sh\nexec sleep 60\n")
         hang.chmod(0o755)
         started = time.monotonic()
-        assert not _python_has_llama_cpp(str(hang), lookup("nobody", "cfg"), timeout_s=1)
+        assert run_as([str(hang)], lookup("nobody", "cfg"), timeout_s=1) is None
         assert time.monotonic() - started < 10
     finally:
         import shutil

@@ -139,6 +139,52 @@ def test_apply_refuses_a_result_the_plan_refuses_and_writes_nothing(tmp_path: Pa
     assert path.read_text() == CONFIG and list(tmp_path.glob("*.bak")) == []
 
 
+def _checked_setup(tmp_path: Path) -> tuple[Path, Path]:
+    """A configuration `check` accepts on the fake 2-node machine (no front door)."""
+    from tests.conftest import searchable_by_others
+
+    model = searchable_by_others(tmp_path) / "m.gguf"
+    model.write_bytes(b"GGUF" + bytes(4092))
+    model.chmod(0o644)
+    path = tmp_path / "numa-infer.toml"
+    path.write_text(f'# kept\n[model]\npath = "{model}"\n\n[frontend]\nlisten = ""\n')
+    return path, fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())
+
+
+def _numa_infer(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "numad_infer", "--backend", "process", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+
+
+@pytest.mark.parametrize("edits, refusal", [
+    # Only the engine's own check refuses this (the schema and the plan accept it).
+    ([Edit("server", "engine", "llama-server"), Edit("server", "llama_server", "/bin/true")],
+     "server.llama_server = \"/bin/true\": is not llama.cpp's llama-server"),
+    # Only the unit-name check refuses this: e2fsprogs' e2scrub@.service would be shadowed.
+    ([Edit("systemd", "template", "e2scrub")], "systemd.template = \"e2scrub\": /"),
+])
+def test_tune_apply_refuses_exactly_what_check_refuses_and_writes_nothing(tmp_path: Path, edits, refusal) -> None:
+    from numad_infer.identity import BackendKind
+    from numad_infer.tuner import write_tuned
+
+    if edits[0].key == "template" and not Path("/lib/systemd/system/e2scrub@.service").exists():
+        pytest.skip("no e2scrub@.service on this host to shadow")
+    path, fsroot = _checked_setup(tmp_path)
+    before = path.read_text()
+    assert _numa_infer("--config", str(path), "--fsroot", str(fsroot), "check").returncode == 0
+    # What `check` says of the edited file ...
+    edited = tmp_path / "edited.toml"
+    edited.write_text(edited_text(before, edits))
+    checked = _numa_infer("--config", str(edited), "--fsroot", str(fsroot), "check")
+    assert checked.returncode == 1 and refusal in checked.stderr, checked.stderr
+    reason = checked.stderr.strip().removeprefix(f"numa-infer: {edited}: ")
+    # ... is what `tune --apply` says, and the file is left as it was, with no backup.
+    with pytest.raises(ConfigError) as refused:
+        write_tuned(str(path), str(fsroot), BackendKind.PROCESS, edits)
+    assert str(refused.value) == f"{path}: the tuned settings were refused, nothing written: {reason}"
+    assert path.read_text() == before and list(tmp_path.glob("*.bak")) == []
+
+
 # -- end to end: real servers (llama-cpp-python, tiny model), the daemon's holds -------------------
 
 from tests.daemon_harness import daemons, generated_model  # noqa: E402

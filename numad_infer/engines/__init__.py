@@ -1,0 +1,16 @@
+"""The inference engines an instance can run, behind one interface (`base.Engine`).
+
+Built in: llama-cpp-python's server and llama.cpp's llama-server. This folder is the one
+place that knows how they differ; the rest of numa-infer asks `engine_of(config)`.
+"""
+
+from numad_infer.engines.base import (KEY_CREDENTIAL, Engine, EngineCounters, HostAccess, engine_of, engines, get,
+                                      names, register, unregister)
+from numad_infer.engines.llama_cpp_python import LlamaCppPython
+from numad_infer.engines.llama_server import LlamaServer
+
+DEFAULT = register(LlamaCppPython()).name
+register(LlamaServer())
+
+__all__ = ["DEFAULT", "KEY_CREDENTIAL", "Engine", "EngineCounters", "HostAccess", "LlamaCppPython", "LlamaServer",
+           "engine_of", "engines", "get", "names", "register", "unregister"]

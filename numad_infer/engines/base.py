@@ -1,0 +1,119 @@
+"""What every inference engine must say about itself, and the registry of engines. Pure.
+
+An `Engine` owns everything that differs between inference servers: its command line,
+the route that tells it is up, where it takes the API key from, how many requests it
+serves at once, the config keys that belong to it alone, what it needs of the host, and
+how to read its own counters. Nothing outside `numad_infer/engines/` branches on which
+engine is configured: it asks `engine_of(config)`.
+
+A new engine is a subclass registered with `register()` (the built-in ones register in
+`engines/__init__.py`); `server.engine` accepts every registered name.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from numad_infer.config import Config
+    from numad_infer.planner import Instance
+
+# Where systemd puts the API key (LoadCredential=KEY_CREDENTIAL:server.api_key_file).
+KEY_CREDENTIAL = "api-key"
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """What an engine with its own Prometheus endpoint reports (llama-server --metrics)."""
+
+    tokens_predicted: float  # counter: tokens generated since the server started
+    busy_slots: int  # requests being worked on right now
+
+
+class HostAccess(Protocol):
+    """The host as an engine's check sees it (hostcheck.InstanceHost): files, and programs
+    run with no more privilege than the instances get."""
+
+    who: str  # for messages: "" (the daemon's own user) or " as nobody"
+
+    def stat(self, path: str) -> os.stat_result: ...
+    def run(self, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str] | None: ...
+
+
+class Engine(ABC):
+    name: ClassVar[str]  # the value of server.engine
+    # server.* keys that mean something to this engine only: given for another, a mistake.
+    own_keys: ClassVar[frozenset[str]] = frozenset()
+    # A route that answers 200 when the server can take requests and never waits on the
+    # model (a busy server is not a down one): the probe's and the front door's check.
+    liveness_path: ClassVar[str]
+    # Environment variable the server takes its API key from (never argv: it is public).
+    key_env: ClassVar[str]
+    # An authenticated route that answers before it waits on the model: a refused key
+    # is told at once, even while the instance is busy (OpenAI's model list).
+    key_check_path: ClassVar[str] = "/v1/models"
+    # The server's own Prometheus counters, None when it has none.
+    metrics_path: ClassVar[str | None] = None
+
+    @abstractmethod
+    def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
+        """The command line of one instance (systemd's ExecStart=, the process backend's argv).
+
+        `key_from_credential`: under systemd, where the API key is a credential file
+        (KEY_CREDENTIAL in the directory $CREDENTIALS_DIRECTORY names)."""
+
+    def slots(self, config: Config) -> int:
+        """Requests one instance works on at once (the front door's per-server maxconn)."""
+        return 1
+
+    def key_environment(self, key: str) -> dict[str, str]:
+        """The API key as the process backend hands it over: in the server's environment,
+        readable by its own user only."""
+        return {self.key_env: key}
+
+    def credential_environment(self) -> dict[str, str]:
+        """Environment for a systemd unit whose key is the credential KEY_CREDENTIAL (%d is
+        systemd's specifier for the credentials directory); empty when argv reads it."""
+        return {}
+
+    def check_host(self, config: Config, source: str, host: HostAccess) -> list[str]:
+        """What the engine needs of this host: raises ConfigError for what stops it from
+        starting, returns warnings for what only may."""
+        return []
+
+    def parse_metrics(self, text: str) -> EngineCounters | None:
+        """The counters in a scrape of `metrics_path`, None when they are not all there."""
+        return None
+
+
+_REGISTRY: dict[str, Engine] = {}
+
+
+def register(engine: Engine) -> Engine:
+    """Make `engine` a value of server.engine (a later registration of a name replaces it)."""
+    _REGISTRY[engine.name] = engine
+    return engine
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def engines() -> list[Engine]:
+    return list(_REGISTRY.values())
+
+
+def get(name: str) -> Engine:
+    return _REGISTRY[name]
+
+
+def engine_of(config: Config) -> Engine:
+    return _REGISTRY[config.server.engine]

@@ -1,0 +1,60 @@
+"""llama-cpp-python's OpenAI server (`python -m llama_cpp.server`): one request at a time
+per instance (it serialises on its model lock)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from numad_infer.engines.base import KEY_CREDENTIAL, Engine, HostAccess
+
+if TYPE_CHECKING:
+    from numad_infer.config import Config
+    from numad_infer.planner import Instance
+
+# llama_cpp.server reads its settings from the environment (pydantic-settings): under
+# systemd a small bootstrap copies the credential into API_KEY and runs the server.
+_FROM_CREDENTIAL = ("import os, runpy; "
+                    "os.environ['API_KEY'] = open(os.path.join(os.environ['CREDENTIALS_DIRECTORY'], "
+                    f"'{KEY_CREDENTIAL}')).read().strip(); "
+                    "runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)")
+
+# find_spec only locates the package: importing llama_cpp would load the C library (slow).
+_FIND_LLAMA_CPP = "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"
+
+
+class LlamaCppPython(Engine):
+    name = "llama-cpp-python"
+    own_keys: ClassVar[frozenset[str]] = frozenset({"python"})
+    # It has no /health, and /v1/models waits on the model lock; FastAPI's /docs never does.
+    liveness_path = "/docs"
+    key_env = "API_KEY"
+
+    def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
+        start = ["-c", _FROM_CREDENTIAL] if key_from_credential and config.server.api_key_file else ["-m", "llama_cpp.server"]
+        return [
+            config.server.python, *start,
+            "--model", config.model.path,
+            "--host", config.server.host,
+            "--port", str(instance.port),
+            "--n_ctx", str(config.model.context_size),
+            "--n_threads", str(instance.threads),
+            "--n_threads_batch", str(instance.threads_batch),
+            # With mmap every instance would share one page cache of the file, on whichever
+            # node read it first: each instance must own a copy of the weights on its node.
+            "--use_mmap", "false",
+            "--use_mlock", "true" if config.model.mlock else "false",
+            # The default (true) ends a running stream whenever another request arrives:
+            # concurrent clients, or a probe, would cut answers short.
+            "--interrupt_requests", "false",
+            *config.server.extra_args,
+        ]
+
+    def check_host(self, config: Config, source: str, host: HostAccess) -> list[str]:
+        """A warning, not a refusal: the interpreter may be installed into after the check."""
+        python = config.server.python
+        done = host.run([python, "-I", "-c", _FIND_LLAMA_CPP], 30.0)
+        if done is not None and done.returncode == 0:
+            return []
+        return [f"server.python = {python} cannot import llama_cpp{host.who}: install llama-cpp-python[server] "
+                "into it (e.g. python3 -m venv /opt/llm && /opt/llm/bin/pip install 'llama-cpp-python[server]')"
+                + (", where that user can read and run it" if host.who else "")]

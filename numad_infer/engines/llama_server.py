@@ -1,0 +1,89 @@
+"""llama.cpp's native server (`llama-server`): `parallel` slots with continuous batching.
+Decoding is memory-bound, so several sequences read the weights once per step."""
+
+from __future__ import annotations
+
+import stat
+from typing import TYPE_CHECKING, ClassVar
+
+from numad_infer.engines.base import KEY_CREDENTIAL, Engine, EngineCounters, HostAccess
+from numad_infer.config import ConfigError
+
+if TYPE_CHECKING:
+    from numad_infer.config import Config
+    from numad_infer.planner import Instance
+
+# Its --metrics counters that status and the decode efficiency read.
+_COUNTERS = {"llamacpp:tokens_predicted_total": "tokens_predicted", "llamacpp:requests_processing": "busy_slots"}
+
+_HINT = "build it with scripts/build-llama-server or install Debian's llama.cpp package, and point here"
+
+
+class LlamaServer(Engine):
+    name = "llama-server"
+    own_keys: ClassVar[frozenset[str]] = frozenset({"llama_server", "parallel"})
+    liveness_path = "/health"  # answered by its HTTP threads; 503 until the model is loaded
+    key_env = "LLAMA_API_KEY"
+    metrics_path = "/metrics"
+
+    def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
+        parallel = config.server.parallel
+        return [
+            config.server.llama_server,
+            "--model", config.model.path,
+            "--host", config.server.host,
+            "--port", str(instance.port),
+            # The context is shared by the slots: each gets context_size tokens.
+            "--ctx-size", str(config.model.context_size * parallel),
+            "--parallel", str(parallel),
+            "--threads", str(instance.threads),
+            "--threads-batch", str(instance.threads_batch),
+            # Not mmap (this llama.cpp spells --no-mmap as a load mode): the weights are read
+            # into the instance's own memory, allocated under its NUMA policy, on its node.
+            "--load-mode", "mlock" if config.model.mlock else "none",
+            "--metrics",
+            "--no-webui",
+            *config.server.extra_args,
+        ]
+
+    def slots(self, config: Config) -> int:
+        return config.server.parallel
+
+    def credential_environment(self) -> dict[str, str]:
+        # It reads the key from the file this variable names: the credential itself.
+        return {"LLAMA_ARG_API_KEY_FILE": f"%d/{KEY_CREDENTIAL}"}
+
+    def check_host(self, config: Config, source: str, host: HostAccess) -> list[str]:
+        """server.llama_server is llama.cpp's server and the instances' user can run it."""
+        path, key = config.server.llama_server, "server.llama_server"
+        try:
+            st = host.stat(path)
+        except FileNotFoundError:
+            raise ConfigError(source, key, f"no such file; {_HINT}", path, True) from None
+        except OSError as exc:
+            raise ConfigError(source, key, f"cannot be read: {exc.strerror}", path, True) from None
+        if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:
+            raise ConfigError(source, key, f"is not an executable file (chmod 755 {path})", path, True)
+        version = host.run([path, "--version"], 30.0)
+        usage = host.run([path, "--help"], 30.0)
+        if version is None or usage is None or version.returncode != 0:
+            raise ConfigError(source, key, f"does not run{host.who} (`{path} --version` failed); check that this user "
+                              f"can run it and that its libraries are installed; {_HINT}", path, True)
+        # llama-server's --help lists its own options; llama-cli and the others print the same --version.
+        if "version:" not in version.stdout + version.stderr or "--api-key-file" not in usage.stdout + usage.stderr:
+            raise ConfigError(source, key, f"is not llama.cpp's llama-server (its --version and --help say otherwise); "
+                              f"{_HINT}", path, True)
+        return []
+
+    def parse_metrics(self, text: str) -> EngineCounters | None:
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in _COUNTERS:
+                try:
+                    found[_COUNTERS[name]] = float(value.split()[0])
+                except (ValueError, IndexError):
+                    return None
+        if len(found) != len(_COUNTERS):
+            return None
+        return EngineCounters(found["tokens_predicted"], int(found["busy_slots"]))
