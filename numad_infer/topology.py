@@ -134,20 +134,14 @@ def _l3_groups(cores: list[tuple[int, ...]], cpus: dict[int, RawCpu]) -> tuple[t
     return tuple(tuple(g) for g in sorted(groups.values(), key=lambda g: g[0][0]))
 
 
-def build_topology(snap: SysfsSnapshot) -> Topology:
-    warnings: list[str] = []
-    online = _online_cpus(snap)
-    if not online:
-        raise TopologyError("no online CPU found (cpu/online and the cpuN directories are empty or unreadable)")
+def _assign_cpus(raw_nodes: dict[int, RawNode], online: frozenset[int],
+                 warnings: list[str]) -> tuple[dict[int, int], dict[int, set[int]]]:
+    """CPU -> its node, and node -> its CPUs.
 
-    raw_nodes = snap.nodes
-    if not raw_nodes:
-        # A kernel built without NUMA (or a non-NUMA machine) is one node holding everything.
-        raw_nodes = {0: RawNode(cpus=online, memory_total_bytes=snap.meminfo_total_bytes or 0, distances=(10,))}
-
-    # Firmware sometimes makes several nodes claim one CPU. The lowest node keeps its
-    # CPUs; a later node that claims any of them is not trusted with CPUs at all and
-    # becomes memory-only (hwloc drops such nodes' CPU sets the same way).
+    Firmware sometimes makes several nodes claim one CPU. The lowest node keeps its
+    CPUs; a later node that claims any of them is not trusted with CPUs at all and
+    becomes memory-only (hwloc drops such nodes' CPU sets the same way).
+    """
     owner: dict[int, int] = {}
     node_cpus: dict[int, set[int]] = {}
     for node_id in sorted(raw_nodes):
@@ -162,7 +156,31 @@ def build_topology(snap: SysfsSnapshot) -> Topology:
         for c in claimed:
             owner[c] = node_id
         node_cpus[node_id] = set(claimed)
+    return owner, node_cpus
 
+
+def _distances(node_id: int, raw: RawNode, sorted_ids: list[int], warnings: list[str]) -> dict[int, int]:
+    if raw.distances is not None:
+        if len(raw.distances) == len(sorted_ids):
+            return dict(zip(sorted_ids, raw.distances))
+        warnings.append(f"node {node_id}: distance row has {len(raw.distances)} entries for "
+                        f"{len(sorted_ids)} nodes; distances ignored")
+    # Without a distance table, the kernel's defaults: 10 local, 20 remote.
+    return {other: 10 if other == node_id else 20 for other in sorted_ids}
+
+
+def build_topology(snap: SysfsSnapshot) -> Topology:
+    warnings: list[str] = []
+    online = _online_cpus(snap)
+    if not online:
+        raise TopologyError("no online CPU found (cpu/online and the cpuN directories are empty or unreadable)")
+
+    raw_nodes = snap.nodes
+    if not raw_nodes:
+        # A kernel built without NUMA (or a non-NUMA machine) is one node holding everything.
+        raw_nodes = {0: RawNode(cpus=online, memory_total_bytes=snap.meminfo_total_bytes or 0, distances=(10,))}
+
+    owner, node_cpus = _assign_cpus(raw_nodes, online, warnings)
     orphans = online - owner.keys()
     if orphans:
         warnings.append(
@@ -177,18 +195,7 @@ def build_topology(snap: SysfsSnapshot) -> Topology:
         mine = node_cpus[node_id]
         node_cores = [tuple(c for c in core if c in mine) for core in cores]
         node_cores = [c for c in node_cores if c]
-        distances: dict[int, int] = {}
-        if raw.distances is not None:
-            if len(raw.distances) == len(sorted_ids):
-                distances = dict(zip(sorted_ids, raw.distances))
-            else:
-                warnings.append(
-                    f"node {node_id}: distance row has {len(raw.distances)} entries for "
-                    f"{len(sorted_ids)} nodes; distances ignored"
-                )
-        if not distances:
-            # Without a distance table, the kernel's defaults: 10 local, 20 remote.
-            distances = {other: 10 if other == node_id else 20 for other in sorted_ids}
+        distances = _distances(node_id, raw, sorted_ids, warnings)
         nodes.append(
             Node(
                 id=node_id,

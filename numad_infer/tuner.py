@@ -349,29 +349,14 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     import tempfile
 
     from numad_infer.loading import load
-    from numad_infer.config import ConfigError
-    from numad_infer.configedit import Edit
-    from numad_infer.tune import Choice, Verdict, choose, choose_layout, layouts, thread_grid
+    from numad_infer.tune import thread_grid
 
     loaded = load(request.config_path, request.kind, request.fsroot)
     config, topology, plan, size = loaded.config, loaded.topology, loaded.plan, loaded.model_bytes
-    if config.placement.mode != "per-node":
-        raise ConfigError(request.config_path, "placement.mode", "tune measures per-node instances; "
-                          "set mode = \"per-node\" to tune threads (layouts are not measured yet)")
     planned = {i.node: i for i in plan.instances if i.node is not None}
-    nodes = request.nodes if request.nodes else [min(planned)]
-    for node in nodes:
-        if node not in planned:
-            raise ConfigError(request.config_path, "placement.nodes", f"node {node} hosts no instance in the plan "
-                              f"(planned nodes: {', '.join(map(str, sorted(planned)))})")
+    nodes = _nodes_to_measure(request, config, planned)
     fleet = Fleet(request.state_file, progress)
-    if fleet.live and request.layouts and not request.stop_instances:
-        raise TuneError("measuring layouts needs every CPU of the machine, so the whole service would be down: "
-                        "pass --stop-instances to accept that, or stop numa-infer first")
-    if fleet.live and not config.frontend.enabled and not request.stop_instances:
-        raise TuneError("the daemon is running and there is no front door to route around a node under measurement: "
-                        "its clients would be cut off. Pass --stop-instances to stop each node's instance while "
-                        "it is measured, or stop numa-infer first")
+    _refuse_cutting_clients_off(request, config, fleet)
     settings = Settings(samples=request.samples or (3 if request.quick else 5),
                         tokens=request.tokens or (16 if request.quick else 64),
                         startup_timeout_s=config.monitor.startup_grace_s or 300.0)
@@ -404,37 +389,78 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     finally:
         fleet.drop()
     if request.layouts:
-        candidates = layouts(len(node_obj.l3_groups) or 1, len(cores))
-        current_layout = next((lay for lay in candidates if lay.mode == config.placement.mode
-                               and lay.instances_per_node == config.placement.instances_per_node), None)
-        if current_layout is None:
-            current_layout = Layout(config.placement.mode, config.placement.instances_per_node, "current setting")
-            candidates.insert(0, current_layout)
-        most = 0
-        for layout in candidates:
-            placement = config.placement.model_copy(update={"mode": layout.mode,
-                                                          "instances_per_node": layout.instances_per_node})
-            try:
-                most = max(most, len(make_plan(config.model_copy(update={"placement": placement}), topology, size,
-                                               source="tune").instances))
-            except ConfigError as exc:
-                progress(f"layout {layout.name}: not possible here ({exc}); skipped")
-                candidates = [c for c in candidates if c is not layout]
-        clients = max(4, 2 * most)
-        report.current_layout = current_layout
-        try:
-            fleet.hold_all(config.frontend.drain_timeout_s + 120)
-            for layout in candidates:
-                report.layout_results.append(measurer.measure_layout(layout, clients, 2, _free_port_block(most)))
-        finally:
-            fleet.release(config.monitor.startup_grace_s + 60)
-            fleet.drop()
+        _measure_layouts(report, measurer, fleet, config, topology, size, len(node_obj.l3_groups) or 1, len(cores),
+                         progress)
     # For the daemon: status then shows llama-server's decode as a share of this bandwidth.
     try:
         bandwidth.save(request.state_file.parent / bandwidth.RESULTS_NAME,
                        {k: f.median for k, f in report.bandwidth.items()})
     except OSError as exc:
         log.warning("cannot keep the bandwidth figures for the daemon: %s", exc)
+    return report, _edits(report, config, current, len(cores))
+
+
+def _nodes_to_measure(request: TuneRequest, config: Config, planned: dict[int, Instance]) -> list[int]:
+    from numad_infer.config import ConfigError
+
+    if config.placement.mode != "per-node":
+        raise ConfigError(request.config_path, "placement.mode", "tune measures per-node instances; "
+                          "set mode = \"per-node\" to tune threads (layouts are not measured yet)")
+    nodes = request.nodes if request.nodes else [min(planned)]
+    for node in nodes:
+        if node not in planned:
+            raise ConfigError(request.config_path, "placement.nodes", f"node {node} hosts no instance in the plan "
+                              f"(planned nodes: {', '.join(map(str, sorted(planned)))})")
+    return nodes
+
+
+def _refuse_cutting_clients_off(request: TuneRequest, config: Config, fleet: Fleet) -> None:
+    if fleet.live and request.layouts and not request.stop_instances:
+        raise TuneError("measuring layouts needs every CPU of the machine, so the whole service would be down: "
+                        "pass --stop-instances to accept that, or stop numa-infer first")
+    if fleet.live and not config.frontend.enabled and not request.stop_instances:
+        raise TuneError("the daemon is running and there is no front door to route around a node under measurement: "
+                        "its clients would be cut off. Pass --stop-instances to stop each node's instance while "
+                        "it is measured, or stop numa-infer first")
+
+
+def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: Config, topology: Topology, size: int,
+                     l3_groups: int, cores: int, progress: Callable[[str], None]) -> None:
+    from numad_infer.config import ConfigError
+    from numad_infer.tune import layouts
+
+    candidates = layouts(l3_groups, cores)
+    current_layout = next((lay for lay in candidates if lay.mode == config.placement.mode
+                           and lay.instances_per_node == config.placement.instances_per_node), None)
+    if current_layout is None:
+        current_layout = Layout(config.placement.mode, config.placement.instances_per_node, "current setting")
+        candidates.insert(0, current_layout)
+    most = 0
+    for layout in list(candidates):
+        placement = config.placement.model_copy(update={"mode": layout.mode,
+                                                      "instances_per_node": layout.instances_per_node})
+        try:
+            most = max(most, len(make_plan(config.model_copy(update={"placement": placement}), topology, size,
+                                           source="tune").instances))
+        except ConfigError as exc:
+            progress(f"layout {layout.name}: not possible here ({exc}); skipped")
+            candidates = [c for c in candidates if c is not layout]
+    clients = max(4, 2 * most)
+    report.current_layout = current_layout
+    try:
+        fleet.hold_all(config.frontend.drain_timeout_s + 120)
+        for layout in candidates:
+            report.layout_results.append(measurer.measure_layout(layout, clients, 2, _free_port_block(most)))
+    finally:
+        fleet.release(config.monitor.startup_grace_s + 60)
+        fleet.drop()
+
+
+def _edits(report: Report, config: Config, current: dict[str, int], cores: int) -> list[Edit]:
+    """What to write into the file: only what beat the current setting by more than the noise."""
+    from numad_infer.configedit import Edit
+    from numad_infer.tune import Choice, Verdict, choose, choose_layout
+
     choices: list[Choice] = [choose(report.results, "placement.threads", "decode", current["placement.threads"]),
                              choose(report.results, "placement.threads_batch", "prompt",
                                     current["placement.threads_batch"])]
@@ -442,7 +468,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     edits: list[Edit] = []
     if any(c.verdict == Verdict.CHANGE for c in choices):
         threads, batch = choices[0].value, choices[1].value
-        if max(threads, batch) > len(cores) and not config.placement.smt:
+        if max(threads, batch) > cores and not config.placement.smt:
             edits.append(Edit("placement", "smt", True))
         edits += [Edit("placement", "threads", threads), Edit("placement", "threads_batch", batch)]
     if report.layout_results and report.current_layout is not None:
@@ -450,7 +476,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
         if verdict == Verdict.CHANGE:
             edits += [Edit("placement", "mode", best.layout.mode),
                       Edit("placement", "instances_per_node", best.layout.instances_per_node)]
-    return report, edits
+    return edits
 
 
 def write_tuned(config_path: str, fsroot: str, kind: BackendKind, edits: list[Edit]) -> Path:
