@@ -9,7 +9,7 @@ import pytest
 
 from numad_infer.backends import Observation
 from numad_infer.config import MonitorSection, parse_config
-from numad_infer.drift import check_affinity, check_memory
+from numad_infer.drift import EventKind, check_affinity, check_memory
 from numad_infer.haproxy import AdminState
 from numad_infer.planner import Plan, make_plan
 from numad_infer.procfs import NodeUsage, ThreadInfo, parse_numa_maps, parse_numa_stat
@@ -506,3 +506,82 @@ def test_a_hold_whose_holder_died_is_dropped(tmp_path) -> None:
     assert not (tmp_path / "infer@1.hold").exists()
     holds.release(mine)
     assert holds.active(tmp_path) == {}
+
+
+# -- the split: drift checks registered once, per process; monitor says what it found -------------
+
+def test_every_drift_check_kind_is_registered_once_and_a_new_process_gets_fresh_ones() -> None:
+    from numad_infer.driftchecks import CHECKS, MemoryCheck
+    from numad_infer.reconcile import Runtime
+
+    kinds = [check.kind for check in CHECKS]
+    assert len(kinds) == len(set(kinds))
+    rt = Runtime(make_plan(cfg(), three_nodes()).instances[0], pid=10)
+    assert set(rt.checks) == set(kinds)
+    memory = rt.checks[EventKind.MEMORY]
+    assert isinstance(memory, MemoryCheck)
+    memory.checked_at = 99.0
+    rt.new_process(11)
+    assert rt.checks[EventKind.MEMORY] is not memory and rt.checks[EventKind.MEMORY].checked_at == 0.0
+
+
+def test_every_drift_check_runs_even_when_an_earlier_one_drifts() -> None:
+    from numad_infer.driftchecks import DriftCheck, run_checks
+
+    ran: list[EventKind] = []
+
+    class Drifts(DriftCheck):
+        kind = EventKind.AFFINITY
+
+        def run(self, ctx) -> bool:
+            ran.append(self.kind)
+            return True
+
+    class Clean(DriftCheck):
+        kind = EventKind.MEMORY
+
+        def run(self, ctx) -> bool:
+            ran.append(self.kind)
+            return False
+
+    assert run_checks({EventKind.AFFINITY: Drifts(), EventKind.MEMORY: Clean()}, None) is True  # type: ignore[arg-type]
+    assert ran == [EventKind.AFFINITY, EventKind.MEMORY]
+
+
+def test_a_probe_that_answers_while_requests_stall_for_30s_counts_as_failed() -> None:
+    from numad_infer.supervise import STALL_AFTER_S, judge_probe
+
+    answered = ProbeResult(True, 0.002)
+    assert judge_probe(answered, None, 100.0) is answered
+    assert judge_probe(answered, 100.0 - STALL_AFTER_S + 1, 100.0).ok
+    stalled = judge_probe(answered, 100.0 - STALL_AFTER_S, 100.0)
+    assert not stalled.ok and stalled.error == "stalled: requests in flight and no CPU used for 30s"
+
+
+def test_monitor_returns_each_instance_state_and_nothing_when_states_cannot_be_read(probes_answer) -> None:
+    backend = RecordingBackend()
+    rec = Reconciler(backend)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    assert rec.monitor(1.0) == {"infer@0": State.HEALTHY, "infer@1": State.HEALTHY, "infer@2": State.HEALTHY}
+
+    def broken(names):
+        raise RuntimeError("systemctl show failed")
+
+    backend.observe = broken
+    assert rec.monitor(2.0) == {}
+
+
+def test_a_crash_is_logged_as_transitions_once_each(probes_answer, caplog) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="numad_infer.states")
+    backend = RecordingBackend()
+    rec = Reconciler(backend)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.monitor(1.0)
+    caplog.clear()
+    backend.running.pop("infer@0")
+    rec.monitor(2.0)
+    moves = [r.getMessage() for r in caplog.records if r.name == "numad_infer.states"]
+    assert moves == ["infer@0: healthy -> exited (main process gone)",
+                     "infer@0: exited -> restarting (not running (inactive))"]

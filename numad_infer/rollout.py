@@ -1,0 +1,111 @@
+"""Bringing the running set to a plan: stop what went, start what came, adopt what runs,
+and restart what changed, one at a time behind a front door."""
+
+from __future__ import annotations
+
+import logging
+
+from numad_infer.backends import Backend
+from numad_infer.config import Config
+from numad_infer.frontdoor import Frontdoor
+from numad_infer.planner import Instance, Plan, PlanDiff, diff_plans
+from numad_infer.runtime import Runtime
+from numad_infer.states import IN_TRANSITION, State, Supervision
+from numad_infer.supervise import Supervisor, isolated
+
+log = logging.getLogger(__name__)
+
+
+class Rollout:
+    def __init__(self, backend: Backend, frontdoor: Frontdoor | None, supervisor: Supervisor) -> None:
+        self.backend, self.frontdoor, self.supervisor = backend, frontdoor, supervisor
+        self.plan: Plan | None = None
+        self.specs: dict[str, str] = {}
+        self.rolling: list[str] = []  # definition changed, restart still to come (one at a time)
+        self.rolled: list[str] = []  # restarted by the current rollout: must be healthy before the next
+        self._stopped_said = False  # the rollout's stop was said in the journal once
+
+    def sync(self, config: Config, plan: Plan) -> tuple[PlanDiff, dict[str, str]]:
+        """The difference to the plan, with the definitions written: if they cannot be (or
+        systemd cannot reload them), this raises before anything running was touched."""
+        new_specs = self.backend.specs(config, plan)
+        old_specs = self.specs if self.plan is not None else self.backend.current_specs(config)
+        diff = diff_plans(old_specs, new_specs)
+        self.backend.sync(config, plan)
+        return diff, new_specs
+
+    def apply(self, plan: Plan, diff: PlanDiff, specs: dict[str, str], runtimes: dict[str, Runtime],
+              holds: dict[str, str], now: float) -> None:
+        for name in diff.removed:
+            isolated(name, "stop", lambda n=name: self.backend.stop(n))
+            runtimes.pop(name, None)
+        self.plan, self.specs = plan, specs
+        try:
+            running = {name: seen.pid for name, seen in self.backend.observe([i.name for i in plan.instances]).items()}
+        except Exception as exc:  # unknown: start (a no-op on a running unit); monitoring adopts the PID later
+            log.error("cannot read instance states before starting them: %s", exc)
+            running = {}
+        for instance in plan.instances:
+            self._bring_up(instance, runtimes, instance.name in diff.changed, instance.name in holds,
+                           running.get(instance.name), now)
+        self.rolling = [name for name in self.rolling if name in runtimes]
+        if diff.changed:  # a new rollout; one still under way continues with the new definition
+            self.rolled, self._stopped_said = [], False
+        self.roll(runtimes, holds, now)
+
+    def _bring_up(self, instance: Instance, runtimes: dict[str, Runtime], changed: bool, held: bool,
+                  already: int | None, now: float) -> None:
+        """Start (or adopt) one instance of the plan; a changed one waits for its turn to restart."""
+        runtime = runtimes.get(instance.name)
+        if runtime is None or changed:
+            # Same process until the restart (or the drain before it) replaces it.
+            runtime = runtimes[instance.name] = Runtime(
+                instance, supervision=runtime.supervision if runtime else Supervision(name=instance.name),
+                pid=runtime.pid if runtime else None)
+        runtime.instance = instance
+        runtime.supervision.on_reload()
+        if changed:
+            if instance.name not in self.rolling:
+                self.rolling.append(instance.name)
+            return
+        if held:
+            return  # stays stopped until released (monitor starts it then)
+        isolated(instance.name, "start", lambda: self.backend.start(instance))
+        sup = runtime.supervision
+        if already is not None:
+            if runtime.pid is None:
+                log.info("%s: adopted running pid %d", instance.name, already)
+            runtime.pid = already
+            if sup.state == State.STOPPED:
+                # Adopted: give it the grace period, the first good probe makes it healthy.
+                sup.on_started(now, f"adopted running pid {already}")  # STOPPED -> STARTING
+        elif sup.state == State.STOPPED:
+            sup.on_started(now)  # STOPPED -> STARTING
+
+    def roll(self, runtimes: dict[str, Runtime], holds: dict[str, str], now: float) -> None:
+        """Restart instances whose definition changed: behind a front door one at a time, so
+        the others keep serving; without one, all at once (nothing routes around them).
+
+        The next one goes only once every instance restarted so far is healthy on the new
+        definition: one that does not come up (a bad extra_args, a model the engine cannot
+        load) stops the rollout there, with the others still serving on the old one.
+        """
+        while self.rolling:
+            if self.frontdoor is not None and self.frontdoor.listen and not self._may_go_on(runtimes):
+                return
+            if self.rolling[0] in holds:
+                return  # held: its restart waits for the release (it starts on the new definition then)
+            name = self.rolling.pop(0)
+            self.rolled.append(name)
+            log.info("%s: definition changed: restarting", name)
+            self.supervisor.restart(runtimes[name], now, "definition changed", counted=False)
+
+    def _may_go_on(self, runtimes: dict[str, Runtime]) -> bool:
+        if any(rt.supervision.state in IN_TRANSITION for rt in runtimes.values()):
+            return False
+        stuck = [n for n in self.rolled if n in runtimes and runtimes[n].supervision.state != State.HEALTHY]
+        if stuck and not self._stopped_said:
+            log.error("rolling restart stopped: %s not healthy on the new definition; %s keep the old one "
+                      "until it is (or until a reload fixes the configuration)", ", ".join(stuck), ", ".join(self.rolling))
+            self._stopped_said = True
+        return not stuck
