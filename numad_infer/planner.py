@@ -9,8 +9,9 @@ import ipaddress
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
-from numad_infer.config import Config, ConfigError, parse_listen
+from numad_infer.config import Config, parse_listen
 from numad_infer.cpuset import format_list
+from numad_infer.errors import ConfigError
 from numad_infer.topology import Node, Topology
 
 # Weights are private per instance (mmap off); leave room for KV cache, the OS and Python.

@@ -14,6 +14,7 @@ import re
 
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
+from numad_infer.errors import NumaInferError
 from numad_infer.engines import KEY_CREDENTIAL, server_argv, traits
 from numad_infer.planner import Instance, Plan
 
@@ -23,8 +24,8 @@ DROPIN_NAME = "50-numa-infer.conf"
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-class RenderError(ValueError):
-    pass
+class RenderError(NumaInferError, ValueError):
+    """A value no unit file may hold (the config refuses it first; this is the last line of defence)."""
 
 
 def escape_value(text: str) -> str:

@@ -25,6 +25,7 @@ from numad_infer.apikey import read_api_key
 from numad_infer.backends import ProcessBackend
 from numad_infer.config import Config
 from numad_infer.engines import traits
+from numad_infer.errors import NumaInferError
 from numad_infer.health import probe
 from numad_infer.planner import Instance, make_plan
 from numad_infer.topology import Topology
@@ -40,8 +41,8 @@ log = logging.getLogger(__name__)
 PROMPT_WORDS = 200
 
 
-class TuneError(Exception):
-    pass
+class TuneError(NumaInferError):
+    """A measurement that could not be made; `cli.cmd_tune` says so as `numa-infer tune: ...`."""
 
 
 @dataclass(frozen=True)

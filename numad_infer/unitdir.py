@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.atomicfile import write_atomic
-from numad_infer.config import Config, ConfigError
-from numad_infer.errors import NumaInferError
+from numad_infer.config import Config
+from numad_infer.errors import ConfigError, NumaInferError
 from numad_infer.render import DROPIN_NAME, FRONTDOOR_UNIT, MARKER
 
 
