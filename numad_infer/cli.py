@@ -106,8 +106,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     import tempfile
 
-    from numad_infer.frontdoor import Paths, check_haproxy, render_haproxy
-    from numad_infer.haproxy import validate
+    from numad_infer.haproxy import check_haproxy, validate
+    from numad_infer.haproxycfg import Paths, render_haproxy
 
     from numad_infer.apikey import read_api_key
 

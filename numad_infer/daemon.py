@@ -18,7 +18,9 @@ from numad_infer.backends import Backend
 from numad_infer.config import Config, Engine, load_config
 from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
-from numad_infer.frontdoor import Frontdoor, check_haproxy, server_name
+from numad_infer.frontdoor import Frontdoor
+from numad_infer.haproxy import check_haproxy
+from numad_infer.haproxycfg import server_name
 from numad_infer.apikey import read_api_key
 from numad_infer.health import KeyCheck
 from numad_infer.engines import slots as slots_of, traits

@@ -13,7 +13,7 @@ import pytest
 
 from numad_infer.config import ConfigError, parse_config
 from numad_infer.engines import server_argv, slots
-from numad_infer.frontdoor import SPARE_CONNECTIONS, Paths, render_haproxy
+from numad_infer.haproxycfg import SPARE_CONNECTIONS, Paths, render_haproxy
 from numad_infer.health import EngineCounters, parse_engine_metrics
 from numad_infer.hostcheck import check_llama_server
 from numad_infer.planner import make_plan
