@@ -17,7 +17,7 @@ from numad_infer.cpuset import format_list
 from numad_infer.defaults import DEFAULT_CONFIG_PATH, DEFAULT_STATE_FILE
 from numad_infer.errors import NumaInferError
 from numad_infer.states import State
-from numad_infer.status import read_status
+from numad_infer.statefile import read_status
 
 if TYPE_CHECKING:
     from numad_infer.status import Status

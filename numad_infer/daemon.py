@@ -32,8 +32,9 @@ from numad_infer.planner import Plan, make_plan
 from numad_infer.procfs import ProcReader
 from numad_infer.reconcile import Reconciler, Runtime
 from numad_infer.states import IN_TRANSITION, State
+from numad_infer.statefile import write_status
 from numad_infer.status import (DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, MemoryStatus, ReloadResult,
-                                Status, write_status)
+                                Status)
 from numad_infer.sysfs import SysfsReader
 from numad_infer.unitdir import check_private_dir, check_unit_names
 

@@ -271,7 +271,7 @@ class Fleet:
     """The daemon's instances on the nodes being measured: held one node at a time."""
 
     def __init__(self, state_file: Path, progress: Callable[[str], None]) -> None:
-        from numad_infer.status import read_status
+        from numad_infer.statefile import read_status
 
         self.state_file, self.progress = state_file, progress
         self.status = read_status(state_file)
@@ -296,7 +296,7 @@ class Fleet:
     def hold(self, node: int, timeout_s: float) -> None:
         from numad_infer import holds
         from numad_infer.states import State
-        from numad_infer.status import read_status
+        from numad_infer.statefile import read_status
 
         names = self.instances_on(node)
         if not names:
@@ -318,7 +318,7 @@ class Fleet:
         """Give the held instances back and wait until they serve again (one node down at a time)."""
         from numad_infer import holds
         from numad_infer.states import State
-        from numad_infer.status import read_status
+        from numad_infer.statefile import read_status
 
         names = [p.name.removesuffix(holds.SUFFIX) for p in self.taken]
         for path in self.taken:
