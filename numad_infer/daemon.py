@@ -13,7 +13,7 @@ import signal
 import time
 from pathlib import Path
 
-from numad_infer import __version__, bandwidth, holds, metrics
+from numad_infer import __version__, bandwidthfile, holds, metrics
 from numad_infer.backends import Backend
 from numad_infer.config import Config, Engine, load_config
 from numad_infer.cpuset import format_list
@@ -64,7 +64,7 @@ class Daemon:
         self.host = HostCheck(self.proc)
         self.runs_as: RunAs | None = None  # who the instances run as, None: the daemon's user
         self.model_bytes = 0
-        self.tuned = bandwidth.Results(state_file.parent / bandwidth.RESULTS_NAME)  # what `numa-infer tune` measured
+        self.tuned = bandwidthfile.Results(state_file.parent / bandwidthfile.RESULTS_NAME)  # what `numa-infer tune` measured
         self.latest: Status | None = None  # last published snapshot (immutable), read by the metrics thread
         self.pass_duration_s: float | None = None
         self.metrics = metrics.Endpoint(lambda: self.latest)

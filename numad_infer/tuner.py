@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from numad_infer import bandwidth
+from numad_infer import bandwidth, bandwidthfile
 from numad_infer.apikey import read_api_key
 from numad_infer.backends import ProcessBackend
 from numad_infer.config import Config
@@ -435,7 +435,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
             fleet.drop()
     # For the daemon: status then shows llama-server's decode as a share of this bandwidth.
     try:
-        bandwidth.save(request.state_file.parent / bandwidth.RESULTS_NAME,
+        bandwidthfile.save(request.state_file.parent / bandwidthfile.RESULTS_NAME,
                        {k: f.median for k, f in report.bandwidth.items()})
     except OSError as exc:
         log.warning("cannot keep the bandwidth figures for the daemon: %s", exc)
