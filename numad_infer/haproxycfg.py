@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from numad_infer.addresses import connect_host, host_port
 from numad_infer.config import Affinity, Config, FrontendSection
 from numad_infer.engines import slots, traits
 from numad_infer.planner import Plan
@@ -50,9 +51,8 @@ class Paths:
 def render_haproxy(config: Config, plan: Plan, paths: Paths) -> str:
     front: FrontendSection = config.frontend
     host, port = front.address
-    bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(config.server.host, config.server.host)
-    target = f"[{target}]" if ":" in target else target
+    bind = host_port(host, port)
+    target = connect_host(config.server.host)
     queue_s = _ms(front.queue_timeout_s)
     request_s = _ms(front.request_timeout_s)
     per_server = slots(config)
@@ -108,7 +108,7 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths) -> str:
         else:
             lines.append("    stick on req.body,json_query('$.user')")
     for instance in plan.instances:
-        lines.append(f"    server {server_name(instance.name)} {target}:{instance.port}")
+        lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
     return "\n".join(lines) + "\n"
 
 

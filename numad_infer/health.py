@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
+from numad_infer.addresses import connect_host
+
 
 @dataclass(frozen=True)
 class ProbeResult:
@@ -35,8 +37,7 @@ class KeyCheck(Enum):
 def check_key(host: str, port: int, key: str, timeout_s: float) -> KeyCheck:
     """Does the instance take this API key? `GET /v1/models` authenticates before it waits
     on the model, so a refused key answers at once even while the instance is busy."""
-    target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    conn = http.client.HTTPConnection(target, port, timeout=timeout_s)
+    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout_s)
     try:
         conn.request("GET", "/v1/models", headers={"Connection": "close", "Authorization": f"Bearer {key}"})
         status = conn.getresponse().status
@@ -50,10 +51,8 @@ def check_key(host: str, port: int, key: str, timeout_s: float) -> KeyCheck:
 
 
 def probe(host: str, port: int, timeout_s: float, path: str) -> ProbeResult:
-    # A wildcard listen address is reachable on loopback.
-    target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     started = time.monotonic()
-    conn = http.client.HTTPConnection(target, port, timeout=timeout_s)
+    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout_s)
     try:
         conn.request("GET", path, headers={"Connection": "close"})
         response = conn.getresponse()
@@ -99,8 +98,7 @@ def parse_engine_metrics(text: str) -> EngineCounters | None:
 
 def read_engine_metrics(host: str, port: int, path: str, key: str | None, timeout_s: float) -> EngineCounters | None:
     """The server's own counters, or None (not answering, no such endpoint, a refused key)."""
-    target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    conn = http.client.HTTPConnection(target, port, timeout=timeout_s)
+    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout_s)
     headers = {"Connection": "close"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from numad_infer import bandwidth, bandwidthfile
+from numad_infer.addresses import connect_host
 from numad_infer.apikey import read_api_key
 from numad_infer.backends import ProcessBackend
 from numad_infer.config import Config
@@ -192,7 +193,7 @@ class Client:
     """Completions against one server, timed from the client: the same for both engines."""
 
     def __init__(self, host: str, port: int, key: str | None) -> None:
-        self.host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        self.host = connect_host(host)
         self.port, self.key = port, key
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[float, int, int]:
