@@ -18,6 +18,7 @@ from numad_infer.defaults import DEFAULT_CONFIG_PATH, DEFAULT_STATE_FILE
 from numad_infer.errors import NumaInferError
 from numad_infer.states import State
 from numad_infer.statefile import read_status
+from numad_infer.tables import format_table
 
 if TYPE_CHECKING:
     from numad_infer.status import Status
@@ -60,8 +61,7 @@ def format_plan(plan: "Plan") -> str:
     for i in plan.instances:
         rows.append((i.name, "-" if i.node is None else str(i.node), format_list(i.cpus), format_list(i.mems),
                      i.policy.value, str(i.threads), str(i.port)))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = format_table(rows)
     lines += [f"warning: {w}" for w in plan.warnings]
     return "\n".join(lines)
 
@@ -211,8 +211,7 @@ def format_status(status: "Status") -> str:
                     "-" if i.decode_tokens_per_s is None else f"{i.decode_tokens_per_s:.1f}",
                     "-" if i.decode_efficiency is None else f"{i.decode_efficiency:.0%}")
         rows.append(row)
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += format_table(rows)
     for i in status.instances:
         for label, event in (("last drift", i.last_drift), ("last repair", i.last_repair)):
             if event is not None:
