@@ -250,10 +250,9 @@ def _offline_status(args: argparse.Namespace) -> "Status":
             warnings.append(str(exc))
             seen = dict.fromkeys(names, Observation(None, False, "unknown"))
     # Nobody supervises them: a running one is UNSUPERVISED, never "healthy".
-    instances = tuple(InstanceStatus(name=i.name, node=i.node, cpus=i.cpus, mems=i.mems, threads=i.threads, port=i.port,
-                                     pid=seen[i.name].pid,
-                                     state=State.UNSUPERVISED if seen[i.name].pid else State.STOPPED,
-                                     unit_state=seen[i.name].description)
+    instances = tuple(InstanceStatus.planned(i, seen[i.name].pid,
+                                             State.UNSUPERVISED if seen[i.name].pid else State.STOPPED,
+                                             unit_state=seen[i.name].description)
                       for i in loaded.plan.instances)
     return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=tuple(warnings)), instances)
 

@@ -307,9 +307,8 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
     """`slots`: requests an instance works on at once, where its engine reports them."""
     sup, inst, mem = rt.supervision, rt.instance, rt.memory
     stat = None if frontdoor.stats is None else frontdoor.stats.servers.get(server_name(inst.name))
-    return InstanceStatus(
-        name=inst.name, node=inst.node, cpus=inst.cpus, mems=inst.mems, threads=inst.threads, port=inst.port,
-        pid=rt.pid, state=sup.state,
+    return InstanceStatus.planned(
+        inst, rt.pid, sup.state,
         uptime_s=round(now - sup.started_at, 1) if sup.started_at is not None and rt.pid else None,
         restarts=sup.restarts, consecutive_failures=sup.failures,
         error=("refuses the API key of server.api_key_file: restart it to give it the current key"

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from numad_infer.errors import NumaInferError
 from numad_infer.states import State
+
+if TYPE_CHECKING:  # the planner needs pydantic (the config): `status` must start without it
+    from numad_infer.planner import Instance
 
 SCHEMA = 2
 
@@ -97,6 +100,13 @@ class InstanceStatus:
     decode_tokens_per_s: float | None = None  # generated tokens per second over the last pass
     # decode_tokens_per_s x weight bytes / the node's read bandwidth as `numa-infer tune` measured it
     decode_efficiency: float | None = None
+
+    @classmethod
+    def planned(cls, instance: "Instance", pid: int | None, state: State, **observed: Any) -> "InstanceStatus":
+        """What the plan says of `instance` (its place and port) plus what was observed of it:
+        the one projection of a planned instance, for the daemon and for `status` without one."""
+        return cls(name=instance.name, node=instance.node, cpus=instance.cpus, mems=instance.mems,
+                   threads=instance.threads, port=instance.port, pid=pid, state=state, **observed)
 
 
 @dataclass(frozen=True)
