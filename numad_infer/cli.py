@@ -19,6 +19,7 @@ from numad_infer.errors import NumaInferError
 from numad_infer.states import State
 from numad_infer.statefile import read_status
 from numad_infer.tables import format_table
+from numad_infer.unitnames import DAEMON_UNIT
 
 if TYPE_CHECKING:
     from numad_infer.status import Status
@@ -399,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_render)
     p = sub.add_parser("check", parents=[common], help="validate the configuration against this machine")
     p.set_defaults(func=cmd_check)
-    p = sub.add_parser("run", parents=[common], help="run the daemon (what numa-infer.service starts)")
+    p = sub.add_parser("run", parents=[common], help=f"run the daemon (what {DAEMON_UNIT} starts)")
     p.add_argument("--backend", choices=("auto", "systemd", "process"), default="auto",
                    help="systemd units, or child processes where systemd is not PID 1 (auto)")
     p.add_argument("-v", "--verbose", action="store_true")

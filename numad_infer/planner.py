@@ -9,6 +9,7 @@ import ipaddress
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
+from numad_infer import unitnames
 from numad_infer.config import Config, parse_listen
 from numad_infer.cpuset import format_list
 from numad_infer.errors import ConfigError
@@ -39,7 +40,7 @@ class Instance:
 
     @property
     def unit(self) -> str:
-        return f"{self.name}.service"
+        return unitnames.unit(self.name)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -228,7 +229,7 @@ def _interleaved_instance(config: Config, selected: list[Node], usable: dict[int
     cores = [c for nid in sorted(usable) for c in usable[nid]]
     cpus, places = _threads_of(cores, config.placement.smt)
     mems = tuple(sorted(n.id for n in selected if n.has_memory)) or tuple(sorted(usable))
-    return [Instance(f"{config.systemd.template}@interleave", None, cpus, places, mems, Policy.INTERLEAVE, len(cpus), 0)]
+    return [Instance(unitnames.instance_name(config.systemd.template, "interleave"), None, cpus, places, mems, Policy.INTERLEAVE, len(cpus), 0)]
 
 
 def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[tuple[int, ...]]],
@@ -261,7 +262,7 @@ def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[t
         for j, group in enumerate(_split(node, cores, k)):
             cpus, places = _threads_of(group, config.placement.smt)
             ident = str(node_id) if k == 1 else f"{node_id}.{j}"
-            instances.append(Instance(f"{config.systemd.template}@{ident}", node_id, cpus, places, mems, Policy.BIND,
+            instances.append(Instance(unitnames.instance_name(config.systemd.template, ident), node_id, cpus, places, mems, Policy.BIND,
                                       len(cpus), 0))
     return instances
 

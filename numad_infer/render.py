@@ -17,9 +17,9 @@ from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
 from numad_infer.engines import KEY_CREDENTIAL, server_argv, traits
 from numad_infer.planner import Instance, Plan
+from numad_infer.unitnames import FRONTDOOR_UNIT, dropin, template_unit
 
 MARKER = "# Managed by numa-infer: rewritten by `numa-infer render` and the daemon; do not edit."
-DROPIN_NAME = "50-numa-infer.conf"
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -151,9 +151,8 @@ def render_dropin(config: Config, instance: Instance) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The front door's unit and where it finds its files (the daemon writes the config into
+# Where the front door's unit finds its files (the daemon writes the config into
 # its own RuntimeDirectory, kept across daemon restarts; HAProxy owns the socket's).
-FRONTDOOR_UNIT = "numa-infer-frontdoor.service"
 FRONTDOOR_RUN_DIR = "/run/numa-infer"
 FRONTDOOR_SOCKET = "/run/numa-infer-frontdoor/admin.sock"
 
@@ -202,9 +201,9 @@ def render_frontdoor_unit(config: Config) -> str:
 def render_units(config: Config, plan: Plan) -> dict[str, str]:
     """Relative path under the unit directory -> file content."""
     template = config.systemd.template
-    files = {f"{template}@.service": render_template(config)}
+    files = {template_unit(template): render_template(config)}
     if config.frontend.enabled:
         files[FRONTDOOR_UNIT] = render_frontdoor_unit(config)
     for instance in plan.instances:
-        files[f"{instance.unit}.d/{DROPIN_NAME}"] = render_dropin(config, instance)
+        files[dropin(instance.name)] = render_dropin(config, instance)
     return files
