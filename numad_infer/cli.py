@@ -108,7 +108,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     import tempfile
 
     from numad_infer.haproxy import check_haproxy, validate
-    from numad_infer.haproxycfg import Paths, render_haproxy
+    from numad_infer.haproxycfg import paths_in, render_haproxy
 
     from numad_infer.apikey import read_api_key
 
@@ -123,10 +123,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if loaded.config.frontend.enabled:
         # `haproxy -c` on what the daemon would write, in a scratch directory.
         with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
-            base = Path(scratch)
-            cfg = base / "haproxy.cfg"
-            cfg.write_text(render_haproxy(loaded.config, loaded.plan, Paths(cfg, base / "state", base / "sock")))
-            validate(loaded.config.frontend.haproxy, str(cfg))
+            paths = paths_in(Path(scratch), Path(scratch) / "sock")
+            paths.config.write_text(render_haproxy(loaded.config, loaded.plan, paths))
+            validate(loaded.config.frontend.haproxy, str(paths.config))
     print(f"{args.config}: valid for this machine")
     print(format_plan(loaded.plan))
     pending = plan_write(Path(loaded.config.systemd.unit_dir), render_units(loaded.config, loaded.plan))

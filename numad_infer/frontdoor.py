@@ -18,7 +18,7 @@ from typing import Protocol
 from numad_infer import haproxy
 from numad_infer.config import Config
 from numad_infer.haproxy import AdminState, BackendStat, HaproxyError, RuntimeAPI
-from numad_infer.haproxycfg import BACKEND, Paths, render_haproxy, server_name
+from numad_infer.haproxycfg import BACKEND, paths_in, render_haproxy, server_name
 from numad_infer.planner import Instance, Plan
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,7 @@ class Frontdoor:
     def __init__(self, runner: FrontdoorRunner) -> None:
         self.runner = runner
         run_dir = runner.run_dir
-        self.paths = Paths(run_dir / "haproxy.cfg", run_dir / "haproxy.state", runner.socket_path)
+        self.paths = paths_in(run_dir, runner.socket_path)
         self.api = RuntimeAPI(str(runner.socket_path))
         self.listen = ""
         self.binary = ""

@@ -41,11 +41,20 @@ def server_name(instance_name: str) -> str:
     return instance_name.replace("@", "-")
 
 
+CONFIG_NAME = "haproxy.cfg"
+STATE_NAME = "haproxy.state"
+
+
 @dataclass(frozen=True)
 class Paths:
     config: Path  # haproxy.cfg
     state: Path  # server states kept across reloads
     socket: Path  # runtime API (admin level)
+
+
+def paths_in(run_dir: Path, socket: Path) -> Paths:
+    """The files in the directory the daemon (or `check`, in a scratch one) writes them to."""
+    return Paths(run_dir / CONFIG_NAME, run_dir / STATE_NAME, socket)
 
 
 def render_haproxy(config: Config, plan: Plan, paths: Paths) -> str:

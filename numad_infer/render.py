@@ -15,6 +15,7 @@ import re
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
+from numad_infer.haproxycfg import CONFIG_NAME
 from numad_infer.engines import KEY_CREDENTIAL, server_argv, traits
 from numad_infer.planner import Instance, Plan
 from numad_infer.unitnames import FRONTDOOR_UNIT, dropin, template_unit
@@ -159,7 +160,7 @@ FRONTDOOR_SOCKET = "/run/numa-infer-frontdoor/admin.sock"
 
 def render_frontdoor_unit(config: Config) -> str:
     binary = config.frontend.haproxy
-    cfg = f"{FRONTDOOR_RUN_DIR}/haproxy.cfg"
+    cfg = f"{FRONTDOOR_RUN_DIR}/{CONFIG_NAME}"
     check = " ".join(quote_arg(a) for a in (binary, "-c", "-q", "-f", cfg))
     lines = [
         MARKER,
