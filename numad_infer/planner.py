@@ -6,6 +6,7 @@ Pure. Every refusal is a `ConfigError` naming the key an operator must change.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
@@ -128,8 +129,8 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
     cores, how the cores become instances, then ports. Each step refuses what it cannot do."""
     warnings: list[str] = list(topo.warnings)
     selected = _select_nodes(config, topo, source)
-    reserved_cores = _reserved_cores(config, topo, warnings, source)
-    usable = _usable_cores(config, topo, selected, reserved_cores, warnings, source)
+    reserved = _reserved_cores(config, topo, warnings, source)
+    usable = _usable_cores(config, topo, selected, reserved, warnings, source)
     if config.placement.mode == "interleave":
         instances = _interleaved_instance(config, selected, usable)
     else:
@@ -177,16 +178,26 @@ def _reserved_cores(config: Config, topo: Topology, warnings: list[str], source:
             f"CPU {format_list(absent)} is not an online CPU of this machine (online: {format_list(online)})",
             config.placement.reserve_cpus, True,
         )
-    cores = {topo.sibling_core(c) for c in reserved}
-    expanded = {c for core in cores if core for c in core}
+    cores = reserved_cores(topo, reserved)
+    expanded = {c for core in cores for c in core}
     if expanded - reserved:
         warnings.append(
             f"reserve_cpus {format_list(reserved)} covers whole cores: CPUs {format_list(expanded)} are reserved"
         )
-    return {core for core in cores if core}
+    return cores
 
 
-def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved_cores: set[tuple[int, ...]],
+def reserved_cores(topo: Topology, reserved: Iterable[int]) -> set[tuple[int, ...]]:
+    """The rule: reserving a CPU reserves its whole core (a sibling would share its pipeline)."""
+    return {core for core in map(topo.sibling_core, reserved) if core}
+
+
+def unreserved_cores(node: Node, reserved: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The node's cores an instance may use: all but the `reserved_cores`."""
+    return [core for core in node.cores if core not in reserved]
+
+
+def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved: set[tuple[int, ...]],
                   warnings: list[str], source: str) -> dict[int, list[tuple[int, ...]]]:
     """Step 3: per selected node, its cores minus the reserved ones. Rule 1: only nodes with
     cores left host an instance (with nodes = "all"; a node named by id must keep one)."""
@@ -197,7 +208,7 @@ def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved
     for node in selected:
         if not node.has_cpus:
             continue
-        cores = [core for core in node.cores if core not in reserved_cores]
+        cores = unreserved_cores(node, reserved)
         if cores:
             usable[node.id] = cores
         else:

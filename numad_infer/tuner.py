@@ -28,7 +28,7 @@ from numad_infer.config import Config
 from numad_infer.engines import traits
 from numad_infer.errors import NumaInferError
 from numad_infer.health import probe
-from numad_infer.planner import Instance, make_plan
+from numad_infer.planner import Instance, make_plan, reserved_cores, unreserved_cores
 from numad_infer.topology import Topology
 from numad_infer.tune import Candidate, Figure, Layout, LayoutResult, Report, Result, percentile
 
@@ -386,8 +386,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     node = nodes[0]
     instance = planned[node]
     node_obj = next(n for n in topology.nodes if n.id == node)
-    reserved = {c for c in config.placement.reserved}
-    cores = [core for core in node_obj.cores if not reserved & set(core)]
+    cores = unreserved_cores(node_obj, reserved_cores(topology, config.placement.reserved))
     grid = thread_grid(len(cores), sum(len(c) for c in cores), request.quick)
     current = {"placement.threads": instance.threads, "placement.threads_batch": instance.threads_batch}
     for value in current.values():
