@@ -1,7 +1,9 @@
 """What `numa-infer status` shows, as one typed model: written by the daemon (the state
 file, every pass, through `statefile`), read by the CLI and the Prometheus endpoint.
 
-Adding a column means a field here and a cell in `cli.format_status`, nothing else.
+Adding a column is three edits: a field here; its value, filled in by the daemon
+(`daemon._instance_status`, or `InstanceStatus.planned` when the plan already says it);
+and its cell in `cli.format_status`. A field nobody fills stays at its default.
 Plain dataclasses, no pydantic: `numa-infer status` with the daemon running reads only
 this file and `statefile` and should start fast. The JSON shape is the state file's (schema `SCHEMA`);
 a file of another schema is refused with one line, never a traceback.
