@@ -15,7 +15,9 @@ function-level import only delays a dependency, it does not remove it; and a typ
 a higher layer in a lower one means the lower one knows the higher one's shapes, which
 is what the layering forbids (the guard is there for start-up time, not for direction).
 
-Adding a module is one line in `MODULES` (the test fails until it is there).
+Adding a module is one line in `MODULES` (the test fails until it is there). A key is the
+module's path under numad_infer/ without `.py`, so a sub-package's modules are
+`engines/llama_server` and `engines/__init__`.
 """
 
 from __future__ import annotations
