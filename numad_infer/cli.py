@@ -17,7 +17,9 @@ from numad_infer.cpuset import format_list
 from numad_infer.defaults import DEFAULT_CONFIG_PATH, DEFAULT_STATE_FILE
 from numad_infer.errors import NumaInferError
 from numad_infer.states import State
-from numad_infer.status import read_status
+from numad_infer.statefile import read_status
+from numad_infer.tables import format_table
+from numad_infer.unitnames import DAEMON_UNIT
 
 if TYPE_CHECKING:
     from numad_infer.status import Status
@@ -63,8 +65,7 @@ def format_plan(plan: "Plan", warnings: "tuple[str, ...] | None" = None) -> str:
     for i in plan.instances:
         rows.append((i.name, "-" if i.node is None else str(i.node), format_list(i.cpus), format_list(i.mems),
                      i.policy.value, str(i.threads), str(i.port)))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = format_table(rows)
     lines += [f"warning: {w}" for w in (plan.warnings if warnings is None else warnings)]
     return "\n".join(lines)
 
@@ -193,8 +194,7 @@ def format_status(status: "Status") -> str:
                     "-" if i.decode_tokens_per_s is None else f"{i.decode_tokens_per_s:.1f}",
                     "-" if i.decode_efficiency is None else f"{i.decode_efficiency:.0%}")
         rows.append(row)
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += format_table(rows)
     for i in status.instances:
         for label, event in (("last drift", i.last_drift), ("last repair", i.last_repair)):
             if event is not None:
@@ -233,10 +233,9 @@ def _offline_status(args: argparse.Namespace) -> "Status":
             warnings.append(str(exc))
             seen = dict.fromkeys(names, Observation(None, False, "unknown"))
     # Nobody supervises them: a running one is UNSUPERVISED, never "healthy".
-    instances = tuple(InstanceStatus(name=i.name, node=i.node, cpus=i.cpus, mems=i.mems, threads=i.threads, port=i.port,
-                                     pid=seen[i.name].pid,
-                                     state=State.UNSUPERVISED if seen[i.name].pid else State.STOPPED,
-                                     unit_state=seen[i.name].description)
+    instances = tuple(InstanceStatus.planned(i, seen[i.name].pid,
+                                             State.UNSUPERVISED if seen[i.name].pid else State.STOPPED,
+                                             unit_state=seen[i.name].description)
                       for i in loaded.plan.instances)
     return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=tuple(warnings)), instances)
 
@@ -383,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_render)
     p = sub.add_parser("check", parents=[common], help="validate the configuration against this machine")
     p.set_defaults(func=cmd_check)
-    p = sub.add_parser("run", parents=[common], help="run the daemon (what numa-infer.service starts)")
+    p = sub.add_parser("run", parents=[common], help=f"run the daemon (what {DAEMON_UNIT} starts)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("status", parents=[common], help="instances, health and drift (exit 0 healthy, 1 not, 3 daemon down)")

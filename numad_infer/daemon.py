@@ -13,12 +13,13 @@ import signal
 import time
 from pathlib import Path
 
-from numad_infer import __version__, bandwidth, holds, loading, metrics
+from numad_infer import __version__, bandwidthfile, holds, loading, metrics
 from numad_infer.backends import Backend
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
-from numad_infer.frontdoor import Frontdoor, server_name
+from numad_infer.frontdoor import Frontdoor
+from numad_infer.haproxycfg import server_name
 from numad_infer.health import KeyCheck
 from numad_infer.engines import Engine
 from numad_infer.identity import RunAs
@@ -27,8 +28,9 @@ from numad_infer.planner import Plan
 from numad_infer.procfs import ProcReader
 from numad_infer.reconcile import Reconciler, Runtime
 from numad_infer.states import IN_TRANSITION, State
+from numad_infer.statefile import write_status
 from numad_infer.status import (DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, MemoryStatus, ReloadResult,
-                                Status, write_status)
+                                Status)
 from numad_infer.sysfs import SysfsReader
 from numad_infer.unitdir import check_private_dir
 
@@ -59,7 +61,7 @@ class Daemon:
         self.model_bytes = 0
         self.engine: Engine | None = None
         self.load_warnings: tuple[str, ...] = ()
-        self.tuned = bandwidth.Results(state_file.parent / bandwidth.RESULTS_NAME)  # what `numa-infer tune` measured
+        self.tuned = bandwidthfile.Results(state_file.parent / bandwidthfile.RESULTS_NAME)  # what `numa-infer tune` measured
         self.latest: Status | None = None  # last published snapshot (immutable), read by the metrics thread
         self.pass_duration_s: float | None = None
         self.metrics = metrics.Endpoint(lambda: self.latest)
@@ -294,9 +296,8 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
     """`slots`: requests an instance works on at once, where its engine reports them."""
     sup, inst, mem = rt.supervision, rt.instance, rt.memory
     stat = None if frontdoor.stats is None else frontdoor.stats.servers.get(server_name(inst.name))
-    return InstanceStatus(
-        name=inst.name, node=inst.node, cpus=inst.cpus, mems=inst.mems, threads=inst.threads, port=inst.port,
-        pid=rt.pid, state=sup.state,
+    return InstanceStatus.planned(
+        inst, rt.pid, sup.state,
         uptime_s=round(now - sup.started_at, 1) if sup.started_at is not None and rt.pid else None,
         restarts=sup.restarts, consecutive_failures=sup.failures,
         error=("refuses the API key of server.api_key_file: restart it to give it the current key"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from numad_infer.procfs import NodeUsage, ThreadInfo
+from numad_infer.observed import NodeUsage, ThreadInfo
 
 
 class EventKind(str, Enum):

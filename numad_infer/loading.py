@@ -17,7 +17,8 @@ from numad_infer import haproxy
 from numad_infer.apikey import read_api_key
 from numad_infer.config import Config, load_config
 from numad_infer.engines import Engine, engine_of
-from numad_infer.frontdoor import Paths, check_haproxy, render_haproxy
+from numad_infer.haproxy import check_haproxy
+from numad_infer.haproxycfg import paths_in, render_haproxy
 from numad_infer.hostcheck import InstanceHost, host_warnings
 from numad_infer.identity import BackendKind, RunAs, instances_run_as
 from numad_infer.modelfile import model_size
@@ -78,6 +79,6 @@ def _check_frontdoor_config(config: Config, plan: Plan) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
         base = Path(scratch)
-        paths = Paths(base / "haproxy.cfg", base / "haproxy.state", base / "admin.sock")
+        paths = paths_in(base, base / "admin.sock")
         paths.config.write_text(render_haproxy(config, plan, paths), encoding="utf-8")
         haproxy.validate(config.frontend.haproxy, str(paths.config))

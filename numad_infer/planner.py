@@ -6,11 +6,14 @@ Pure. Every refusal is a `ConfigError` naming the key an operator must change.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
-from numad_infer.config import Config, ConfigError, parse_listen
+from numad_infer import unitnames
+from numad_infer.config import Config, parse_listen
 from numad_infer.cpuset import format_list
+from numad_infer.errors import ConfigError
 from numad_infer.topology import Node, Topology
 
 # Weights are private per instance (mmap off); leave room for KV cache, the OS and Python.
@@ -38,7 +41,7 @@ class Instance:
 
     @property
     def unit(self) -> str:
-        return f"{self.name}.service"
+        return unitnames.unit(self.name)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -126,8 +129,8 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
     cores, how the cores become instances, then ports. Each step refuses what it cannot do."""
     warnings: list[str] = list(topo.warnings)
     selected = _select_nodes(config, topo, source)
-    reserved_cores = _reserved_cores(config, topo, warnings, source)
-    usable = _usable_cores(config, topo, selected, reserved_cores, warnings, source)
+    reserved = _reserved_cores(config, topo, warnings, source)
+    usable = _usable_cores(config, topo, selected, reserved, warnings, source)
     if config.placement.mode == "interleave":
         instances = _interleaved_instance(config, selected, usable)
     else:
@@ -175,16 +178,26 @@ def _reserved_cores(config: Config, topo: Topology, warnings: list[str], source:
             f"CPU {format_list(absent)} is not an online CPU of this machine (online: {format_list(online)})",
             config.placement.reserve_cpus, True,
         )
-    cores = {topo.sibling_core(c) for c in reserved}
-    expanded = {c for core in cores if core for c in core}
+    cores = reserved_cores(topo, reserved)
+    expanded = {c for core in cores for c in core}
     if expanded - reserved:
         warnings.append(
             f"reserve_cpus {format_list(reserved)} covers whole cores: CPUs {format_list(expanded)} are reserved"
         )
-    return {core for core in cores if core}
+    return cores
 
 
-def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved_cores: set[tuple[int, ...]],
+def reserved_cores(topo: Topology, reserved: Iterable[int]) -> set[tuple[int, ...]]:
+    """The rule: reserving a CPU reserves its whole core (a sibling would share its pipeline)."""
+    return {core for core in map(topo.sibling_core, reserved) if core}
+
+
+def unreserved_cores(node: Node, reserved: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The node's cores an instance may use: all but the `reserved_cores`."""
+    return [core for core in node.cores if core not in reserved]
+
+
+def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved: set[tuple[int, ...]],
                   warnings: list[str], source: str) -> dict[int, list[tuple[int, ...]]]:
     """Step 3: per selected node, its cores minus the reserved ones. Rule 1: only nodes with
     cores left host an instance (with nodes = "all"; a node named by id must keep one)."""
@@ -195,7 +208,7 @@ def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved
     for node in selected:
         if not node.has_cpus:
             continue
-        cores = [core for core in node.cores if core not in reserved_cores]
+        cores = unreserved_cores(node, reserved)
         if cores:
             usable[node.id] = cores
         else:
@@ -227,7 +240,7 @@ def _interleaved_instance(config: Config, selected: list[Node], usable: dict[int
     cores = [c for nid in sorted(usable) for c in usable[nid]]
     cpus, places = _threads_of(cores, config.placement.smt)
     mems = tuple(sorted(n.id for n in selected if n.has_memory)) or tuple(sorted(usable))
-    return [Instance(f"{config.systemd.template}@interleave", None, cpus, places, mems, Policy.INTERLEAVE, len(cpus), 0)]
+    return [Instance(unitnames.instance_name(config.systemd.template, "interleave"), None, cpus, places, mems, Policy.INTERLEAVE, len(cpus), 0)]
 
 
 def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[tuple[int, ...]]],
@@ -260,7 +273,7 @@ def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[t
         for j, group in enumerate(_split(node, cores, k)):
             cpus, places = _threads_of(group, config.placement.smt)
             ident = str(node_id) if k == 1 else f"{node_id}.{j}"
-            instances.append(Instance(f"{config.systemd.template}@{ident}", node_id, cpus, places, mems, Policy.BIND,
+            instances.append(Instance(unitnames.instance_name(config.systemd.template, ident), node_id, cpus, places, mems, Policy.BIND,
                                       len(cpus), 0))
     return instances
 

@@ -1,23 +1,25 @@
 """What `numa-infer status` shows, as one typed model: written by the daemon (the state
-file, every pass), read by the CLI and the Prometheus endpoint.
+file, every pass, through `statefile`), read by the CLI and the Prometheus endpoint.
 
-Adding a column means a field here and a cell in `cli.format_status`, nothing else.
+Adding a column is three edits: a field here; its value, filled in by the daemon
+(`daemon._instance_status`, or `InstanceStatus.planned` when the plan already says it);
+and its cell in `cli.format_status`. A field nobody fills stays at its default.
 Plain dataclasses, no pydantic: `numa-infer status` with the daemon running reads only
-this file and should start fast. The JSON shape is the state file's (schema `SCHEMA`);
+this file and `statefile` and should start fast. The JSON shape is the state file's (schema `SCHEMA`);
 a file of another schema is refused with one line, never a traceback.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from numad_infer.atomicfile import write_atomic
 from numad_infer.errors import NumaInferError
 from numad_infer.states import State
+
+if TYPE_CHECKING:  # the planner needs pydantic (the config): `status` must start without it
+    from numad_infer.planner import Instance
 
 SCHEMA = 2
 
@@ -100,6 +102,13 @@ class InstanceStatus:
     decode_tokens_per_s: float | None = None  # generated tokens per second over the last pass
     # decode_tokens_per_s x weight bytes / the node's read bandwidth as `numa-infer tune` measured it
     decode_efficiency: float | None = None
+
+    @classmethod
+    def planned(cls, instance: "Instance", pid: int | None, state: State, **observed: Any) -> "InstanceStatus":
+        """What the plan says of `instance` (its place and port) plus what was observed of it:
+        the one projection of a planned instance, for the daemon and for `status` without one."""
+        return cls(name=instance.name, node=instance.node, cpus=instance.cpus, mems=instance.mems,
+                   threads=instance.threads, port=instance.port, pid=pid, state=state, **observed)
 
 
 @dataclass(frozen=True)
@@ -188,17 +197,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-def write_status(path: Path, status: Status) -> None:
-    # Rewritten every pass on /run (tmpfs): atomic for readers, no fsync needed.
-    write_atomic(path, json.dumps(status.to_json(), indent=1, sort_keys=True), durable=False)
-
-
-def read_status(path: Path) -> Status | None:
-    """None when there is no state file (or it cannot be read); StatusError for one of another shape."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return Status.from_json(data, str(path))

@@ -1,6 +1,7 @@
 """The configuration reference in README.md and numa-infer.toml(5) is generated from the
-schema: this fails when a key, a limit, a default or a description changed without
-`tools/config_reference.py` being run."""
+schema, and the README's module layout from numad_infer/layers.py: this fails when a key,
+a limit, a default, a description or a module changed without `tools/config_reference.py`
+or `tools/layout_reference.py` being run."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ def test_the_key_reference_in_readme_and_man_page_is_what_the_schema_says() -> N
     proc = subprocess.run([sys.executable, str(ROOT / "tools/config_reference.py"), "--check"], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_the_readme_layout_names_every_module_as_the_layer_map_says() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/layout_reference.py"), "--check"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"`{path.name}`" in readme for path in (ROOT / "numad_infer").glob("*.py"))
 
 
 def test_every_key_has_a_description_and_the_limits_are_shown() -> None:
