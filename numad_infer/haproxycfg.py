@@ -108,18 +108,20 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths) -> str:
         f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {per_server} "
         "observe layer4 error-limit 1 on-error mark-down",
     ]
-    if front.affinity != Affinity.NONE:
-        expire = _ms(front.affinity_expire_s)
-        # The first turn goes where leastconn sends it; later turns follow it (stick table),
-        # to the instance whose KV cache already holds the conversation's prompt prefix.
-        lines.append(f"    stick-table type string len 128 size 1m expire {expire}")
-        if front.affinity == Affinity.HEADER:
-            lines.append(f"    stick on req.hdr({front.affinity_header})")
-        else:
-            lines.append("    stick on req.body,json_query('$.user')")
+    lines += _affinity(front)
     for instance in plan.instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
     return "\n".join(lines) + "\n"
+
+
+def _affinity(front: FrontendSection) -> list[str]:
+    """The first turn goes where leastconn sends it; later turns follow it (stick table),
+    to the instance whose KV cache already holds the conversation's prompt prefix."""
+    if front.affinity == Affinity.NONE:
+        return []
+    key = (f"req.hdr({front.affinity_header})" if front.affinity == Affinity.HEADER
+           else "req.body,json_query('$.user')")
+    return [f"    stick-table type string len 128 size 1m expire {_ms(front.affinity_expire_s)}", f"    stick on {key}"]
 
 
 def _ms(seconds: float) -> str:

@@ -79,15 +79,18 @@ MODULES: dict[str, tuple[str, str]] = {
     # -- orchestration ------------------------------------------------------------------------
     "__main__": (ORCHESTRATION, "`python -m numad_infer`"),
     "cli": (ORCHESTRATION, "argument parsing and presentation"),
-    "daemon": (ORCHESTRATION, "the loop, signals, reloads, the published status"),
+    "daemon": (ORCHESTRATION, "the loop: signals, passes, publishing, shutdown"),
     "driftchecks": (ORCHESTRATION, "one drift check per kind (affinity, memory), each with its own per-process "
                                    "state, registered in `CHECKS`"),
     "keycheck": (ORCHESTRATION, "does an instance take the configured API key (once per process)"),
     "loading": (ORCHESTRATION, "the one loading and validation pipeline: config, topology, runs-as, model, "
                                "engine, front door, key, plan"),
+    "planstate": (ORCHESTRATION, "the plan the daemon runs: load, apply, reload, re-plan on hotplug; the "
+                                 "reload bookkeeping status reports"),
     "reconcile": (ORCHESTRATION, "one pass: the coordinator of rollout, supervision and drift checks"),
     "rollout": (ORCHESTRATION, "apply a plan: start, stop, adopt; restarts one at a time behind the front door"),
     "runtime": (ORCHESTRATION, "what the daemon knows of one instance's current process"),
+    "snapshot": (ORCHESTRATION, "what the daemon publishes each pass: runtimes -> status types, the status line"),
     "supervise": (ORCHESTRATION, "probe results and exits -> lifecycle transitions: restart, drain, hold, backoff"),
     "tuner": (ORCHESTRATION, "tune's measuring servers and fleet holds"),
 }
