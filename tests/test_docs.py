@@ -45,3 +45,22 @@ def test_roff_escaping_keeps_code_and_backslashes() -> None:
     assert configref._roff("no `$ \" ' \\` here") == "no \\fB$ \" ' \\e\\fR here"
     assert configref._roff(".starts with a dot") == "\\&.starts with a dot"
     assert configref._roff("`--api-key`") == "\\fB\\-\\-api\\-key\\fR"
+
+
+def test_every_file_and_test_the_where_to_change_table_names_exists() -> None:
+    """The README's "where to change what" rows name files and tests: a rename must not
+    leave a row pointing at nothing."""
+    import ast
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("Where to change what"):readme.index("## Tests")]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "`" in line]
+    assert len(rows) >= 10 and all("`tests/" in row for row in rows), [r for r in rows if "`tests/" not in r]
+    for path in re.findall(r"`(numad_infer/[\w/]+(?:\.py|/))`", table):
+        assert (ROOT / path).exists(), path
+    for path, name in re.findall(r"`(tests/\w+\.py)(?:::(\w+))?`", table):
+        assert (ROOT / path).is_file(), path
+        if name:
+            tree = ast.parse((ROOT / path).read_text())
+            assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, f"{path}::{name}"
