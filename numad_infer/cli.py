@@ -22,6 +22,7 @@ from numad_infer.tables import format_table
 from numad_infer.unitnames import DAEMON_UNIT
 
 if TYPE_CHECKING:
+    from numad_infer.allowed import Allowed
     from numad_infer.status import Status
     from numad_infer.loading import Loaded
     from numad_infer.planner import Plan
@@ -72,17 +73,42 @@ def format_plan(plan: "Plan", warnings: "tuple[str, ...] | None" = None) -> str:
 
 # -- commands -------------------------------------------------------------------------------
 
+def format_allowed(topo: "Topology", allowed: "Allowed") -> list[str]:
+    """What the instances' cgroup allows, and what of the machine that leaves out (nothing
+    when it restricts nothing)."""
+    from numad_infer.allowed import left_out
+
+    if allowed.cpus is None and allowed.mems is None and allowed.quota_cpus is None:
+        return []
+    lines = [f"allowed to the instances: {allowed.describe()}"]
+    cpus = left_out(topo, allowed)
+    mems = {n.id for n in topo.nodes if n.memory_total_bytes > 0} - set(allowed.mems or {n.id for n in topo.nodes})
+    if cpus or mems:
+        lines.append("left out: " + ", ".join(([f"CPUs {format_list(cpus)}"] if cpus else [])
+                                             + ([f"memory of node(s) {format_list(mems)}"] if mems else [])))
+    return lines
+
+
 def cmd_topology(args: argparse.Namespace) -> int:
+    from numad_infer.identity import backend_kind
+    from numad_infer.loading import read_allowed
     from numad_infer.sysfs import read_topology
 
     topo = read_topology(args.fsroot)
-    print(json.dumps(topo.to_dict(), indent=2) if args.json else format_topology(topo))
+    allowed = read_allowed(backend_kind(args.backend))
+    if args.json:
+        print(json.dumps({**topo.to_dict(), "allowed": allowed.to_dict()}, indent=2))
+    else:
+        print("\n".join([format_topology(topo), *format_allowed(topo, allowed)]))
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     loaded = load_all(args)
-    print(json.dumps(loaded.plan.to_dict(), indent=2) if args.json else format_plan(loaded.plan))
+    if args.json:
+        print(json.dumps({**loaded.plan.to_dict(), "allowed": loaded.allowed.to_dict()}, indent=2))
+    else:
+        print("\n".join([format_plan(loaded.plan), *format_allowed(loaded.topology, loaded.allowed)]))
     return 0
 
 
@@ -171,6 +197,8 @@ def format_status(status: "Status") -> str:
                          f"removed {len(reload.removed)})")
         else:
             lines.append(f"last {reload.why}: {when} FAILED: {reload.error}")
+    if d.allowed:
+        lines.append(f"allowed: {d.allowed}")
     lines += [f"warning: {w}" for w in d.warnings]
     front = status.frontdoor
     if front is not None:

@@ -201,7 +201,8 @@ class ServerSection(_Section):
     )
     base_port: int = Field(
         8080, ge=1, le=65535,
-        description="the k-th instance of the plan listens on `base_port + k`",
+        description=("the k-th instance of the plan listens on `base_port + k` (k counted on the whole machine: an "
+                     "instance keeps its port when a cgroup takes other nodes away)"),
     )
     python: SafeStr = Field(
         "/usr/bin/python3",

@@ -30,6 +30,7 @@ ORDER = (CORE, EDGE, ORCHESTRATION)
 MODULES: dict[str, tuple[str, str]] = {
     # -- core ---------------------------------------------------------------------------------
     "__init__": (CORE, "the version"),
+    "allowed": (CORE, "what the instances' cgroup lets them use (cpuset, CPU quota) and the topology within it"),
     "addresses": (CORE, "where a local client reaches a listen address (wildcard -> loopback)"),
     "config": (CORE, "the schema of /etc/numa-infer.toml, parsing and validation"),
     "configref": (CORE, "the key reference (README, man page) generated from the schema"),
@@ -55,6 +56,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "unitnames": (CORE, "systemd unit and drop-in names, built and taken apart"),
     # -- edges --------------------------------------------------------------------------------
     "apikey": (EDGE, "the API key file"),
+    "cgroups": (EDGE, "reads a cgroup's cpuset and CPU quota (the daemon's own, or the instances' slice)"),
     "atomicfile": (EDGE, "replace a file atomically (temp file + rename)"),
     "backends": (EDGE, "where instances run: systemd units or child processes, behind one `Backend`"),
     "bandwidth": (EDGE, "the memory read-bandwidth measurement"),

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from numad_infer import holds, loading, metrics
+from numad_infer.allowed import Allowed
 from numad_infer.backends import Backend
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
@@ -28,6 +29,7 @@ class PlanState:
         self.reconciler, self.frontdoor, self.endpoint, self.state_file = reconciler, frontdoor, endpoint, state_file
         self.loaded: loading.Loaded | None = None  # the configuration running now (applied)
         self.online: frozenset[int] | None = None  # the CPUs it was planned on
+        self.allowed: Allowed | None = None  # what the instances' cgroup allowed then
         self.generation = 0  # bumped by every start and reload, done or refused (`numa-infer reload` waits on it)
         self.last_reload: ReloadResult | None = None
         self.warnings: tuple[str, ...] = ()
@@ -43,7 +45,7 @@ class PlanState:
     def apply(self, loaded: loading.Loaded, why: str) -> bool:
         """Bring everything to the plan; False (reported like a refused reload) if the unit
         definitions could not be written, with the running instances left alone."""
-        self.online = loaded.topology.online_cpus
+        self.online, self.allowed = loaded.topology.online_cpus, loaded.allowed
         try:
             self.read_holds()
             result = self.reconciler.apply(loaded.config, loaded.plan, time.monotonic())
@@ -84,23 +86,34 @@ class PlanState:
         self.generation += 1
 
     def check_machine(self) -> None:
-        """CPUs went on or offline since the plan was made: a new plan (only the instances
-        whose placement changed restart)."""
+        """CPUs went on or offline, or the instances' cgroup now allows other CPUs, memory
+        nodes or CPU time (the kubelet, an NRI plugin, `podman update`, `systemctl
+        set-property`): a new plan, never drift to fight. Only the instances whose placement
+        changed restart, drained first."""
         online = self.sysfs.online_cpus()
-        if online is None or self.online is None or online == self.online:
+        allowed = loading.read_allowed(self.backend.kind)
+        hotplug = online is not None and self.online is not None and online != self.online
+        narrowed = self.allowed is not None and allowed != self.allowed
+        if not hotplug and not narrowed:
             return
-        gone, came = self.online - online, online - self.online
-        log.warning("CPUs changed: %s%s; re-planning",
-                    f"offline {format_list(gone)} " if gone else "", f"online {format_list(came)}" if came else "")
+        if hotplug:
+            assert online is not None and self.online is not None
+            gone, came = self.online - online, online - self.online
+            log.warning("CPUs changed: %s%s; re-planning", f"offline {format_list(gone)} " if gone else "",
+                        f"online {format_list(came)}" if came else "")
+        if narrowed:
+            assert self.allowed is not None
+            log.warning("what the instances may use changed: %s, was %s; a new plan (not drift): re-planning",
+                        allowed.describe(), self.allowed.describe())
+        why = "cpu hotplug" if hotplug else "allowed set change"
         try:
             loaded = self.load()
         except NumaInferError as exc:
             log.error("the machine changed and the configuration no longer fits: %s", exc)
-            self.online = online
-            self.last_reload = ReloadResult(time.time(), False, "cpu hotplug", str(exc))
+            self.online, self.allowed = online, allowed  # said once, not at every pass
+            self.last_reload = ReloadResult(time.time(), False, why, str(exc))
             return
-        self.apply(loaded, "cpu hotplug")
-
+        self.apply(loaded, why)
 
 def _names(names: tuple[str, ...]) -> str:
     return ", ".join(names) if names else "none"

@@ -3,7 +3,11 @@ the instances' runtimes and the front door's counters projected into `status` ty
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from numad_infer.allowed import left_out
 from numad_infer.bandwidthfile import Results
+from numad_infer.cpuset import format_list
 from numad_infer.frontdoor import Frontdoor
 from numad_infer.haproxycfg import server_name
 from numad_infer.health import KeyCheck
@@ -38,6 +42,14 @@ def instances(runtimes: list[Runtime], now: float, frontdoor: Frontdoor, loaded:
     return tuple(_instance_status(rt, now, frontdoor, slots, _efficiency(rt, weights, tuned)) for rt in runtimes)
 
 
+def allowed_line(loaded: Loaded | None) -> str | None:
+    """What the instances may use, and what that leaves out of the machine."""
+    if loaded is None:
+        return None
+    out = left_out(loaded.topology, loaded.allowed)
+    return loaded.allowed.describe() + (f"; left out: CPUs {format_list(out)}" if out else "")
+
+
 def frontdoor_status(fd: Frontdoor) -> FrontdoorStatus | None:
     if not fd.listen:
         return None
@@ -59,7 +71,7 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
     """`slots`: requests an instance works on at once, where its engine reports them."""
     sup, inst, mem = rt.supervision, rt.instance, rt.memory
     stat = None if frontdoor.stats is None else frontdoor.stats.servers.get(server_name(inst.name))
-    return InstanceStatus.planned(
+    status = InstanceStatus.planned(
         inst, rt.pid, sup.state,
         uptime_s=round(now - sup.started_at, 1) if sup.started_at is not None and rt.pid else None,
         restarts=sup.restarts, consecutive_failures=sup.failures,
@@ -77,3 +89,5 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
         slots=slots, busy_slots=None if rt.counters is None else rt.counters.busy_slots,
         decode_tokens_per_s=None if rt.decode_tokens_per_s is None else round(rt.decode_tokens_per_s, 1),
         decode_efficiency=None if efficiency is None else round(efficiency, 4))
+    # Never a CPU the instance cannot run on: its cgroup may have been narrowed under it.
+    return replace(status, cpus=rt.runnable_cpus)

@@ -136,6 +136,8 @@ class DaemonStatus:
     status: str | None = None  # the one line also sent as STATUS= to systemd
     pass_duration_s: float | None = None
     metrics: str | None = None
+    # What the instances' cgroup lets them use, and what of the machine that leaves out.
+    allowed: str | None = None
 
 
 @dataclass(frozen=True)

@@ -489,7 +489,9 @@ def write_tuned(config_path: str, fsroot: str, kind: BackendKind, edits: list[Ed
     from numad_infer.sysfs import read_topology
 
     topology = read_topology(fsroot)
-    return apply_edits(Path(config_path), edits, lambda cfg: loading.validate(cfg, config_path, topology, kind) and None)
+    allowed = loading.read_allowed(kind)
+    return apply_edits(Path(config_path), edits,
+                       lambda cfg: loading.validate(cfg, config_path, topology, kind, allowed=allowed) and None)
 
 
 def _free_port_block(count: int) -> int:
