@@ -287,6 +287,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if status.healthy else 1
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    """For liveness and readiness probes (a container's HEALTHCHECK, Kubernetes): one line,
+    exit 0 yes, 1 no, 3 no daemon. Reads only the state file: cheap and never blocks."""
+    status = _running_daemon(Path(args.state_file))
+    if status is None:
+        print("not live: the daemon is not running")
+        return 3
+    live = status.live(time.time())
+    if args.ready:
+        ok = live and status.ready
+        in_rotation = sum(i.rotation == "UP" for i in status.instances)
+        print(f"{'ready' if ok else 'not ready'}: {in_rotation}/{len(status.instances)} instance(s) in rotation"
+              + ("" if live else "; the daemon's loop is not turning"))
+        return 0 if ok else 1
+    age = time.time() - (status.daemon.updated_at or 0)
+    print(f"{'live' if live else 'not live'}: last pass {age:.0f}s ago")
+    return 0 if live else 1
+
+
 def cmd_reload(args: argparse.Namespace) -> int:
     """Signal the daemon and wait until it has applied (or refused) the configuration."""
     path = Path(args.state_file)
@@ -430,6 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=None, help="repeats of every figure (default 5, --quick 3)")
     p.add_argument("--tokens", type=int, default=None, help="tokens generated per decode sample (default 64, --quick 16)")
     p.set_defaults(func=cmd_tune)
+    p = sub.add_parser("health", parents=[common], help="for liveness/readiness probes: exit 0 yes, 1 no, 3 no daemon")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--live", action="store_true", help="the daemon's loop is turning (the default)")
+    which.add_argument("--ready", action="store_true", help="at least one instance is in rotation behind the front door")
+    p.set_defaults(func=cmd_health)
     p = sub.add_parser("reload", parents=[common], help="make the daemon re-read its configuration and wait for the result")
     p.add_argument("--pid", type=int, help="daemon PID (default: from the state file)")
     p.add_argument("--timeout", type=float, default=300.0)

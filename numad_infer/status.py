@@ -152,6 +152,23 @@ class Status:
         instances_ok = bool(self.instances) and all(i.state == State.HEALTHY and not i.drifting for i in self.instances)
         return instances_ok and (self.frontdoor is None or self.frontdoor.up)
 
+    def live(self, now: float) -> bool:
+        """The daemon's loop is turning: it published within three monitoring intervals
+        (at least 10 s: a pass can take a while on a busy machine)."""
+        d = self.daemon
+        if not d.state.live or d.updated_at is None:
+            return False
+        return now - d.updated_at <= max(3 * (d.interval_s or 5.0), 10.0)
+
+    @property
+    def ready(self) -> bool:
+        """Requests can be served: at least one healthy instance in rotation behind the
+        front door (with no front door, at least one healthy instance)."""
+        healthy = [i for i in self.instances if i.state == State.HEALTHY]
+        if self.frontdoor is None:
+            return bool(healthy)
+        return self.frontdoor.up and any(i.rotation == "UP" for i in healthy)
+
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, **_plain(asdict(self))}
 

@@ -302,3 +302,34 @@ def test_a_narrowed_cpuset_is_a_new_plan_and_the_untouched_instance_keeps_its_pi
     assert "a new plan (not drift)" in run.logs()
     status = run.cli("status")
     assert "allowed: CPUs 1" in status.stdout and "infer@0" not in status.stdout, status.stdout
+
+
+def test_health_says_live_and_ready_for_probes_and_3_once_the_daemon_is_gone(daemon) -> None:
+    run = daemon()
+    run.all_healthy(2)
+    live, ready = run.cli("health", "--live"), run.cli("health", "--ready")
+    assert live.returncode == 0 and live.stdout.startswith("live: last pass"), live
+    assert ready.returncode == 0 and ready.stdout.strip() == "ready: 2/2 instance(s) in rotation", ready
+    run.stop()
+    gone = run.cli("health", "--ready")
+    assert gone.returncode == 3 and "not running" in gone.stdout
+
+
+def test_health_verdicts_from_a_status() -> None:
+    import dataclasses
+
+    from numad_infer.states import State
+    from numad_infer.status import DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, Status
+
+    now = 1000.0
+    inst = InstanceStatus(name="infer@0", node=0, cpus=(0,), mems=(0,), threads=1, port=1, pid=2, state=State.HEALTHY,
+                          rotation="UP")
+    status = Status(DaemonStatus(DaemonState.RUNNING, "c", updated_at=now - 2, interval_s=5), (inst,),
+                    FrontdoorStatus("127.0.0.1:8000", True, 0, 0, None))
+    assert status.live(now) and status.ready
+    stale = dataclasses.replace(status, daemon=dataclasses.replace(status.daemon, updated_at=now - 16))
+    assert not stale.live(now)
+    drained = dataclasses.replace(status, instances=(dataclasses.replace(inst, rotation="MAINT"),))
+    assert not drained.ready
+    no_front = dataclasses.replace(status, frontdoor=None, instances=(dataclasses.replace(inst, rotation=None),))
+    assert no_front.ready
