@@ -10,7 +10,8 @@ import hashlib
 import os
 import stat
 
-from numad_infer.config import Config, ConfigError
+from numad_infer.config import Config
+from numad_infer.errors import ConfigError
 
 
 def read_api_key(config: Config, source: str) -> str | None:

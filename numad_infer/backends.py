@@ -29,8 +29,9 @@ from numad_infer.planner import Instance, Plan
 from numad_infer.frontdoor import FrontdoorRunner
 from numad_infer.identity import BackendKind, RunAs, instances_run_as
 from numad_infer.engines import engine_of
-from numad_infer.render import (DROPIN_NAME, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, FRONTDOOR_UNIT, instance_environment,
-                                render_units)
+from numad_infer.render import FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, instance_environment, render_units
+from numad_infer.unitnames import (DAEMON_UNIT, DROPIN_NAME, FRONTDOOR_UNIT, dropin, name_of_dropin, template_of,
+                                   template_unit, unit)
 from numad_infer.systemctl import Systemctl, SystemctlError
 from numad_infer.unitdir import check_private_dir, managed_files, write_units
 
@@ -68,17 +69,17 @@ class SystemdBackend:
     kind = BackendKind.SYSTEMD
     instance_cgroups = True
 
-    def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = "numa-infer.service") -> None:
+    def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = DAEMON_UNIT) -> None:
         self.systemctl = systemctl or Systemctl()
         self.daemon_unit = daemon_unit
 
     def specs(self, config: Config, plan: Plan) -> dict[str, str]:
         files = render_units(config, plan)
-        template = files[f"{config.systemd.template}@.service"]
+        template = files[template_unit(config.systemd.template)]
         # A template change (mlock, hardening) changes every instance; so does a new API key,
         # which is not in the unit text (a credential is read at start).
         key = fingerprint(read_api_key(config, "server.api_key_file"))
-        return {i.name: template + files[f"{i.unit}.d/{DROPIN_NAME}"] + key for i in plan.instances}
+        return {i.name: template + files[dropin(i.name)] + key for i in plan.instances}
 
     def current_specs(self, config: Config) -> dict[str, str]:
         """Specs of the units on disk: what a previous daemon left running (adoption)."""
@@ -86,8 +87,8 @@ class SystemdBackend:
         specs: dict[str, str] = {}
         for rel in managed_files(unit_dir):
             if rel.endswith(DROPIN_NAME):
-                name = rel.split("/")[0].removesuffix(".service.d")
-                template_path = unit_dir / f"{name.split('@')[0]}@.service"
+                name = name_of_dropin(rel)
+                template_path = unit_dir / template_unit(template_of(name))
                 try:
                     key = fingerprint(read_api_key(config, "server.api_key_file"))
                     specs[name] = template_path.read_text() + (unit_dir / rel).read_text() + key
@@ -107,18 +108,18 @@ class SystemdBackend:
         self.systemctl.start(instance.unit)
 
     def stop(self, name: str) -> None:
-        self.systemctl.stop(f"{name}.service")
+        self.systemctl.stop(unit(name))
 
     def restart(self, instance: Instance) -> None:
         self.systemctl.restart(instance.unit)
 
     def observe(self, names: list[str]) -> dict[str, Observation]:
-        shown = self.systemctl.show_many([f"{n}.service" for n in names], "MainPID", "ActiveState", "SubState")
+        shown = self.systemctl.show_many([unit(n) for n in names], "MainPID", "ActiveState", "SubState")
         result = {}
         for name in names:
-            props = shown.get(f"{name}.service", {})
+            props = shown.get(unit(name), {})
             if "ActiveState" not in props or not props.get("MainPID", "").isdigit():
-                raise SystemctlError(f"systemctl show gave no state for {name}.service")
+                raise SystemctlError(f"systemctl show gave no state for {unit(name)}")
             pid = int(props["MainPID"]) or None
             active, sub = props.get("ActiveState", "unknown"), props.get("SubState", "?")
             # "activating": a start job runs, or Restart= will bring it back after a crash.

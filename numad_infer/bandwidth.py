@@ -9,21 +9,19 @@ units, with no Python loop per byte. All readers start together at a barrier; th
 is the bytes every reader read divided by the time the slowest one took. One reader per
 CPU of the node is what saturates its memory channels; standard library only, so it runs
 wherever the daemon does. Checked against numpy and sysbench in `bench/tune.py`.
+What tune keeps of the figures for the daemon: `bandwidthfile`.
 """
 
 from __future__ import annotations
 
-import json
 import mmap
 import multiprocessing
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 from numad_infer import pinning
-from numad_infer.atomicfile import write_atomic
 from numad_infer.planner import Policy
 
 # Per reader: well past its share of any L3 cache, so the scan reads DRAM.
@@ -96,45 +94,3 @@ def matrix(node_cpus: dict[int, Sequence[int]], memory_nodes: Sequence[int], sam
             progress(f"bandwidth: CPUs of node {cpu_node} reading node {memory_node}'s memory")
             found[cpu_node, memory_node] = measure(cpus, memory_node, samples, cpus_node=cpu_node)
     return found
-
-
-# -- what tune measured, for the daemon: decode efficiency in status ---------------------------------
-
-RESULTS_NAME = "bandwidth.json"  # beside the state file: `numa-infer tune` writes it, the daemon reads it
-
-
-def save(path: Path, medians: dict[tuple[int, int], float]) -> None:
-    """Merged into what an earlier run measured (tune measures the nodes it is asked for)."""
-    try:
-        earlier = {(int(r["cpus_node"]), int(r["memory_node"])): float(r["gbs"])
-                   for r in json.loads(path.read_text())["bandwidth"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        earlier = {}
-    medians = {**earlier, **medians}
-    rows = [{"cpus_node": c, "memory_node": m, "gbs": round(v, 3)} for (c, m), v in sorted(medians.items())]
-    write_atomic(path, json.dumps({"measured_at": time.time(), "bandwidth": rows}, indent=1))
-
-
-class Results:
-    """The local read bandwidth of each node as tune last measured it (re-read when the file changes)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._seen: float | None = None
-        self._local: dict[int, float] = {}
-
-    def local_gbs(self, node: int) -> float | None:
-        try:
-            mtime = self.path.stat().st_mtime
-        except OSError:
-            self._seen, self._local = None, {}
-            return None
-        if mtime != self._seen:
-            self._seen, self._local = mtime, {}
-            try:
-                for row in json.loads(self.path.read_text())["bandwidth"]:
-                    if row["cpus_node"] == row["memory_node"]:
-                        self._local[int(row["cpus_node"])] = float(row["gbs"])
-            except (OSError, ValueError, KeyError, TypeError):
-                self._local = {}
-        return self._local.get(node)

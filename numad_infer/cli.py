@@ -17,9 +17,12 @@ from numad_infer.cpuset import format_list
 from numad_infer.defaults import DEFAULT_CONFIG_PATH, DEFAULT_STATE_FILE
 from numad_infer.errors import NumaInferError
 from numad_infer.states import State
-from numad_infer.status import read_status
+from numad_infer.statefile import read_status
+from numad_infer.tables import format_table
+from numad_infer.unitnames import DAEMON_UNIT
 
 if TYPE_CHECKING:
+    from numad_infer.allowed import Allowed
     from numad_infer.status import Status
     from numad_infer.loading import Loaded
     from numad_infer.planner import Plan
@@ -63,25 +66,49 @@ def format_plan(plan: "Plan", warnings: "tuple[str, ...] | None" = None) -> str:
     for i in plan.instances:
         rows.append((i.name, "-" if i.node is None else str(i.node), format_list(i.cpus), format_list(i.mems),
                      i.policy.value, str(i.threads), str(i.port)))
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = format_table(rows)
     lines += [f"warning: {w}" for w in (plan.warnings if warnings is None else warnings)]
     return "\n".join(lines)
 
 
 # -- commands -------------------------------------------------------------------------------
 
+def format_allowed(topo: "Topology", allowed: "Allowed") -> list[str]:
+    """What the instances' cgroup allows, and what of the machine that leaves out (nothing
+    when it restricts nothing)."""
+    from numad_infer.allowed import left_out
+
+    if allowed.cpus is None and allowed.mems is None and allowed.quota_cpus is None:
+        return []
+    lines = [f"allowed to the instances: {allowed.describe()}"]
+    cpus = left_out(topo, allowed)
+    mems = {n.id for n in topo.nodes if n.memory_total_bytes > 0} - set(allowed.mems or {n.id for n in topo.nodes})
+    if cpus or mems:
+        lines.append("left out: " + ", ".join(([f"CPUs {format_list(cpus)}"] if cpus else [])
+                                             + ([f"memory of node(s) {format_list(mems)}"] if mems else [])))
+    return lines
+
+
 def cmd_topology(args: argparse.Namespace) -> int:
+    from numad_infer.identity import backend_kind
+    from numad_infer.loading import read_allowed
     from numad_infer.sysfs import read_topology
 
     topo = read_topology(args.fsroot)
-    print(json.dumps(topo.to_dict(), indent=2) if args.json else format_topology(topo))
+    allowed = read_allowed(backend_kind(args.backend))
+    if args.json:
+        print(json.dumps({**topo.to_dict(), "allowed": allowed.to_dict()}, indent=2))
+    else:
+        print("\n".join([format_topology(topo), *format_allowed(topo, allowed)]))
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     loaded = load_all(args)
-    print(json.dumps(loaded.plan.to_dict(), indent=2) if args.json else format_plan(loaded.plan))
+    if args.json:
+        print(json.dumps({**loaded.plan.to_dict(), "allowed": loaded.allowed.to_dict()}, indent=2))
+    else:
+        print("\n".join([format_plan(loaded.plan), *format_allowed(loaded.topology, loaded.allowed)]))
     return 0
 
 
@@ -170,6 +197,8 @@ def format_status(status: "Status") -> str:
                          f"removed {len(reload.removed)})")
         else:
             lines.append(f"last {reload.why}: {when} FAILED: {reload.error}")
+    if d.allowed:
+        lines.append(f"allowed: {d.allowed}")
     lines += [f"warning: {w}" for w in d.warnings]
     front = status.frontdoor
     if front is not None:
@@ -193,8 +222,7 @@ def format_status(status: "Status") -> str:
                     "-" if i.decode_tokens_per_s is None else f"{i.decode_tokens_per_s:.1f}",
                     "-" if i.decode_efficiency is None else f"{i.decode_efficiency:.0%}")
         rows.append(row)
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += format_table(rows)
     for i in status.instances:
         for label, event in (("last drift", i.last_drift), ("last repair", i.last_repair)):
             if event is not None:
@@ -233,10 +261,9 @@ def _offline_status(args: argparse.Namespace) -> "Status":
             warnings.append(str(exc))
             seen = dict.fromkeys(names, Observation(None, False, "unknown"))
     # Nobody supervises them: a running one is UNSUPERVISED, never "healthy".
-    instances = tuple(InstanceStatus(name=i.name, node=i.node, cpus=i.cpus, mems=i.mems, threads=i.threads, port=i.port,
-                                     pid=seen[i.name].pid,
-                                     state=State.UNSUPERVISED if seen[i.name].pid else State.STOPPED,
-                                     unit_state=seen[i.name].description)
+    instances = tuple(InstanceStatus.planned(i, seen[i.name].pid,
+                                             State.UNSUPERVISED if seen[i.name].pid else State.STOPPED,
+                                             unit_state=seen[i.name].description)
                       for i in loaded.plan.instances)
     return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=tuple(warnings)), instances)
 
@@ -258,6 +285,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not running:
         return 3
     return 0 if status.healthy else 1
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """For liveness and readiness probes (a container's HEALTHCHECK, Kubernetes): one line,
+    exit 0 yes, 1 no, 3 no daemon. Reads only the state file: cheap and never blocks."""
+    status = _running_daemon(Path(args.state_file))
+    if status is None:
+        print("not live: the daemon is not running")
+        return 3
+    live = status.live(time.time())
+    if args.ready:
+        ok = live and status.ready
+        in_rotation = sum(i.rotation == "UP" for i in status.instances)
+        print(f"{'ready' if ok else 'not ready'}: {in_rotation}/{len(status.instances)} instance(s) in rotation"
+              + ("" if live else "; the daemon's loop is not turning"))
+        return 0 if ok else 1
+    age = time.time() - (status.daemon.updated_at or 0)
+    print(f"{'live' if live else 'not live'}: last pass {age:.0f}s ago")
+    return 0 if live else 1
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
@@ -383,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_render)
     p = sub.add_parser("check", parents=[common], help="validate the configuration against this machine")
     p.set_defaults(func=cmd_check)
-    p = sub.add_parser("run", parents=[common], help="run the daemon (what numa-infer.service starts)")
+    p = sub.add_parser("run", parents=[common], help=f"run the daemon (what {DAEMON_UNIT} starts)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("status", parents=[common], help="instances, health and drift (exit 0 healthy, 1 not, 3 daemon down)")
@@ -403,6 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=None, help="repeats of every figure (default 5, --quick 3)")
     p.add_argument("--tokens", type=int, default=None, help="tokens generated per decode sample (default 64, --quick 16)")
     p.set_defaults(func=cmd_tune)
+    p = sub.add_parser("health", parents=[common], help="for liveness/readiness probes: exit 0 yes, 1 no, 3 no daemon")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--live", action="store_true", help="the daemon's loop is turning (the default)")
+    which.add_argument("--ready", action="store_true", help="at least one instance is in rotation behind the front door")
+    p.set_defaults(func=cmd_health)
     p = sub.add_parser("reload", parents=[common], help="make the daemon re-read its configuration and wait for the result")
     p.add_argument("--pid", type=int, help="daemon PID (default: from the state file)")
     p.add_argument("--timeout", type=float, default=300.0)

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from numad_infer.cpuset import CpuListError, parse_list
-from numad_infer.errors import ConfigError as _BaseConfigError
+from numad_infer.errors import ConfigError  # noqa: F401  (re-exported: the one ConfigError, see errors.py)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -27,28 +27,6 @@ else:  # pragma: no cover - the package requires 3.11, tomli keeps 3.10 tooling 
     import tomli as tomllib
 
 from numad_infer.defaults import DEFAULT_CONFIG_PATH  # noqa: E402  (re-exported)
-
-
-class ConfigError(_BaseConfigError):
-    """An invalid setting, rendered as `FILE: KEY = VALUE: PROBLEM`."""
-
-    def __init__(self, source: str, key: str | None, problem: str, value: Any = None, has_value: bool = False) -> None:
-        self.source, self.key, self.problem, self.value = source, key, problem, value
-        where = source if key is None else f"{source}: {key}"
-        if has_value:
-            where += f" = {_show(value)}"
-        super().__init__(f"{where}: {problem}")
-
-
-def _show(value: Any) -> str:
-    # repr() makes control characters visible: an operator must see the "\n" they typed.
-    if isinstance(value, str):
-        return '"' + repr(value)[1:-1].replace('"', '\\"') + '"'
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list):
-        return "[" + ", ".join(_show(v) for v in value) + "]"
-    return repr(value)
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -223,7 +201,8 @@ class ServerSection(_Section):
     )
     base_port: int = Field(
         8080, ge=1, le=65535,
-        description="the k-th instance of the plan listens on `base_port + k`",
+        description=("the k-th instance of the plan listens on `base_port + k` (k counted on the whole machine: an "
+                     "instance keeps its port when a cgroup takes other nodes away)"),
     )
     python: SafeStr = Field(
         "/usr/bin/python3",

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from numad_infer.atomicfile import write_atomic
-from numad_infer.config import Config, ConfigError, parse_config
-from numad_infer.errors import NumaInferError
+from numad_infer.config import Config, parse_config
+from numad_infer.errors import ConfigError, NumaInferError
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from numad_infer.procfs import NodeUsage, ThreadInfo
+from numad_infer.observed import NodeUsage, ThreadInfo
 
 
 class EventKind(str, Enum):
@@ -17,6 +17,7 @@ class EventKind(str, Enum):
     AFFINITY = "affinity"  # threads allowed or running outside the instance's CPUs
     MEMORY = "memory"  # anonymous memory on other nodes than the instance's
     HEALTH = "health"  # failed probes (repair: a restart)
+    ALLOWED = "allowed"  # the kernel lets the instance run on fewer CPUs than planned (its cgroup's cpuset)
     EXIT = "exit"  # the main process went away
 
 

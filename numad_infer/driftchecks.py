@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
 
 from numad_infer import drift, pinning
+from numad_infer.cgroups import CgroupReader
 from numad_infer.cpuset import format_list
 from numad_infer.drift import EventKind
 from numad_infer.planner import Instance, Policy
@@ -151,8 +152,34 @@ class MemoryCheck(DriftCheck):
         self.checked_at = float("-inf")
 
 
+class AllowedSetCheck(DriftCheck):
+    """The instance's cgroup now allows fewer CPUs than it was planned on (a cpuset changed
+    under it). Re-pinning cannot widen a cpuset: this is reported, and status shows only
+    the CPUs it can run on; the repair is a new plan (the daemon re-plans when the set it
+    plans within changes)."""
+
+    kind = EventKind.ALLOWED
+    reader: ClassVar[CgroupReader] = CgroupReader("/")
+
+    def __init__(self) -> None:
+        self.allowed: frozenset[int] | None = None  # the process's cpuset at the last pass
+        self.told: frozenset[int] = frozenset()  # the CPUs last reported missing: said once
+
+    def run(self, ctx: CheckContext) -> bool:
+        self.allowed = self.reader.cpuset_of(ctx.pid)
+        planned = frozenset(ctx.instance.cpus)
+        missing = frozenset() if self.allowed is None else planned - self.allowed
+        if missing and missing != self.told:
+            detail = (f"its cgroup allows only CPUs {format_list(planned & self.allowed or set())} of the planned "
+                      f"{format_list(planned)} (cpuset changed under it)")
+            log.warning("%s: %s", ctx.instance.name, detail)
+            self.found(ctx, detail)
+        self.told = missing
+        return bool(missing)
+
+
 # Every drift kind the monitor checks, in the order it checks them.
-CHECKS: tuple[type[DriftCheck], ...] = (AffinityCheck, MemoryCheck)
+CHECKS: tuple[type[DriftCheck], ...] = (AffinityCheck, MemoryCheck, AllowedSetCheck)
 
 
 def fresh_checks() -> dict[EventKind, DriftCheck]:

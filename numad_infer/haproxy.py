@@ -1,4 +1,5 @@
-"""HAProxy as a thin edge: the binary (version, `-c` validation) and the runtime API socket.
+"""HAProxy as a thin edge: the binary (version, `-c` validation, the `frontend.haproxy`
+check) and the runtime API socket.
 
 Everything numa-infer asks of a running HAProxy goes through `RuntimeAPI`: one text
 command per connection on the admin socket (HAProxy's management guide, "Unix Socket
@@ -14,8 +15,12 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from numad_infer.errors import NumaInferError
+from numad_infer.errors import ConfigError, NumaInferError
+
+if TYPE_CHECKING:
+    from numad_infer.config import Config
 
 # json_query (affinity on the OpenAI "user" field), http-error and L7 retries are all in
 # 2.6, the oldest HAProxy of a supported Debian release (12).
@@ -145,3 +150,20 @@ class RuntimeAPI:
 
 def _int(value: str | None) -> int:
     return int(value) if value and value.isdigit() else 0
+
+
+def check_haproxy(config: "Config", source: str) -> None:
+    """The configured haproxy exists and is recent enough (a ConfigError naming the key otherwise)."""
+    if not config.frontend.enabled:
+        return
+    binary = config.frontend.haproxy
+    off = 'or set frontend.listen = "" to run without a front door'
+    try:
+        found = version(binary)
+    except HaproxyError as exc:
+        raise ConfigError(source, "frontend.haproxy", f"{exc}; install it (apt-get install haproxy) {off}",
+                          binary, True) from None
+    if found < MIN_VERSION:
+        need = ".".join(map(str, MIN_VERSION))
+        raise ConfigError(source, "frontend.haproxy", f"is HAProxy {found[0]}.{found[1]}, older than {need}; "
+                          f"install {need} or newer {off}", binary, True)

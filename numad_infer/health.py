@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from enum import Enum
 
+from numad_infer.addresses import connect_host
 from numad_infer.engines import Engine, EngineCounters
 
 
@@ -37,8 +38,7 @@ class KeyCheck(Enum):
 def check_key(host: str, port: int, key: str, timeout_s: float, path: str) -> KeyCheck:
     """Does the instance take this API key? `path` (`Engine.key_check_path`) authenticates
     before it waits on the model, so a refused key answers at once even while it is busy."""
-    target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    conn = http.client.HTTPConnection(target, port, timeout=timeout_s)
+    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout_s)
     try:
         conn.request("GET", path, headers={"Connection": "close", "Authorization": f"Bearer {key}"})
         status = conn.getresponse().status
@@ -52,10 +52,8 @@ def check_key(host: str, port: int, key: str, timeout_s: float, path: str) -> Ke
 
 
 def probe(host: str, port: int, timeout_s: float, path: str) -> ProbeResult:
-    # A wildcard listen address is reachable on loopback.
-    target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     started = time.monotonic()
-    conn = http.client.HTTPConnection(target, port, timeout=timeout_s)
+    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout_s)
     try:
         conn.request("GET", path, headers={"Connection": "close"})
         response = conn.getresponse()
@@ -78,8 +76,7 @@ def read_engine_metrics(engine: Engine, host: str, port: int, key: str | None, t
     """The server's own counters, or None (none at all, not answering, a refused key)."""
     if engine.metrics_path is None:
         return None
-    target = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
-    conn = http.client.HTTPConnection(target, port, timeout=timeout_s)
+    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout_s)
     headers = {"Connection": "close"}
     if key is not None:
         headers["Authorization"] = f"Bearer {key}"

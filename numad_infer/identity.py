@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from numad_infer.config import ConfigError
+from numad_infer.errors import ConfigError
 
 
 class BackendKind(str, Enum):

@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer import haproxy
+from numad_infer.allowed import UNRESTRICTED, Allowed
 from numad_infer.apikey import read_api_key
+from numad_infer.cgroups import CgroupReader
 from numad_infer.config import Config, load_config
 from numad_infer.engines import Engine, engine_of
-from numad_infer.frontdoor import Paths, check_haproxy, render_haproxy
+from numad_infer.haproxy import check_haproxy
+from numad_infer.haproxycfg import paths_in, render_haproxy
 from numad_infer.hostcheck import InstanceHost, host_warnings
 from numad_infer.identity import BackendKind, RunAs, instances_run_as
 from numad_infer.modelfile import model_size
@@ -38,6 +41,7 @@ class Loaded:
     runs_as: RunAs | None  # who they run as (None: the daemon's own user)
     engine: Engine
     model_bytes: int
+    allowed: Allowed  # what the instances' cgroup lets them use (planned within it)
     # What does not stop the plan but undoes its work or may stop an instance: the
     # plan's, the engine's and the host's, in that order.
     warnings: tuple[str, ...]
@@ -47,11 +51,19 @@ def load(source: str, kind: BackendKind, sysfs: SysfsReader | str = "/",
          unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS) -> Loaded:
     """Read the file at `source` and validate it on this machine (ConfigError otherwise)."""
     reader = sysfs if isinstance(sysfs, SysfsReader) else SysfsReader(sysfs)
-    return validate(load_config(source), source, reader.topology(), kind, unit_dirs)
+    return validate(load_config(source), source, reader.topology(), kind, unit_dirs, read_allowed(kind))
+
+
+def read_allowed(kind: BackendKind) -> Allowed:
+    """What the instances' cgroup allows: the daemon's own (its children inherit it), or
+    under systemd the slice the instance units run in. Always this host's (the instances
+    are its processes, even with --fsroot); a set holding all of the host restricts nothing."""
+    reader = CgroupReader("/")
+    return reader.for_slice() if kind == BackendKind.SYSTEMD else reader.for_process()
 
 
 def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
-             unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS) -> Loaded:
+             unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS, allowed: Allowed = UNRESTRICTED) -> Loaded:
     """Every check a configuration must pass before anything runs it; changes nothing.
 
     The order is the order an operator fixes things in: names, then what the instances
@@ -62,13 +74,13 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     size = model_size(config.model.path, source, runs_as)
     engine = engine_of(config)
     engine_warnings = engine.check_host(config, source, InstanceHost(runs_as))
-    plan = make_plan(config, topology, size, source=source)
+    plan = make_plan(config, topology, size, source=source, allowed=allowed)
     check_haproxy(config, source)
     read_api_key(config, source)
     _check_frontdoor_config(config, plan)
     # Processes are always this machine's, even with --fsroot.
     warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as))
-    return Loaded(source, config, topology, plan, kind, runs_as, engine, size, warnings)
+    return Loaded(source, config, topology, plan, kind, runs_as, engine, size, allowed, warnings)
 
 
 def _check_frontdoor_config(config: Config, plan: Plan) -> None:
@@ -78,6 +90,6 @@ def _check_frontdoor_config(config: Config, plan: Plan) -> None:
         return
     with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
         base = Path(scratch)
-        paths = Paths(base / "haproxy.cfg", base / "haproxy.state", base / "admin.sock")
+        paths = paths_in(base, base / "admin.sock")
         paths.config.write_text(render_haproxy(config, plan, paths), encoding="utf-8")
         haproxy.validate(config.frontend.haproxy, str(paths.config))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
-from numad_infer.config import ConfigError
+from numad_infer.errors import ConfigError
 from numad_infer.identity import RunAs, unreadable_reason
 
 GGUF_MAGIC = b"GGUF"

@@ -6,11 +6,15 @@ Pure. Every refusal is a `ConfigError` naming the key an operator must change.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 
-from numad_infer.config import Config, ConfigError, parse_listen
+from numad_infer import unitnames
+from numad_infer.config import Config, parse_listen
 from numad_infer.cpuset import format_list
+from numad_infer.errors import ConfigError
+from numad_infer.allowed import UNRESTRICTED, Allowed, within
 from numad_infer.topology import Node, Topology
 
 # Weights are private per instance (mmap off); leave room for KV cache, the OS and Python.
@@ -38,7 +42,7 @@ class Instance:
 
     @property
     def unit(self) -> str:
-        return f"{self.name}.service"
+        return unitnames.unit(self.name)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -88,10 +92,12 @@ def _memory_nodes(node: Node, topo: Topology, warnings: list[str]) -> tuple[int,
         return (node.id,)
     nearest = min(node.distances.get(n.id, 255) for n in with_memory)
     chosen = tuple(sorted(n.id for n in with_memory if node.distances.get(n.id, 255) == nearest))
-    warnings.append(
-        f"node {node.id} has CPUs but no memory: its instance allocates on node(s) "
-        f"{format_list(chosen)}, the nearest with memory (distance {nearest})"
-    )
+    if node.memory_total_bytes > 0:  # it has memory, but the instances' cgroup may not use it
+        warnings.append(f"node {node.id}'s memory is not allowed to the instances (cpuset.mems): its instance "
+                        f"allocates on node(s) {format_list(chosen)}, the nearest allowed (distance {nearest})")
+    else:
+        warnings.append(f"node {node.id} has CPUs but no memory: its instance allocates on node(s) "
+                        f"{format_list(chosen)}, the nearest with memory (distance {nearest})")
     return chosen
 
 
@@ -121,30 +127,41 @@ def _threads_of(cores: list[tuple[int, ...]], smt: bool) -> tuple[tuple[int, ...
     return firsts, tuple((c,) for c in firsts)
 
 
-def make_plan(config: Config, topo: Topology, model_size: int | None = None, source: str = "config") -> Plan:
-    """The plan, in the order the kubelet's CPU allocator reads: which nodes, which of their
-    cores, how the cores become instances, then ports. Each step refuses what it cannot do."""
+def make_plan(config: Config, topo: Topology, model_size: int | None = None, source: str = "config",
+              allowed: Allowed = UNRESTRICTED) -> Plan:
+    """The plan, in the order the kubelet's CPU allocator reads: within what the cgroup
+    allows, which nodes, which of their cores, how the cores become instances, then ports
+    and threads. Each step refuses what it cannot do."""
     warnings: list[str] = list(topo.warnings)
-    selected = _select_nodes(config, topo, source)
-    reserved_cores = _reserved_cores(config, topo, warnings, source)
-    usable = _usable_cores(config, topo, selected, reserved_cores, warnings, source)
+    view = within(topo, allowed)  # step 0: only the CPUs and memory the instances may use
+    selected = _select_nodes(config, topo, view, allowed, warnings, source)
+    reserved = _reserved_cores(config, topo, warnings, source)
+    usable = _usable_cores(config, view, selected, reserved, warnings, source)
     if config.placement.mode == "interleave":
         instances = _interleaved_instance(config, selected, usable)
     else:
-        instances = _per_node_instances(config, topo, usable, model_size, warnings, source)
-    instances = _assign_ports(config, instances, source)
+        instances = _per_node_instances(config, view, usable, model_size, warnings, source)
+    instances = _assign_ports(config, instances, source, _machine_ports(config, topo, model_size, source, allowed))
     instances = _thread_counts(config, instances, source)
+    instances = _quota_cap(config, instances, allowed, warnings)
     _check_ports(config, instances, source)
     warnings += _exposure_warnings(config)
     return Plan(instances=tuple(instances), warnings=tuple(warnings))
 
 
-def _select_nodes(config: Config, topo: Topology, source: str) -> list[Node]:
-    """Step 1: the nodes `placement.nodes` names (memory-only nodes only to interleave over)."""
+def _select_nodes(config: Config, topo: Topology, view: Topology, allowed: Allowed, warnings: list[str],
+                  source: str) -> list[Node]:
+    """Step 1: the nodes `placement.nodes` names (memory-only nodes only to interleave over),
+    as the instances may use them (`view`). A node none of whose CPUs is allowed hosts no
+    instance: said with nodes = "all", refused when named."""
     placement = config.placement
-    known = {n.id: n for n in topo.nodes}
+    known = {n.id: n for n in view.nodes}
+    shut_out = [n.id for n in topo.nodes if n.has_cpus and not known[n.id].has_cpus]
     if placement.nodes == "all":
-        return [n for n in topo.nodes if n.has_cpus or placement.mode == "interleave"]
+        if shut_out:
+            warnings.append(f"node {format_list(shut_out)}: none of its CPUs is allowed to the instances "
+                            f"({allowed.describe()}): no instance there")
+        return [n for n in view.nodes if n.has_cpus or placement.mode == "interleave"]
     missing = [n for n in placement.nodes if n not in known]
     if missing:
         raise ConfigError(
@@ -153,6 +170,14 @@ def _select_nodes(config: Config, topo: Topology, source: str) -> list[Node]:
             placement.nodes, True,
         )
     selected = [known[n] for n in sorted(placement.nodes)]
+    denied = [n.id for n in selected if n.id in shut_out]
+    if denied and placement.mode == "per-node":
+        raise ConfigError(
+            source, "placement.nodes",
+            f"node {format_list(denied)}: none of its CPUs is allowed to the instances ({allowed.describe()}); drop "
+            "it from placement.nodes, or give the instances its CPUs (the container's --cpuset-cpus, the pod's "
+            "CPUs, the slice's AllowedCPUs=)", placement.nodes, True,
+        )
     cpuless = [n.id for n in selected if not n.has_cpus]
     if cpuless and placement.mode == "per-node":
         raise ConfigError(
@@ -175,16 +200,28 @@ def _reserved_cores(config: Config, topo: Topology, warnings: list[str], source:
             f"CPU {format_list(absent)} is not an online CPU of this machine (online: {format_list(online)})",
             config.placement.reserve_cpus, True,
         )
-    cores = {topo.sibling_core(c) for c in reserved}
-    expanded = {c for core in cores if core for c in core}
+    cores = reserved_cores(topo, reserved)
+    expanded = {c for core in cores for c in core}
     if expanded - reserved:
         warnings.append(
             f"reserve_cpus {format_list(reserved)} covers whole cores: CPUs {format_list(expanded)} are reserved"
         )
-    return {core for core in cores if core}
+    return cores
 
 
-def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved_cores: set[tuple[int, ...]],
+def reserved_cores(topo: Topology, reserved: Iterable[int]) -> set[tuple[int, ...]]:
+    """The rule: reserving a CPU reserves its whole core (a sibling would share its pipeline)."""
+    return {core for core in map(topo.sibling_core, reserved) if core}
+
+
+def unreserved_cores(node: Node, reserved: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The node's cores an instance may use: all but the `reserved_cores` (a core that the
+    cgroup allows only some siblings of is reserved if any of its CPUs is)."""
+    taken = {c for core in reserved for c in core}
+    return [core for core in node.cores if not taken.intersection(core)]
+
+
+def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved: set[tuple[int, ...]],
                   warnings: list[str], source: str) -> dict[int, list[tuple[int, ...]]]:
     """Step 3: per selected node, its cores minus the reserved ones. Rule 1: only nodes with
     cores left host an instance (with nodes = "all"; a node named by id must keep one)."""
@@ -195,7 +232,7 @@ def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved
     for node in selected:
         if not node.has_cpus:
             continue
-        cores = [core for core in node.cores if core not in reserved_cores]
+        cores = unreserved_cores(node, reserved)
         if cores:
             usable[node.id] = cores
         else:
@@ -227,7 +264,7 @@ def _interleaved_instance(config: Config, selected: list[Node], usable: dict[int
     cores = [c for nid in sorted(usable) for c in usable[nid]]
     cpus, places = _threads_of(cores, config.placement.smt)
     mems = tuple(sorted(n.id for n in selected if n.has_memory)) or tuple(sorted(usable))
-    return [Instance(f"{config.systemd.template}@interleave", None, cpus, places, mems, Policy.INTERLEAVE, len(cpus), 0)]
+    return [Instance(unitnames.instance_name(config.systemd.template, "interleave"), None, cpus, places, mems, Policy.INTERLEAVE, len(cpus), 0)]
 
 
 def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[tuple[int, ...]]],
@@ -260,13 +297,28 @@ def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[t
         for j, group in enumerate(_split(node, cores, k)):
             cpus, places = _threads_of(group, config.placement.smt)
             ident = str(node_id) if k == 1 else f"{node_id}.{j}"
-            instances.append(Instance(f"{config.systemd.template}@{ident}", node_id, cpus, places, mems, Policy.BIND,
+            instances.append(Instance(unitnames.instance_name(config.systemd.template, ident), node_id, cpus, places, mems, Policy.BIND,
                                       len(cpus), 0))
     return instances
 
 
-def _assign_ports(config: Config, instances: list[Instance], source: str) -> list[Instance]:
-    """Step 5: the k-th instance listens on base_port + k."""
+def _machine_ports(config: Config, topo: Topology, model_size: int | None, source: str,
+                   allowed: Allowed) -> dict[str, int]:
+    """The ports the instances have on the whole machine: when a cgroup takes some nodes
+    away, the others keep their ports (and their processes: nothing of theirs changed)."""
+    if allowed.cpus is None and allowed.mems is None:
+        return {}
+    try:
+        return {i.name: i.port for i in make_plan(config, topo, model_size, source).instances}
+    except ConfigError:
+        return {}
+
+
+def _assign_ports(config: Config, instances: list[Instance], source: str, kept: dict[str, int]) -> list[Instance]:
+    """Step 5: the k-th instance listens on base_port + k (k counted on the whole machine,
+    `kept`, where every instance has a port there)."""
+    if kept and all(i.name in kept for i in instances):
+        return [replace(i, port=kept[i.name]) for i in instances]
     base = config.server.base_port
     last = base + len(instances) - 1
     if last > 65535:
@@ -297,6 +349,35 @@ def _thread_counts(config: Config, instances: list[Instance], source: str) -> li
         batch = threads if placement.threads_batch == "auto" else placement.threads_batch
         result.append(replace(i, threads=threads, threads_batch=batch))
     return result
+
+
+def _quota_cap(config: Config, instances: list[Instance], allowed: Allowed, warnings: list[str]) -> list[Instance]:
+    """Step 7: a CPU quota (cpu.max) is CPU time, not CPUs: more threads than it holds take
+    turns, and llama.cpp's threads wait on each other at every step. With "auto", the
+    instances' threads together fit in floor(quota); an explicit count above it is said."""
+    budget = allowed.thread_budget
+    placement = config.placement
+    if budget is None:
+        return instances
+    total = sum(i.threads for i in instances)
+    if total <= budget:
+        return instances
+    advice = ("a cpuset gives whole CPUs instead of a share of their time: a Guaranteed pod with integer CPUs, or "
+              "`--cpuset-cpus` for a container")
+    if placement.threads != "auto":
+        warnings.append(f"placement.threads = {placement.threads} x {len(instances)} instance(s) is {total} threads, "
+                        f"more than the CPU quota of {allowed.quota_cpus:g} ({allowed.source}): they will be "
+                        f"throttled; use \"auto\", or {advice}")
+        return instances
+    share, extra = divmod(budget, len(instances))
+    capped = []
+    for k, i in enumerate(instances):
+        threads = max(1, min(len(i.cpus), share + (1 if k < extra else 0)))
+        batch = threads if placement.threads_batch == "auto" else i.threads_batch
+        capped.append(replace(i, threads=threads, threads_batch=batch))
+    warnings.append(f"the CPU quota of {allowed.quota_cpus:g} ({allowed.source}) caps the threads at "
+                    f"{sum(i.threads for i in capped)} in all (the CPUs would take {total}); {advice}")
+    return capped
 
 
 def _exposure_warnings(config: Config) -> list[str]:

@@ -8,36 +8,15 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
 from numad_infer.cpuset import CpuListError, parse_list
+from numad_infer.observed import NodeUsage, ThreadInfo
 
 _NODE_FIELD = re.compile(r"\bN(\d+)=(\d+)")
 _PAGESIZE = re.compile(r"\bkernelpagesize_kB=(\d+)")
-
-
-@dataclass(frozen=True)
-class ThreadInfo:
-    tid: int
-    name: str
-    allowed: frozenset[int]
-    last_cpu: int | None
-
-
-@dataclass
-class NodeUsage:
-    """Bytes per node, anonymous memory (the instance's own: weights, KV cache) apart from file pages."""
-
-    anon: dict[int, int] = field(default_factory=dict)
-    file: dict[int, int] = field(default_factory=dict)
-    source: str = ""
-
-    def add(self, kind: str, node: int, nbytes: int) -> None:
-        target = self.anon if kind == "anon" else self.file
-        target[node] = target.get(node, 0) + nbytes
 
 
 def parse_numa_maps(text: str) -> NodeUsage:

@@ -14,17 +14,19 @@ import re
 
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
+from numad_infer.errors import NumaInferError
+from numad_infer.haproxycfg import CONFIG_NAME
 from numad_infer.engines import KEY_CREDENTIAL, engine_of
 from numad_infer.planner import Instance, Plan
+from numad_infer.unitnames import FRONTDOOR_UNIT, dropin, template_unit
 
 MARKER = "# Managed by numa-infer: rewritten by `numa-infer render` and the daemon; do not edit."
-DROPIN_NAME = "50-numa-infer.conf"
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
-class RenderError(ValueError):
-    pass
+class RenderError(NumaInferError, ValueError):
+    """A value no unit file may hold (the config refuses it first; this is the last line of defence)."""
 
 
 def escape_value(text: str) -> str:
@@ -148,16 +150,15 @@ def render_dropin(config: Config, instance: Instance) -> str:
     return "\n".join(lines) + "\n"
 
 
-# The front door's unit and where it finds its files (the daemon writes the config into
+# Where the front door's unit finds its files (the daemon writes the config into
 # its own RuntimeDirectory, kept across daemon restarts; HAProxy owns the socket's).
-FRONTDOOR_UNIT = "numa-infer-frontdoor.service"
 FRONTDOOR_RUN_DIR = "/run/numa-infer"
 FRONTDOOR_SOCKET = "/run/numa-infer-frontdoor/admin.sock"
 
 
 def render_frontdoor_unit(config: Config) -> str:
     binary = config.frontend.haproxy
-    cfg = f"{FRONTDOOR_RUN_DIR}/haproxy.cfg"
+    cfg = f"{FRONTDOOR_RUN_DIR}/{CONFIG_NAME}"
     check = " ".join(quote_arg(a) for a in (binary, "-c", "-q", "-f", cfg))
     lines = [
         MARKER,
@@ -199,9 +200,9 @@ def render_frontdoor_unit(config: Config) -> str:
 def render_units(config: Config, plan: Plan) -> dict[str, str]:
     """Relative path under the unit directory -> file content."""
     template = config.systemd.template
-    files = {f"{template}@.service": render_template(config)}
+    files = {template_unit(template): render_template(config)}
     if config.frontend.enabled:
         files[FRONTDOOR_UNIT] = render_frontdoor_unit(config)
     for instance in plan.instances:
-        files[f"{instance.unit}.d/{DROPIN_NAME}"] = render_dropin(config, instance)
+        files[dropin(instance.name)] = render_dropin(config, instance)
     return files

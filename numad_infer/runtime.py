@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from numad_infer import drift
 from numad_infer.drift import EventKind
-from numad_infer.driftchecks import DriftCheck, MemoryCheck, fresh_checks
+from numad_infer.driftchecks import AllowedSetCheck, DriftCheck, MemoryCheck, fresh_checks
 from numad_infer.engines import EngineCounters
 from numad_infer.health import KeyCheck, ProbeResult
 from numad_infer.planner import Instance
@@ -100,6 +100,14 @@ class Runtime:
     def memory(self) -> drift.MemoryVerdict | None:
         check = self.checks.get(EventKind.MEMORY)
         return check.verdict if isinstance(check, MemoryCheck) else None
+
+    @property
+    def runnable_cpus(self) -> tuple[int, ...]:
+        """The planned CPUs the kernel lets the process run on now (all of them, unless its
+        cgroup's cpuset was narrowed under it)."""
+        check = self.checks.get(EventKind.ALLOWED)
+        allowed = check.allowed if isinstance(check, AllowedSetCheck) else None
+        return self.instance.cpus if allowed is None else tuple(c for c in self.instance.cpus if c in allowed)
 
     @property
     def migrated_from(self) -> int | None:

@@ -1,23 +1,25 @@
 """What `numa-infer status` shows, as one typed model: written by the daemon (the state
-file, every pass), read by the CLI and the Prometheus endpoint.
+file, every pass, through `statefile`), read by the CLI and the Prometheus endpoint.
 
-Adding a column means a field here and a cell in `cli.format_status`, nothing else.
+Adding a column is three edits: a field here; its value, filled in by the daemon
+(`daemon._instance_status`, or `InstanceStatus.planned` when the plan already says it);
+and its cell in `cli.format_status`. A field nobody fills stays at its default.
 Plain dataclasses, no pydantic: `numa-infer status` with the daemon running reads only
-this file and should start fast. The JSON shape is the state file's (schema `SCHEMA`);
+this file and `statefile` and should start fast. The JSON shape is the state file's (schema `SCHEMA`);
 a file of another schema is refused with one line, never a traceback.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from numad_infer.atomicfile import write_atomic
 from numad_infer.errors import NumaInferError
 from numad_infer.states import State
+
+if TYPE_CHECKING:  # the planner needs pydantic (the config): `status` must start without it
+    from numad_infer.planner import Instance
 
 SCHEMA = 2
 
@@ -101,6 +103,13 @@ class InstanceStatus:
     # decode_tokens_per_s x weight bytes / the node's read bandwidth as `numa-infer tune` measured it
     decode_efficiency: float | None = None
 
+    @classmethod
+    def planned(cls, instance: "Instance", pid: int | None, state: State, **observed: Any) -> "InstanceStatus":
+        """What the plan says of `instance` (its place and port) plus what was observed of it:
+        the one projection of a planned instance, for the daemon and for `status` without one."""
+        return cls(name=instance.name, node=instance.node, cpus=instance.cpus, mems=instance.mems,
+                   threads=instance.threads, port=instance.port, pid=pid, state=state, **observed)
+
 
 @dataclass(frozen=True)
 class FrontdoorStatus:
@@ -127,6 +136,8 @@ class DaemonStatus:
     status: str | None = None  # the one line also sent as STATUS= to systemd
     pass_duration_s: float | None = None
     metrics: str | None = None
+    # What the instances' cgroup lets them use, and what of the machine that leaves out.
+    allowed: str | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +151,23 @@ class Status:
         """Every instance healthy and undrifted, and the front door (if any) up: `status` exits 0."""
         instances_ok = bool(self.instances) and all(i.state == State.HEALTHY and not i.drifting for i in self.instances)
         return instances_ok and (self.frontdoor is None or self.frontdoor.up)
+
+    def live(self, now: float) -> bool:
+        """The daemon's loop is turning: it published within three monitoring intervals
+        (at least 10 s: a pass can take a while on a busy machine)."""
+        d = self.daemon
+        if not d.state.live or d.updated_at is None:
+            return False
+        return now - d.updated_at <= max(3 * (d.interval_s or 5.0), 10.0)
+
+    @property
+    def ready(self) -> bool:
+        """Requests can be served: at least one healthy instance in rotation behind the
+        front door (with no front door, at least one healthy instance)."""
+        healthy = [i for i in self.instances if i.state == State.HEALTHY]
+        if self.frontdoor is None:
+            return bool(healthy)
+        return self.frontdoor.up and any(i.rotation == "UP" for i in healthy)
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, **_plain(asdict(self))}
@@ -188,17 +216,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value
-
-
-def write_status(path: Path, status: Status) -> None:
-    # Rewritten every pass on /run (tmpfs): atomic for readers, no fsync needed.
-    write_atomic(path, json.dumps(status.to_json(), indent=1, sort_keys=True), durable=False)
-
-
-def read_status(path: Path) -> Status | None:
-    """None when there is no state file (or it cannot be read); StatusError for one of another shape."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return Status.from_json(data, str(path))

@@ -48,6 +48,8 @@ class Node:
     distances: dict[int, int]
     # Cores grouped by the L3 they share, in core order; one group when unknown.
     l3_groups: tuple[tuple[tuple[int, ...], ...], ...] = ()
+    # False when the instances' cgroup may not allocate here (allowed.within).
+    memory_allowed: bool = True
 
     @property
     def has_cpus(self) -> bool:
@@ -55,7 +57,8 @@ class Node:
 
     @property
     def has_memory(self) -> bool:
-        return self.memory_total_bytes > 0
+        """Memory the instances can allocate: present, and allowed to them."""
+        return self.memory_total_bytes > 0 and self.memory_allowed
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from numad_infer.tables import format_table
+
 
 @dataclass(frozen=True)
 class Figure:
@@ -174,8 +176,7 @@ def format_report(report: Report) -> str:
                 notes.append(f"best {metric}")
         rows.append((str(r.candidate.threads), r.candidate.label, str(r.decode), str(r.prompt),
                      "-" if eff is None else f"{eff:.0%}", ", ".join(notes)))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += format_table(rows)
     for c in report.choices:
         if c.verdict == Verdict.CHANGE:
             lines.append(f"{c.key} = {c.winner}: {c.margin:+.1%} {c.metric} tokens/s over the current {c.current} "
@@ -246,8 +247,7 @@ def format_layouts(results: list[LayoutResult], current: Layout) -> str:
         note = ", ".join(n for n, on in (("current", r.layout == current), ("best", r is best)) if on)
         rows.append((r.layout.name, str(r.instances), str(r.clients), str(r.aggregate), f"{r.p50_s:.2f}",
                      f"{r.p99_s:.2f}", note))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines = format_table(rows)
     if verdict == Verdict.CHANGE:
         lines.append(f"layout {best.layout.name}: {margin:+.1%} aggregate tokens/s over the current {current.name} "
                      f"(noise ±{noise:.1%})")

@@ -20,14 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from numad_infer import bandwidth
+from numad_infer import bandwidth, bandwidthfile
+from numad_infer.addresses import connect_host
 from numad_infer.apikey import read_api_key
 from numad_infer.backends import ProcessBackend
 from numad_infer.config import Config
 from numad_infer.engines import engine_of
+from numad_infer.errors import NumaInferError
 from numad_infer.health import probe
 from numad_infer.identity import BackendKind
-from numad_infer.planner import Instance, make_plan
+from numad_infer.planner import Instance, make_plan, reserved_cores, unreserved_cores
 from numad_infer.topology import Topology
 from numad_infer.tune import Candidate, Figure, Layout, LayoutResult, Report, Result, percentile
 
@@ -41,8 +43,8 @@ log = logging.getLogger(__name__)
 PROMPT_WORDS = 200
 
 
-class TuneError(Exception):
-    pass
+class TuneError(NumaInferError):
+    """A measurement that could not be made; `cli.cmd_tune` says so as `numa-infer tune: ...`."""
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ class Client:
     """Completions against one server, timed from the client: the same for both engines."""
 
     def __init__(self, host: str, port: int, key: str | None) -> None:
-        self.host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        self.host = connect_host(host)
         self.port, self.key = port, key
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[float, int, int]:
@@ -272,7 +274,7 @@ class Fleet:
     """The daemon's instances on the nodes being measured: held one node at a time."""
 
     def __init__(self, state_file: Path, progress: Callable[[str], None]) -> None:
-        from numad_infer.status import read_status
+        from numad_infer.statefile import read_status
 
         self.state_file, self.progress = state_file, progress
         self.status = read_status(state_file)
@@ -297,7 +299,7 @@ class Fleet:
     def hold(self, node: int, timeout_s: float) -> None:
         from numad_infer import holds
         from numad_infer.states import State
-        from numad_infer.status import read_status
+        from numad_infer.statefile import read_status
 
         names = self.instances_on(node)
         if not names:
@@ -319,7 +321,7 @@ class Fleet:
         """Give the held instances back and wait until they serve again (one node down at a time)."""
         from numad_infer import holds
         from numad_infer.states import State
-        from numad_infer.status import read_status
+        from numad_infer.statefile import read_status
 
         names = [p.name.removesuffix(holds.SUFFIX) for p in self.taken]
         for path in self.taken:
@@ -366,8 +368,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     node = nodes[0]
     instance = planned[node]
     node_obj = next(n for n in topology.nodes if n.id == node)
-    reserved = {c for c in config.placement.reserved}
-    cores = [core for core in node_obj.cores if not reserved & set(core)]
+    cores = unreserved_cores(node_obj, reserved_cores(topology, config.placement.reserved))
     grid = thread_grid(len(cores), sum(len(c) for c in cores), request.quick)
     current = {"placement.threads": instance.threads, "placement.threads_batch": instance.threads_batch}
     for value in current.values():
@@ -393,7 +394,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
                          progress)
     # For the daemon: status then shows llama-server's decode as a share of this bandwidth.
     try:
-        bandwidth.save(request.state_file.parent / bandwidth.RESULTS_NAME,
+        bandwidthfile.save(request.state_file.parent / bandwidthfile.RESULTS_NAME,
                        {k: f.median for k, f in report.bandwidth.items()})
     except OSError as exc:
         log.warning("cannot keep the bandwidth figures for the daemon: %s", exc)
@@ -401,7 +402,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
 
 
 def _nodes_to_measure(request: TuneRequest, config: Config, planned: dict[int, Instance]) -> list[int]:
-    from numad_infer.config import ConfigError
+    from numad_infer.errors import ConfigError
 
     if config.placement.mode != "per-node":
         raise ConfigError(request.config_path, "placement.mode", "tune measures per-node instances; "
@@ -426,7 +427,7 @@ def _refuse_cutting_clients_off(request: TuneRequest, config: Config, fleet: Fle
 
 def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: Config, topology: Topology, size: int,
                      l3_groups: int, cores: int, progress: Callable[[str], None]) -> None:
-    from numad_infer.config import ConfigError
+    from numad_infer.errors import ConfigError
     from numad_infer.tune import layouts
 
     candidates = layouts(l3_groups, cores)
@@ -488,7 +489,9 @@ def write_tuned(config_path: str, fsroot: str, kind: BackendKind, edits: list[Ed
     from numad_infer.sysfs import read_topology
 
     topology = read_topology(fsroot)
-    return apply_edits(Path(config_path), edits, lambda cfg: loading.validate(cfg, config_path, topology, kind) and None)
+    allowed = loading.read_allowed(kind)
+    return apply_edits(Path(config_path), edits,
+                       lambda cfg: loading.validate(cfg, config_path, topology, kind, allowed=allowed) and None)
 
 
 def _free_port_block(count: int) -> int:

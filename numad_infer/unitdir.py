@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.atomicfile import write_atomic
-from numad_infer.config import Config, ConfigError
-from numad_infer.errors import NumaInferError
-from numad_infer.render import DROPIN_NAME, FRONTDOOR_UNIT, MARKER
+from numad_infer.config import Config
+from numad_infer.errors import ConfigError, NumaInferError
+from numad_infer.render import MARKER
+from numad_infer.unitnames import DROPIN_GLOB, FRONTDOOR_UNIT, TEMPLATE_GLOB, template_unit
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ SYSTEM_UNIT_DIRS = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/li
 
 def check_unit_names(config: Config, source: str, dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS) -> None:
     """Refuse names of units that someone else ships: ours in /run would shadow theirs."""
-    names = [(f"{config.systemd.template}@.service", "systemd.template", config.systemd.template)]
+    names = [(template_unit(config.systemd.template), "systemd.template", config.systemd.template)]
     if config.frontend.enabled:
         names.append((FRONTDOOR_UNIT, "frontend.listen", config.frontend.listen))
     for name, key, value in names:
@@ -55,10 +56,10 @@ def managed_files(unit_dir: Path) -> list[str]:
     found: list[str] = []
     if not unit_dir.is_dir():
         return found
-    for path in sorted([*unit_dir.glob("*@.service"), unit_dir / FRONTDOOR_UNIT]):
+    for path in sorted([*unit_dir.glob(TEMPLATE_GLOB), unit_dir / FRONTDOOR_UNIT]):
         if path.is_file() and _ours(path):
             found.append(path.name)
-    for path in sorted(unit_dir.glob(f"*@*.service.d/{DROPIN_NAME}")):
+    for path in sorted(unit_dir.glob(DROPIN_GLOB)):
         if path.is_file() and _ours(path):
             found.append(f"{path.parent.name}/{path.name}")
     return found

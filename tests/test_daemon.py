@@ -261,3 +261,75 @@ def test_an_api_key_guards_the_instances_and_the_probe_still_passes(daemon, tmp_
     assert "k-123" not in (run.state_file.read_text() + run.config.read_text().replace(str(key), ""))
     with open(f"/proc/{run.instance(state, 'infer@0')['pid']}/cmdline", "rb") as cmdline:
         assert b"k-123" not in cmdline.read()
+
+
+CPUSET_V1 = Path("/sys/fs/cgroup/cpuset")
+
+
+@pytest.fixture
+def cpuset_group():
+    """A real cgroup v1 cpuset holding CPUs 0-1 (what a container or pod gets), removed
+    after the daemon that ran in it is gone."""
+    if os.geteuid() != 0 or not (CPUSET_V1 / "cpuset.cpus").exists() or os.sched_getaffinity(0) != {0, 1}:
+        pytest.skip("needs root, a cgroup v1 cpuset hierarchy and CPUs 0-1")
+    group = CPUSET_V1 / f"numa-infer-daemon-{os.getpid()}"
+    group.mkdir()
+    (group / "cpuset.cpus").write_text("0-1")
+    (group / "cpuset.mems").write_text("0")
+    yield group
+    for pid in (group / "tasks").read_text().split():  # anything left goes back to the root cpuset
+        try:
+            (CPUSET_V1 / "tasks").write_text(pid)
+        except OSError:
+            pass
+    group.rmdir()
+
+
+def test_a_narrowed_cpuset_is_a_new_plan_and_the_untouched_instance_keeps_its_pid(cpuset_group, daemon) -> None:
+    """`podman update --cpuset-cpus=1`, a kubelet or NRI plugin moving the pod: the daemon
+    re-plans within the new set, drains and removes the instance that lost its CPU, keeps
+    the other one (same PID), and calls it a new plan, not drift to fight."""
+    run = daemon(cgroup=cpuset_group)
+    before = run.all_healthy(2)
+    kept = run.instance(before, "infer@1")["pid"]
+    (cpuset_group / "cpuset.cpus").write_text("1")
+    state = run.wait(lambda s: [i["name"] for i in s["instances"]] == ["infer@1"]
+                     and s["daemon"]["last_reload"]["why"] == "allowed set change", 60, "the new plan")
+    assert run.instance(state, "infer@1")["pid"] == kept and run.instance(state, "infer@1")["state"] == "healthy"
+    assert state["daemon"]["last_reload"]["removed"] == ["infer@0"] and not state["daemon"]["last_reload"]["changed"]
+    assert "left out: CPUs 0" in state["daemon"]["allowed"]
+    assert run.instance(state, "infer@1")["drift_events"].get("affinity", 0) == 0
+    assert "a new plan (not drift)" in run.logs()
+    status = run.cli("status")
+    assert "allowed: CPUs 1" in status.stdout and "infer@0" not in status.stdout, status.stdout
+
+
+def test_health_says_live_and_ready_for_probes_and_3_once_the_daemon_is_gone(daemon) -> None:
+    run = daemon()
+    run.all_healthy(2)
+    live, ready = run.cli("health", "--live"), run.cli("health", "--ready")
+    assert live.returncode == 0 and live.stdout.startswith("live: last pass"), live
+    assert ready.returncode == 0 and ready.stdout.strip() == "ready: 2/2 instance(s) in rotation", ready
+    run.stop()
+    gone = run.cli("health", "--ready")
+    assert gone.returncode == 3 and "not running" in gone.stdout
+
+
+def test_health_verdicts_from_a_status() -> None:
+    import dataclasses
+
+    from numad_infer.states import State
+    from numad_infer.status import DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, Status
+
+    now = 1000.0
+    inst = InstanceStatus(name="infer@0", node=0, cpus=(0,), mems=(0,), threads=1, port=1, pid=2, state=State.HEALTHY,
+                          rotation="UP")
+    status = Status(DaemonStatus(DaemonState.RUNNING, "c", updated_at=now - 2, interval_s=5), (inst,),
+                    FrontdoorStatus("127.0.0.1:8000", True, 0, 0, None))
+    assert status.live(now) and status.ready
+    stale = dataclasses.replace(status, daemon=dataclasses.replace(status.daemon, updated_at=now - 16))
+    assert not stale.live(now)
+    drained = dataclasses.replace(status, instances=(dataclasses.replace(inst, rotation="MAINT"),))
+    assert not drained.ready
+    no_front = dataclasses.replace(status, frontdoor=None, instances=(dataclasses.replace(inst, rotation=None),))
+    assert no_front.ready

@@ -12,7 +12,8 @@ from numad_infer.config import MonitorSection, parse_config
 from numad_infer.drift import EventKind, check_affinity, check_memory
 from numad_infer.haproxy import AdminState
 from numad_infer.planner import Plan, make_plan
-from numad_infer.procfs import NodeUsage, ThreadInfo, parse_numa_maps, parse_numa_stat
+from numad_infer.observed import NodeUsage, ThreadInfo
+from numad_infer.procfs import parse_numa_maps, parse_numa_stat
 from numad_infer import reconcile
 from numad_infer.health import ProbeResult
 from numad_infer.reconcile import Reconciler

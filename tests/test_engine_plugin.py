@@ -19,7 +19,7 @@ import pytest
 from numad_infer import engines
 from numad_infer.config import ConfigError, parse_config
 from numad_infer.engines import Engine, EngineCounters, engine_of
-from numad_infer.frontdoor import Paths, render_haproxy
+from numad_infer.haproxycfg import Paths, render_haproxy
 from numad_infer.health import probe, read_engine_metrics
 from numad_infer.loading import validate
 from numad_infer.identity import BackendKind

@@ -13,7 +13,7 @@ import pytest
 
 from numad_infer.config import ConfigError, parse_config
 from numad_infer.engines import EngineCounters, LlamaServer, engine_of
-from numad_infer.frontdoor import SPARE_CONNECTIONS, Paths, render_haproxy
+from numad_infer.haproxycfg import SPARE_CONNECTIONS, Paths, render_haproxy
 from numad_infer.hostcheck import InstanceHost
 from numad_infer.planner import make_plan
 from numad_infer.reconcile import Runtime

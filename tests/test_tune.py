@@ -289,16 +289,16 @@ def test_tune_refuses_a_running_fleet_without_a_front_door(daemon) -> None:
 
 
 def test_the_bandwidth_tune_measured_is_kept_for_the_daemon(tmp_path: Path) -> None:
-    from numad_infer import bandwidth
+    from numad_infer import bandwidthfile
 
-    path = tmp_path / bandwidth.RESULTS_NAME
-    results = bandwidth.Results(path)
+    path = tmp_path / bandwidthfile.RESULTS_NAME
+    results = bandwidthfile.Results(path)
     assert results.local_gbs(0) is None
-    bandwidth.save(path, {(0, 0): 40.0, (0, 1): 25.0})
-    bandwidth.save(path, {(1, 1): 38.5})  # a later run on node 1 adds to it
+    bandwidthfile.save(path, {(0, 0): 40.0, (0, 1): 25.0})
+    bandwidthfile.save(path, {(1, 1): 38.5})  # a later run on node 1 adds to it
     assert (results.local_gbs(0), results.local_gbs(1)) == (40.0, 38.5)
     os.utime(path, (1, 1))
-    bandwidth.save(path, {(0, 0): 41.0})
+    bandwidthfile.save(path, {(0, 0): 41.0})
     assert results.local_gbs(0) == 41.0  # re-read when the file changed
 
 
@@ -306,11 +306,11 @@ def test_status_shows_llama_server_decode_as_a_share_of_the_measured_bandwidth(d
     import threading
     import urllib.request
 
-    from numad_infer import bandwidth
+    from numad_infer import bandwidthfile
 
     run = daemon(engine="llama-server")
     run.all_healthy(2)
-    bandwidth.save(run.state_file.parent / bandwidth.RESULTS_NAME, {(0, 0): 10.0, (1, 1): 10.0})
+    bandwidthfile.save(run.state_file.parent / bandwidthfile.RESULTS_NAME, {(0, 0): 10.0, (1, 1): 10.0})
     port = run.instance(run.state(), "infer@0")["port"]
     stop = threading.Event()
 

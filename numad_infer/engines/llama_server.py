@@ -7,7 +7,7 @@ import stat
 from typing import TYPE_CHECKING, ClassVar
 
 from numad_infer.engines.base import KEY_CREDENTIAL, Engine, EngineCounters, HostAccess
-from numad_infer.config import ConfigError
+from numad_infer.errors import ConfigError
 
 if TYPE_CHECKING:
     from numad_infer.config import Config

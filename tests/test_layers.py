@@ -1,0 +1,125 @@
+"""The module -> layer map (numad_infer/layers.py) holds: every module is in it, and no
+module imports from a higher layer. Imports are read from the source with `ast`, so one
+inside a function or under `if TYPE_CHECKING:` counts like any other (layers.py says why)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+import numad_infer
+from numad_infer import errors, layers
+
+PACKAGE = Path(numad_infer.__file__).parent
+
+
+def package_modules() -> list[str]:
+    """Every module as its path under numad_infer/ without `.py` (`cli`, `engines/__init__`)."""
+    return sorted(str(path.relative_to(PACKAGE).with_suffix("")) for path in PACKAGE.rglob("*.py")
+                  if "__pycache__" not in path.parts)
+
+
+def imported_modules(source: str, importer: str = "__init__") -> set[str]:
+    """numad_infer modules that `source` (the module `importer`) imports, anywhere in it:
+    functions and TYPE_CHECKING blocks too; relative imports resolved from `importer`."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {_key(alias.name.split(".")[1:]) for alias in node.names
+                      if alias.name.split(".")[0] == "numad_infer"}
+        elif isinstance(node, ast.ImportFrom):
+            parts = _absolute(node, importer)
+            if parts is None:
+                continue
+            for alias in node.names:
+                # `from numad_infer import holds` names a module; `... import __version__` a name in one.
+                sub = _key([*parts, alias.name])
+                found.add(sub if _exists(sub) else _key(parts))
+    return found
+
+
+def _absolute(node: ast.ImportFrom, importer: str) -> list[str] | None:
+    """The imported module's parts below numad_infer (None: not numad_infer)."""
+    named = node.module.split(".") if node.module else []
+    if node.level == 0:
+        return named[1:] if named and named[0] == "numad_infer" else None
+    package = importer.split("/")[:-1]  # the folder `importer` sits in
+    return package[:len(package) - (node.level - 1)] + named
+
+
+def _key(parts: list[str]) -> str:
+    """Module parts -> the map's key: a module file, or a package's __init__."""
+    path = "/".join(parts)
+    return path if (PACKAGE / f"{path}.py").is_file() else "/".join([*parts, "__init__"])
+
+
+def _exists(key: str) -> bool:
+    return (PACKAGE / f"{key}.py").is_file()
+
+
+def _dotted(key: str) -> str:
+    return ".".join(["numad_infer", *key.split("/")]).removesuffix(".__init__")
+
+
+def test_every_module_is_in_the_layer_map_and_the_map_names_no_module_that_is_gone() -> None:
+    mapped = set(layers.MODULES)
+    present = set(package_modules())
+    assert present - mapped == set(), "add these to numad_infer/layers.py MODULES (one line each)"
+    assert mapped - present == set(), "remove these from numad_infer/layers.py MODULES: no such module"
+    assert {layer for layer, _ in layers.MODULES.values()} <= set(layers.ORDER)
+
+
+@pytest.mark.parametrize("name", package_modules())
+def test_no_module_imports_from_a_higher_layer(name: str) -> None:
+    rank = {m.name: m.rank for m in layers.modules()}
+    if name not in rank:
+        pytest.skip("not in the map (the test above fails for it)")
+    higher = sorted(dep for dep in imported_modules((PACKAGE / f"{name}.py").read_text(), name)
+                    if dep in rank and rank[dep] > rank[name])
+    assert not higher, (f"{name} ({layers.MODULES[name][0]}) imports from a higher layer: "
+                        + ", ".join(f"{d} ({layers.MODULES[d][0]})" for d in higher))
+
+
+def test_the_import_reader_sees_imports_in_functions_and_type_checking_blocks() -> None:
+    source = inspect.cleandoc("""
+        from typing import TYPE_CHECKING
+        import numad_infer.sysfs
+        from numad_infer import __version__, holds
+        if TYPE_CHECKING:
+            from numad_infer.planner import Plan
+        def f():
+            from numad_infer.daemon import Daemon
+    """)
+    assert imported_modules(source) == {"sysfs", "__init__", "holds", "planner", "daemon"}
+
+
+def test_the_import_reader_resolves_modules_of_a_sub_package(tmp_path: Path, monkeypatch) -> None:
+    for rel in ("__init__.py", "cli.py", "pkg/__init__.py", "pkg/a.py", "pkg/b.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    assert package_modules() == ["__init__", "cli", "pkg/__init__", "pkg/a", "pkg/b"]
+    source = "from . import b\nfrom .a import X\nfrom .. import cli\nimport numad_infer.pkg\nfrom numad_infer.pkg import a"
+    assert imported_modules(source, "pkg/b") == {"pkg/b", "pkg/a", "cli", "pkg/__init__"}
+    assert _dotted("pkg/__init__") == "numad_infer.pkg" and _dotted("pkg/a") == "numad_infer.pkg.a"
+
+
+def test_every_error_class_is_a_numa_infer_error() -> None:
+    """One hierarchy, so `cli.main` catches every operator-facing error in one `except`.
+    CpuListError is a ValueError on purpose: pydantic validators turn it into a ConfigError."""
+    import importlib
+
+    outside = []
+    for name in package_modules():
+        if name == "__main__":
+            continue  # running it runs the CLI
+        module = importlib.import_module(_dotted(name))
+        for obj in vars(module).values():
+            if (inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__ == module.__name__
+                    and not issubclass(obj, errors.NumaInferError) and obj.__name__ != "CpuListError"):
+                outside.append(f"{module.__name__}.{obj.__name__}")
+    assert outside == []
