@@ -247,7 +247,6 @@ def test_probes_read_the_state_file_the_daemon_writes(rendered: list[dict]) -> N
         assert option(argv, "--state-file").startswith(STATE_DIR + "/"), name
 
 
-@pytest.mark.xfail(strict=True, reason="numa-infer health is being added")
 def test_probe_commands_are_numa_infer_subcommands_the_cli_knows(rendered: list[dict]) -> None:
     parser = build_parser()
     seen = set()
