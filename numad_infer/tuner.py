@@ -25,6 +25,7 @@ from numad_infer.addresses import connect_host
 from numad_infer.apikey import read_api_key
 from numad_infer.backends import ProcessBackend
 from numad_infer.config import Config
+from numad_infer.allowed import within
 from numad_infer.engines import engine_of
 from numad_infer.errors import NumaInferError
 from numad_infer.health import probe
@@ -354,7 +355,9 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     from numad_infer.tune import thread_grid
 
     loaded = load(request.config_path, request.kind, request.fsroot)
-    config, topology, plan, size = loaded.config, loaded.topology, loaded.plan, loaded.model_bytes
+    config, plan, size = loaded.config, loaded.plan, loaded.model_bytes
+    # Measuring servers run where the instances may: only the CPUs and memory the cgroup allows.
+    topology = within(loaded.topology, loaded.allowed)
     planned = {i.node: i for i in plan.instances if i.node is not None}
     nodes = _nodes_to_measure(request, config, planned)
     fleet = Fleet(request.state_file, progress)
