@@ -307,6 +307,9 @@ def test_a_narrowed_cpuset_is_a_new_plan_and_the_untouched_instance_keeps_its_pi
 def test_health_says_live_and_ready_for_probes_and_3_once_the_daemon_is_gone(daemon) -> None:
     run = daemon()
     run.all_healthy(2)
+    # Ready is "in rotation": HAProxy's own health check puts a server UP a moment after
+    # the daemon finds it healthy.
+    run.wait(lambda s: all(i["rotation"] == "UP" for i in s["instances"]), 30, "both instances in rotation")
     live, ready = run.cli("health", "--live"), run.cli("health", "--ready")
     assert live.returncode == 0 and live.stdout.startswith("live: last pass"), live
     assert ready.returncode == 0 and ready.stdout.strip() == "ready: 2/2 instance(s) in rotation", ready
