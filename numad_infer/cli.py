@@ -297,8 +297,10 @@ def cmd_health(args: argparse.Namespace) -> int:
     live = status.live(time.time())
     if args.ready:
         ok = live and status.ready
-        in_rotation = sum(i.rotation == "UP" for i in status.instances)
-        print(f"{'ready' if ok else 'not ready'}: {in_rotation}/{len(status.instances)} instance(s) in rotation"
+        from numad_infer.status import in_rotation
+
+        serving = sum(in_rotation(i.rotation) for i in status.instances)
+        print(f"{'ready' if ok else 'not ready'}: {serving}/{len(status.instances)} instance(s) in rotation"
               + ("" if live else "; the daemon's loop is not turning"))
         return 0 if ok else 1
     age = time.time() - (status.daemon.updated_at or 0)

@@ -140,6 +140,12 @@ class DaemonStatus:
     allowed: str | None = None
 
 
+def in_rotation(rotation: str | None) -> bool:
+    """HAProxy sends a server requests while it is UP, also "UP 1/2" (one failed check of
+    the `fall` it takes to go DOWN); "DOWN 1/2" is on its way up, not there yet."""
+    return rotation is not None and rotation.split(" ")[0] == "UP"
+
+
 @dataclass(frozen=True)
 class Status:
     daemon: DaemonStatus
@@ -167,7 +173,7 @@ class Status:
         healthy = [i for i in self.instances if i.state == State.HEALTHY]
         if self.frontdoor is None:
             return bool(healthy)
-        return self.frontdoor.up and any(i.rotation == "UP" for i in healthy)
+        return self.frontdoor.up and any(in_rotation(i.rotation) for i in healthy)
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, **_plain(asdict(self))}

@@ -312,7 +312,10 @@ def test_health_says_live_and_ready_for_probes_and_3_once_the_daemon_is_gone(dae
     run.wait(lambda s: all(i["rotation"] == "UP" for i in s["instances"]), 30, "both instances in rotation")
     live, ready = run.cli("health", "--live"), run.cli("health", "--ready")
     assert live.returncode == 0 and live.stdout.startswith("live: last pass"), live
-    assert ready.returncode == 0 and ready.stdout.strip() == "ready: 2/2 instance(s) in rotation", ready
+    # Ready needs one instance in rotation (on a loaded host HAProxy may be counting a
+    # failed check of the other one).
+    assert ready.returncode == 0 and ready.stdout.startswith("ready: ") and "/2 instance(s) in rotation" in ready.stdout
+    assert not ready.stdout.startswith("ready: 0/"), ready
     run.stop()
     gone = run.cli("health", "--ready")
     assert gone.returncode == 3 and "not running" in gone.stdout
@@ -334,5 +337,7 @@ def test_health_verdicts_from_a_status() -> None:
     assert not stale.live(now)
     drained = dataclasses.replace(status, instances=(dataclasses.replace(inst, rotation="MAINT"),))
     assert not drained.ready
+    for seen, ready in (("UP 1/2", True), ("DOWN 1/2", False), ("DRAIN", False)):
+        assert dataclasses.replace(status, instances=(dataclasses.replace(inst, rotation=seen),)).ready is ready
     no_front = dataclasses.replace(status, frontdoor=None, instances=(dataclasses.replace(inst, rotation=None),))
     assert no_front.ready
