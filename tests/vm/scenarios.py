@@ -761,7 +761,10 @@ def b2_filter_cost() -> str:
 
 GROUPS = {
     "2x2": [s1_start, s1b_frontdoor, s1c_api_key, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill, s8b_daemon_restart,
-            t1_tune, s9_stop],
+            s9_stop],
+    # A guest of its own: tune measures for minutes under TCG, and with it the 2x2 group
+    # came within a few scenarios of the guest's time limit.
+    "tune": [s1_start, t1_tune, s9_stop],
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
     "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, s9_stop],
@@ -773,7 +776,7 @@ GROUPS = {
 }
 
 # The emulated machine each group boots (tests/vm/image.sh run SHARE TOPO).
-TOPOLOGY = {"engine": "2x2", "filter-cost": "2x2", "2x2": "2x2", "2x2smt": "2x2smt", "4x1": "4x1", "deb": "2x2", "bench": "2x2", "restarts": "2x2"}
+TOPOLOGY = {"tune": "2x2", "engine": "2x2", "filter-cost": "2x2", "2x2": "2x2", "2x2smt": "2x2smt", "4x1": "4x1", "deb": "2x2", "bench": "2x2", "restarts": "2x2"}
 
 if __name__ == "__main__":
     for run in GROUPS[sys.argv[1]]:
