@@ -51,11 +51,6 @@ class Frontdoor:
         self.stats: BackendStat | None = None  # last pass's counters, None when unreadable
         self.error = ""  # why the last apply or read failed, for status
 
-    def validate(self, config: Config, plan: Plan) -> None:
-        """Refuse (HaproxyError) a plan whose HAProxy configuration `haproxy -c` rejects; changes nothing."""
-        if config.frontend.enabled:
-            self._candidate(config, plan).unlink()
-
     def _candidate(self, config: Config, plan: Plan) -> Path:
         candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
         candidate.parent.mkdir(parents=True, exist_ok=True)
