@@ -609,6 +609,9 @@ def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
     except tomllib.TOMLDecodeError as exc:
         detail = str(exc).replace("at end of document", f"at line {text.count(chr(10)) + 1}, the end of the file")
         raise ConfigError(source, None, f"invalid TOML: {detail}") from None
+    except RecursionError:
+        # tomllib recurses once per nested array or inline table.
+        raise ConfigError(source, None, "invalid TOML: arrays or tables nested too deeply") from None
     try:
         config = Config.model_validate(raw)
     except ValidationError as exc:

@@ -40,9 +40,16 @@ def edited_text(text: str, edits: list[Edit]) -> str:
 
 def apply_edits(path: Path, edits: list[Edit], validate: Callable[[Config], None]) -> Path:
     """Write `edits` into the file at `path`; returns the backup's path. `validate` gets the
-    parsed result and raises a NumaInferError (a ConfigError, HAProxy's refusal ...) to refuse it."""
+    parsed result and raises a NumaInferError (a ConfigError, HAProxy's refusal ...) to refuse it.
+
+    A symbolic link (`/etc/numa-infer.toml -> /srv/conf/...`, as configuration management
+    lays it out) is followed: its target is edited and the link stays a link. A file that
+    changed between the read and the write is not overwritten."""
     source = str(path)
-    original = path.read_text(encoding="utf-8")
+    target = Path(os.path.realpath(path))
+    with target.open(encoding="utf-8") as handle:
+        before = os.fstat(handle.fileno())
+        original = handle.read()
     text = edited_text(original, edits)
     try:
         validate(parse_config(text, source))
@@ -50,11 +57,14 @@ def apply_edits(path: Path, edits: list[Edit], validate: Callable[[Config], None
         # A ConfigError names its file first: said once, in the message below.
         reason = str(exc).removeprefix(f"{exc.source}: " if isinstance(exc, ConfigError) else "")
         raise ConfigError(source, None, f"the tuned settings were refused, nothing written: {reason}") from None
-    backup = path.with_name(f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}.bak")
-    shutil.copy2(path, backup)
-    st = os.stat(path)
-    write_atomic(path, text)
-    os.chmod(path, st.st_mode & 0o7777)
+    now = os.stat(target)
+    if (now.st_ino, now.st_size, now.st_mtime_ns) != (before.st_ino, before.st_size, before.st_mtime_ns):
+        raise ConfigError(source, None, f"{target} changed while it was being edited; nothing written: run tune again")
+    backup = target.with_name(f"{target.name}.{time.strftime('%Y%m%d-%H%M%S')}.bak")
+    shutil.copy2(target, backup)
+    # Created with the old file's mode before it takes the name: never readable by more
+    # users than the old file was, not even for a moment.
+    write_atomic(target, text, mode=before.st_mode & 0o7777)
     if os.geteuid() == 0:
-        os.chown(path, st.st_uid, st.st_gid)
+        os.chown(target, before.st_uid, before.st_gid)
     return backup

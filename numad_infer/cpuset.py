@@ -9,6 +9,11 @@ class CpuListError(ValueError):
     """A CPU/node list or mask that cannot be parsed."""
 
 
+# Linux numbers CPUs below CONFIG_NR_CPUS, at most 8192 (MAXSMP); nodes stay far below.
+# A bigger number is a typo, and "0-4294967295" would otherwise build a set of 4 billion.
+MAX_CPUS = 8192
+
+
 def parse_list(text: str) -> frozenset[int]:
     """Parse a kernel list such as "0-3,8,10-11" (the `cpulist` format); "" is empty."""
     result: set[int] = set()
@@ -23,18 +28,25 @@ def parse_list(text: str) -> frozenset[int]:
         stride = 1
         if ":" in part:
             part, _, stride_text = part.partition(":")
-            if not stride_text.isdigit() or int(stride_text) == 0:
+            if not (stride_text.isascii() and stride_text.isdigit()) or int(stride_text) == 0:
                 raise CpuListError(f"bad stride in {text!r}")
             stride = int(stride_text)
         lo_text, dash, hi_text = part.partition("-")
-        if not lo_text.isdigit() or (dash and not hi_text.isdigit()):
+        if not _number(lo_text) or (dash and not _number(hi_text)):
             raise CpuListError(f"{part!r} in {text!r} is not a number or a range a-b")
         lo = int(lo_text)
         hi = int(hi_text) if dash else lo
+        if hi >= MAX_CPUS:
+            raise CpuListError(f"{hi} in {text!r} is not a CPU or node number: Linux has fewer than {MAX_CPUS}")
         if hi < lo:
             raise CpuListError(f"range {part!r} in {text!r} runs backwards")
         result.update(range(lo, hi + 1, stride))
     return frozenset(result)
+
+
+def _number(text: str) -> bool:
+    # isdigit() alone also accepts "²" and other digits int() refuses.
+    return text.isascii() and text.isdigit()
 
 
 def parse_mask(text: str) -> frozenset[int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 from numad_infer import haproxy
+from numad_infer.atomicfile import write_atomic
 from numad_infer.config import Config
 from numad_infer.haproxy import AdminState, BackendStat, HaproxyError, RuntimeAPI
 from numad_infer.haproxycfg import BACKEND, paths_in, render_haproxy, server_name
@@ -53,9 +54,9 @@ class Frontdoor:
 
     def _candidate(self, config: Config, plan: Plan) -> Path:
         candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
-        candidate.parent.mkdir(parents=True, exist_ok=True)
-        candidate.write_text(render_haproxy(config, plan, self.paths), encoding="utf-8")
-        os.chmod(candidate, 0o644)  # HAProxy may run as another user (systemd DynamicUser)
+        # Renamed into place, never written through: a link planted under this name is
+        # replaced, not followed. 0644: HAProxy may run as another user (DynamicUser).
+        write_atomic(candidate, render_haproxy(config, plan, self.paths), durable=False)
         try:
             haproxy.validate(config.frontend.haproxy, str(candidate))
         except HaproxyError:
@@ -89,7 +90,7 @@ class Frontdoor:
             self._save_server_states()
         elif not self.paths.state.exists():
             # An empty state file (version line only): HAProxy warns about a missing one.
-            self.paths.state.write_text("1\n", encoding="utf-8")
+            write_atomic(self.paths.state, "1\n", durable=False)
         os.replace(candidate, self.paths.config)
         if running:
             log.info("front door: plan changed: reloading haproxy seamlessly")
@@ -104,8 +105,7 @@ class Frontdoor:
     def _save_server_states(self) -> None:
         # Read back by `load-server-state-from-file`: drain/maint survive the reload.
         try:
-            self.paths.state.write_text(self.api.servers_state(), encoding="utf-8")
-            os.chmod(self.paths.state, 0o644)
+            write_atomic(self.paths.state, self.api.servers_state(), durable=False)
         except (HaproxyError, OSError) as exc:
             log.warning("front door: cannot save server states before the reload: %s", exc)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from numad_infer.atomicfile import write_atomic
-from numad_infer.status import Status
+from numad_infer.atomicfile import NotRegularFile, read_regular, write_atomic
+from numad_infer.status import Status, StatusError
 
 
 def write_status(path: Path, status: Status) -> None:
@@ -20,7 +20,15 @@ def write_status(path: Path, status: Status) -> None:
 def read_status(path: Path) -> Status | None:
     """None when there is no state file (or it cannot be read); StatusError for one of another shape."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        text, _ = read_regular(path)
+    except NotRegularFile as exc:
+        raise StatusError(f"{path}: {exc.what}; remove it (the daemon writes a regular file there)") from None
+    except OSError:
         return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None  # half of a file never happens (atomic writes): this is not ours
+    except RecursionError:
+        raise StatusError(f"{path}: not a numa-infer state file (nested too deeply)") from None
     return Status.from_json(data, str(path))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from numad_infer.errors import NumaInferError
 from numad_infer.states import State
+from numad_infer.typedjson import DecodeError, decode
 
 if TYPE_CHECKING:  # the planner needs pydantic (the config): `status` must start without it
     from numad_infer.planner import Instance
@@ -184,33 +185,11 @@ class Status:
             found = data.get("schema") if isinstance(data, dict) else None
             raise StatusError(f"{source}: schema {found!r}, this numa-infer reads schema {SCHEMA}; "
                               "restart the daemon (systemctl restart numa-infer) so both are the same version")
+        body = {k: v for k, v in data.items() if k != "schema"}
         try:
-            d = data["daemon"]
-            daemon = DaemonStatus(**{**d, "state": DaemonState(d["state"]), "warnings": tuple(d.get("warnings", ())),
-                                     "last_reload": _reload(d.get("last_reload"))})
-            front = data.get("frontdoor")
-            return cls(daemon=daemon, instances=tuple(_instance(i) for i in data["instances"]),
-                       frontdoor=FrontdoorStatus(**front) if front else None)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StatusError(f"{source}: not a numa-infer state file ({type(exc).__name__}: {exc})") from None
-
-
-def _reload(data: dict[str, Any] | None) -> ReloadResult | None:
-    if not data:
-        return None
-    lists = {k: tuple(data.get(k) or ()) for k in ("added", "changed", "removed", "unchanged")}
-    return ReloadResult(**{**data, **lists})
-
-
-def _event(data: dict[str, Any] | None) -> Event | None:
-    return Event(**data) if data else None
-
-
-def _instance(data: dict[str, Any]) -> InstanceStatus:
-    memory = data.get("memory")
-    return InstanceStatus(**{**data, "state": State(data["state"]), "cpus": tuple(data["cpus"]),
-                             "mems": tuple(data["mems"]), "memory": MemoryStatus(**memory) if memory else None,
-                             "last_drift": _event(data.get("last_drift")), "last_repair": _event(data.get("last_repair"))})
+            return decode(cls, body, "state")
+        except DecodeError as exc:
+            raise StatusError(f"{source}: not a numa-infer state file ({exc})") from None
 
 
 def _plain(value: Any) -> Any:

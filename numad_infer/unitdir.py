@@ -97,7 +97,11 @@ def check_private_dir(path: Path) -> None:
             raise NumaInferError(f"{directory} is a symbolic link; numa-infer writes there as root: make it a directory")
         if stat.S_ISLNK(info.st_mode):
             continue  # a link higher up (/run -> /var/run) is the system's own
-        writable_by_others = info.st_mode & stat.S_IWOTH and not info.st_mode & stat.S_ISVTX
+        # Above it, a sticky world-writable directory (/tmp) is safe: others may not rename or
+        # remove what root owns there. The directory itself must be root's alone: in a
+        # sticky one, others could still plant files (holds, a candidate haproxy.cfg).
+        shared = info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
+        writable_by_others = shared and (directory == path or not info.st_mode & stat.S_ISVTX)
         if info.st_uid != 0 or writable_by_others:
             raise NumaInferError(
                 f"{directory} is {'owned by uid ' + str(info.st_uid) if info.st_uid != 0 else 'writable by others'}; "

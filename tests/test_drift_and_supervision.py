@@ -500,7 +500,7 @@ def test_a_hold_whose_holder_died_is_dropped(tmp_path) -> None:
     mine = holds.acquire(tmp_path, "infer@0", "test")
     gone = subprocess.Popen(["true"])
     gone.wait()
-    (tmp_path / "infer@1.hold").write_text(f'{{"pid": {gone.pid}, "by": "x", "since": 0}}')
+    (tmp_path / "infer@1.hold").write_text(f'{{"pid": {gone.pid}, "started": 0, "by": "x", "since": 0}}')
     (tmp_path / "infer@2.hold").write_text("not json")
     found = holds.active(tmp_path)
     assert set(found) == {"infer@0"} and found["infer@0"].pid == os.getpid()
