@@ -503,8 +503,9 @@ class FrontendSection(_Section):
         Affinity.NONE, strict=False,
         description=(
             "keep the turns of a conversation on the instance that holds its prompt prefix: by a request "
-            "header, or by the OpenAI `user` field of the JSON body; the first turn goes to the least busy "
-            "instance"
+            "header, or by the OpenAI `user` field of the JSON body (read from bodies up to "
+            "`model.context_size` x 8 bytes, which sizes HAProxy's buffers); the first turn goes to the least "
+            "busy instance"
         ),
     )
     affinity_header: SafeStr = Field(
