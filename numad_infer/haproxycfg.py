@@ -44,7 +44,6 @@ MARKER = "# Managed by numa-infer: rewritten by the daemon on every plan change;
 SPARE_CONNECTIONS = 256
 
 
-
 @dataclass(frozen=True)
 class _Answer:
     """An answer HAProxy makes itself, in OpenAI's error shape."""
@@ -54,6 +53,10 @@ class _Answer:
     message: str  # no ' (the body is a single-quoted HAProxy string)
     retry_after: bool = False
 
+    def __post_init__(self) -> None:
+        if "'" in self.message:
+            raise ValueError(f"a ' would end HAProxy's string early: {self.message}")
+
     def body(self) -> str:
         return json.dumps({"error": {"message": f"numa-infer: {self.message}", "type": self.kind, "code": self.status}},
                           separators=(",", ":"))
@@ -61,9 +64,12 @@ class _Answer:
 
 _BUSY = _Answer(503, "server_busy", "no instance can take the request: every instance is busy, starting or down, and "
                 "the queue is full or the wait ran out; retry later", retry_after=True)
-# Every status HAProxy 2.6 answers on its own (http-error accepts these).
+# Every status HAProxy 2.6 answers on its own (http-error accepts these). Its HTTP parser's
+# 400 (malformed request, headers too large) and 408 (headers too slow) come before any
+# stream and stay HTML: neither http-error nor errorfile reaches them; no OpenAI client
+# provokes them. The 400 and 408 here are the stream's (a body sent too slowly).
 _ANSWERS = (
-    _Answer(400, "invalid_request_error", "the request is not valid HTTP, or its headers are too large"),
+    _Answer(400, "invalid_request_error", "the request is not valid"),
     _Answer(408, "timeout", "the request did not arrive in full in time"),
     _Answer(429, "rate_limit_exceeded", "too many requests; retry later", retry_after=True),
     _Answer(500, "server_error", "the front door failed on this request"),
@@ -77,7 +83,7 @@ _ANSWERS = (
 # affinity = "user": HAProxy's json_query sees only the body in its buffer (16 KiB by
 # default), and OpenAI clients send `user` after `messages`. The buffer holds the longest
 # prompt an instance accepts: context_size tokens at 8 bytes each (JSON escapes, non-Latin
-# scripts), plus room for the headers; a longer body cannot be served anyway.
+# scripts), plus room for the headers. A longer body is served, by the least busy instance.
 _BYTES_PER_TOKEN = 8
 _HEADER_ROOM = 16 * 1024
 _MIN_BUFFER = 64 * 1024

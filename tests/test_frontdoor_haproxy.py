@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,7 +161,7 @@ class FrontDoor:
             proc.wait(10)
 
 
-def wait_for(condition, what: str, timeout_s: float = 20.0) -> None:
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
