@@ -262,10 +262,7 @@ class ServerSection(_Section):
     @field_validator("host")
     @classmethod
     def _ip(cls, value: str) -> str:
-        try:
-            ipaddress.ip_address(value)
-        except ValueError as exc:
-            raise ValueError("must be an IP address such as 127.0.0.1, 0.0.0.0 or ::1") from exc
+        plain_ip(value, "must be an IP address such as 127.0.0.1, 0.0.0.0 or ::1")
         return value
 
     @field_validator("python")
@@ -415,6 +412,19 @@ def executable_path(value: str, example: str) -> str:
     return value
 
 
+def plain_ip(text: str, usage: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An IP address with nothing else in it, as haproxy.cfg, unit files and URLs take it."""
+    if "%" in text:
+        # Python accepts any text after the % (spaces, "#", "]"): it would reach haproxy.cfg
+        # verbatim, and a link-local address is no place for a server anyway.
+        raise ValueError("has an IPv6 zone ID (%...), which numa-infer does not take; use an address without "
+                         "one: [::1], or a global or unique-local IPv6 address")
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError as exc:
+        raise ValueError(usage) from exc
+
+
 def parse_listen(value: str, example: str = "127.0.0.1:9464") -> tuple[str, int]:
     """ "127.0.0.1:9464" or "[::1]:9464" -> (address, port)."""
     host, sep, port = value.rpartition(":")
@@ -422,10 +432,7 @@ def parse_listen(value: str, example: str = "127.0.0.1:9464") -> tuple[str, int]
         raise ValueError(f'must be "ADDRESS:PORT", e.g. "{example}", or "" (off)')
     bracketed = host.startswith("[") and host.endswith("]")
     host = host[1:-1] if bracketed else host
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError as exc:
-        raise ValueError(f'{host!r} is not an IP address; write e.g. "{example}"') from exc
+    address = plain_ip(host, f'{host!r} is not an IP address; write e.g. "{example}"')
     if address.version == 6 and not bracketed:
         raise ValueError(f'write an IPv6 address in brackets, e.g. "[{host}]:{port}"')
     return host, int(port)
@@ -496,8 +503,9 @@ class FrontendSection(_Section):
         Affinity.NONE, strict=False,
         description=(
             "keep the turns of a conversation on the instance that holds its prompt prefix: by a request "
-            "header, or by the OpenAI `user` field of the JSON body; the first turn goes to the least busy "
-            "instance"
+            "header, or by the OpenAI `user` field of the JSON body (read from bodies up to "
+            "`model.context_size` x 8 bytes, which sizes HAProxy's buffers); the first turn goes to the least "
+            "busy instance"
         ),
     )
     affinity_header: SafeStr = Field(

@@ -9,8 +9,17 @@ Why these HAProxy settings (each one is a finding, see issue 9):
 - `observe layer4 ... on-error mark-down`: with least connections a dead server has the
   fewest connections, so retries would go straight back to it; a refused connection
   takes it out of rotation at once.
-- `retry-on conn-failure empty-response` + `option redispatch 1`: a request that got no
-  byte back is sent again, to another server every time.
+- `retry-on conn-failure empty-response` + `option redispatch 1` +
+  `http-request disable-l7-retry` for all but GET/HEAD (nginx's default for
+  non-idempotent requests): a request that never reached a server (connection refused)
+  is sent again, to another server every time; a POST that reached one is never replayed,
+  so a prompt that crashes llama.cpp crashes one instance, not every instance in turn
+  (issue 19). Its client gets a JSON 502.
+- every answer HAProxy makes itself (400, 408, 429, 500, 501, 502, 503, 504) is JSON in
+  OpenAI's error shape: an OpenAI client parses the body of a failure, and HAProxy's
+  default pages are HTML.
+- affinity on the `user` field: HAProxy reads the body from its buffer only, so the
+  buffer is sized for the longest prompt an instance accepts (`_body_buffer`).
 - health checks on the engine's path that never waits on the model
   (`Engine.liveness_path`): a busy server is not a down server.
 - `load-server-state-from-file`: a reload keeps the drain/maint states the daemon set.
@@ -18,12 +27,14 @@ Why these HAProxy settings (each one is a finding, see issue 9):
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.addresses import connect_host, host_port
 from numad_infer.config import Affinity, Config, FrontendSection
 from numad_infer.engines import engine_of
+from numad_infer.errors import ConfigError
 from numad_infer.planner import Plan
 
 BACKEND = "instances"
@@ -32,8 +43,53 @@ MARKER = "# Managed by numa-infer: rewritten by the daemon on every plan change;
 # Connections a client may hold open beyond the instances and the queue (idle keep-alives).
 SPARE_CONNECTIONS = 256
 
-_BUSY_BODY = ('{"error":{"message":"numa-infer: every instance is busy and the queue is full or the wait ran out; '
-              'retry later","type":"server_busy","code":503}}')
+
+@dataclass(frozen=True)
+class _Answer:
+    """An answer HAProxy makes itself, in OpenAI's error shape."""
+
+    status: int
+    kind: str  # OpenAI's error "type"
+    message: str  # no ' (the body is a single-quoted HAProxy string)
+    retry_after: bool = False
+
+    def __post_init__(self) -> None:
+        if "'" in self.message:
+            raise ValueError(f"a ' would end HAProxy's string early: {self.message}")
+
+    def body(self) -> str:
+        return json.dumps({"error": {"message": f"numa-infer: {self.message}", "type": self.kind, "code": self.status}},
+                          separators=(",", ":"))
+
+
+_BUSY = _Answer(503, "server_busy", "no instance can take the request: every instance is busy, starting or down, and "
+                "the queue is full or the wait ran out; retry later", retry_after=True)
+# Every status HAProxy 2.6 answers on its own (http-error accepts these). Its HTTP parser's
+# 400 (malformed request, headers too large) and 408 (headers too slow) come before any
+# stream and stay HTML: neither http-error nor errorfile reaches them; no OpenAI client
+# provokes them. The 400 and 408 here are the stream's (a body sent too slowly).
+_ANSWERS = (
+    _Answer(400, "invalid_request_error", "the request is not valid"),
+    _Answer(408, "timeout", "the request did not arrive in full in time"),
+    _Answer(429, "rate_limit_exceeded", "too many requests; retry later", retry_after=True),
+    _Answer(500, "server_error", "the front door failed on this request"),
+    _Answer(501, "invalid_request_error", "the front door does not support this request (transfer encoding)"),
+    _Answer(502, "server_error", "the instance serving this request failed before it answered in full (did the "
+            "request crash it?); a request that reached an instance is not sent to another"),
+    _BUSY,
+    _Answer(504, "timeout", "the instance did not answer within frontend.request_timeout_s"),
+)
+
+# affinity = "user": HAProxy's json_query sees only the body in its buffer (16 KiB by
+# default), and OpenAI clients send `user` after `messages`. The buffer holds the longest
+# prompt an instance accepts: context_size tokens at 8 bytes each (JSON escapes, non-Latin
+# scripts), plus room for the headers. A longer body is served, by the least busy instance.
+_BYTES_PER_TOKEN = 8
+_HEADER_ROOM = 16 * 1024
+_MIN_BUFFER = 64 * 1024
+# Conversations remembered at once: entries are made as keys arrive, each about 50 bytes
+# of HAProxy's own plus the 128-byte key, so the table stays under ~20 MiB.
+STICK_ENTRIES = 100_000
 
 
 def server_name(instance_name: str) -> str:
@@ -60,58 +116,90 @@ def paths_in(run_dir: Path, socket: Path) -> Paths:
 def render_haproxy(config: Config, plan: Plan, paths: Paths) -> str:
     front: FrontendSection = config.frontend
     host, port = front.address
-    bind = host_port(host, port)
     target = connect_host(config.server.host)
-    queue_s = _ms(front.queue_timeout_s)
-    request_s = _ms(front.request_timeout_s)
     engine = engine_of(config)
     per_server = engine.slots(config)
     maxconn = len(plan.instances) * per_server + front.queue_size + SPARE_CONNECTIONS
-    lines = [
-        MARKER,
-        "global",
-        f"    maxconn {maxconn}",
-        f"    stats socket {paths.socket} mode 600 level admin",
-        f"    server-state-file {paths.state}",
-        # Server up/down changes reach the journal (or the process backend's log file).
-        "    log stderr format short local0 notice",
-        "",
-        "defaults",
-        "    mode http",
-        "    log global",
-        "    option dontlognull",
-        "    timeout connect 2s",
-        f"    timeout client {request_s}",
-        f"    timeout server {request_s}",
-        f"    timeout queue {queue_s}",
-        "    timeout http-request 30s",
-        "    timeout http-keep-alive 10s",
-        "    timeout check 2s",
-        "    load-server-state-from-file global",
-        "",
-        "frontend openai",
-        f"    bind {bind}",
-        f"    default_backend {BACKEND}",
-        "",
-        f"backend {BACKEND}",
-        "    balance leastconn",
-        # Needed for retries (the request is replayed from the buffer) and for json_query.
-        "    option http-buffer-request",
-        "    retries 3",
-        "    option redispatch 1",
-        "    retry-on conn-failure empty-response",
-        f"    http-request return status 503 content-type application/json string '{_BUSY_BODY}' "
-        f"hdr Retry-After 1 if {{ queue({BACKEND}) ge {front.queue_size} }}",
-        f"    http-error status 503 content-type application/json string '{_BUSY_BODY}' hdr Retry-After 1",
-        f"    option httpchk GET {engine.liveness_path}",
-        "    http-check expect status 200",
-        f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {per_server} "
-        "observe layer4 error-limit 1 on-error mark-down",
-    ]
+    lines = [MARKER, *_global(config, paths, maxconn), "", *_defaults(front), "",
+             "frontend openai",
+             f"    bind {host_port(host, port)}",
+             f"    default_backend {BACKEND}",
+             "",
+             f"backend {BACKEND}",
+             "    balance leastconn",
+             # Needed for retries (the request is replayed from the buffer) and for json_query.
+             "    option http-buffer-request",
+             "    retries 3",
+             "    option redispatch 1",
+             "    retry-on conn-failure empty-response",
+             # A POST that reached a server is not replayed: it may be what killed it.
+             "    http-request disable-l7-retry if !METH_GET",
+             f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
+             f"hdr Retry-After 1 if {{ queue({BACKEND}) ge {front.queue_size} }}",
+             f"    option httpchk GET {engine.liveness_path}",
+             "    http-check expect status 200",
+             f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {per_server} "
+             "observe layer4 error-limit 1 on-error mark-down"]
     lines += _affinity(front)
     for instance in plan.instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
     return "\n".join(lines) + "\n"
+
+
+def _global(config: Config, paths: Paths, maxconn: int) -> list[str]:
+    lines = ["global",
+             f"    maxconn {maxconn}",
+             f"    stats socket {_socket_address(paths.socket)} mode 600 level admin",
+             f"    server-state-file {quoted(paths.state)}",
+             # Server up/down changes reach the journal (or the process backend's log file).
+             "    log stderr format short local0 notice"]
+    if config.frontend.affinity == Affinity.USER:
+        lines.append(f"    tune.bufsize {body_buffer(config)}")
+    return lines
+
+
+def _defaults(front: FrontendSection) -> list[str]:
+    lines = ["defaults",
+             "    mode http",
+             "    log global",
+             "    option dontlognull",
+             "    timeout connect 2s",
+             f"    timeout client {_ms(front.request_timeout_s)}",
+             f"    timeout server {_ms(front.request_timeout_s)}",
+             f"    timeout queue {_ms(front.queue_timeout_s)}",
+             "    timeout http-request 30s",
+             "    timeout http-keep-alive 10s",
+             "    timeout check 2s",
+             "    load-server-state-from-file global"]
+    for answer in _ANSWERS:
+        retry = " hdr Retry-After 1" if answer.retry_after else ""
+        lines.append(f"    http-error status {answer.status} content-type application/json string '{answer.body()}'{retry}")
+    return lines
+
+
+def body_buffer(config: Config) -> int:
+    """HAProxy's tune.bufsize for affinity = "user": the longest prompt an instance accepts fits."""
+    wanted = config.model.context_size * _BYTES_PER_TOKEN + _HEADER_ROOM
+    return max(_MIN_BUFFER, -(-wanted // 1024) * 1024)
+
+
+def quoted(path: Path) -> str:
+    """A path as one HAProxy word: double quotes, with \\ " $ escaped (a space, a # or a $
+    in the state directory would otherwise split the line, end it, or expand a variable)."""
+    text = str(path)
+    if any(ord(c) < 0x20 or c == "\x7f" for c in text):
+        raise ConfigError(text, None, "contains a control character, which haproxy.cfg cannot hold; "
+                          "choose a --state-file in a directory whose path has none")
+    return '"' + "".join("\\" + c if c in '\\"$' else c for c in text) + '"'
+
+
+def _socket_address(path: Path) -> str:
+    # HAProxy expands environment variables in a socket address after unquoting it,
+    # escaped or not: a "$" cannot be written there.
+    if "$" in str(path):
+        raise ConfigError(str(path), None, "contains a $, which HAProxy would expand in its admin socket's path; "
+                          "choose a --state-file in a directory whose path has none")
+    return quoted(path)
 
 
 def _affinity(front: FrontendSection) -> list[str]:
@@ -121,7 +209,7 @@ def _affinity(front: FrontendSection) -> list[str]:
         return []
     key = (f"req.hdr({front.affinity_header})" if front.affinity == Affinity.HEADER
            else "req.body,json_query('$.user')")
-    return [f"    stick-table type string len 128 size 1m expire {_ms(front.affinity_expire_s)}", f"    stick on {key}"]
+    return [f"    stick-table type string len 128 size {STICK_ENTRIES} expire {_ms(front.affinity_expire_s)}", f"    stick on {key}"]
 
 
 def _ms(seconds: float) -> str:

@@ -34,6 +34,15 @@ BASE = '[model]\npath = "/m.gguf"\n'
         (BASE + '[metrics]\nlisten = "localhost:9464"\n', 'metrics.listen = "localhost:9464": \'localhost\' is not an IP address'),
         (BASE + '[metrics]\nlisten = "127.0.0.1"\n', 'metrics.listen = "127.0.0.1": must be "ADDRESS:PORT"'),
         (BASE + '[server]\nhost = "localhost"\n', 'server.host = "localhost": must be an IP address'),
+        # A zone ID carried anything into haproxy.cfg: this one rendered a second directive (issue 19).
+        (BASE + '[frontend]\nlisten = "[fe80::1%lo]:8000 accept-proxy #]:8000"\n',
+         'frontend.listen = "[fe80::1%lo]:8000 accept-proxy #]:8000": has an IPv6 zone ID (%...), which numa-infer '
+         'does not take; use an address without one'),
+        (BASE + '[frontend]\nlisten = "[fe80::1%lo]:8000"\n', 'frontend.listen = "[fe80::1%lo]:8000": has an IPv6 zone ID'),
+        (BASE + '[metrics]\nlisten = "[fe80::1%eth0]:9464"\n', 'metrics.listen = "[fe80::1%eth0]:9464": has an IPv6 zone'),
+        (BASE + '[server]\nhost = "fe80::1%lo"\n', 'server.host = "fe80::1%lo": has an IPv6 zone ID'),
+        (BASE + '[server]\nhost = "::1 #"\n', 'server.host = "::1 #": must be an IP address'),
+        (BASE + '[frontend]\nlisten = "127.0.0.1 :8000"\n', "frontend.listen = \"127.0.0.1 :8000\": '127.0.0.1 ' is not an IP"),
         (BASE + '[systemd]\ntemplate = "in fer"\n', 'systemd.template = "in fer": must start with a letter, then up to 63 of'),
     ],
 )
