@@ -682,6 +682,32 @@ def e1_llama_server() -> str:
     return f"all healthy {took:.1f}s after start; " + "; ".join(notes) + f"; 4 concurrent requests served; status tokens/s {rates}"
 
 
+@scenario("e2-instances-elsewhere")
+def e2_instances_elsewhere() -> str:
+    """server.host on another address of this machine, the front door on loopback: before,
+    its unit allowed localhost only, every server went DOWN and every request got a 503."""
+    address = "10.1.2.3"
+    sh("systemctl", "stop", "numa-infer", timeout=300)
+    if address not in sh("ip", "-4", "addr", "show", "dev", "lo"):
+        sh("ip", "addr", "add", f"{address}/32", "dev", "lo")  # not loopback to systemd's "localhost"
+    write_config(server_extra=f'host = "{address}"\n')
+    sh(NI, "check", timeout=120)
+    sh("systemctl", "start", "numa-infer", timeout=300)
+    all_healthy(2)
+    allowed = sh("systemctl", "show", "-p", "IPAddressAllow", "--value", "numa-infer-frontdoor").split()
+    if not any(a.startswith(address) for a in allowed):
+        raise Fail(f"numa-infer-frontdoor allows {allowed}, not {address}")
+    for name in ("infer@0", "infer@1"):
+        listening = sh("ss", "-Htlnp", check=False)
+        port = inst(status(), name)["port"]
+        if f"{address}:{port}" not in listening:
+            raise Fail(f"{name} does not listen on {address}:{port}:\n{listening}")
+    wait(lambda: (s := status()).get("frontdoor") and s["frontdoor"]["up"]
+         and all(i["rotation"] == "UP" for i in s["instances"]), 180, "both instances in rotation")
+    answers = [complete(FRONT_PORT, timeout=240) for _ in range(4)]
+    return f"instances on {address}, front door allows {' '.join(allowed)}; {len(answers)} requests through :{FRONT_PORT}"
+
+
 # -- benchmark (not part of CI): aggregate decode rate on the 2-node guest ------------------------------
 
 def aggregate_rate(ports: list[int], rounds: int, tokens: int) -> float:
@@ -767,7 +793,7 @@ GROUPS = {
     "tune": [s1_start, t1_tune, s9_stop],
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
-    "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, s9_stop],
+    "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, e2_instances_elsewhere, s9_stop],
     "bench": [b1_aggregate],
     "filter-cost": [b2_filter_cost],
     # Not in CI: repeats the daemon replacements that must keep instances (a flake hunt).
