@@ -203,7 +203,13 @@ class DaemonRun:
         self.notify = NotifyListener(tmp / "notify.sock")
         self.env = dict(os.environ, NOTIFY_SOCKET=str(self.notify.path), **(env or {}))
         self.log = open(tmp / "daemon.log", "w")
-        self.proc = subprocess.Popen(
+        self.cgroup = cgroup
+        self.proc = self.spawn()
+
+    def spawn(self) -> subprocess.Popen:
+        """Start the daemon (again: what a supervisor does after it died)."""
+        cgroup = self.cgroup
+        return subprocess.Popen(
             [sys.executable, "-m", "numad_infer", "--config", str(self.config), "--fsroot", str(self.fsroot),
              "--state-file", str(self.state_file), "run", "--backend", "process"],
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
