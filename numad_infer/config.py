@@ -225,7 +225,9 @@ class ServerSection(_Section):
         "",
         description=(
             "a root-only file (mode 600) holding the API key every instance requires (`Authorization: Bearer "
-            "KEY`, also through the front door); it reaches the servers as a systemd credential (process "
+            "KEY`, also through the front door): a regular file (not a symlink), owned by the daemon's user "
+            "(root), in a directory no one else can write (not /tmp), under directories others cannot rename it "
+            "out of; it reaches the servers as a systemd credential (process "
             "backend: their environment), never argv or a unit file; an instance that refuses the key is "
             "reported as such, not restarted; `\"\"`: no key"
         ),
