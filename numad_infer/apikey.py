@@ -44,7 +44,7 @@ def read_api_key(config: Config, source: str) -> str | None:
         raise refuse("cannot be read by this user; run as root") from None
     except OSError as exc:
         if Path(path).is_symlink():
-            raise refuse("is a symbolic link; name the file itself (a link can be re-pointed by whoever owns it)") from None
+            raise refuse("is a symbolic link; name the file itself (whoever owns a link can re-point it)") from None
         raise refuse(f"cannot be read: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as handle:
         _check_file(os.fstat(fd), path, refuse)

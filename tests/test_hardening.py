@@ -372,8 +372,9 @@ def test_every_spelling_of_the_key_flag_is_refused_for_every_engine_without_echo
     with pytest.raises(ConfigError) as refused:
         parse_config(text, "/etc/numa-infer.toml")
     message = str(refused.value)
-    flag = next(a for a in args if a.startswith("--api")).partition("=")[0]
-    assert message.startswith(f"/etc/numa-infer.toml: server.extra_args: item {args.index(next(a for a in args if a.startswith(flag)))} is {flag}")
+    index = next(i for i, a in enumerate(args) if a.startswith("--api"))
+    flag = args[index].partition("=")[0]
+    assert message.startswith(f"/etc/numa-infer.toml: server.extra_args: item {index} is {flag}")
     assert "server.api_key_file" in message
     assert "SECRET" not in message and "SECRET" not in repr(refused.value.value)
 
