@@ -214,3 +214,27 @@ def test_a_socket_held_by_a_child_of_the_instance_process_is_the_instances(squat
     finally:
         sibling.kill()
         sibling.wait()
+
+
+def test_tune_refuses_a_measuring_port_another_process_holds_before_any_request(tmp_path: Path, squatter) -> None:
+    from numad_infer.planner import make_plan
+    from numad_infer.tuner import Measurer, Settings, TuneError
+    from tests.test_drift_and_supervision import cfg, three_nodes
+
+    process, port, seen = squatter
+    key = private_key(tmp_path / "keys", "k-TUNE-1")
+    config = cfg(f'[placement]\nnodes = [0]\n[server]\nbase_port = {port}\napi_key_file = "{key}"\n')
+    server = subprocess.Popen(["sleep", "60"])  # tune's measuring server, which never got its port
+
+    class Started:
+        def main_pid(self, name: str) -> int:
+            return server.pid
+
+    try:
+        measurer = Measurer(config, three_nodes(), 1 << 20, tmp_path, Settings(1, 2, 10.0), lambda line: None)
+        with pytest.raises(TuneError, match=rf"port {port} is held by pid {process.pid} "):
+            measurer._wait_ready(Started(), config, make_plan(config, three_nodes()).instances[0])
+    finally:
+        server.kill()
+        server.wait()
+    assert seen.read_text() == ""
