@@ -52,8 +52,9 @@ def port_owner(proc: Path, host: str, port: int, pid: int) -> PortOwner:
     try:
         # The main process first: one directory read in the usual case (it holds the socket).
         missing = listening - _socket_inodes(proc, pid)
-        for child in _descendants(proc, pid) if missing else []:
-            missing -= _socket_inodes(proc, child)
+        family = {pid, *(_descendants(proc, pid) if missing else [])}
+        for child in family - {pid}:
+            missing -= _socket_inodes(proc, child, gone_ok=True)
     except (FileNotFoundError, ProcessLookupError):
         return PortOwner(Holder.OTHER, f"{where} is held by another process: the instance's process {pid} is gone")
     except OSError as exc:
@@ -61,7 +62,7 @@ def port_owner(proc: Path, host: str, port: int, pid: int) -> PortOwner:
                                        f"({exc.strerror}); run the daemon as root")
     if not missing:
         return PortOwner(Holder.INSTANCE)
-    return PortOwner(Holder.OTHER, f"port {port} is held by {_holder(proc, port, pid)}, not by the instance "
+    return PortOwner(Holder.OTHER, f"port {port} is held by {_holder(proc, port, family)}, not by the instance "
                                    f"(pid {pid}): no API key and no requests go to it")
 
 
@@ -84,11 +85,18 @@ def _descendants(proc: Path, pid: int) -> list[int]:
     return found
 
 
-def _socket_inodes(proc: Path, pid: int) -> set[int]:
-    """Inodes of the sockets among the process's file descriptors (`socket:[INODE]` links)."""
+def _socket_inodes(proc: Path, pid: int, gone_ok: bool = False) -> set[int]:
+    """Inodes of the sockets among the process's file descriptors (`socket:[INODE]` links).
+    `gone_ok`: a process that exited has none (a child may exit while it is looked at)."""
     fds = proc / str(pid) / "fd"
     inodes = set()
-    for fd in os.listdir(fds):
+    try:
+        names = os.listdir(fds)
+    except FileNotFoundError:
+        if gone_ok:
+            return inodes
+        raise
+    for fd in names:
         try:
             target = os.readlink(fds / fd)
         except FileNotFoundError:
@@ -135,13 +143,13 @@ def _reaches(listen: IPAddress, target: IPAddress) -> bool:
     return isinstance(listen, ipaddress.IPv6Address) and listen.ipv4_mapped == target
 
 
-def _holder(proc: Path, port: int, pid: int) -> str:
+def _holder(proc: Path, port: int, family: set[int]) -> str:
     """The other process listening on the port, in words (only asked when there is one)."""
     if proc != Path("/proc"):
         return "another process"
     try:
         found = [c.pid for c in psutil.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid not in (None, pid)]
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid is not None and c.pid not in family]
     except (psutil.AccessDenied, OSError):
         found = []
     if not found:
