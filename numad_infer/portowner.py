@@ -57,6 +57,8 @@ def port_owner(proc: Path, host: str, port: int, pid: int) -> PortOwner:
             missing -= _socket_inodes(proc, child, gone_ok=True)
     except (FileNotFoundError, ProcessLookupError):
         return PortOwner(Holder.OTHER, f"{where} is held by another process: the instance's process {pid} is gone")
+    except PermissionError:
+        return _by_user(proc, target, port, pid, where)
     except OSError as exc:
         return PortOwner(Holder.OTHER, f"cannot tell who holds {where}: the sockets of process {pid} cannot be read "
                                        f"({exc.strerror}); run the daemon as root")
@@ -64,6 +66,49 @@ def port_owner(proc: Path, host: str, port: int, pid: int) -> PortOwner:
         return PortOwner(Holder.INSTANCE)
     return PortOwner(Holder.OTHER, f"port {port} is held by {_holder(proc, port, family)}, not by the instance "
                                    f"(pid {pid}): no API key and no requests go to it")
+
+
+_ESTABLISHED = "01"  # TCP_ESTABLISHED
+
+
+def open_connections(proc: Path, port: int) -> int:
+    """Connections clients hold open to local `port` (requests in flight, kept-alive ones):
+    once the instance's port is known to be its own, these are all the instance's."""
+    count = 0
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (proc / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue  # no IPv6 on this host
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == _ESTABLISHED and int(fields[1].rpartition(":")[2], 16) == port:
+                count += 1
+    return count
+
+
+def _by_user(proc: Path, target: IPAddress, port: int, pid: int, where: str) -> PortOwner:
+    """When the instance's descriptors cannot be read: under systemd each instance runs as a
+    DynamicUser of its own, and the daemon (root, with no capability but CAP_SYS_NICE) may
+    not look into another user's process. Each instance's user is then its own, so a socket
+    created by that user is the instance's; anyone else's is not. Root's never is."""
+    try:
+        uid = _real_uid(proc, pid)
+    except (OSError, ValueError):
+        return PortOwner(Holder.OTHER, f"{where} is held by another process: the instance's process {pid} is gone")
+    owners = _listening_uids(proc, target, port)
+    if uid != 0 and owners and owners <= {uid}:
+        return PortOwner(Holder.INSTANCE)
+    others = ", ".join(str(u) for u in sorted(owners - {uid}))
+    return PortOwner(Holder.OTHER, f"port {port} is held by uid {others or uid}, not by the instance's user "
+                                   f"(uid {uid}, pid {pid}): no API key and no requests go to it")
+
+
+def _real_uid(proc: Path, pid: int) -> int:
+    for line in (proc / str(pid) / "status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise ValueError(f"no Uid line for process {pid}")
 
 
 def _descendants(proc: Path, pid: int) -> list[int]:
@@ -108,6 +153,16 @@ def _socket_inodes(proc: Path, pid: int, gone_ok: bool = False) -> set[int]:
 
 def _listening(proc: Path, target: IPAddress, port: int) -> set[int]:
     """Inodes of the TCP sockets listening on `port` that a connection to `target` may reach."""
+    return {inode for inode, _ in _listeners(proc, target, port)}
+
+
+def _listening_uids(proc: Path, target: IPAddress, port: int) -> set[int]:
+    """The users who created those sockets (/proc/net/tcp's uid column)."""
+    return {uid for _, uid in _listeners(proc, target, port)}
+
+
+def _listeners(proc: Path, target: IPAddress, port: int) -> set[tuple[int, int]]:
+    """(inode, uid) of each TCP socket listening on `port` that a connection to `target` may reach."""
     inodes = set()
     for table in ("tcp", "tcp6"):
         try:
@@ -120,7 +175,7 @@ def _listening(proc: Path, target: IPAddress, port: int) -> set[int]:
                 continue
             address, _, port_hex = fields[1].partition(":")
             if int(port_hex, 16) == port and _reaches(_address(address), target):
-                inodes.add(int(fields[9]))
+                inodes.add((int(fields[9]), int(fields[7])))
     return inodes
 
 

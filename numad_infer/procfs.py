@@ -14,7 +14,7 @@ import psutil
 
 from numad_infer.cpuset import CpuListError, parse_list
 from numad_infer.observed import NodeUsage, ThreadInfo
-from numad_infer.portowner import PortOwner, port_owner
+from numad_infer.portowner import PortOwner, open_connections, port_owner
 
 _NODE_FIELD = re.compile(r"\bN(\d+)=(\d+)")
 _PAGESIZE = re.compile(r"\bkernelpagesize_kB=(\d+)")
@@ -132,6 +132,10 @@ class ProcReader:
     def port_owner(self, host: str, port: int, pid: int) -> PortOwner:
         """Is the socket listening on the instance's port the one of its process `pid`?"""
         return port_owner(self.proc, host, port, pid)
+
+    def open_connections(self, port: int) -> int:
+        """Client connections open to the local `port` (an instance's requests in flight)."""
+        return open_connections(self.proc, port)
 
     def running_commands(self, name: str) -> list[int]:
         pids = []

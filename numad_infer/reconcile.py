@@ -58,10 +58,11 @@ class Reconciler:
         diff, specs = self.rollout.sync(config, plan)
         self.api_key = read_api_key(config, "server.api_key_file")
         self.config = self.supervisor.config = config
-        self.rollout.apply(plan, diff, specs, self.runtimes, self.holds, now)
+        self.rollout.apply(plan, diff, specs, self.runtimes, self.holds, now, config.frontend.drain_timeout_s)
         return diff
 
     def stop_all(self) -> None:
+        self.rollout.stop_retiring()
         for name, rt in self.runtimes.items():
             isolated(name, "stop", lambda n=name: self.backend.stop(n))
             rt.supervision.on_stopped()
@@ -87,6 +88,7 @@ class Reconciler:
                 log.exception("%s: monitoring failed", name)
             self.supervisor.rotate(rt)
         self.rollout.roll(self.runtimes, self.holds, now)
+        self.rollout.retire(self.proc, now)
         return {name: rt.supervision.state for name, rt in self.runtimes.items()}
 
     def _dispatch(self, observed: dict[str, Observation]) -> tuple[dict[str, Future[ProbeResult]],

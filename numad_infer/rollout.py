@@ -4,16 +4,26 @@ and restart what changed, one at a time behind a front door."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from numad_infer.backends import Backend
 from numad_infer.config import Config
 from numad_infer.frontdoor import Frontdoor
 from numad_infer.planner import Instance, Plan, PlanDiff, diff_plans
+from numad_infer.procfs import ProcReader
 from numad_infer.runtime import Runtime
 from numad_infer.states import IN_TRANSITION, State, Supervision
 from numad_infer.supervise import Supervisor, isolated
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Retiring:
+    """An instance no longer planned that still finishes the requests it has."""
+    runtime: Runtime
+    since: float
+    timeout_s: float
 
 
 class Rollout:
@@ -24,6 +34,7 @@ class Rollout:
         self.rolling: list[str] = []  # definition changed, restart still to come (one at a time)
         self.rolled: list[str] = []  # restarted by the current rollout: must be healthy before the next
         self._stopped_said = False  # the rollout's stop was said in the journal once
+        self.retiring: dict[str, Retiring] = {}
 
     def sync(self, config: Config, plan: Plan) -> tuple[PlanDiff, dict[str, str]]:
         """The difference to the plan, with the definitions written: if they cannot be (or
@@ -35,10 +46,13 @@ class Rollout:
         return diff, new_specs
 
     def apply(self, plan: Plan, diff: PlanDiff, specs: dict[str, str], runtimes: dict[str, Runtime],
-              holds: dict[str, str], now: float) -> None:
-        for name in diff.removed:
+              holds: dict[str, str], now: float, drain_timeout_s: float = 0.0) -> None:
+        for name in [n for n in self.retiring if n in {i.name for i in plan.instances}]:
+            # Planned again while it still finished its requests: the new one needs its port.
             isolated(name, "stop", lambda n=name: self.backend.stop(n))
-            runtimes.pop(name, None)
+            del self.retiring[name]
+        for name in diff.removed:
+            self._remove(name, runtimes.pop(name, None), now, drain_timeout_s)
         self.plan, self.specs = plan, specs
         try:
             running = {name: seen.pid for name, seen in self.backend.observe([i.name for i in plan.instances]).items()}
@@ -81,6 +95,38 @@ class Rollout:
                 sup.on_started(now, f"adopted running pid {already}")  # STOPPED -> STARTING
         elif sup.state == State.STOPPED:
             sup.on_started(now)  # STOPPED -> STARTING
+
+    def _remove(self, name: str, runtime: Runtime | None, now: float, drain_timeout_s: float) -> None:
+        """An instance the new plan drops (a reload, a CPU or cpuset change). Behind a front
+        door it leaves the rotation with this pass's HAProxy reload and is stopped once the
+        requests it has are answered (`retire`): a dropped node loses no request in flight."""
+        serving = runtime is not None and runtime.pid is not None and runtime.supervision.state == State.HEALTHY
+        if self.frontdoor is None or not self.frontdoor.listen or not serving or drain_timeout_s <= 0:
+            isolated(name, "stop", lambda: self.backend.stop(name))
+            return
+        assert runtime is not None
+        log.info("%s: no longer planned: out of rotation; stopping it once its requests are answered (at most %gs)",
+                 name, drain_timeout_s)
+        self.retiring[name] = Retiring(runtime, now, drain_timeout_s)
+
+    def retire(self, proc: ProcReader, now: float) -> None:
+        """Stop the instances no longer planned whose clients are gone, or whose time is up."""
+        for name, leaving in list(self.retiring.items()):
+            open_now = proc.open_connections(leaving.runtime.instance.port)
+            if open_now and now - leaving.since < leaving.timeout_s:
+                continue
+            if open_now:
+                log.warning("%s: %d connection(s) still open after %gs: stopping it anyway", name, open_now,
+                            leaving.timeout_s)
+            else:
+                log.info("%s: its requests are answered: stopping it", name)
+            isolated(name, "stop", lambda n=name: self.backend.stop(n))
+            del self.retiring[name]
+
+    def stop_retiring(self) -> None:
+        for name in list(self.retiring):
+            isolated(name, "stop", lambda n=name: self.backend.stop(n))
+        self.retiring.clear()
 
     def roll(self, runtimes: dict[str, Runtime], holds: dict[str, str], now: float) -> None:
         """Restart instances whose definition changed: behind a front door one at a time, so

@@ -231,6 +231,9 @@ class FakeProc:
     def port_owner(self, host: str, port: int, pid: int) -> PortOwner:
         return PortOwner(Holder.INSTANCE)  # no server listens in these tests: the probe stands in for one
 
+    def open_connections(self, port: int) -> int:
+        return getattr(self, "connections", {}).get(port, 0)
+
 
 @pytest.fixture
 def probes_answer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -248,11 +251,13 @@ def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart(
     front.in_flight_by["infer@2"] = 2
     new = cfg("[placement]\nnodes = [0, 2]")
     rec.apply(new, make_plan(new, three_nodes()), 1.0)
-    # Two requests still run on infer@2: no restart yet, only taken out of rotation.
-    assert backend.calls == [("stop", "infer@1")]
+    # Two requests still run on infer@2: no restart yet, only taken out of rotation. infer@1,
+    # no longer planned, goes at the next pass, once its requests are answered.
+    assert backend.calls == []
     assert front.states == [("infer@2", AdminState.DRAIN)]
     assert rec.runtimes["infer@2"].supervision.state == State.DRAINING
     rec.monitor(2.0)
+    assert ("stop", "infer@1") in backend.calls
     assert ("restart", "infer@2") not in backend.calls
     front.in_flight_by["infer@2"] = 0
     rec.monitor(3.0)
@@ -590,3 +595,53 @@ def test_a_crash_is_logged_as_transitions_once_each(probes_answer, caplog) -> No
     moves = [r.getMessage() for r in caplog.records if r.name == "numad_infer.states"]
     assert moves == ["infer@0: healthy -> exited (main process gone)",
                      "infer@0: exited -> restarting (not running (inactive))"]
+
+
+def test_an_instance_no_longer_planned_finishes_its_requests_before_it_stops(probes_answer) -> None:
+    # Before: a reload that dropped a node stopped its instance at once, and the requests it
+    # was answering through the front door failed.
+    backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
+    rec = Reconciler(backend, proc, frontdoor=front)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.monitor(0.5)
+    backend.calls.clear()
+    leaving = rec.runtimes["infer@2"].instance.port
+    proc.connections = {leaving: 2}
+    new = cfg("[placement]\nnodes = [0, 1]")
+    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    assert "infer@2" not in rec.runtimes and backend.calls == []
+    rec.monitor(2.0)
+    assert ("stop", "infer@2") not in backend.calls  # two clients still wait for their answers
+    proc.connections = {leaving: 0}
+    rec.monitor(3.0)
+    assert backend.calls.count(("stop", "infer@2")) == 1
+    rec.monitor(4.0)
+    assert backend.calls.count(("stop", "infer@2")) == 1
+
+
+def test_an_instance_no_longer_planned_is_stopped_after_the_drain_timeout(probes_answer) -> None:
+    backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
+    rec = Reconciler(backend, proc, frontdoor=front)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.monitor(0.5)
+    proc.connections = {rec.runtimes["infer@2"].instance.port: 1}  # a client that never hangs up
+    new = cfg("[placement]\nnodes = [0, 1]\n[frontend]\ndrain_timeout_s = 30")
+    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    rec.monitor(30.0)
+    assert ("stop", "infer@2") not in backend.calls
+    rec.monitor(31.5)
+    assert ("stop", "infer@2") in backend.calls
+
+
+def test_an_instance_planned_again_while_it_leaves_is_stopped_before_the_new_one_starts(probes_answer) -> None:
+    backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
+    rec = Reconciler(backend, proc, frontdoor=front)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.monitor(0.5)
+    proc.connections = {rec.runtimes["infer@2"].instance.port: 1}
+    fewer = cfg("[placement]\nnodes = [0, 1]")
+    rec.apply(fewer, make_plan(fewer, three_nodes()), 1.0)
+    backend.calls.clear()
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 2.0)
+    # The leaving one holds the port the new one needs: it goes first.
+    assert backend.calls.index(("stop", "infer@2")) < backend.calls.index(("start", "infer@2"))

@@ -22,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.daemon_harness import ENGINES, generated_model, ROOT, DaemonRun, daemons
@@ -223,6 +224,28 @@ def test_a_reload_that_changes_the_instances_fails_no_request(daemon) -> None:
     logs = run.logs()
     assert "draining" in logs or "drained" in logs or "definition changed: restarting" in logs
     print(f"reload under load: {len(outcomes)} requests, 0 failed")
+
+
+def test_a_reload_that_drops_a_node_answers_the_requests_its_instance_had(daemon) -> None:
+    # Before: the dropped instance was stopped at once, and the requests it was answering
+    # through the front door failed (issue 18: instances removed by a reload or a cpuset
+    # change are drained, not killed).
+    run = daemon()
+    healthy_behind_frontdoor(run)
+    leaving = run.instance(run.state(), "infer@1")["pid"]
+    load = Load(run.frontend_port, clients=4, per_client=3, max_tokens=40).start()
+    under_load(run)
+    run.write_config(placement="nodes = [0]")
+    os.kill(run.proc.pid, signal.SIGHUP)
+    outcomes = load.wait()
+    failed = [o for o in outcomes if not o.complete]
+    assert not failed, failed[:3]
+    run.wait(lambda s: [i["name"] for i in s["instances"]] == ["infer@0"], 30, "infer@1 out of the plan")
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(leaving) and psutil.Process(leaving).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the dropped instance was never stopped"
+        time.sleep(0.2)
+    assert "its requests are answered: stopping it" in run.logs() or "still open after" in run.logs()
 
 
 def test_a_stopped_instance_leaves_rotation_and_the_other_serves(daemon) -> None:

@@ -238,3 +238,52 @@ def test_tune_refuses_a_measuring_port_another_process_holds_before_any_request(
         server.kill()
         server.wait()
     assert seen.read_text() == ""
+
+
+def listen_as(uid: int) -> tuple[subprocess.Popen, int]:
+    """A process of user `uid` listening on a free loopback port (the system python: the
+    project's venv may sit where that user cannot reach)."""
+    code = ("import socket, sys, time\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\n"
+            "print(s.getsockname()[1], flush=True)\ntime.sleep(120)\n")
+    process = subprocess.Popen(["/usr/bin/python3", "-c", code], stdout=subprocess.PIPE, text=True, user=uid)
+    assert process.stdout is not None
+    return process, int(process.stdout.readline())
+
+
+def owner_as(uid: int, port: int, pid: int) -> str:
+    """port_owner as seen by a process of user `uid` (which may not read `pid`'s descriptors)."""
+    from numad_infer.procfs import ProcReader
+
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setuid(uid)
+            owner = ProcReader().port_owner("127.0.0.1", port, pid)
+            os.write(write, f"{owner.holder.value}|{owner.detail}".encode())
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails
+            os.write(write, f"error|{type(exc).__name__}: {exc}".encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    return os.read(read, 4096).decode()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(), reason="needs root to switch users")
+def test_under_systemd_an_instance_is_told_by_its_own_user_when_its_descriptors_cannot_be_read() -> None:
+    # Under systemd the daemon (root with CAP_SYS_NICE alone) may not read a DynamicUser
+    # instance's /proc/PID/fd: seen in the VM suite, every instance stayed unhealthy ("the
+    # sockets of process N cannot be read"). Each instance's DynamicUser is its own, so the
+    # socket's user (/proc/net/tcp) tells instead. Here: a daemon of uid 65533 looking at an
+    # instance of uid 65534.
+    instance, port = listen_as(65534)
+    squatter, squatted = listen_as(0)
+    try:
+        said = owner_as(65533, port, instance.pid)
+        assert said.startswith("instance|"), said
+        said = owner_as(65533, squatted, instance.pid)
+        assert said.startswith("other|") and "held by uid 0" in said, said
+    finally:
+        for process in (instance, squatter):
+            process.kill()
+            process.wait()
