@@ -24,6 +24,7 @@ from numad_infer.apikey import fingerprint, read_api_key
 from numad_infer.config import Config
 from numad_infer.errors import NumaInferError
 from numad_infer.cpuset import format_list
+from numad_infer.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
 from numad_infer.notify import child_environ
 from numad_infer.planner import Instance, Plan
 from numad_infer.frontdoor import FrontdoorRunner
@@ -271,7 +272,7 @@ class ProcessBackend:
                  self.children[instance.name].pid, "the daemon's user" if self.runs_as is None else self.runs_as.name,
                  format_list(instance.cpus), format_list(instance.mems))
 
-    def stop(self, name: str, timeout_s: float = 15.0) -> None:
+    def stop(self, name: str, timeout_s: float = INSTANCE_STOP_S) -> None:
         child = self.children.pop(name, None)
         if child is None or child.poll() is not None:
             return
@@ -345,7 +346,7 @@ class ProcessFrontdoorRunner:
             assert self.child is not None
             os.kill(self.child.pid, signal.SIGUSR2)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = FRONTDOOR_STOP_S) -> None:
         if not self.running():
             return
         assert self.child is not None

@@ -520,8 +520,8 @@ class FrontendSection(_Section):
     drain_timeout_s: float = Field(
         120.0, ge=0, le=3600,
         description=(
-            "before a restart the daemon makes, how long it waits for the instance's requests to finish (0: "
-            "no wait)"
+            "before a restart the daemon makes, how long it waits for the instance's requests to finish; on a "
+            "stop (SIGTERM), how long the closed front door waits for the requests it carries (0: no wait)"
         ),
     )
     request_timeout_s: float = Field(

@@ -60,9 +60,13 @@ class Daemon:
         def flag(name: str):
             return lambda signum, frame: self._flags.add(name)
 
+        def stop(signum: int, frame: object) -> None:
+            # A second SIGTERM (or ^C) cuts the drain short: stop the instances now.
+            self._flags.add("stop now" if "stop" in self._flags else "stop")
+
         signal.signal(signal.SIGHUP, flag("reload"))
-        signal.signal(signal.SIGTERM, flag("stop"))
-        signal.signal(signal.SIGINT, flag("stop"))
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
 
     def _sleep(self, seconds: float) -> None:
         if self._flags or seconds <= 0:
@@ -154,6 +158,26 @@ class Daemon:
         waiting = any(rt.supervision.state in IN_TRANSITION for rt in self.reconciler.runtimes.values())
         return min(interval, 1.0) if waiting else interval
 
+    def _drain_frontdoor(self) -> None:
+        """Close the front door's listener and wait, up to frontend.drain_timeout_s, for the
+        requests it is carrying. Requests sent to an instance's own port are not waited for."""
+        config = self.plan.config
+        if config is None or not self.frontdoor.close():
+            return
+        deadline = time.monotonic() + config.frontend.drain_timeout_s
+        left = self.frontdoor.requests_left()
+        if left:
+            log.info("front door: waiting up to %.0f s for %d request(s)", config.frontend.drain_timeout_s, left)
+        while left:
+            if "stop now" in self._flags or time.monotonic() >= deadline:
+                log.warning("front door: %d request(s) still running: stopping anyway", left)
+                return
+            if self.notifier.watchdog_due(time.monotonic()):
+                self.notifier.watchdog(time.monotonic())
+            time.sleep(0.2)
+            left = self.frontdoor.requests_left()
+        log.info("front door: drained")
+
     def shutdown(self) -> int:
         self.state = DaemonState.STOPPING
         self.notifier.stopping("stopping instances")
@@ -163,10 +187,12 @@ class Daemon:
         except NumaInferError as exc:
             log.error("cannot tell a stop from a restart (%s): stopping the instances", exc)
         if stop_all:
-            # The front door first: clients are refused at once rather than queued for nothing.
-            self.frontdoor.stop()
+            # New work is refused at once (a client tries another pod); what is under way
+            # finishes; then the instances stop, then HAProxy, which carried the last bytes.
+            self._drain_frontdoor()
             log.info("stopping %d instance(s)", len(self.reconciler.runtimes))
             self.reconciler.stop_all()
+            self.frontdoor.stop()
             if self.plan.config is not None:
                 try:
                     self.backend.forget(self.plan.config)
