@@ -17,12 +17,13 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, Protocol
 
 from numad_infer import pinning
 from numad_infer.apikey import fingerprint, read_api_key
 from numad_infer.config import Config
 from numad_infer.errors import NumaInferError
+from numad_infer.childlog import ChildOutput, InstanceLogs
 from numad_infer.cpuset import format_list
 from numad_infer.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
 from numad_infer.notify import child_environ
@@ -195,13 +196,6 @@ class SystemdFrontdoorRunner:
         self.systemctl.stop(FRONTDOOR_UNIT)
 
 
-def open_log(log_dir: Path, name: str) -> BinaryIO:
-    """Append to a log in the daemon's state directory, never through a planted symlink."""
-    check_private_dir(log_dir)
-    fd = os.open(log_dir / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-    return os.fdopen(fd, "ab")
-
-
 # Job types that bring the daemon back (systemctl restart, try-restart, reload-or-restart).
 RESTART_JOBS = ("restart", "try-restart", "reload-or-restart")
 
@@ -216,8 +210,9 @@ class ProcessBackend:
     kind = BackendKind.PROCESS
     instance_cgroups = False  # children share the daemon's cgroup
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, logs: InstanceLogs = InstanceLogs.FILE) -> None:
         self.log_dir = log_dir
+        self.output = ChildOutput(logs, log_dir)  # instances' and HAProxy's output: files or stdout
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.config: Config | None = None
         self.api_key: str | None = None
@@ -263,11 +258,10 @@ class ProcessBackend:
             os.sched_setaffinity(0, cpus)
             pinning.set_mempolicy(policy, mems)
 
-        with open_log(self.log_dir, f"{instance.name}.log") as output:
-            self.children[instance.name] = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, cwd="/",
-                preexec_fn=pin_in_child, start_new_session=True, close_fds=True, **switch,
-            )
+        self.children[instance.name] = self.output.popen(
+            instance.name, argv, env=env, stdin=subprocess.DEVNULL, cwd="/",
+            preexec_fn=pin_in_child, start_new_session=True, close_fds=True, **switch,
+        )
         log.info("%s: started pid %d as %s on CPUs %s, memory node(s) %s", instance.name,
                  self.children[instance.name].pid, "the daemon's user" if self.runs_as is None else self.runs_as.name,
                  format_list(instance.cpus), format_list(instance.mems))
@@ -314,7 +308,7 @@ class ProcessBackend:
         pass  # nothing on disk
 
     def frontdoor_runner(self, run_dir: Path) -> FrontdoorRunner:
-        return ProcessFrontdoorRunner(run_dir, self.log_dir)
+        return ProcessFrontdoorRunner(run_dir, self.output)
 
 
 class ProcessFrontdoorRunner:
@@ -322,23 +316,22 @@ class ProcessFrontdoorRunner:
 
     restarted_by_manager = False  # the daemon starts it again (Frontdoor.observe)
 
-    def __init__(self, run_dir: Path, log_dir: Path) -> None:
+    def __init__(self, run_dir: Path, output: ChildOutput) -> None:
         self.run_dir = run_dir
         self.socket_path = run_dir / "haproxy.sock"
-        self.log_dir = log_dir
+        self.output = output
         self.child: subprocess.Popen[bytes] | None = None
 
     def running(self) -> bool:
         return self.child is not None and self.child.poll() is None
 
     def start(self, binary: str, config_path: Path) -> None:
-        with open_log(self.log_dir, "frontdoor.log") as output:
-            # -db: stay in the foreground; the master dies with the daemon (PDEATHSIG).
-            self.child = subprocess.Popen(
-                [binary, "-W", "-db", "-f", str(config_path)], env=child_environ(), stdin=subprocess.DEVNULL,
-                stdout=output, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                preexec_fn=lambda: _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM),
-            )
+        # -db: stay in the foreground; the master dies with the daemon (PDEATHSIG).
+        self.child = self.output.popen(
+            "frontdoor", [binary, "-W", "-db", "-f", str(config_path)], env=child_environ(),
+            stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+            preexec_fn=lambda: _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM),
+        )
         log.info("front door: haproxy master pid %d", self.child.pid)
 
     def reload(self) -> None:

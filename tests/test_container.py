@@ -1,5 +1,6 @@
 """What a container needs from the daemon (issue 18, section 2), on the process backend:
 
+- `--instance-logs stdout`: each child's own output on the daemon's stdout, named;
 - SIGTERM: the front door refuses new work at once, the requests in flight finish, then
   the instances and HAProxy stop and the daemon exits 0 within `defaults.stop_bound_s`;
 - every bad mount (model, config, state directory) is one line on stderr and a non-zero exit.
@@ -97,3 +98,18 @@ def test_sigterm_finishes_the_stream_in_flight_refuses_new_work_and_exits_0_with
         logs = run.logs()
         assert logs.index("front door: listener") < logs.index("front door: drained") < logs.index(
             "stopping 2 instance(s)") < logs.index("front door: stopping haproxy"), logs
+
+
+def test_instance_logs_stdout_puts_each_childs_own_output_on_the_daemons_stdout_named(
+        tmp_path: Path, slow_model: Path) -> None:
+    with daemons(tmp_path, slow_model) as start:
+        run = start(engine="llama-server", run_args=("--instance-logs", "stdout"))
+        in_rotation(run)
+        run.log.flush()
+        lines = (run.tmp / "daemon.log").read_text().splitlines()  # stdout and stderr
+        for name in ("infer@0", "infer@1"):
+            own = [line for line in lines if line.startswith(f"{name}: ")]
+            # llama-server's own words, not the daemon's log about it.
+            assert any("load_model: loading model" in line for line in own), lines[-40:]
+        assert any(line.startswith("frontdoor: [NOTICE]") for line in lines), "HAProxy's own lines too"
+        assert not list((run.state_file.parent / "logs").glob("*.log")), "nothing is written to log files"

@@ -277,6 +277,7 @@ def test_containerfile_entrypoint_runs_the_process_backend_under_tini_with_the_m
     assert argv[2] == "/usr/local/bin/numa-infer"
     args = build_parser().parse_args(argv[3:])
     assert (args.command, args.backend) == ("run", "process")
+    assert args.instance_logs == "stdout", "no journal in a container: the instances' output goes to stdout"
     assert args.config == CONFIG_PATH
     mounts = {m["mountPath"] for m in container(rendered)["volumeMounts"]}
     assert CONFIG_PATH in mounts
