@@ -655,7 +655,12 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH) -> Config:
     except FileNotFoundError:
         raise ConfigError(source, None, "file not found; copy /usr/share/doc/numa-infer/examples/numa-infer.toml or pass --config") from None
     except PermissionError:
-        raise ConfigError(source, None, "permission denied; run as root or make it readable") from None
+        raise ConfigError(source, None, f"permission denied to uid {os.geteuid()}; make it readable by that user "
+                          "(chmod a+r, or the ConfigMap's defaultMode) or pass --config") from None
+    except IsADirectoryError:
+        # A volume mounted where the file belongs (a ConfigMap without subPath, a hostPath typo).
+        raise ConfigError(source, None, "is a directory, not a file; mount or copy the TOML file itself there, "
+                          "or pass --config") from None
     except UnicodeDecodeError:
         raise ConfigError(source, None, "is not UTF-8 text") from None
     except OSError as exc:

@@ -23,10 +23,9 @@ from numad_infer.planstate import PlanState
 from numad_infer.procfs import ProcReader
 from numad_infer.reconcile import Reconciler
 from numad_infer.states import IN_TRANSITION
-from numad_infer.statefile import write_status
+from numad_infer.statefile import check_state_dir, write_status
 from numad_infer.status import DaemonState, DaemonStatus, Status
 from numad_infer.sysfs import SysfsReader
-from numad_infer.unitdir import check_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -108,14 +107,16 @@ class Daemon:
     # -- the loop -------------------------------------------------------------------------------------------
     def run(self) -> int:
         self._install_signals()
-        log.info("numa-infer %s starting (backend %s, config %s)", __version__, self.backend.name, self.config_path)
         try:
-            check_private_dir(self.state_file.parent)
+            check_state_dir(self.state_file)
             loaded = self.plan.load()
         except NumaInferError as exc:
+            # One line, nothing before it: a bad mount (config, model, state directory) reads
+            # at a glance in `kubectl logs` or the journal.
             log.error("%s", exc)
             self.notifier.send(f"STATUS=configuration error: {exc}", "ERRNO=22")
             return 1
+        log.info("numa-infer %s starting (backend %s, config %s)", __version__, self.backend.name, self.config_path)
         if not self.plan.apply(loaded, "start"):
             assert self.plan.last_reload is not None
             self.notifier.send(f"STATUS={self.plan.last_reload.error}", "ERRNO=5")

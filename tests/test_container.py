@@ -1,9 +1,10 @@
 """What a container needs from the daemon (issue 18, section 2), on the process backend:
 
 - `--instance-logs stdout`: each child's own output on the daemon's stdout, named;
+- a bad mount (config, model, state directory): one line naming the path and the fix, a
+  non-zero exit, no traceback;
 - SIGTERM: the front door refuses new work at once, the requests in flight finish, then
-  the instances and HAProxy stop and the daemon exits 0 within `defaults.stop_bound_s`;
-- every bad mount (model, config, state directory) is one line on stderr and a non-zero exit.
+  the instances and HAProxy stop and the daemon exits 0 within `defaults.stop_bound_s`.
 
 Real daemon, real llama-server, real HAProxy (tests/daemon_harness.py).
 """
@@ -11,8 +12,11 @@ Real daemon, real llama-server, real HAProxy (tests/daemon_harness.py).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
+import subprocess
+import tempfile
 import threading
 import time
 import urllib.request
@@ -23,7 +27,7 @@ import psutil
 import pytest
 
 from numad_infer.defaults import stop_bound_s
-from tests.daemon_harness import DaemonRun, daemons, generated_model
+from tests.daemon_harness import ROOT, DaemonRun, daemons, engine_keys, generated_model, server_python, shared_dir
 
 DRAIN_TIMEOUT_S = 30.0
 
@@ -113,3 +117,87 @@ def test_instance_logs_stdout_puts_each_childs_own_output_on_the_daemons_stdout_
             assert any("load_model: loading model" in line for line in own), lines[-40:]
         assert any(line.startswith("frontdoor: [NOTICE]") for line in lines), "HAProxy's own lines too"
         assert not list((run.state_file.parent / "logs").glob("*.log")), "nothing is written to log files"
+
+
+# -- bad mounts -------------------------------------------------------------------------------------
+
+NOBODY = 65534
+
+
+@dataclass(frozen=True)
+class Mount:
+    """One bad mount: the config and state file to run with, as whom, and what the line names."""
+
+    config: Path
+    state_file: Path
+    names: str  # the path the line must name
+    fix: str  # words of the fix the line must give
+    uid: int = 0
+
+
+def _config(path: Path, model: Path) -> Path:
+    path.write_text(f'[model]\npath = "{model}"\n[server]\n{engine_keys("llama-server")}[frontend]\nlisten = ""\n')
+    path.chmod(0o644)
+    return path
+
+
+def _read_only(directory: Path) -> Path:
+    directory.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,mode=0755,size=1m", "none", str(directory)]).returncode:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    return directory
+
+
+def bad_mount(case: str, tmp: Path) -> Mount:
+    model, state = generated_model("tiny"), tmp / "state" / "state.json"
+    good = _config(tmp / "good.toml", model)
+    if case == "missing model":
+        missing = tmp / "models" / "model.gguf"
+        return Mount(_config(tmp / "c.toml", missing), state, str(missing), "put a GGUF model there")
+    if case == "missing config":
+        return Mount(tmp / "absent.toml", state, str(tmp / "absent.toml"), "pass --config")
+    if case == "config is a directory":
+        (tmp / "dir.toml").mkdir()
+        return Mount(tmp / "dir.toml", state, str(tmp / "dir.toml"), "mount or copy the TOML file itself there")
+    if case == "config unreadable":
+        good.chmod(0o600)  # root's, and the daemon runs as nobody
+        state.parent.mkdir()
+        os.chown(state.parent, NOBODY, NOBODY)
+        return Mount(good, state, str(good), "make it readable", NOBODY)
+    if case == "state directory not writable":
+        state.parent.mkdir(mode=0o755)  # root's, and the daemon runs as nobody
+        return Mount(good, state, str(state.parent), "mount a writable volume", NOBODY)
+    if case == "state directory read-only":
+        directory = _read_only(tmp / "ro")
+        return Mount(good, directory / "state.json", str(directory), "mount a writable volume")
+    if case == "state directory missing on a read-only mount":
+        directory = _read_only(tmp / "ro") / "sub"
+        return Mount(good, directory / "state.json", str(directory), "mount a writable volume")
+    assert case == "state directory is a file"
+    (tmp / "file").write_text("")
+    return Mount(good, tmp / "file" / "state.json", str(tmp / "file"), "not a directory")
+
+
+@pytest.mark.parametrize("case", ["missing model", "missing config", "config is a directory", "config unreadable",
+                                  "state directory not writable", "state directory read-only",
+                                  "state directory missing on a read-only mount", "state directory is a file"])
+def test_a_bad_mount_is_one_line_naming_the_path_and_the_fix_and_a_non_zero_exit(case: str) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("the cases set up files as root and run the daemon as nobody")
+    # A world-readable scratch directory: the daemon may run as nobody, who must reach it.
+    tmp = Path(tempfile.mkdtemp(dir=shared_dir()))
+    tmp.chmod(0o755)
+    mount = bad_mount(case, tmp)
+    try:
+        done = subprocess.run(
+            [server_python(), "-m", "numad_infer", "--config", str(mount.config), "--state-file", str(mount.state_file),
+             "run", "--backend", "process"],
+            capture_output=True, text=True, timeout=60, cwd="/", env=dict(os.environ, PYTHONPATH=str(ROOT)),
+            user=mount.uid, group=mount.uid, extra_groups=[])
+    finally:
+        for ro in tmp.glob("ro"):
+            subprocess.run(["umount", str(ro)])
+    assert done.returncode != 0
+    assert "Traceback" not in done.stderr + done.stdout and not done.stdout
+    [line] = done.stderr.splitlines()
+    assert mount.names in line and mount.fix in line and "ERROR" in line, line
