@@ -166,18 +166,23 @@ class Daemon:
         if config is None or not self.frontdoor.close():
             return
         deadline = time.monotonic() + config.frontend.drain_timeout_s
+        published = time.monotonic()
         left = self.frontdoor.requests_left()
         if left:
             log.info("front door: waiting up to %.0f s for %d request(s)", config.frontend.drain_timeout_s, left)
         while left:
-            if "stop now" in self._flags or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if "stop now" in self._flags or now >= deadline:
                 log.warning("front door: %d request(s) still running: stopping anyway", left)
                 return
-            if self.notifier.watchdog_due(time.monotonic()):
-                self.notifier.watchdog(time.monotonic())
+            if self.notifier.watchdog_due(now):
+                self.notifier.watchdog(now)
+            if now - published >= 1.0:  # `status` follows the drain (and `health --ready` says no)
+                self.publish(now)
+                published = now
             time.sleep(0.2)
             left = self.frontdoor.requests_left()
-        log.info("front door: drained")
+        log.info("front door: drained" if left == 0 else "front door: not answering: not waiting")
 
     def shutdown(self) -> int:
         self.state = DaemonState.STOPPING

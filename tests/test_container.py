@@ -104,6 +104,29 @@ def test_sigterm_finishes_the_stream_in_flight_refuses_new_work_and_exits_0_with
             "stopping 2 instance(s)") < logs.index("front door: stopping haproxy"), logs
 
 
+
+def test_a_second_sigterm_cuts_the_drain_short(tmp_path: Path, slow_model: Path) -> None:
+    with daemons(tmp_path, slow_model) as start:
+        # A stream of ~45 s (900 tokens): longer than the instances' stop bound.
+        run = start(engine="llama-server", context_size=1024,
+                    frontend='listen = "127.0.0.1:{port}"\ndrain_timeout_s = 120\n')
+        in_rotation(run)
+        first_token, stream = threading.Event(), Stream()
+        client = threading.Thread(target=stream_completion, args=(run.frontend_port, 900, first_token, stream))
+        client.start()
+        assert first_token.wait(60) and not stream.error, stream.error
+        run.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert run.proc.poll() is None and client.is_alive(), "draining: waiting for the stream"
+        again = time.monotonic()
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.proc.wait(60) == 0, run.logs()
+        # The instances' stop still has its bound (a busy llama-server finishes its request
+        # or is killed), not the 120 s drain.
+        assert time.monotonic() - again < stop_bound_s(0) + 2
+        assert "1 request(s) still running: stopping anyway" in run.logs()
+        client.join(30)
+
 def test_instance_logs_stdout_puts_each_childs_own_output_on_the_daemons_stdout_named(
         tmp_path: Path, slow_model: Path) -> None:
     with daemons(tmp_path, slow_model) as start:
