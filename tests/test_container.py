@@ -177,6 +177,15 @@ def bad_mount(case: str, tmp: Path) -> Mount:
     if case == "missing model":
         missing = tmp / "models" / "model.gguf"
         return Mount(_config(tmp / "c.toml", missing), state, str(missing), "put a GGUF model there")
+    if case in ("model unreadable", "model directory closed"):
+        models = tmp / "models"
+        models.mkdir(mode=0o700 if case == "model directory closed" else 0o755)
+        copy = models / "model.gguf"
+        copy.write_bytes(model.read_bytes())
+        copy.chmod(0o600 if case == "model unreadable" else 0o644)
+        state.parent.mkdir()
+        os.chown(state.parent, NOBODY, NOBODY)
+        return Mount(_config(tmp / "c.toml", copy), state, str(copy), "readable by uid 65534", NOBODY)
     if case == "missing config":
         return Mount(tmp / "absent.toml", state, str(tmp / "absent.toml"), "pass --config")
     if case == "config is a directory":
@@ -201,7 +210,7 @@ def bad_mount(case: str, tmp: Path) -> Mount:
     return Mount(good, tmp / "file" / "state.json", str(tmp / "file"), "not a directory")
 
 
-@pytest.mark.parametrize("case", ["missing model", "missing config", "config is a directory", "config unreadable",
+@pytest.mark.parametrize("case", ["missing model", "model unreadable", "model directory closed", "missing config", "config is a directory", "config unreadable",
                                   "state directory not writable", "state directory read-only",
                                   "state directory missing on a read-only mount", "state directory is a file"])
 def test_a_bad_mount_is_one_line_naming_the_path_and_the_fix_and_a_non_zero_exit(case: str) -> None:
