@@ -15,9 +15,10 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from numad_infer import pinning
 from numad_infer.apikey import fingerprint, read_api_key
@@ -30,12 +31,12 @@ from numad_infer.notify import child_environ
 from numad_infer.planner import Instance, Plan
 from numad_infer.frontdoor import FrontdoorRunner
 from numad_infer.identity import BackendKind, RunAs, instances_run_as
-from numad_infer.engines import engine_of
+from numad_infer.engines import Engine, engine_of
 from numad_infer.render import FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, instance_environment, render_units
 from numad_infer.unitnames import (DAEMON_UNIT, DROPIN_NAME, FRONTDOOR_UNIT, dropin, name_of_dropin, template_of,
                                    template_unit, unit)
 from numad_infer.systemctl import Systemctl, SystemctlError
-from numad_infer.unitdir import check_private_dir, managed_files, write_units
+from numad_infer.unitdir import managed_files, write_units
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +197,29 @@ class SystemdFrontdoorRunner:
         self.systemctl.stop(FRONTDOOR_UNIT)
 
 
+# All a server gets of the daemon's environment. The rest (a cloud credential, a
+# PYTHONPATH, the notify socket) stays out: /proc/PID/environ is readable by every process
+# of the server's user, and `nobody` is shared by many daemons.
+INHERITED_VARIABLES = ("PATH", "LANG", "LC_ALL")
+_DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def server_environment(engine: Engine, instance: Instance, key: str | None, runs_as: RunAs | None,
+                       daemon_environment: Mapping[str, str]) -> dict[str, str]:
+    """The whole environment of one server under the process backend: PATH, HOME, the
+    locale, the plan's OpenMP variables and the engine's key variable, nothing else."""
+    env = {name: daemon_environment[name] for name in INHERITED_VARIABLES if name in daemon_environment}
+    env.setdefault("PATH", _DEFAULT_PATH)
+    if runs_as is not None:
+        env.update(HOME=runs_as.home, USER=runs_as.name, LOGNAME=runs_as.name)
+    else:
+        env["HOME"] = daemon_environment.get("HOME", "/")
+    env.update(instance_environment(instance))
+    if key is not None:
+        env.update(engine.key_environment(key))  # readable by the child's user only, not argv
+    return env
+
+
 # Job types that bring the daemon back (systemctl restart, try-restart, reload-or-restart).
 RESTART_JOBS = ("restart", "try-restart", "reload-or-restart")
 
@@ -239,15 +263,10 @@ class ProcessBackend:
         if self.main_pid(instance.name) is not None:
             return
         assert self.config is not None
-        argv = engine_of(self.config).argv(self.config, instance)
-        env = child_environ()
-        env.update(instance_environment(instance))
-        if self.api_key is not None:
-            env.update(engine_of(self.config).key_environment(self.api_key))  # readable by the child's user only, not argv
-        switch: dict[str, Any] = {}
-        if self.runs_as is not None:
-            switch = self.runs_as.popen_kwargs()
-            env.update(HOME=self.runs_as.home, USER=self.runs_as.name, LOGNAME=self.runs_as.name)
+        engine = engine_of(self.config)
+        argv = engine.argv(self.config, instance)
+        env = server_environment(engine, instance, self.api_key, self.runs_as, os.environ)
+        switch = self.runs_as.popen_kwargs() if self.runs_as is not None else {}
         cpus, mems, policy = frozenset(instance.cpus), instance.mems, instance.policy
 
         def pin_in_child() -> None:

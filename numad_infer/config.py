@@ -215,8 +215,9 @@ class ServerSection(_Section):
     extra_args: list[SafeStr] = Field(
         default_factory=list,
         description=(
-            "more server arguments (of the chosen engine), each passed as one argument (not an API key: argv "
-            "is world-readable)"
+            "more server arguments (of the chosen engine), each passed as one argument; an API key option "
+            "(`--api-key`, `--api_key`, `--api-key-file`, any spelling, with or without `=`) is refused: argv and "
+            "the units are world-readable, use `server.api_key_file`. Errors name an item, never show it"
         ),
     )
     # A root-only file holding the API key the instances require (Authorization: Bearer).
@@ -224,7 +225,9 @@ class ServerSection(_Section):
         "",
         description=(
             "a root-only file (mode 600) holding the API key every instance requires (`Authorization: Bearer "
-            "KEY`, also through the front door); it reaches the servers as a systemd credential (process "
+            "KEY`, also through the front door): a regular file (not a symlink), owned by the daemon's user "
+            "(root), in a directory no one else can write (not /tmp), under directories others cannot rename it "
+            "out of; it reaches the servers as a systemd credential (process "
             "backend: their environment), never argv or a unit file; an instance that refuses the key is "
             "reported as such, not restarted; `\"\"`: no key"
         ),
@@ -288,10 +291,21 @@ class ServerSection(_Section):
     @field_validator("extra_args")
     @classmethod
     def _no_key_in_argv(cls, value: list[str]) -> list[str]:
-        if any(arg == "--api_key" or arg.startswith("--api_key=") for arg in value):
-            # argv is world-readable (/proc/PID/cmdline) and so are the rendered units.
-            raise ValueError("may not carry --api_key (anyone on the host could read it); "
-                             "put the key in a root-only file and set server.api_key_file")
+        from numad_infer import engines  # the engines import this module
+
+        # Every engine's spellings, whichever engine is chosen: switching engines must not
+        # turn a refused argument into an accepted one.
+        flags = frozenset().union(*(engine.key_flags for engine in engines.engines()))
+        for index, arg in enumerate(value):
+            name = arg.partition("=")[0]
+            # argparse (llama_cpp.server) also takes an unambiguous prefix such as --api_k.
+            if len(name) >= len("--api") and any(flag.startswith(name) for flag in flags):
+                # argv is world-readable (/proc/PID/cmdline) and so are the rendered units.
+                # Only the flag's name is shown: its value, or the next argument, may be the key.
+                raise ValueError(f"item {index} is {name}, which hands the server an API key (or key file) on the "
+                                 "command line, where every user on the host can read it, and behind the daemon's "
+                                 "back; remove it and put the key in a root-only file (mode 600) named by "
+                                 "server.api_key_file")
         return value
 
 
@@ -584,6 +598,10 @@ _TYPE_NAMES = {
 }
 
 
+# Keys whose values an error never shows.
+_UNSHOWN_KEYS = ("server.extra_args",)
+
+
 def _error_to_config_error(source: str, raw: dict[str, Any], error: dict[str, Any]) -> ConfigError:
     loc = tuple(error["loc"])
     # A union (nodes = "all" | [..]) reports each branch; the key is what matters.
@@ -597,6 +615,9 @@ def _error_to_config_error(source: str, raw: dict[str, Any], error: dict[str, An
         return ConfigError(source, key, f"unknown key{hint} (allowed here: {', '.join(allowed)})")
     if kind == "missing":
         return ConfigError(source, key, "is required")
+    if key.startswith(_UNSHOWN_KEYS):
+        # An argument list may hold a secret (an API key typed into it): name the key, never the value.
+        return ConfigError(source, key, error["msg"].removeprefix("Value error, "))
     value = error.get("input")
     ctx = error.get("ctx") or {}
     bounds = {"less_than_equal": "at most {le}", "greater_than_equal": "at least {ge}",

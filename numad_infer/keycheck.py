@@ -8,19 +8,22 @@ from numad_infer.config import Config
 from numad_infer.engines import engine_of
 from numad_infer.frontdoor import Frontdoor
 from numad_infer.health import KeyCheck, check_key
+from numad_infer.procfs import ProcReader
 from numad_infer.runtime import Runtime
 from numad_infer.states import State
 
 log = logging.getLogger(__name__)
 
 
-def check_api_key(rt: Runtime, cfg: Config, api_key: str, frontdoor: Frontdoor | None) -> None:
+def check_api_key(rt: Runtime, cfg: Config, api_key: str, frontdoor: Frontdoor | None, proc: ProcReader) -> None:
     """A refused key is reported as such (the instance is healthy, its clients' requests
     would fail), never restarted: only a restart gives the process the current key."""
-    if rt.key_check == KeyCheck.ACCEPTED or rt.supervision.state != State.HEALTHY:
+    if rt.key_check == KeyCheck.ACCEPTED or rt.supervision.state != State.HEALTHY or rt.pid is None:
         return
     if frontdoor is not None and frontdoor.in_flight(rt.instance):
         return  # busy: the check would wait on the model; ask when it is idle
+    if not proc.port_owner(cfg.server.host, rt.instance.port, rt.pid).ours:
+        return  # the key goes to the instance's own process only (its probe says whose the port is)
     verdict = check_key(cfg.server.host, rt.instance.port, api_key, min(cfg.monitor.probe_timeout_s, 0.5),
                         engine_of(cfg).key_check_path)
     if verdict == KeyCheck.REJECTED and rt.key_check != KeyCheck.REJECTED:

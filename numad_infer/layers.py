@@ -75,6 +75,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "modelfile": (EDGE, "the model file: readable, GGUF, its size"),
     "notify": (EDGE, "sd_notify"),
     "pinning": (EDGE, "affinity and memory-policy syscalls"),
+    "portowner": (EDGE, "whose process listens on an instance's port (before it gets the key or requests)"),
     "procfs": (EDGE, "/proc reader rooted at a directory"),
     "statefile": (EDGE, "the state file the daemon writes and the commands read"),
     "sysfs": (EDGE, "/sys reader rooted at a directory"),

@@ -14,6 +14,7 @@ import psutil
 
 from numad_infer.cpuset import CpuListError, parse_list
 from numad_infer.observed import NodeUsage, ThreadInfo
+from numad_infer.portowner import PortOwner, port_owner
 
 _NODE_FIELD = re.compile(r"\bN(\d+)=(\d+)")
 _PAGESIZE = re.compile(r"\bkernelpagesize_kB=(\d+)")
@@ -127,6 +128,10 @@ class ProcReader:
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return None
         return times.user + times.system
+
+    def port_owner(self, host: str, port: int, pid: int) -> PortOwner:
+        """Is the socket listening on the instance's port the one of its process `pid`?"""
+        return port_owner(self.proc, host, port, pid)
 
     def running_commands(self, name: str) -> list[int]:
         pids = []

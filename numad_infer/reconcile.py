@@ -95,14 +95,29 @@ class Reconciler:
         """Every running instance probed (and its counters read) at once: a slow one holds up none."""
         cfg = self.config
         assert cfg is not None
-        host, timeout_s, engine = cfg.server.host, cfg.monitor.probe_timeout_s, engine_of(cfg)
-        up = {name: rt for name, rt in self.runtimes.items() if observed[name].pid}
-        probes = {name: self._pool.submit(probe, host, rt.instance.port, timeout_s, engine.liveness_path)
-                  for name, rt in up.items()}
-        counters = {name: self._pool.submit(read_engine_metrics, engine, host, rt.instance.port, self.api_key,
-                                            timeout_s)
-                    for name, rt in up.items() if engine.metrics_path is not None}
+        up = {name: (rt.instance.port, pid) for name, rt in self.runtimes.items() if (pid := observed[name].pid)}
+        probes = {name: self._pool.submit(self._probe, port, pid) for name, (port, pid) in up.items()}
+        counters = {name: self._pool.submit(self._counters, port, pid)
+                    for name, (port, pid) in up.items() if engine_of(cfg).metrics_path is not None}
         return probes, counters
+
+    # Both ask first whether the port is the instance's: a process that took it while the
+    # instance restarted must not be marked healthy (clients' keys would go to it) nor be
+    # sent the API key.
+    def _probe(self, port: int, pid: int) -> ProbeResult:
+        cfg = self.config
+        assert cfg is not None
+        owner = self.proc.port_owner(cfg.server.host, port, pid)
+        if not owner.ours:
+            return ProbeResult(False, 0.0, owner.detail)
+        return probe(cfg.server.host, port, cfg.monitor.probe_timeout_s, engine_of(cfg).liveness_path)
+
+    def _counters(self, port: int, pid: int) -> EngineCounters | None:
+        cfg = self.config
+        assert cfg is not None
+        if not self.proc.port_owner(cfg.server.host, port, pid).ours:
+            return None
+        return read_engine_metrics(engine_of(cfg), cfg.server.host, port, self.api_key, cfg.monitor.probe_timeout_s)
 
     def _monitor_one(self, rt: Runtime, seen: Observation, probed: Future[ProbeResult] | None, now: float) -> None:
         cfg = self.config
@@ -111,7 +126,7 @@ class Reconciler:
             return
         assert seen.pid is not None
         if self.api_key is not None:
-            check_api_key(rt, cfg, self.api_key, self.frontdoor)
+            check_api_key(rt, cfg, self.api_key, self.frontdoor, self.proc)
         ctx = CheckContext(rt.instance, seen.pid, now, self.wall, cfg.monitor, self.proc,
                            self.backend.instance_cgroups, rt)
         rt.drifting = run_checks(rt.checks, ctx)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import re
 
+from numad_infer.addresses import connect_host
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
@@ -98,6 +99,17 @@ def ip_allow_list(host: str) -> list[str]:
     if ipaddress.ip_address(host).is_loopback:
         return ["IPAddressDeny=any", "IPAddressAllow=localhost"]
     return []
+
+
+def frontdoor_ip_allow_list(config: Config) -> list[str]:
+    """A loopback front door talks to its clients on loopback, and to the instances where
+    they listen: `server.host` may be another address of this machine (10.1.2.3), and
+    without it in the allow list every server went DOWN and every request got a 503."""
+    rules = ip_allow_list(config.frontend.address[0])
+    instances = connect_host(config.server.host)
+    if rules and not ipaddress.ip_address(instances).is_loopback:
+        rules[-1] += f" {instances}"
+    return rules
 
 
 def render_template(config: Config) -> str:
@@ -187,7 +199,7 @@ def render_frontdoor_unit(config: Config) -> str:
         "ProtectHome=yes",
         "SystemCallFilter=@system-service",
         "SystemCallErrorNumber=EPERM",
-        *ip_allow_list(config.frontend.address[0]),
+        *frontdoor_ip_allow_list(config),
     ]
     if config.frontend.address[1] < 1024:
         # A privileged port: the one capability that needs, and no user namespace (a

@@ -31,6 +31,8 @@ from numad_infer.errors import NumaInferError
 from numad_infer.health import probe
 from numad_infer.identity import BackendKind
 from numad_infer.planner import Instance, make_plan, reserved_cores, unreserved_cores
+from numad_infer.portowner import Holder
+from numad_infer.procfs import ProcReader
 from numad_infer.topology import Topology
 from numad_infer.tune import Candidate, Figure, Layout, LayoutResult, Report, Result, percentile
 
@@ -72,6 +74,7 @@ class Measurer:
         self.config, self.topology, self.model_size = config, topology, model_size
         self.log_dir, self.settings, self.progress = log_dir, settings, progress
         self.key = read_api_key(config, "server.api_key_file")
+        self.proc = ProcReader()
 
     def instance_for(self, node: int, threads: int, port: int) -> tuple[Config, Instance]:
         physical = len(self._plan(candidate_config(self.config, node, 1, port, smt=False)).cpus)
@@ -107,10 +110,15 @@ class Measurer:
         deadline = time.monotonic() + self.settings.startup_timeout_s
         path = engine_of(cfg).liveness_path
         while time.monotonic() < deadline:
-            if backend.main_pid(instance.name) is None:
+            pid = backend.main_pid(instance.name)
+            if pid is None:
                 raise TuneError(f"the server for {instance.threads} threads exited ({backend.describe(instance.name)}); "
                                 f"see {self.log_dir / (instance.name + '.log')}")
-            if probe(cfg.server.host, instance.port, 2.0, path).ok:
+            owner = self.proc.port_owner(cfg.server.host, instance.port, pid)
+            if owner.holder == Holder.OTHER:
+                # Another process took tune's port: it must get neither the key nor the prompts.
+                raise TuneError(f"the server for {instance.threads} threads: {owner.detail}")
+            if owner.ours and probe(cfg.server.host, instance.port, 2.0, path).ok:
                 return
             time.sleep(0.2)
         raise TuneError(f"the server for {instance.threads} threads did not answer within "

@@ -204,9 +204,16 @@ class DaemonRun:
         self.notify = NotifyListener(tmp / "notify.sock")
         self.env = dict(os.environ, NOTIFY_SOCKET=str(self.notify.path), **(env or {}))
         self.log = open(tmp / "daemon.log", "w")
-        self.proc = subprocess.Popen(
+        self.cgroup = cgroup
+        self.run_args = run_args
+        self.proc = self.spawn()
+
+    def spawn(self) -> subprocess.Popen:
+        """Start the daemon (again: what a supervisor does after it died)."""
+        cgroup = self.cgroup
+        return subprocess.Popen(
             [sys.executable, "-m", "numad_infer", "--config", str(self.config), "--fsroot", str(self.fsroot),
-             "--state-file", str(self.state_file), "run", "--backend", "process", *run_args],
+             "--state-file", str(self.state_file), "run", "--backend", "process", *self.run_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
             preexec_fn=None if cgroup is None else lambda: (cgroup / "tasks").write_text(str(os.getpid())),
         )

@@ -14,6 +14,7 @@ from numad_infer.haproxy import AdminState
 from numad_infer.planner import Plan, make_plan
 from numad_infer.observed import NodeUsage, ThreadInfo
 from numad_infer.procfs import parse_numa_maps, parse_numa_stat
+from numad_infer.portowner import Holder, PortOwner
 from numad_infer import reconcile
 from numad_infer.health import ProbeResult
 from numad_infer.reconcile import Reconciler
@@ -227,6 +228,9 @@ class FakeProc:
     def numa_maps(self, pid: int):
         return None
 
+    def port_owner(self, host: str, port: int, pid: int) -> PortOwner:
+        return PortOwner(Holder.INSTANCE)  # no server listens in these tests: the probe stands in for one
+
 
 @pytest.fixture
 def probes_answer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -317,7 +321,7 @@ def lifecycle(rec: Reconciler, name: str = "infer@0") -> tuple[State, int]:
 
 def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off(probes_answer) -> None:
     backend = RecordingBackend()
-    rec = Reconciler(backend)
+    rec = Reconciler(backend, FakeProc())
     rec.apply(cfg("[monitor]\nrestart_backoff_s = 5"), make_plan(cfg(), three_nodes()), 0.0)
     rec.monitor(1.0)
     assert lifecycle(rec) == (State.HEALTHY, 0)
@@ -341,7 +345,7 @@ def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off(prob
 
 def test_a_process_the_service_manager_replaced_counts_as_a_crash_and_is_not_restarted_again(probes_answer) -> None:
     backend = RecordingBackend()
-    rec = Reconciler(backend)
+    rec = Reconciler(backend, FakeProc())
     rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
     rec.monitor(1.0)
     backend.calls.clear()
@@ -364,7 +368,7 @@ def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_cr
     # Between the old process and the new one the unit is "activating": pending, as systemd says.
     backend.observe = lambda names: {n: Observation(backend.running.get(n), n in later and n not in backend.running,
                                                     "activating") for n in names}
-    rec = Reconciler(backend)
+    rec = Reconciler(backend, FakeProc())
     config = cfg("[monitor]\nunhealthy_after = 1\nstartup_grace_s = 30")
     rec.apply(config, make_plan(config, three_nodes()), 0.0)
     rec.monitor(0.5)
@@ -561,7 +565,7 @@ def test_a_probe_that_answers_while_requests_stall_for_30s_counts_as_failed() ->
 
 def test_monitor_returns_each_instance_state_and_nothing_when_states_cannot_be_read(probes_answer) -> None:
     backend = RecordingBackend()
-    rec = Reconciler(backend)
+    rec = Reconciler(backend, FakeProc())
     rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
     assert rec.monitor(1.0) == {"infer@0": State.HEALTHY, "infer@1": State.HEALTHY, "infer@2": State.HEALTHY}
 
@@ -577,7 +581,7 @@ def test_a_crash_is_logged_as_transitions_once_each(probes_answer, caplog) -> No
 
     caplog.set_level(logging.INFO, logger="numad_infer.states")
     backend = RecordingBackend()
-    rec = Reconciler(backend)
+    rec = Reconciler(backend, FakeProc())
     rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
     rec.monitor(1.0)
     caplog.clear()

@@ -355,6 +355,47 @@ def test_the_status_model_round_trips_through_its_json() -> None:
     assert Status.from_json(json.loads(json.dumps(status.to_json()))) == status
 
 
+@pytest.mark.parametrize("engine", ["llama-cpp-python", "llama-server"])
+@pytest.mark.parametrize("args", [
+    ["--api-key", "sk-SECRET-1"], ["--api-key=sk-SECRET-1"], ["--api_key", "sk-SECRET-1"], ["--api_key=sk-SECRET-1"],
+    ["--api-key-file", "/tmp/sk-SECRET-1"], ["--api-key-file=/tmp/sk-SECRET-1"], ["--api_key_file=sk-SECRET-1"],
+    ["--api_k", "sk-SECRET-1"],  # argparse's abbreviation (llama_cpp.server)
+    ["--verbose", "--api-key", "sk-SECRET-1"],
+])
+def test_every_spelling_of_the_key_flag_is_refused_for_every_engine_without_echoing_the_key(engine: str,
+                                                                                              args: list[str]) -> None:
+    import json
+
+    from numad_infer.config import parse_config
+
+    text = f'[model]\npath = "/m.gguf"\n[server]\nengine = "{engine}"\nextra_args = {json.dumps(args)}\n'
+    with pytest.raises(ConfigError) as refused:
+        parse_config(text, "/etc/numa-infer.toml")
+    message = str(refused.value)
+    index = next(i for i, a in enumerate(args) if a.startswith("--api"))
+    flag = args[index].partition("=")[0]
+    assert message.startswith(f"/etc/numa-infer.toml: server.extra_args: item {index} is {flag}")
+    assert "server.api_key_file" in message
+    assert "SECRET" not in message and "SECRET" not in repr(refused.value.value)
+
+
+def test_an_error_on_an_extra_args_item_never_shows_the_value() -> None:
+    from numad_infer.config import parse_config
+
+    with pytest.raises(ConfigError) as refused:
+        parse_config('[model]\npath = "/m.gguf"\n[server]\nextra_args = ["--x", "sk-SECRET\\n"]\n', "cfg")
+    assert str(refused.value).startswith("cfg: server.extra_args[1]: contains a control character")
+    assert "SECRET" not in str(refused.value)
+
+
+def test_other_options_that_begin_like_the_key_flag_are_accepted() -> None:
+    from numad_infer.config import parse_config
+
+    config = parse_config('[model]\npath = "/m.gguf"\n[server]\nengine = "llama-server"\n'
+                          'extra_args = ["--api-prefix", "/v2", "--a", "1"]\n', "cfg")
+    assert config.server.extra_args == ["--api-prefix", "/v2", "--a", "1"]
+
+
 def test_the_api_key_file_must_be_root_only_and_never_reaches_argv_or_a_unit(tmp_path: Path) -> None:
     from numad_infer.apikey import read_api_key
     from numad_infer.config import parse_config
@@ -374,7 +415,84 @@ def test_the_api_key_file_must_be_root_only_and_never_reaches_argv_or_a_unit(tmp
     assert all("s3cr3t" not in text for text in files.values())
     assert f"LoadCredential=api-key:{key}" in files["infer@.service"]
     assert "CREDENTIALS_DIRECTORY" in files["infer@0.service.d/50-numa-infer.conf"]
-    with pytest.raises(ConfigError, match="may not carry --api_key"):
-        parse_config('[model]\npath = "/m.gguf"\n[server]\nextra_args = ["--api_key", "x"]\n', "cfg")
     with pytest.raises(ConfigError, match="must be an absolute path"):
         parse_config('[model]\npath = "/m.gguf"\n[server]\napi_key_file = "key"\n', "cfg")
+
+
+def _key_config(path: Path):
+    from numad_infer.config import parse_config
+
+    return parse_config(f'[model]\npath = "/m.gguf"\n[server]\napi_key_file = "{path}"\n', "cfg")
+
+
+def _private_key(directory: Path, text: str = "s3cr3t-key\n") -> Path:
+    directory.mkdir(mode=0o700, exist_ok=True)
+    directory.chmod(0o700)
+    key = directory / "api-key"
+    key.write_text(text)
+    key.chmod(0o600)
+    return key
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+
+
+@needs_root
+def test_a_key_file_owned_by_another_user_is_refused_even_mode_600(tmp_path: Path) -> None:
+    from numad_infer.apikey import read_api_key
+
+    key = _private_key(tmp_path / "keys")
+    os.chown(key, 65534, 65534)  # nobody: mode 600, but nobody can write any key into it
+    with pytest.raises(ConfigError) as refused:
+        read_api_key(_key_config(key), "cfg")
+    assert f"cfg: server.api_key_file = \"{key}\": is owned by uid 65534, not by root" in str(refused.value)
+    assert f"chown 0 {key}" in str(refused.value) and "s3cr3t" not in str(refused.value)
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770, 0o775])
+def test_a_key_file_in_a_directory_that_group_or_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    from numad_infer.apikey import read_api_key
+
+    key = _private_key(tmp_path / "shared")
+    key.parent.chmod(mode)  # sticky (like /tmp) too: another user could have created the name first
+    with pytest.raises(ConfigError, match=rf"is under {key.parent}, which group or others can write "
+                                          rf"\(mode {mode:04o}\).*/etc/numa-infer"):
+        read_api_key(_key_config(key), "cfg")
+
+
+def test_a_key_file_below_a_directory_others_can_write_and_rename_in_is_refused(tmp_path: Path) -> None:
+    from numad_infer.apikey import read_api_key
+
+    (tmp_path / "open").mkdir()
+    key = _private_key(tmp_path / "open" / "keys")
+    (tmp_path / "open").chmod(0o777)  # not sticky: anyone may rename keys/ away and put their own there
+    with pytest.raises(ConfigError, match=rf"is under {tmp_path / 'open'}, which group or others can write"):
+        read_api_key(_key_config(key), "cfg")
+    (tmp_path / "open").chmod(0o1777)  # sticky: keys/ is root's, no one else may rename it
+    assert read_api_key(_key_config(key), "cfg") == "s3cr3t-key"
+
+
+def test_a_key_file_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
+    from numad_infer.apikey import read_api_key
+
+    real = _private_key(tmp_path / "keys")
+    link = tmp_path / "keys" / "link"
+    link.symlink_to(real)
+    with pytest.raises(ConfigError, match=r"is a symbolic link; name the file itself"):
+        read_api_key(_key_config(link), "cfg")
+    assert read_api_key(_key_config(real), "cfg") == "s3cr3t-key"
+
+
+def test_a_fifo_in_place_of_the_key_file_is_refused_at_once(tmp_path: Path) -> None:
+    import time
+
+    from numad_infer.apikey import read_api_key
+
+    directory = _private_key(tmp_path / "keys").parent
+    fifo = directory / "fifo"
+    os.mkfifo(fifo, 0o600)
+    started = time.monotonic()
+    # Swapped in between a stat and an open, a FIFO would block a plain open until a writer came.
+    with pytest.raises(ConfigError, match=r"is not a regular file"):
+        read_api_key(_key_config(fifo), "cfg")
+    assert time.monotonic() - started < 5

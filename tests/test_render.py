@@ -206,3 +206,17 @@ def test_shipped_daemon_unit_passes_systemd_analyze_verify(tmp_path: Path) -> No
     # verify checks that ExecStart's program exists: point it at this interpreter.
     (tmp_path / "numa-infer.service").write_text(text.replace("/usr/bin/numa-infer", sys.executable))
     assert systemd_verify(tmp_path, ["numa-infer.service"]) == ""
+
+
+@pytest.mark.parametrize("host, allowed", [("127.0.0.1", "localhost"), ("0.0.0.0", "localhost"),
+                                           ("10.1.2.3", "localhost 10.1.2.3"), ("fd00::7", "localhost fd00::7")])
+def test_a_loopback_front_door_may_reach_instances_on_another_address_of_this_machine(host: str, allowed: str) -> None:
+    # Before: IPAddressAllow=localhost alone, so with server.host = "10.1.2.3" every server
+    # went DOWN behind the front door and every request got a 503 (issue 19, item 2).
+    from numad_infer.render import render_frontdoor_unit
+
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nhost = "{host}"\n[frontend]\nlisten = "127.0.0.1:8000"\n')
+    lines = render_frontdoor_unit(config).splitlines()
+    assert "IPAddressDeny=any" in lines and f"IPAddressAllow={allowed}" in lines
+    public = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nhost = "{host}"\n[frontend]\nlisten = "0.0.0.0:8000"\n')
+    assert not [l for l in render_frontdoor_unit(public).splitlines() if l.startswith("IPAddress")]

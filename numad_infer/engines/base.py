@@ -53,6 +53,10 @@ class Engine(ABC):
     liveness_path: ClassVar[str]
     # Environment variable the server takes its API key from (never argv: it is public).
     key_env: ClassVar[str]
+    # Command-line options that would hand the server its key (or its key file) in argv,
+    # which every user can read: `server.extra_args` refuses them, for every engine, so
+    # that the daemon alone gives the key (server.api_key_file) and knows which one it is.
+    key_flags: ClassVar[frozenset[str]] = frozenset({"--api-key", "--api_key", "--api-key-file", "--api_key_file"})
     # An authenticated route that answers before it waits on the model: a refused key
     # is told at once, even while the instance is busy (OpenAI's model list).
     key_check_path: ClassVar[str] = "/v1/models"

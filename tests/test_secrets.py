@@ -1,0 +1,240 @@
+"""The API key and the daemon's environment reach only the instances' own processes.
+
+Real processes on real ports: a server started by the process backend, and a squatter (a
+process that is not the instance's) listening on an instance's port.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from numad_infer.backends import INHERITED_VARIABLES, ProcessBackend
+from numad_infer.config import parse_config
+from numad_infer.planner import Instance, Plan, Policy
+
+
+def private_key(directory: Path, key: str) -> Path:
+    directory.mkdir(mode=0o700, exist_ok=True)
+    path = directory / "api-key"
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_a_server_started_by_the_process_backend_gets_a_minimal_environment(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-SECRET")
+    monkeypatch.setenv("PYTHONPATH", "/root/evil")
+    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    server = tmp_path / "server"  # stands in for server.python: takes the engine's argv, waits
+    server.write_text("#!/usr/bin/python3 -S\nimport time\ntime.sleep(60)\n")  # a shell would add PWD
+    server.chmod(0o700)
+    key = private_key(tmp_path / "keys", "k-ENV-1")
+    # user = "root": the script lives in pytest's 0700 directory, which nobody cannot enter.
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\npython = "{server}"\napi_key_file = "{key}"\n'
+                          'user = "root"\n', "cfg")
+    instance = Instance("infer@0", 0, (0,), ((0,),), (0,), Policy.BIND, 1, 8080)
+    backend = ProcessBackend(tmp_path / "logs")
+    (tmp_path / "logs").mkdir(mode=0o700)
+    backend.sync(config, Plan((instance,)))
+    backend.start(instance)
+    try:
+        pid = backend.main_pid("infer@0")
+        assert pid is not None
+        # Popen returns after exec, so /proc/PID/environ is the server's own.
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        environ = dict(entry.split("=", 1) for entry in raw.decode().split("\0") if entry)
+    finally:
+        backend.stop("infer@0")
+    assert "AWS_SECRET_ACCESS_KEY" not in environ and "PYTHONPATH" not in environ and "NOTIFY_SOCKET" not in environ
+    assert "aws-SECRET" not in raw.decode() and "/root/evil" not in raw.decode()
+    assert (environ["OMP_NUM_THREADS"], environ["OMP_PROC_BIND"], environ["OMP_PLACES"]) == ("1", "close", "{0}")
+    assert environ["API_KEY"] == "k-ENV-1" and environ["LANG"] == "C.UTF-8"
+    assert environ["PATH"] == os.environ["PATH"] and environ["HOME"]
+    assert set(environ) <= {*INHERITED_VARIABLES, "HOME", "USER", "LOGNAME", "OMP_NUM_THREADS", "OMP_PROC_BIND",
+                            "OMP_PLACES", "NUMA_INFER_INSTANCE", "API_KEY"}, sorted(environ)
+
+
+# Answers every route with 200, as a server taking any key would, and records what it got.
+SQUATTER = """
+import http.server, sys
+seen = open(sys.argv[2], "a", buffering=1)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        seen.write(f"{self.path} {self.headers.get('Authorization', '-')}\\n")
+        body = b"llamacpp:tokens_predicted_total 1\\nllamacpp:requests_processing 0\\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def squatter(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path]]:
+    """Another process listening on what will be an instance's port, and what it was sent."""
+    port, script, seen = free_port(), tmp_path / "squatter.py", tmp_path / "seen"
+    script.write_text(SQUATTER)
+    seen.touch()
+    process = subprocess.Popen([sys.executable, str(script), str(port), str(seen)])
+    try:
+        deadline = time.monotonic() + 20
+        while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+            assert time.monotonic() < deadline and process.poll() is None, "the squatter did not listen"
+            time.sleep(0.05)
+        yield process, port, seen
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_squatter_on_an_instance_port_gets_no_key_and_is_never_marked_healthy(tmp_path: Path, squatter) -> None:
+    from numad_infer.planner import make_plan
+    from numad_infer.reconcile import Reconciler
+    from numad_infer.states import State
+    from tests.test_drift_and_supervision import RecordingBackend, cfg, three_nodes
+
+    process, port, seen = squatter
+    key = private_key(tmp_path / "keys", "k-SQUAT-1")
+    # llama-server: the daemon also reads its /metrics with the key.
+    config = cfg(f'[placement]\nnodes = [0]\n[server]\nengine = "llama-server"\nbase_port = {port}\n'
+                 f'api_key_file = "{key}"\n[monitor]\nstartup_grace_s = 0\nunhealthy_after = 100\n')
+    backend = RecordingBackend()
+    rec = Reconciler(backend)
+    rec.apply(config, make_plan(config, three_nodes()), 0.0)
+    instance = subprocess.Popen(["sleep", "60"])  # the instance's own process, which never got the port
+    try:
+        backend.running["infer@0"] = instance.pid
+        for now in (1.0, 2.0, 3.0):
+            rec.monitor(now)
+            assert rec.runtimes["infer@0"].supervision.state != State.HEALTHY
+    finally:
+        instance.kill()
+        instance.wait()
+    assert "Bearer" not in seen.read_text() and "k-SQUAT-1" not in seen.read_text(), seen.read_text()
+    assert rec.runtimes["infer@0"].supervision.last_error.startswith(
+        f"port {port} is held by pid {process.pid} (python"), rec.runtimes["infer@0"].supervision.last_error
+    assert f"not by the instance (pid {instance.pid})" in rec.runtimes["infer@0"].supervision.last_error
+    # The same listener, when it is the instance's own process, is healthy and gets the key.
+    backend.running["infer@0"] = process.pid
+    rec.monitor(4.0)
+    rec.monitor(5.0)
+    assert rec.runtimes["infer@0"].supervision.state == State.HEALTHY
+    assert "/v1/models Bearer k-SQUAT-1" in seen.read_text() and "/metrics Bearer k-SQUAT-1" in seen.read_text()
+
+
+def test_the_key_check_sends_no_key_to_a_port_the_instance_does_not_hold(tmp_path: Path, squatter) -> None:
+    from numad_infer.health import KeyCheck
+    from numad_infer.keycheck import check_api_key
+    from numad_infer.planner import make_plan
+    from numad_infer.procfs import ProcReader
+    from numad_infer.runtime import Runtime
+    from numad_infer.states import State
+    from tests.test_drift_and_supervision import cfg, three_nodes
+
+    process, port, seen = squatter
+    config = cfg(f"[placement]\nnodes = [0]\n[server]\nbase_port = {port}\n")
+    instance = subprocess.Popen(["sleep", "60"])
+    try:
+        # Healthy a moment ago; the port changed hands since (the key check runs after the probe).
+        rt = Runtime(make_plan(config, three_nodes()).instances[0], pid=instance.pid)
+        rt.supervision.change_state(State.HEALTHY, "probe answered")
+        check_api_key(rt, config, "k-SQUAT-2", None, ProcReader())
+        assert rt.key_check == KeyCheck.UNKNOWN and seen.read_text() == ""
+        rt.pid = process.pid  # the listener's own process: now it is asked
+        check_api_key(rt, config, "k-SQUAT-2", None, ProcReader())
+        assert rt.key_check == KeyCheck.ACCEPTED and "/v1/models Bearer k-SQUAT-2" in seen.read_text()
+    finally:
+        instance.kill()
+        instance.wait()
+
+
+def tcp_table(*rows: tuple[str, str]) -> str:
+    """/proc/net/tcp{,6} with one listening socket per (local address, inode)."""
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    return header + "".join(f"   {n}: {local} 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 "
+                            f"{inode} 1 0000000000000000 100 0 0 10 0\n" for n, (local, inode) in enumerate(rows))
+
+
+@pytest.mark.skipif(sys.byteorder != "little", reason="the table below is written as a little-endian kernel prints it")
+@pytest.mark.parametrize("host, tcp, tcp6, owned", [
+    # 127.0.0.1:8080, the instance's socket: ours.
+    ("127.0.0.1", [("0100007F:1F90", "111")], [], "instance"),
+    # A squatter on 0.0.0.0:8080 (SO_REUSEPORT beside ours) also takes connections to 127.0.0.1.
+    ("127.0.0.1", [("0100007F:1F90", "111"), ("00000000:1F90", "222")], [], "other"),
+    # [::]:8080 takes IPv4 connections too (unless V6ONLY, which cannot be told from here).
+    ("127.0.0.1", [("0100007F:1F90", "111")], [("00000000000000000000000000000000:1F90", "222")], "other"),
+    # Another address, another port: not reached by a client of 127.0.0.1:8080.
+    ("127.0.0.1", [("0100007F:1F90", "111"), ("0302010A:1F90", "222"), ("0100007F:1F91", "333")], [], "instance"),
+    # ::1:8080 (an IPv6 instance), and nothing at all.
+    ("::1", [], [("00000000000000000000000001000000:1F90", "111")], "instance"),
+    ("0.0.0.0", [], [], "nobody"),
+])
+def test_every_socket_a_client_of_the_port_may_reach_must_be_the_instances(tmp_path: Path, host: str, tcp, tcp6,
+                                                                            owned: str) -> None:
+    from numad_infer.procfs import ProcReader
+
+    proc = tmp_path / "proc"
+    (proc / "net").mkdir(parents=True)
+    (proc / "net" / "tcp").write_text(tcp_table(*tcp))
+    (proc / "net" / "tcp6").write_text(tcp_table(*tcp6))
+    (proc / "42" / "fd").mkdir(parents=True)
+    (proc / "42" / "fd" / "3").symlink_to("socket:[111]")
+    (proc / "42" / "fd" / "4").symlink_to("/dev/null")
+    assert ProcReader(tmp_path).port_owner(host, 8080, 42).holder.value == owned
+
+
+def test_a_socket_held_by_a_child_of_the_instance_process_is_the_instances(squatter) -> None:
+    from numad_infer.procfs import ProcReader
+
+    process, port, _ = squatter
+    # The squatter is a child of this test's process: seen from here, it is one of ours.
+    assert ProcReader().port_owner("127.0.0.1", port, os.getpid()).ours
+    sibling = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not ProcReader().port_owner("127.0.0.1", port, sibling.pid).ours
+    finally:
+        sibling.kill()
+        sibling.wait()
+
+
+def test_tune_refuses_a_measuring_port_another_process_holds_before_any_request(tmp_path: Path, squatter) -> None:
+    from numad_infer.planner import make_plan
+    from numad_infer.tuner import Measurer, Settings, TuneError
+    from tests.test_drift_and_supervision import cfg, three_nodes
+
+    process, port, seen = squatter
+    key = private_key(tmp_path / "keys", "k-TUNE-1")
+    config = cfg(f'[placement]\nnodes = [0]\n[server]\nbase_port = {port}\napi_key_file = "{key}"\n')
+    server = subprocess.Popen(["sleep", "60"])  # tune's measuring server, which never got its port
+
+    class Started:
+        def main_pid(self, name: str) -> int:
+            return server.pid
+
+    try:
+        measurer = Measurer(config, three_nodes(), 1 << 20, tmp_path, Settings(1, 2, 10.0), lambda line: None)
+        with pytest.raises(TuneError, match=rf"port {port} is held by pid {process.pid} "):
+            measurer._wait_ready(Started(), config, make_plan(config, three_nodes()).instances[0])
+    finally:
+        server.kill()
+        server.wait()
+    assert seen.read_text() == ""
