@@ -233,3 +233,20 @@ def test_a_bad_mount_is_one_line_naming_the_path_and_the_fix_and_a_non_zero_exit
     assert "Traceback" not in done.stderr + done.stdout and not done.stdout
     [line] = done.stderr.splitlines()
     assert mount.names in line and mount.fix in line and "ERROR" in line, line
+
+
+def test_forward_prefixes_every_line_and_splits_one_too_long_to_hold() -> None:
+    from numad_infer.childlog import MAX_LINE, forward
+
+    child_r, child_w = os.pipe()
+    out_r, out_w = os.pipe()
+    os.write(child_w, b"loading\r\n" + b"x" * (MAX_LINE + 10) + b"\nno newline at the end")
+    os.close(child_w)
+    with os.fdopen(child_r, "rb") as pipe:
+        forward(pipe, "infer@0", out_w)
+    os.close(out_w)
+    with os.fdopen(out_r, "rb") as out:
+        lines = out.read().split(b"\n")
+    assert lines[0] == b"infer@0: loading"
+    assert lines[1] == b"infer@0: " + b"x" * MAX_LINE and lines[2] == b"infer@0: " + b"x" * 10
+    assert lines[3:] == [b"infer@0: no newline at the end", b""]
