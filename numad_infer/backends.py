@@ -18,13 +18,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Protocol
 
 from numad_infer import pinning
 from numad_infer.apikey import fingerprint, read_api_key
 from numad_infer.config import Config
 from numad_infer.errors import NumaInferError
+from numad_infer.childlog import ChildOutput, InstanceLogs
 from numad_infer.cpuset import format_list
+from numad_infer.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
 from numad_infer.notify import child_environ
 from numad_infer.planner import Instance, Plan
 from numad_infer.frontdoor import FrontdoorRunner
@@ -34,7 +36,7 @@ from numad_infer.render import FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, instance_env
 from numad_infer.unitnames import (DAEMON_UNIT, DROPIN_NAME, FRONTDOOR_UNIT, dropin, name_of_dropin, template_of,
                                    template_unit, unit)
 from numad_infer.systemctl import Systemctl, SystemctlError
-from numad_infer.unitdir import check_private_dir, managed_files, write_units
+from numad_infer.unitdir import managed_files, write_units
 
 log = logging.getLogger(__name__)
 
@@ -195,13 +197,6 @@ class SystemdFrontdoorRunner:
         self.systemctl.stop(FRONTDOOR_UNIT)
 
 
-def open_log(log_dir: Path, name: str) -> BinaryIO:
-    """Append to a log in the daemon's state directory, never through a planted symlink."""
-    check_private_dir(log_dir)
-    fd = os.open(log_dir / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
-    return os.fdopen(fd, "ab")
-
-
 # All a server gets of the daemon's environment. The rest (a cloud credential, a
 # PYTHONPATH, the notify socket) stays out: /proc/PID/environ is readable by every process
 # of the server's user, and `nobody` is shared by many daemons.
@@ -239,8 +234,9 @@ class ProcessBackend:
     kind = BackendKind.PROCESS
     instance_cgroups = False  # children share the daemon's cgroup
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, logs: InstanceLogs = InstanceLogs.FILE) -> None:
         self.log_dir = log_dir
+        self.output = ChildOutput(logs, log_dir)  # instances' and HAProxy's output: files or stdout
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.config: Config | None = None
         self.api_key: str | None = None
@@ -281,16 +277,15 @@ class ProcessBackend:
             os.sched_setaffinity(0, cpus)
             pinning.set_mempolicy(policy, mems)
 
-        with open_log(self.log_dir, f"{instance.name}.log") as output:
-            self.children[instance.name] = subprocess.Popen(
-                argv, env=env, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, cwd="/",
-                preexec_fn=pin_in_child, start_new_session=True, close_fds=True, **switch,
-            )
+        self.children[instance.name] = self.output.popen(
+            instance.name, argv, env=env, stdin=subprocess.DEVNULL, cwd="/",
+            preexec_fn=pin_in_child, start_new_session=True, close_fds=True, **switch,
+        )
         log.info("%s: started pid %d as %s on CPUs %s, memory node(s) %s", instance.name,
                  self.children[instance.name].pid, "the daemon's user" if self.runs_as is None else self.runs_as.name,
                  format_list(instance.cpus), format_list(instance.mems))
 
-    def stop(self, name: str, timeout_s: float = 15.0) -> None:
+    def stop(self, name: str, timeout_s: float = INSTANCE_STOP_S) -> None:
         child = self.children.pop(name, None)
         if child is None or child.poll() is not None:
             return
@@ -332,7 +327,7 @@ class ProcessBackend:
         pass  # nothing on disk
 
     def frontdoor_runner(self, run_dir: Path) -> FrontdoorRunner:
-        return ProcessFrontdoorRunner(run_dir, self.log_dir)
+        return ProcessFrontdoorRunner(run_dir, self.output)
 
 
 class ProcessFrontdoorRunner:
@@ -340,23 +335,22 @@ class ProcessFrontdoorRunner:
 
     restarted_by_manager = False  # the daemon starts it again (Frontdoor.observe)
 
-    def __init__(self, run_dir: Path, log_dir: Path) -> None:
+    def __init__(self, run_dir: Path, output: ChildOutput) -> None:
         self.run_dir = run_dir
         self.socket_path = run_dir / "haproxy.sock"
-        self.log_dir = log_dir
+        self.output = output
         self.child: subprocess.Popen[bytes] | None = None
 
     def running(self) -> bool:
         return self.child is not None and self.child.poll() is None
 
     def start(self, binary: str, config_path: Path) -> None:
-        with open_log(self.log_dir, "frontdoor.log") as output:
-            # -db: stay in the foreground; the master dies with the daemon (PDEATHSIG).
-            self.child = subprocess.Popen(
-                [binary, "-W", "-db", "-f", str(config_path)], env=child_environ(), stdin=subprocess.DEVNULL,
-                stdout=output, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                preexec_fn=lambda: _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM),
-            )
+        # -db: stay in the foreground; the master dies with the daemon (PDEATHSIG).
+        self.child = self.output.popen(
+            "frontdoor", [binary, "-W", "-db", "-f", str(config_path)], env=child_environ(),
+            stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+            preexec_fn=lambda: _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM),
+        )
         log.info("front door: haproxy master pid %d", self.child.pid)
 
     def reload(self) -> None:
@@ -364,7 +358,7 @@ class ProcessFrontdoorRunner:
             assert self.child is not None
             os.kill(self.child.pid, signal.SIGUSR2)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
+    def stop(self, timeout_s: float = FRONTDOOR_STOP_S) -> None:
         if not self.running():
             return
         assert self.child is not None

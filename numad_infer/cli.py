@@ -144,13 +144,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_backend(choice: str, state_file: Path):
+def _make_backend(choice: str, state_file: Path, instance_logs: str = "file"):
     from numad_infer.backends import ProcessBackend, SystemdBackend
+    from numad_infer.childlog import InstanceLogs
     from numad_infer.identity import BackendKind, backend_kind
 
     if backend_kind(choice) == BackendKind.SYSTEMD:
-        return SystemdBackend()
-    return ProcessBackend(state_file.parent / "logs")
+        return SystemdBackend()  # the journal has the instances' output, named by unit
+    return ProcessBackend(state_file.parent / "logs", InstanceLogs(instance_logs))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -162,7 +163,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                         format="%(levelname)s: %(message)s" if under_journal else "%(asctime)s %(levelname)s: %(message)s")
     notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
     state_file = Path(args.state_file)
-    daemon = Daemon(args.config, args.fsroot, _make_backend(args.backend, state_file), state_file, notifier)
+    backend = _make_backend(args.backend, state_file, args.instance_logs)
+    daemon = Daemon(args.config, args.fsroot, backend, state_file, notifier)
     return daemon.run()
 
 
@@ -433,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_check)
     p = sub.add_parser("run", parents=[common], help=f"run the daemon (what {DAEMON_UNIT} starts)")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--instance-logs", choices=("file", "stdout"), default="file",
+                   help="process backend: the instances' and HAProxy's output to STATE_DIR/logs/NAME.log (file, the "
+                        "default), or to the daemon's stdout, each line prefixed with NAME: (stdout, for a container)")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("status", parents=[common], help="instances, health and drift (exit 0 healthy, 1 not, 3 daemon down)")
     p.add_argument("--json", action="store_true")

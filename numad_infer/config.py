@@ -534,8 +534,8 @@ class FrontendSection(_Section):
     drain_timeout_s: float = Field(
         120.0, ge=0, le=3600,
         description=(
-            "before a restart the daemon makes, how long it waits for the instance's requests to finish (0: "
-            "no wait)"
+            "before a restart the daemon makes, how long it waits for the instance's requests to finish; on a "
+            "stop (SIGTERM), how long the closed front door waits for the requests it carries (0: no wait)"
         ),
     )
     request_timeout_s: float = Field(
@@ -676,7 +676,12 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH) -> Config:
     except FileNotFoundError:
         raise ConfigError(source, None, "file not found; copy /usr/share/doc/numa-infer/examples/numa-infer.toml or pass --config") from None
     except PermissionError:
-        raise ConfigError(source, None, "permission denied; run as root or make it readable") from None
+        raise ConfigError(source, None, f"permission denied to uid {os.geteuid()}; make it readable by that user "
+                          "(chmod a+r, or the ConfigMap's defaultMode) or pass --config") from None
+    except IsADirectoryError:
+        # A volume mounted where the file belongs (a ConfigMap without subPath, a hostPath typo).
+        raise ConfigError(source, None, "is a directory, not a file; mount or copy the TOML file itself there, "
+                          "or pass --config") from None
     except UnicodeDecodeError:
         raise ConfigError(source, None, "is not UTF-8 text") from None
     except OSError as exc:

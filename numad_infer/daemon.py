@@ -23,10 +23,9 @@ from numad_infer.planstate import PlanState
 from numad_infer.procfs import ProcReader
 from numad_infer.reconcile import Reconciler
 from numad_infer.states import IN_TRANSITION
-from numad_infer.statefile import write_status
+from numad_infer.statefile import check_state_dir, write_status
 from numad_infer.status import DaemonState, DaemonStatus, Status
 from numad_infer.sysfs import SysfsReader
-from numad_infer.unitdir import check_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +59,13 @@ class Daemon:
         def flag(name: str):
             return lambda signum, frame: self._flags.add(name)
 
+        def stop(signum: int, frame: object) -> None:
+            # A second SIGTERM (or ^C) cuts the drain short: stop the instances now.
+            self._flags.add("stop now" if "stop" in self._flags else "stop")
+
         signal.signal(signal.SIGHUP, flag("reload"))
-        signal.signal(signal.SIGTERM, flag("stop"))
-        signal.signal(signal.SIGINT, flag("stop"))
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
 
     def _sleep(self, seconds: float) -> None:
         if self._flags or seconds <= 0:
@@ -104,14 +107,16 @@ class Daemon:
     # -- the loop -------------------------------------------------------------------------------------------
     def run(self) -> int:
         self._install_signals()
-        log.info("numa-infer %s starting (backend %s, config %s)", __version__, self.backend.name, self.config_path)
         try:
-            check_private_dir(self.state_file.parent)
+            check_state_dir(self.state_file)
             loaded = self.plan.load()
         except NumaInferError as exc:
+            # One line, nothing before it: a bad mount (config, model, state directory) reads
+            # at a glance in `kubectl logs` or the journal.
             log.error("%s", exc)
             self.notifier.send(f"STATUS=configuration error: {exc}", "ERRNO=22")
             return 1
+        log.info("numa-infer %s starting (backend %s, config %s)", __version__, self.backend.name, self.config_path)
         if not self.plan.apply(loaded, "start"):
             assert self.plan.last_reload is not None
             self.notifier.send(f"STATUS={self.plan.last_reload.error}", "ERRNO=5")
@@ -154,6 +159,31 @@ class Daemon:
         waiting = any(rt.supervision.state in IN_TRANSITION for rt in self.reconciler.runtimes.values())
         return min(interval, 1.0) if waiting else interval
 
+    def _drain_frontdoor(self) -> None:
+        """Close the front door's listener and wait, up to frontend.drain_timeout_s, for the
+        requests it is carrying. Requests sent to an instance's own port are not waited for."""
+        config = self.plan.config
+        if config is None or not self.frontdoor.close():
+            return
+        deadline = time.monotonic() + config.frontend.drain_timeout_s
+        published = time.monotonic()
+        left = self.frontdoor.requests_left()
+        if left:
+            log.info("front door: waiting up to %.0f s for %d request(s)", config.frontend.drain_timeout_s, left)
+        while left:
+            now = time.monotonic()
+            if "stop now" in self._flags or now >= deadline:
+                log.warning("front door: %d request(s) still running: stopping anyway", left)
+                return
+            if self.notifier.watchdog_due(now):
+                self.notifier.watchdog(now)
+            if now - published >= 1.0:  # `status` follows the drain (and `health --ready` says no)
+                self.publish(now)
+                published = now
+            time.sleep(0.2)
+            left = self.frontdoor.requests_left()
+        log.info("front door: drained" if left == 0 else "front door: not answering: not waiting")
+
     def shutdown(self) -> int:
         self.state = DaemonState.STOPPING
         self.notifier.stopping("stopping instances")
@@ -163,10 +193,12 @@ class Daemon:
         except NumaInferError as exc:
             log.error("cannot tell a stop from a restart (%s): stopping the instances", exc)
         if stop_all:
-            # The front door first: clients are refused at once rather than queued for nothing.
-            self.frontdoor.stop()
+            # New work is refused at once (a client tries another pod); what is under way
+            # finishes; then the instances stop, then HAProxy, which carried the last bytes.
+            self._drain_frontdoor()
             log.info("stopping %d instance(s)", len(self.reconciler.runtimes))
             self.reconciler.stop_all()
+            self.frontdoor.stop()
             if self.plan.config is not None:
                 try:
                     self.backend.forget(self.plan.config)

@@ -1,4 +1,15 @@
-"""Default locations. Kept apart so light commands (status) need not import the config schema."""
+"""Default locations and stop timeouts. Kept apart so light commands (status) need not import the config schema."""
 
 DEFAULT_CONFIG_PATH = "/etc/numa-infer.toml"
 DEFAULT_STATE_FILE = "/run/numa-infer/state.json"
+
+# How long a stop waits before SIGKILL: every instance at once (process backend), then the
+# front door's HAProxy. With frontend.drain_timeout_s they bound a daemon's exit after
+# SIGTERM (stop_bound_s); deploy/kubernetes's terminationGracePeriodSeconds covers it.
+INSTANCE_STOP_S = 15.0
+FRONTDOOR_STOP_S = 10.0
+
+
+def stop_bound_s(drain_timeout_s: float) -> float:
+    """The longest a daemon takes from SIGTERM to exit: the drain, the instances, HAProxy."""
+    return drain_timeout_s + INSTANCE_STOP_S + FRONTDOOR_STOP_S

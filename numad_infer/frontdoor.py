@@ -19,7 +19,7 @@ from numad_infer import haproxy
 from numad_infer.atomicfile import write_atomic
 from numad_infer.config import Config
 from numad_infer.haproxy import AdminState, BackendStat, HaproxyError, RuntimeAPI
-from numad_infer.haproxycfg import BACKEND, paths_in, render_haproxy, server_name
+from numad_infer.haproxycfg import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
 from numad_infer.planner import Instance, Plan
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,30 @@ class Frontdoor:
         log.info("front door: %s -> %s", name, state.value)
         # Until the next pass reads HAProxy again, this pass's view shows the new state.
         self.stats.servers[name] = replace(stat, status=_STATUS_OF[state])
+
+    def close(self) -> bool:
+        """Stop taking connections, keep serving the ones open: HAProxy releases the port, so a
+        client (or a Service) is refused at once and tries elsewhere. True when it closed."""
+        if not self.listen or not self.runner.running():
+            return False
+        try:
+            answer = self.api.command(f"disable frontend {FRONTEND}").strip()
+        except HaproxyError as exc:
+            log.error("front door: cannot close the listener: %s", exc)
+            return False
+        if answer:  # HAProxy answers nothing on success
+            log.error("front door: disable frontend %s: %s", FRONTEND, answer)
+            return False
+        log.info("front door: listener on %s closed: new connections are refused", self.listen)
+        return True
+
+    def requests_left(self) -> int | None:
+        """Requests queued or in flight through HAProxy now (None: it does not answer)."""
+        try:
+            stat = self.api.backend(BACKEND)
+        except HaproxyError:
+            return None
+        return stat.queued + stat.in_flight
 
     def stop(self) -> None:
         if self.runner.running():

@@ -38,6 +38,7 @@ from numad_infer.errors import ConfigError
 from numad_infer.planner import Plan
 
 BACKEND = "instances"
+FRONTEND = "openai"  # the one listener; the daemon closes it first on stop (Frontdoor.close)
 MARKER = "# Managed by numa-infer: rewritten by the daemon on every plan change; do not edit."
 # llama-cpp-python runs one request at a time (it serialises on its model lock).
 # Connections a client may hold open beyond the instances and the queue (idle keep-alives).
@@ -121,7 +122,7 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths) -> str:
     per_server = engine.slots(config)
     maxconn = len(plan.instances) * per_server + front.queue_size + SPARE_CONNECTIONS
     lines = [MARKER, *_global(config, paths, maxconn), "", *_defaults(front), "",
-             "frontend openai",
+             f"frontend {FRONTEND}",
              f"    bind {host_port(host, port)}",
              f"    default_backend {BACKEND}",
              "",

@@ -57,6 +57,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "unitnames": (CORE, "systemd unit and drop-in names, built and taken apart"),
     # -- edges --------------------------------------------------------------------------------
     "apikey": (EDGE, "the API key file"),
+    "childlog": (EDGE, "a child's output (process backend): a log file, or stdout prefixed with its name"),
     "cgroups": (EDGE, "reads a cgroup's cpuset and CPU quota (the daemon's own, or the instances' slice)"),
     "atomicfile": (EDGE, "replace a file atomically (temp file + rename); read only a regular file, never a link or FIFO"),
     "backends": (EDGE, "where instances run: systemd units or child processes, behind one `Backend`"),

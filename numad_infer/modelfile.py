@@ -21,6 +21,10 @@ def model_size(path: str, source: str, runs_as: RunAs | None = None) -> int:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
         raise ConfigError(source, "model.path", "file not found; put a GGUF model there or fix the path", path, True) from None
+    except PermissionError:
+        # A directory on the way this user may not search: a volume mounted with the wrong owner or mode.
+        raise ConfigError(source, "model.path", f"cannot be reached: a directory on its path is not readable by uid "
+                          f"{os.geteuid()}; make the model's volume readable by that user", path, True) from None
     except OSError as exc:
         raise ConfigError(source, "model.path", f"cannot be read: {exc.strerror}", path, True) from None
     if stat.S_ISDIR(mode):
@@ -39,7 +43,8 @@ def model_size(path: str, source: str, runs_as: RunAs | None = None) -> int:
         raise ConfigError(source, "model.path", "file not found; put a GGUF model there or fix the path", path, True) from None
     except PermissionError:
         raise ConfigError(
-            source, "model.path", "cannot be read by this user; fix its permissions (chmod 644) ", path, True
+            source, "model.path", f"cannot be read by this user; make it readable by uid {os.geteuid()} (chmod 644)",
+            path, True
         ) from None
     except IsADirectoryError:
         raise ConfigError(source, "model.path", "is a directory; name the .gguf file itself", path, True) from None

@@ -62,9 +62,11 @@ class Reconciler:
         return diff
 
     def stop_all(self) -> None:
-        self.rollout.stop_retiring()
-        for name, rt in self.runtimes.items():
-            isolated(name, "stop", lambda n=name: self.backend.stop(n))
+        # All at once: a stop then takes one instance's stop timeout, however many there are.
+        leaving = list(self.rollout.retiring)
+        self.rollout.retiring.clear()
+        list(self._pool.map(lambda n: isolated(n, "stop", lambda: self.backend.stop(n)), [*self.runtimes, *leaving]))
+        for rt in self.runtimes.values():
             rt.supervision.on_stopped()
             rt.pid = None
 

@@ -123,11 +123,6 @@ class Rollout:
             isolated(name, "stop", lambda n=name: self.backend.stop(n))
             del self.retiring[name]
 
-    def stop_retiring(self) -> None:
-        for name in list(self.retiring):
-            isolated(name, "stop", lambda n=name: self.backend.stop(n))
-        self.retiring.clear()
-
     def roll(self, runtimes: dict[str, Runtime], holds: dict[str, str], now: float) -> None:
         """Restart instances whose definition changed: behind a front door one at a time, so
         the others keep serving; without one, all at once (nothing routes around them).

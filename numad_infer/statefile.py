@@ -5,11 +5,38 @@ are `status.py`'s; this module only moves them to and from the file.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import tempfile
 from pathlib import Path
 
 from numad_infer.atomicfile import NotRegularFile, read_regular, write_atomic
+from numad_infer.errors import NumaInferError
 from numad_infer.status import Status, StatusError
+from numad_infer.unitdir import check_private_dir
+
+
+def check_state_dir(state_file: Path) -> None:
+    """The state file's directory exists (or is made) and takes a new file: a read-only or
+    missing mount is one line at start, not a traceback or an error on every pass."""
+    directory = state_file.parent
+    try:
+        check_private_dir(directory)
+    except OSError as exc:
+        raise _unusable(Path(exc.filename or directory), exc) from None
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=".numa-infer-write-test-")
+    except OSError as exc:
+        raise _unusable(directory, exc) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _unusable(where: Path, exc: OSError) -> NumaInferError:
+    problem = "not a directory" if exc.errno in (errno.EEXIST, errno.ENOTDIR) else exc.strerror
+    return NumaInferError(f"state directory {where}: {problem} (uid {os.geteuid()}); mount a writable volume there "
+                          "or pass --state-file a path in a writable directory")
 
 
 def write_status(path: Path, status: Status) -> None:

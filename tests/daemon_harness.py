@@ -181,8 +181,9 @@ class DaemonRun:
     def __init__(self, tmp: Path, model: Path, placement: str = "", monitor: str = "", env: dict[str, str] | None = None,
                  machine: fakesys.FakeMachine | None = None, extra_config: str = "", interval_s: float = 0.5,
                  backoff_s: float = 0.2, frontend: str | None = None, context_size: int = 256,
-                 engine: str = "llama-cpp-python", cgroup: Path | None = None) -> None:
-        """`cgroup`: a cgroup v1 directory (a cpuset) the daemon, and so its servers, start in."""
+                 engine: str = "llama-cpp-python", cgroup: Path | None = None, run_args: tuple[str, ...] = ()) -> None:
+        """`cgroup`: a cgroup v1 directory (a cpuset) the daemon, and so its servers, start in.
+        `run_args`: more options for `numa-infer run`."""
         self.tmp = tmp
         self.model = model
         self.fsroot = fakesys.write_tree(tmp / "fs", machine or two_single_cpu_nodes())
@@ -204,6 +205,7 @@ class DaemonRun:
         self.env = dict(os.environ, NOTIFY_SOCKET=str(self.notify.path), **(env or {}))
         self.log = open(tmp / "daemon.log", "w")
         self.cgroup = cgroup
+        self.run_args = run_args
         self.proc = self.spawn()
 
     def spawn(self) -> subprocess.Popen:
@@ -211,7 +213,7 @@ class DaemonRun:
         cgroup = self.cgroup
         return subprocess.Popen(
             [sys.executable, "-m", "numad_infer", "--config", str(self.config), "--fsroot", str(self.fsroot),
-             "--state-file", str(self.state_file), "run", "--backend", "process"],
+             "--state-file", str(self.state_file), "run", "--backend", "process", *self.run_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
             preexec_fn=None if cgroup is None else lambda: (cgroup / "tasks").write_text(str(os.getpid())),
         )

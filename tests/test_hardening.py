@@ -161,7 +161,7 @@ def test_the_metrics_endpoint_answers_only_metrics() -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the ownership checks apply to a root daemon")
 def test_as_root_no_write_through_a_planted_link_or_into_another_users_directory(tmp_path: Path) -> None:
-    from numad_infer.backends import open_log
+    from numad_infer.childlog import open_log
     from numad_infer.errors import NumaInferError
     from numad_infer.unitdir import write_units
 
