@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -74,7 +75,12 @@ _ESTABLISHED = "01"  # TCP_ESTABLISHED
 def open_connections(proc: Path, port: int) -> int:
     """Connections clients hold open to local `port` (requests in flight, kept-alive ones):
     once the instance's port is known to be its own, these are all the instance's."""
-    count = 0
+    return sum(1 for fields in _sockets(proc) if fields[3] == _ESTABLISHED and _port(fields[1]) == port)
+
+
+def _sockets(proc: Path) -> Iterator[list[str]]:
+    """The rows of /proc/net/tcp and tcp6, split in their columns: sl, local and remote
+    address, state, queues, timers, retransmits, uid, timeout, inode."""
     for table in ("tcp", "tcp6"):
         try:
             lines = (proc / "net" / table).read_text().splitlines()[1:]
@@ -82,9 +88,12 @@ def open_connections(proc: Path, port: int) -> int:
             continue  # no IPv6 on this host
         for line in lines:
             fields = line.split()
-            if len(fields) > 3 and fields[3] == _ESTABLISHED and int(fields[1].rpartition(":")[2], 16) == port:
-                count += 1
-    return count
+            if len(fields) >= 10:
+                yield fields
+
+
+def _port(address: str) -> int:
+    return int(address.rpartition(":")[2], 16)
 
 
 def _by_user(proc: Path, target: IPAddress, port: int, pid: int, where: str) -> PortOwner:
@@ -163,20 +172,8 @@ def _listening_uids(proc: Path, target: IPAddress, port: int) -> set[int]:
 
 def _listeners(proc: Path, target: IPAddress, port: int) -> set[tuple[int, int]]:
     """(inode, uid) of each TCP socket listening on `port` that a connection to `target` may reach."""
-    inodes = set()
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = (proc / "net" / table).read_text().splitlines()[1:]
-        except OSError:
-            continue  # no IPv6 on this host
-        for line in lines:
-            fields = line.split()
-            if len(fields) < 10 or fields[3] != _LISTEN:
-                continue
-            address, _, port_hex = fields[1].partition(":")
-            if int(port_hex, 16) == port and _reaches(_address(address), target):
-                inodes.add((int(fields[9]), int(fields[7])))
-    return inodes
+    return {(int(fields[9]), int(fields[7])) for fields in _sockets(proc)
+            if fields[3] == _LISTEN and _port(fields[1]) == port and _reaches(_address(fields[1].partition(":")[0]), target)}
 
 
 def _address(hex_address: str) -> IPAddress:
