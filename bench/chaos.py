@@ -50,7 +50,8 @@ class Tally:
     lock: threading.Lock = field(default_factory=threading.Lock)
     fault: str = "none"  # the fault struck last: the likely cause of what fails now
 
-    def add(self, outcome: str, cause: str = "") -> None:
+    def add(self, outcome: str, cause: str = "") -> bool:
+        """Count one outcome; True when the request was answered in full."""
         with self.lock:
             self.sent += 1
             if outcome == "ok":
@@ -62,9 +63,10 @@ class Tally:
             else:
                 self.cut_streams += 1
                 self.in_flight[f"stream cut without finish_reason (after {self.fault})"] += 1
+        return outcome == "ok"
 
 
-def one_request(port: int, stream: bool, tally: Tally) -> None:
+def one_request(port: int, stream: bool, tally: Tally) -> bool:
     body = json.dumps({"prompt": "numa node", "max_tokens": 16, "temperature": 0, "stream": stream}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
@@ -74,32 +76,33 @@ def one_request(port: int, stream: bool, tally: Tally) -> None:
             if not stream:
                 got_bytes = True
                 json.loads(response.read())
-                tally.add("ok")
-                return
+                return tally.add("ok")
             finished = False
             for raw in response:
                 got_bytes = True
                 line = raw.decode().strip()
                 if line.startswith("data: {") and '"finish_reason": "' in line.replace('":"', '": "'):
                     finished = True
-            tally.add("ok" if finished else "cut")
+            return tally.add("ok" if finished else "cut")
     except urllib.error.HTTPError as exc:
-        tally.add("before", f"HTTP {exc.code}")
+        return tally.add("before", f"HTTP {exc.code}")
     except (OSError, ValueError) as exc:
         cause = type(exc).__name__ if not isinstance(exc, urllib.error.URLError) else f"{exc.reason}"
-        tally.add("in-flight" if got_bytes else "before", str(cause)[:60])
+        return tally.add("in-flight" if got_bytes else "before", str(cause)[:60])
 
 
 def client(port: int, stream: bool, tally: Tally, stop: threading.Event) -> None:
     while not stop.is_set():
-        one_request(port, stream, tally)
+        if not one_request(port, stream, tally):
+            # As OpenAI's clients do: wait before trying again (the front door's 503 says
+            # Retry-After: 1), rather than counting thousands of refusals a second.
+            time.sleep(1.0)
 
 
 class Chaos:
     def __init__(self, run: DaemonRun, rng: random.Random, stop_s: float) -> None:
         self.run, self.rng, self.stop_s = run, rng, stop_s
         self.good_config = run.config.read_text()
-        self.dropped_node = False
 
     def instances(self) -> list[dict]:
         return (self.run.state() or {"instances": []})["instances"]
@@ -128,12 +131,17 @@ class Chaos:
                 _try(lambda: os.system(f"migratepages {pid} 0 0 >/dev/null 2>&1"))
             return f"pid {pid}"
         if fault == "reload-one":
-            # Alternately drop node 1 and bring it back: one instance goes or comes, the other stays.
-            self.dropped_node = not self.dropped_node
-            text = self.good_config.replace("[placement]\n", "[placement]\nnodes = [0]\n" if self.dropped_node else "[placement]\n")
-            run.config.write_text(text)
+            # The host's fake nodes have one CPU each, so no reload can change one instance's
+            # CPUs alone: drop node 1 (its instance leaves, finishing its requests), then plan
+            # it again once it is gone, so the next fault meets the whole fleet.
+            run.config.write_text(self.good_config.replace("[placement]\n", "[placement]\nnodes = [0]\n"))
             os.kill(run.proc.pid, signal.SIGHUP)
-            return "node 1 dropped" if self.dropped_node else "node 1 back"
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and len(self.instances()) != 1:
+                time.sleep(0.1)
+            run.config.write_text(self.good_config)
+            os.kill(run.proc.pid, signal.SIGHUP)
+            return "node 1 dropped, back"
         if fault == "reload-invalid":
             current = run.config.read_text()
             run.config.write_text(current + "\n[placement\n")
@@ -155,15 +163,15 @@ class Chaos:
             return "daemon respawned"
         raise ValueError(fault)
 
-    def expected(self) -> int:
-        return 1 if self.dropped_node else 2
-
-    def healed(self) -> bool:
+    def healed(self, since: float) -> bool:
+        """Published after `since` (wall clock) by a live daemon: all planned instances
+        healthy, undrifted and in rotation, the front door up."""
         state = self.run.state()
-        if not state or state["daemon"]["state"] != "running":
+        if (not state or state["daemon"]["state"] != "running" or state["daemon"]["updated_at"] <= since
+                or self.run.proc.poll() is not None):
             return False
         front = state.get("frontdoor")
-        return (len(state["instances"]) == self.expected() and front is not None and front["up"]
+        return (len(state["instances"]) == 2 and front is not None and front["up"]
                 and all(i["state"] == "healthy" and not i["drifting"] and i.get("rotation") == "UP"
                         for i in state["instances"]))
 
@@ -224,17 +232,17 @@ def main() -> int:
         while time.monotonic() < deadline:
             time.sleep(args.every)
             fault = rng.choice(FAULTS)
-            struck = time.monotonic()
+            struck, struck_wall = time.monotonic(), time.time()
             with tally.lock:
                 tally.fault = fault
             detail = chaos.strike(fault)
             # Healed: every planned instance healthy, undrifted and in rotation again. The next
             # fault waits for it (bounded), so each heal time belongs to one fault.
             time.sleep(0.5)
-            while time.monotonic() - struck < 180 and not chaos.healed():
-                time.sleep(0.2)
+            while time.monotonic() - struck < 180 and not (healed := chaos.healed(struck_wall)):
+                time.sleep(0.1)
             took = time.monotonic() - struck
-            (heal_s[fault].append(took) if chaos.healed() else unhealed.update([fault]))
+            (heal_s[fault].append(took) if healed else unhealed.update([fault]))
             print(f"{fault:<15} {detail:<22} healed after {took:6.1f}s", flush=True)
         stop.set()
         for c in clients:
