@@ -76,7 +76,7 @@ def main() -> int:
     if os.environ.get("NUMA_INFER_SKIP_VM") == "1":
         print("SKIP vm suite: NUMA_INFER_SKIP_VM=1 is set")
         return 0
-    groups = args.group or ["2x2", "tune", "2x2smt", "4x1", "engine", "deb"]
+    groups = args.group or ["2x2", "tune", "2x2smt", "4x1", "engine", "chaos", "deb"]
 
     t0 = time.monotonic()
     python = ROOT / ".venv/bin/python"
