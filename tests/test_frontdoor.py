@@ -266,8 +266,11 @@ def test_a_stopped_instance_leaves_rotation_and_the_other_serves(daemon) -> None
     complete = [o for o in outcomes if o.complete]
     failed = [o for o in outcomes if not o.complete]
     print(f"SIGSTOP under load: {len(complete)} complete, {len(failed)} failed: {[o.error for o in failed][:3]}")
-    # Only a stream that was already running on the stopped server may be lost.
-    assert all(o.stream and o.first_byte for o in failed), failed
+    # Only what the stopped server had received may be lost: a stream it was sending, or a
+    # request answered with a JSON 502 and not replayed on the other (issue 19: it may be
+    # the request that hung it).
+    assert all((o.stream and o.first_byte) or (o.status == 502 and json.loads(o.error)["error"]["code"] == 502)
+               for o in failed), failed
     run.wait(lambda s: run.instance(s, "infer@0")["pid"] != victim and run.instance(s, "infer@0")["state"] == "healthy",
              60, "the stopped instance replaced")
 
