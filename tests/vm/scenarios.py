@@ -781,10 +781,12 @@ def c1_chaos() -> str:
     outcomes: collections.Counter = collections.Counter()
     stop = threading.Event()
 
+    last = ["none"]  # the fault struck last: what a failure is put down to
+
     def client(stream: bool) -> None:
         while not stop.is_set():
             outcome = chaos_request(stream)
-            outcomes[outcome] += 1
+            outcomes[outcome if outcome == "ok" else f"{outcome} (after {last[0]})"] += 1
             if outcome != "ok":
                 time.sleep(1)  # as OpenAI's clients do (Retry-After: 1 on the front door's 503)
 
@@ -798,8 +800,12 @@ def c1_chaos() -> str:
     deadline = time.monotonic() + float(os.environ.get("CHAOS_SECONDS", "180"))
     while time.monotonic() < deadline:
         fault = order[len(heals) + len(unhealed)] if len(heals) + len(unhealed) < len(order) else random.choice(CHAOS_FAULTS)
+        seen = status()
+        last[0] = fault
+        # Healing counts from the fault's start; a reload fault includes `numa-infer reload`
+        # (ExecReload=), which returns once the daemon applied or refused the new file.
         struck, struck_wall = time.monotonic(), time.time()
-        detail = chaos_fault(fault, status())
+        detail = chaos_fault(fault, seen)
 
         def healed() -> bool:
             # The daemon's own state file, not `numa-infer status` (a Python start takes
