@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 from tests.daemon_harness import DaemonRun, generated_model  # noqa: E402
 from tests import fakesys  # noqa: E402
 from numad_infer.sysfs import read_topology  # noqa: E402
+from numad_infer.ggufheader import decode_bytes  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
@@ -94,9 +95,11 @@ def main() -> None:
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-serving-"))
     model = generated_model(args.size)  # readable by the servers' user (nobody, when run as root)
-    weights = model.stat().st_size
+    # Bytes a decoded token reads (layers, output projection, one embedding row), not the file.
+    weights = decode_bytes(str(model))
     topo = read_topology("/")
-    print(f"# host: {os.cpu_count()} CPUs, {len(topo.nodes)} NUMA node(s); model {args.size}: {weights / 2**20:.0f} MiB;"
+    print(f"# host: {os.cpu_count()} CPUs, {len(topo.nodes)} NUMA node(s); model {args.size}: {model.stat().st_size / 2**20:.0f} MiB"
+          f" ({weights / 2**20:.0f} MiB read per token);"
           f" {args.tokens} tokens, median of {args.runs}")
 
     # numa-infer: the plan for this machine (one instance per node, threads = physical cores).

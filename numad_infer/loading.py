@@ -23,6 +23,7 @@ from numad_infer.haproxy import check_haproxy
 from numad_infer.haproxycfg import paths_in, render_haproxy
 from numad_infer.hostcheck import InstanceHost, host_warnings
 from numad_infer.identity import BackendKind, RunAs, instances_run_as
+from numad_infer.ggufheader import decode_bytes
 from numad_infer.modelfile import model_size
 from numad_infer.planner import Plan, make_plan
 from numad_infer.procfs import ProcReader
@@ -40,7 +41,8 @@ class Loaded:
     kind: BackendKind  # where the instances run
     runs_as: RunAs | None  # who they run as (None: the daemon's own user)
     engine: Engine
-    model_bytes: int
+    model_bytes: int  # the file: what the planner fits in memory
+    decode_bytes: int  # what one decoded token reads (decode efficiency's numerator)
     allowed: Allowed  # what the instances' cgroup lets them use (planned within it)
     # What does not stop the plan but undoes its work or may stop an instance: the
     # plan's, the engine's and the host's, in that order.
@@ -80,7 +82,8 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     _check_frontdoor_config(config, plan)
     # Processes are always this machine's, even with --fsroot.
     warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as))
-    return Loaded(source, config, topology, plan, kind, runs_as, engine, size, allowed, warnings)
+    return Loaded(source, config, topology, plan, kind, runs_as, engine, size, decode_bytes(config.model.path),
+                  allowed, warnings)
 
 
 def _check_frontdoor_config(config: Config, plan: Plan) -> None:

@@ -57,7 +57,7 @@ _GAUGES: tuple[tuple[str, str, Callable[[InstanceStatus], float | None]], ...] =
      "Tokens the instance generated per second over the last pass (engines that count them)",
      lambda i: i.decode_tokens_per_s),
     ("numa_infer_instance_decode_efficiency",
-     "Decode tokens/s x weight bytes / the node's read bandwidth (numa-infer tune)", lambda i: i.decode_efficiency),
+     "Decode tokens/s x bytes a decoded token reads / the node's read bandwidth (numa-infer tune)", lambda i: i.decode_efficiency),
     ("numa_infer_instance_busy_slots", "Requests the instance works on now (engines that report it)",
      lambda i: i.busy_slots),
     ("numa_infer_instance_slots", "Requests the instance can work on at once (engines that report it)",

@@ -385,8 +385,8 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     for value in current.values():
         if value not in {c.threads for c in grid}:
             grid.append(Candidate(value, "current setting"))
-    report = Report(model=config.model.path, weight_bytes=size, engine=config.server.engine, node=node,
-                    cpus=instance.cpus)
+    report = Report(model=config.model.path, weight_bytes=size, decode_bytes=loaded.decode_bytes,
+                    engine=config.server.engine, node=node, cpus=instance.cpus)
     try:
         for measured in nodes:
             fleet.hold(measured, config.frontend.drain_timeout_s + 120)
