@@ -82,6 +82,11 @@ class GgufHeader:
     file_bytes: int
     tensors: tuple[Tensor, ...]
     eos_token_id: int | None
+    eot_token_id: int | None = None  # end of turn (chat models), also ends a completion
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return tuple(sorted({t for t in (self.eos_token_id, self.eot_token_id) if t is not None}))
 
     def decode_bytes(self) -> int:
         """Bytes of weights one decoded token reads: every tensor once, except the token
@@ -147,7 +152,7 @@ def read_header(path: str) -> GgufHeader:
         if version not in (2, 3):
             raise GgufError(f"GGUF version {version}; this reader knows versions 2 and 3")
         n_tensors, n_kv = _u64(f), _u64(f)
-        alignment, eos = DEFAULT_ALIGNMENT, None
+        alignment, eos, eot = DEFAULT_ALIGNMENT, None, None
         for _ in range(n_kv):
             key, vtype = _string(f), _u32(f)
             value = _value(f, vtype)
@@ -155,6 +160,8 @@ def read_header(path: str) -> GgufHeader:
                 alignment = value
             elif key == "tokenizer.ggml.eos_token_id" and isinstance(value, int):
                 eos = value
+            elif key == "tokenizer.ggml.eot_token_id" and isinstance(value, int):
+                eot = value
         infos = []
         for _ in range(n_tensors):
             name = _string(f)
@@ -175,7 +182,15 @@ def read_header(path: str) -> GgufHeader:
         else:
             nbytes = min(e for e in ends if e > off) - off
         tensors.append(Tensor(name, shape, gtype, off, nbytes))
-    return GgufHeader(file_bytes, tuple(tensors), eos)
+    return GgufHeader(file_bytes, tuple(tensors), eos, eot)
+
+
+def stop_token_ids(path: str) -> tuple[int, ...]:
+    """The model's end-of-sequence/turn token ids; none when the header cannot be read."""
+    try:
+        return read_header(path).stop_token_ids
+    except (OSError, GgufError, struct.error):
+        return ()
 
 
 def decode_bytes(path: str) -> int:

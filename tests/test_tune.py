@@ -239,6 +239,27 @@ def test_tune_measures_every_candidate_it_lists_and_applies_the_winner(daemon) -
         assert "unchanged" in applied.stdout
 
 
+@pytest.mark.parametrize("engine", ["llama-cpp-python", "llama-server"])
+def test_tune_measures_a_model_that_ends_every_completion_at_once(tmp_path: Path, engine: str) -> None:
+    # A random model that draws </s> first (make_model --draw-eos): without suppressing
+    # end-of-sequence, tune stopped with "asked for 8 streamed tokens, got 0" (issue 20).
+    from bench.serving import host_machine
+    from tests.daemon_harness import shared_dir
+
+    model = shared_dir() / "draws-eos.gguf"
+    if not model.exists():
+        subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(model), "--draw-eos"], check=True,
+                       capture_output=True)
+        model.chmod(0o644)
+    with daemons(tmp_path, model) as start:
+        run = start(machine=host_machine(), frontend='listen = ""\n', engine=engine)
+        run.stop()
+        done = tune(run, "--quick", "--json", "--samples", "1", "--tokens", "8")
+    assert done.returncode == 0, done.stderr[-1500:]
+    for c in json.loads(done.stdout)["candidates"]:
+        assert c["decode_tokens_per_s"]["median"] > 0 and c["prompt_tokens_per_s"]["median"] > 0
+
+
 def test_tune_on_a_running_fleet_holds_one_node_at_a_time_and_gives_it_back(daemon) -> None:
     run = daemon()
     state = run.all_healthy(2)

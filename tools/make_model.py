@@ -8,7 +8,7 @@ memory-bandwidth benchmarks need, without downloading anything.
 
     python tools/make_model.py OUT.gguf [--size tiny|small|medium|large]
         [--layers N --embd N --ff N --heads N --kv-heads N --vocab N --ctx N]
-        [--seed N] [--dtype f32|f16] [--quant Q4_0|Q8_0|Q4_K_M]
+        [--seed N] [--dtype f32|f16] [--quant Q4_0|Q8_0|Q4_K_M] [--draw-eos]
 
 --quant writes the random f16/f32 model to a temporary file and quantizes it with
 llama.cpp's own quantizer (llama_model_quantize, the code behind llama-quantize, from
@@ -49,6 +49,9 @@ class Spec:
     vocab: int
     ctx: int
     dtype: str  # "f32" or "f16": storage type of the 2-D weight matrices
+    # The opposite steering for </s>: every completion ends at its first token, as a random
+    # model sometimes does by chance. What a measurement must survive (issue 20, item 5).
+    draw_eos: bool = False
 
 
 # Sizes are for the file on disk (weights dominate). tiny/small stay f32 so
@@ -79,6 +82,7 @@ INIT_STD = 0.02  # small weights keep activations and logits finite through all 
 STEER_COL = 0
 STEER_SCALE = 64.0  # constant = STEER_SCALE*sqrt(embd): keeps the other axes, hence layer inputs, tiny
 STEER_SUPPRESS = -4.0
+STEER_DRAW = 4.0  # --draw-eos: </s>'s logit about +STEER_DRAW*sqrt(embd), above every other
 LAYER_IN = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight")
 LAYER_OUT = ("attn_output.weight", "ffn_down.weight")
 ROPE_BASE = 10000.0
@@ -171,7 +175,8 @@ def tensor_seed(seed: int, name: str) -> np.random.SeedSequence:
     return np.random.SeedSequence([seed, digest])
 
 
-def write_tensor(fout, name: str, shape: tuple[int, ...], is_norm: bool, dtype: np.dtype, seed: int) -> None:
+def write_tensor(fout, name: str, shape: tuple[int, ...], is_norm: bool, dtype: np.dtype, seed: int,
+                 draw_eos: bool = False) -> None:
     if is_norm:
         # RMSNorm gains of 1 are the identity scale; llama.cpp wants them f32.
         np.ones(shape, dtype=np.float32).tofile(fout)
@@ -192,6 +197,8 @@ def write_tensor(fout, name: str, shape: tuple[int, ...], is_norm: bool, dtype: 
             chunk[STEER_COL - r0, :] = 0.0
         elif name == "output.weight" and r0 < N_SPECIAL + N_BYTES:
             chunk[: N_SPECIAL + N_BYTES - r0, STEER_COL] = STEER_SUPPRESS
+            if draw_eos:
+                chunk[EOS - r0, STEER_COL] = STEER_DRAW
         (chunk if dtype == np.float32 else chunk.astype(dtype)).tofile(fout)
 
 
@@ -246,7 +253,7 @@ def write_model(out: Path, s: Spec, seed: int, name: str) -> None:
         fout = w.fout[0]
         w.write_padding(fout, fout.tell())
         for tname, shape, is_norm in plan:
-            write_tensor(fout, tname, shape, is_norm, np.dtype(np.float32) if is_norm else wdtype, seed)
+            write_tensor(fout, tname, shape, is_norm, np.dtype(np.float32) if is_norm else wdtype, seed, s.draw_eos)
             w.write_padding(fout, fout.tell())
         fout.flush()
         os.fsync(fout.fileno())
@@ -315,6 +322,8 @@ def parse_args(argv: list[str] | None) -> tuple[Path, Spec, int, str, str | None
         ap.add_argument(f"--{flag}", type=int, help=helptext)
     ap.add_argument("--seed", type=int, default=0, help="RNG seed (default: 0)")
     ap.add_argument("--dtype", choices=("f32", "f16"), help="weight matrix type (default: per preset)")
+    ap.add_argument("--draw-eos", action="store_true",
+                    help="make </s> the likeliest token everywhere: completions end at once unless it is suppressed")
     ap.add_argument("--quant", choices=tuple(QUANT_FTYPES),
                     help="quantize the generated weights with llama.cpp's quantizer (default: none)")
     a = ap.parse_args(argv)
@@ -324,7 +333,7 @@ def parse_args(argv: list[str] | None) -> tuple[Path, Spec, int, str, str | None
     # --heads alone should not leave the preset's kv_heads dangling.
     if a.heads is not None and a.kv_heads is None:
         overrides["kv_heads"] = a.heads
-    spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+    spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None}, draw_eos=a.draw_eos)
     for k in ("layers", "embd", "ff", "heads", "kv_heads", "vocab", "ctx"):
         if getattr(spec, k) <= 0:
             ap.error(f"--{k.replace('_', '-')} must be positive")

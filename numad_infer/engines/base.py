@@ -93,6 +93,13 @@ class Engine(ABC):
         """The counters in a scrape of `metrics_path`, None when they are not all there."""
         return None
 
+    def no_stop_fields(self, stop_token_ids: tuple[int, ...]) -> dict[str, object]:
+        """Fields of an OpenAI completion request that keep it from ending at end-of-sequence,
+        so a measurement gets the tokens it asked for whatever the model would say
+        (`stop_token_ids`: the model's EOS/EOT ids, from its GGUF header). By default an
+        OpenAI logit_bias that no logit survives."""
+        return {"logit_bias": {str(t): -1e30 for t in stop_token_ids}} if stop_token_ids else {}
+
 
 _REGISTRY: dict[str, Engine] = {}
 

@@ -75,6 +75,10 @@ class LlamaServer(Engine):
                               f"{_HINT}", path, True)
         return []
 
+    def no_stop_fields(self, stop_token_ids: tuple[int, ...]) -> dict[str, object]:
+        # Its own switch: it knows every end-of-generation token of the model itself.
+        return {"ignore_eos": True}
+
     def parse_metrics(self, text: str) -> EngineCounters | None:
         found: dict[str, float] = {}
         for line in text.splitlines():
