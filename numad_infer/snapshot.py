@@ -39,7 +39,9 @@ def instances(runtimes: list[Runtime], now: float, frontdoor: Frontdoor, loaded:
     # The slots column only for an engine that reports its busy slots.
     slots = (loaded.engine.slots(loaded.config) if loaded is not None and loaded.engine.metrics_path else None)
     weights = 0 if loaded is None else loaded.decode_bytes
-    return tuple(_instance_status(rt, now, frontdoor, slots, _efficiency(rt, weights, tuned)) for rt in runtimes)
+    cpu = None if loaded is None or loaded.engine_cpu is None else loaded.engine_cpu.describe()
+    return tuple(replace(_instance_status(rt, now, frontdoor, slots, _efficiency(rt, weights, tuned)), cpu_backend=cpu)
+                 for rt in runtimes)
 
 
 def allowed_line(loaded: Loaded | None) -> str | None:

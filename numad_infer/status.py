@@ -104,6 +104,8 @@ class InstanceStatus:
     # decode_tokens_per_s x bytes a decoded token reads (every layer, the output
     # projection, one embedding row) / the node's read bandwidth as `numa-infer tune` measured it
     decode_efficiency: float | None = None
+    # The CPU kernels the engine runs: ggml's variant and its wide units, e.g. "haswell (AVX2)"
+    cpu_backend: str | None = None
 
     @classmethod
     def planned(cls, instance: "Instance", pid: int | None, state: State, **observed: Any) -> "InstanceStatus":

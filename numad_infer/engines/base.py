@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 
 if TYPE_CHECKING:
     from numad_infer.config import Config
+    from numad_infer.cpufeatures import EngineCpu
     from numad_infer.planner import Instance
 
 # Where systemd puts the API key (LoadCredential=KEY_CREDENTIAL:server.api_key_file).
@@ -91,6 +92,11 @@ class Engine(ABC):
 
     def parse_metrics(self, text: str) -> EngineCounters | None:
         """The counters in a scrape of `metrics_path`, None when they are not all there."""
+        return None
+
+    def cpu(self, config: Config, host: HostAccess) -> EngineCpu | None:
+        """The CPU kernels the engine runs on this host (its ggml CPU variant or compiled ISA);
+        None when it cannot tell. Status and `check` show it; `check` warns of idle units."""
         return None
 
     def no_stop_fields(self, stop_token_ids: tuple[int, ...]) -> dict[str, object]:

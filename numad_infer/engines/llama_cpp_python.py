@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from numad_infer.cpufeatures import EngineCpu, from_system_info
 from numad_infer.engines.base import KEY_CREDENTIAL, Engine, HostAccess
 
 if TYPE_CHECKING:
@@ -20,6 +21,19 @@ _FROM_CREDENTIAL = ("import os, runpy; "
 
 # find_spec only locates the package: importing llama_cpp would load the C library (slow).
 _FIND_LLAMA_CPP = "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"
+
+# The wheel has one CPU backend (no GGML_BACKEND_DL): ask its libggml-cpu.so what it was
+# compiled for, in system_info's words, through ctypes (importing llama_cpp costs ~0.6 s).
+_ASK_GGML_CPU = (
+    "import ctypes, importlib.util, os, sys\n"
+    "lib = os.path.join(os.path.dirname(importlib.util.find_spec('llama_cpp').origin), 'lib')\n"
+    "ctypes.CDLL(os.path.join(lib, 'libggml-base.so'), mode=ctypes.RTLD_GLOBAL)\n"
+    "cpu = ctypes.CDLL(os.path.join(lib, 'libggml-cpu.so'))\n"
+    "names = ('SSE3', 'AVX', 'AVX2', 'F16C', 'FMA', 'BMI2', 'AVX_VNNI', 'AVX512', 'AVX512_VBMI', 'AVX512_VNNI',"
+    " 'AVX512_BF16', 'AMX_INT8')\n"
+    "sys.stdout.write('CPU : ' + ''.join(f'{n} = {getattr(cpu, \"ggml_cpu_has_\" + n.lower())()} | ' for n in names"
+    " if hasattr(cpu, 'ggml_cpu_has_' + n.lower())))\n"
+)
 
 
 class LlamaCppPython(Engine):
@@ -48,6 +62,10 @@ class LlamaCppPython(Engine):
             "--interrupt_requests", "false",
             *config.server.extra_args,
         ]
+
+    def cpu(self, config: Config, host: HostAccess) -> EngineCpu | None:
+        done = host.run([config.server.python, "-I", "-c", _ASK_GGML_CPU], 30.0)
+        return None if done is None or done.returncode != 0 else from_system_info(done.stdout)
 
     def check_host(self, config: Config, source: str, host: HostAccess) -> list[str]:
         """A warning, not a refusal: the interpreter may be installed into after the check."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import stat
 from typing import TYPE_CHECKING, ClassVar
 
+from numad_infer.cpufeatures import EngineCpu, from_backend_log
 from numad_infer.engines.base import KEY_CREDENTIAL, Engine, EngineCounters, HostAccess
 from numad_infer.errors import ConfigError
 
@@ -74,6 +75,12 @@ class LlamaServer(Engine):
             raise ConfigError(source, key, f"is not llama.cpp's llama-server (its --version and --help say otherwise); "
                               f"{_HINT}", path, True)
         return []
+
+    def cpu(self, config: Config, host: HostAccess) -> EngineCpu | None:
+        # ggml_backend_load_all() runs before --version is handled and logs the variant it
+        # chose (scripts/build-llama-server's build); a static build logs nothing.
+        done = host.run([config.server.llama_server, "--version"], 30.0)
+        return None if done is None else from_backend_log(done.stdout + done.stderr)
 
     def no_stop_fields(self, stop_token_ids: tuple[int, ...]) -> dict[str, object]:
         # Its own switch: it knows every end-of-generation token of the model itself.
