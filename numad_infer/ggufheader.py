@@ -13,6 +13,8 @@ import struct
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from numad_infer.errors import NumaInferError
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
@@ -57,7 +59,7 @@ _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?
 _STRING, _ARRAY = 8, 9
 
 
-class GgufError(ValueError):
+class GgufError(NumaInferError):
     """The file is not a GGUF file this reader understands (the message says why)."""
 
 
