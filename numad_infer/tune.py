@@ -128,6 +128,7 @@ class Report:
     choices: list[Choice] = field(default_factory=list)
     layout_results: list["LayoutResult"] = field(default_factory=list)
     current_layout: "Layout | None" = None
+    engine_cpu: str | None = None  # the CPU kernels the engine ran (cpufeatures.EngineCpu.describe)
 
     def to_json(self) -> dict[str, Any]:
         def figure(f: Figure) -> dict[str, Any]:
@@ -135,7 +136,8 @@ class Report:
 
         local = self.bandwidth.get((self.node, self.node))
         return {
-            "model": self.model, "weight_bytes": self.weight_bytes, "decode_bytes": self.decode_bytes, "engine": self.engine, "node": self.node,
+            "model": self.model, "weight_bytes": self.weight_bytes, "decode_bytes": self.decode_bytes, "engine": self.engine,
+            "engine_cpu": self.engine_cpu, "node": self.node,
             "cpus": list(self.cpus),
             "bandwidth_gbs": [{"cpus_node": c, "memory_node": m, **figure(f)} for (c, m), f in sorted(self.bandwidth.items())],
             "candidates": [{"threads": r.candidate.threads, "label": r.candidate.label, "decode_tokens_per_s": figure(r.decode),
@@ -156,7 +158,8 @@ def _round(value: float | None) -> float | None:
 
 def format_report(report: Report) -> str:
     lines = [f"model {report.model} ({report.weight_bytes / 2**20:.0f} MiB, {report.decode_bytes / 2**20:.0f} MiB read "
-             f"per decoded token), engine {report.engine}, "
+             f"per decoded token), engine {report.engine}"
+             f"{f' ({report.engine_cpu})' if report.engine_cpu else ''}, "
              f"node {report.node} (CPUs {','.join(map(str, report.cpus))})"]
     if report.bandwidth:
         nodes = sorted({m for _, m in report.bandwidth})

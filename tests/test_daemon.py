@@ -80,6 +80,8 @@ def test_start_brings_up_pinned_healthy_instances_and_notifies(daemon) -> None:
         # What status says, checked against the processes themselves, not the state file.
         argv = psutil.Process(shown["pid"]).cmdline()
         assert argv[argv.index("--port") + 1] == str(shown["port"]) and shown["state"] == "healthy", argv
+        # The CPU kernels the engine runs (issue 20): the wheel's portable AVX2 build.
+        assert "AVX2" in shown["cpu_backend"], shown["cpu_backend"]
     run.wait(lambda s: all(i["local_memory_fraction"] is not None for i in s["instances"]), 10, "memory reading")
     text = run.cli("status")
     assert "2/2 instances healthy" in text.stdout and "infer@1" in text.stdout
