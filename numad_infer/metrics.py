@@ -72,6 +72,9 @@ def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator:
                                    labels=_LABELS)
     drifts = CounterMetricFamily("numa_infer_drift_events", "Drift found, by kind", labels=_LABELS + ["kind"])
     repairs = CounterMetricFamily("numa_infer_repairs", "Repairs done, by kind", labels=_LABELS + ["kind"])
+    # An info metric (value 1): the label says which CPU kernels the engine runs.
+    cpu = GaugeMetricFamily("numa_infer_instance_cpu_backend_info",
+                            "The engine's CPU kernels: ggml's variant and its wide units", labels=_LABELS + ["cpu_backend"])
     for inst in instances:
         key = [inst.name, "" if inst.node is None else str(inst.node)]
         for family, value in gauges:
@@ -81,11 +84,13 @@ def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator:
         for name in State:
             state.add_metric(key + [name.value], 1.0 if inst.state == name else 0.0)
         restarts.add_metric(key, inst.restarts)
+        if inst.cpu_backend is not None:
+            cpu.add_metric(key + [inst.cpu_backend], 1.0)
         for kind in EventKind:
             drifts.add_metric(key + [kind.value], inst.drift_events.get(kind.value, 0))
             repairs.add_metric(key + [kind.value], inst.repairs.get(kind.value, 0))
     yield from (family for family, _ in gauges)
-    yield from (state, restarts, drifts, repairs)
+    yield from (state, restarts, drifts, repairs, cpu)
 
 
 def _daemon_metrics(snap: Status) -> Iterator:
