@@ -85,7 +85,9 @@ def measure(binary: Path, model: Path, threads: int, repack: bool, reps: int, lo
             pp.append(timings["prompt_per_second"])
             tg.append(timings["predicted_per_second"])
             n_prompt = timings["prompt_n"]
-        cpu = from_backend_log(log.read_text(errors="replace"))
+        # The variant ggml loads (logged at verbosity 4 when the backends load; none: static).
+        listed = subprocess.run([str(binary), "-lv", "4", "--list-devices"], capture_output=True, text=True, timeout=60)
+        cpu = from_backend_log(listed.stdout + listed.stderr)
         return Run(statistics.median(pp[1:]), statistics.median(tg[1:]), n_prompt,
                    cpu.variant if cpu and cpu.variant else "static")
     finally:

@@ -160,7 +160,7 @@ def test_quantized_model_answers_in_llama_server(quantized_model: tuple[str, Pat
     port = free_port_block(1)
     proc = subprocess.Popen(
         [str(llama_server_binary()), "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
-         "-c", "256", "--no-mmap", "-np", "1"],
+         "-c", "256", "--load-mode", "none", "-np", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -181,6 +181,4 @@ def test_quantized_model_answers_in_llama_server(quantized_model: tuple[str, Pat
         assert proc.poll() is None  # still serving after the answer
     finally:
         proc.terminate()
-        log = proc.communicate(timeout=30)[0]
-    # Which CPU kernel ran: the variant ggml chose for this host (see scripts/build-llama-server).
-    assert "load_backend: loaded CPU backend from" in log, log[-3000:]
+        proc.communicate(timeout=30)

@@ -77,9 +77,10 @@ class LlamaServer(Engine):
         return []
 
     def cpu(self, config: Config, host: HostAccess) -> EngineCpu | None:
-        # ggml_backend_load_all() runs before --version is handled and logs the variant it
-        # chose (scripts/build-llama-server's build); a static build logs nothing.
-        done = host.run([config.server.llama_server, "--version"], 30.0)
+        # --list-devices loads the backends (ggml_backend_load_all) and exits; at verbosity 4
+        # ggml logs the libggml-cpu-<variant>.so it chose (scripts/build-llama-server's
+        # build). A static build loads nothing and logs no variant.
+        done = host.run([config.server.llama_server, "-lv", "4", "--list-devices"], 30.0)
         return None if done is None else from_backend_log(done.stdout + done.stderr)
 
     def no_stop_fields(self, stop_token_ids: tuple[int, ...]) -> dict[str, object]:
