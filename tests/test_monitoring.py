@@ -347,3 +347,13 @@ def test_live_prometheus_answers_every_dashboard_query_and_a_killed_instance_hel
         active = {a["labels"]["alertname"] for a in prom.get("/api/v1/alerts")["alerts"] if a["state"] == "firing"}
         print(f"kill -9 to alerts firing: {time.monotonic() - killed:.1f}s; firing: {sorted(active)}")
         assert "NumaInferDaemonDown" not in active and "NumaInferFrontdoorDown" not in active
+
+
+def test_the_deb_ships_the_dashboard_the_rules_and_their_tests_side_by_side() -> None:
+    # The unit tests name the rules file relatively: both must land in one directory.
+    lines = [line.split() for line in (ROOT / "debian/numa-infer.install").read_text().splitlines() if line.strip()]
+    shipped = {source: target for source, target in lines}
+    rules, tests = (str(p.relative_to(ROOT)) for p in (RULES, RULES_TEST))
+    assert shipped[str(DASHBOARD.relative_to(ROOT))] == "usr/share/numa-infer/grafana/"
+    assert shipped[rules] == shipped[tests] == "usr/share/numa-infer/prometheus/"
+    assert yaml.safe_load(RULES_TEST.read_text())["rule_files"] == [RULES.name]
