@@ -105,8 +105,8 @@ def dashboard_queries() -> list[tuple[str, str]]:
 
 def _full_status() -> Status:
     """A status with every optional field set, so the collector publishes every metric it has."""
-    inst = InstanceStatus(name="infer@0", node=0, cpus=(0,), mems=(0,), threads=1, port=8080, pid=1, state=State.HEALTHY,
-                          local_memory_fraction=0.8, probe_latency_ms=3.0, drift_events={"memory": 1},
+    inst = InstanceStatus(name="infer@0", node=0, cpus=(0,), mems=(0,), threads=1, port=8080, pid=1,
+                          state=State.HEALTHY, local_memory_fraction=0.8, probe_latency_ms=3.0, drift_events={"memory": 1},
                           repairs={"memory": 1}, rotation="UP 1/2", in_flight=1, queued=0, served=5, slots=2,
                           busy_slots=1, decode_tokens_per_s=10.0, decode_efficiency=0.4)
     out = InstanceStatus(name="infer@1", node=1, cpus=(1,), mems=(1,), threads=1, port=8081, pid=2,
