@@ -18,7 +18,7 @@ from typing import Protocol
 from numad_infer import haproxy
 from numad_infer.atomicfile import write_atomic
 from numad_infer.config import Config
-from numad_infer.haproxy import AdminState, BackendStat, HaproxyError, RuntimeAPI
+from numad_infer.haproxy import AdminState, BackendStat, FrontendStat, HaproxyError, RuntimeAPI
 from numad_infer.haproxycfg import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
 from numad_infer.planner import Instance, Plan
 
@@ -50,6 +50,8 @@ class Frontdoor:
         self.listen = ""
         self.binary = ""
         self.stats: BackendStat | None = None  # last pass's counters, None when unreadable
+        self.answers: FrontendStat | None = None  # the listener's answers by class, read with `stats`
+        self.queue_size = 0  # frontend.queue_size of the applied config: a full queue answers 503
         self.error = ""  # why the last apply or read failed, for status
 
     def _candidate(self, config: Config, plan: Plan) -> Path:
@@ -73,7 +75,7 @@ class Frontdoor:
             if self.runner.running():
                 log.info("front door off (frontend.listen = \"\"): stopping haproxy")
                 self.runner.stop()
-            self.listen, self.stats = "", None
+            self.listen, self.stats, self.answers = "", None, None
             return False
         text = render_haproxy(config, plan, self.paths)
         running = self.runner.running()
@@ -82,6 +84,7 @@ class Frontdoor:
         except OSError:
             current = ""
         self.binary = config.frontend.haproxy
+        self.queue_size = config.frontend.queue_size
         if running and current == text:
             self.listen = config.frontend.listen
             return False
@@ -112,16 +115,16 @@ class Frontdoor:
     def observe(self) -> BackendStat | None:
         """Read the counters once for this pass (None while HAProxy is not answering)."""
         if not self.listen:
-            self.stats = None
+            self.stats = self.answers = None
             return None
         if not self.runner.restarted_by_manager and not self.runner.running():
             log.error("front door: haproxy exited: starting it again")
             self.runner.start(self.binary, self.paths.config)
         try:
-            self.stats = self.api.backend(BACKEND)
+            self.stats, self.answers = self.api.counters(BACKEND, FRONTEND)
             self.error = ""
         except HaproxyError as exc:
-            self.stats = None
+            self.stats = self.answers = None
             self.error = str(exc)
         return self.stats
 

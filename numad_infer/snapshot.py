@@ -55,7 +55,8 @@ def frontdoor_status(fd: Frontdoor) -> FrontdoorStatus | None:
         return None
     stats = fd.stats
     return FrontdoorStatus(fd.listen, stats is not None, None if stats is None else stats.queued,
-                           None if stats is None else stats.in_flight, fd.error or None)
+                           None if stats is None else stats.in_flight, fd.error or None, fd.queue_size or None,
+                           {} if fd.answers is None else dict(fd.answers.responses))
 
 
 def _efficiency(rt: Runtime, weights: int, tuned: Results) -> float | None:
