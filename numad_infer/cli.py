@@ -393,13 +393,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Check the host settings around the instances; exit 0 all well, 1 a warning, 2 a failure."""
-    from numad_infer.doctor import diagnose, exit_status, format_checks, worst
-    from numad_infer.hostfacts import read_facts
+    from numad_infer.checkup import checkup
+    from numad_infer.doctor import exit_status, format_checks, worst
 
     loaded = load_all(args)
-    status = _running_daemon(Path(args.state_file))
-    facts, plan = read_facts(loaded, args.fsroot, status, args.sample)
-    checks = diagnose(facts, plan)
+    checks = checkup(loaded, args.fsroot, _running_daemon(Path(args.state_file)), args.sample)
     if args.json:
         print(json.dumps({"checks": [c.to_json() for c in checks], "worst": worst(checks).value}, indent=2))
     else:

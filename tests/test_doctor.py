@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.doctor import Check, Level, Neighbour, check_neighbours, diagnose
+from numad_infer.doctor import Check, Level, Neighbour, check_neighbours
 from numad_infer.doctor import Plan as DoctorPlan
-from numad_infer.hostfacts import HostReader, read_facts
+from numad_infer.checkup import checkup
+from numad_infer.hostfacts import HostReader
 from numad_infer.identity import BackendKind
 from numad_infer.loading import load
 from tests import fakesys
@@ -104,8 +105,7 @@ def doctor(tmp_path: Path, mutate: Mutate | None = None, neighbours: tuple[Neigh
            features: str | None = "AVX2 = 1 | AVX512 = 1", extra: str = "", model_extra: str = "") -> dict[str, Check]:
     config, root = setup(tmp_path, mutate, features, extra, model_extra)
     loaded = load(str(config), BackendKind.PROCESS, str(root))
-    facts, plan = read_facts(loaded, root, None, 0.0, sampler=lambda seconds: neighbours)
-    return {c.name: c for c in diagnose(facts, plan)}
+    return {c.name: c for c in checkup(loaded, root, None, 0.0, sampler=lambda seconds: neighbours)}
 
 
 def test_a_good_host_passes_every_check(tmp_path: Path) -> None:
