@@ -38,7 +38,9 @@ def read_facts(loaded: "Loaded", fsroot: str | os.PathLike[str], status: "Status
     processes: their memory is theirs to reuse, and their CPU use is no neighbour's."""
     reader = HostReader(fsroot)
     plan = plan_needs(loaded)
-    ours = frozenset({os.getpid(), *(i.pid for i in (status.instances if status else ()) if i.pid)})
+    # This command, the daemon and its instances are what the CPUs are for, not neighbours.
+    ours = frozenset({os.getpid(), *((status.daemon.pid,) if status and status.daemon.pid else ()),
+                      *(i.pid for i in (status.instances if status else ()) if i.pid)})
     held: dict[int, int] = {}
     if status is not None and Path(fsroot) == Path("/"):
         procs = ProcReader("/")

@@ -356,3 +356,34 @@ def test_cli_text_names_the_fix(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert "[WARN] kernel.numa_balancing: 1 (wanted 0)" in proc.stdout
     assert "fix: tuned-adm profile numa-infer" in proc.stdout
+
+
+def test_a_running_instance_is_no_neighbour_and_its_memory_counts_as_its_own(tmp_path: Path) -> None:
+    """This host's own /proc and /sys: a process standing in for a running instance (busy on
+    CPU 0, 64 MiB of anonymous memory touched) is left out of the neighbours, and its
+    memory is added back to what its node has for it."""
+    from numad_infer.checkup import read_facts
+    from numad_infer.states import State
+    from numad_infer.status import DaemonState, DaemonStatus, InstanceStatus, Status
+
+    config, _ = setup(tmp_path)
+    loaded = load(str(config), BackendKind.PROCESS, "/")
+    instance = busy = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys; os.sched_setaffinity(0, {0}); b = bytearray(64 << 20)\n"
+                               "for i in range(0, len(b), 4096): b[i] = 1\nprint(flush=True)\nwhile True: pass"],
+        stdout=subprocess.PIPE)
+    try:
+        assert busy.stdout is not None and busy.stdout.readline() == b"\n"
+        status = Status(DaemonStatus(DaemonState.RUNNING, str(config), pid=None),
+                        tuple(InstanceStatus.planned(i, instance.pid, State.HEALTHY) for i in loaded.plan.instances[:1]))
+        facts, plan = read_facts(loaded, "/", status, 0.5)
+        assert instance.pid not in {n.pid for n in facts.neighbours}
+        node = loaded.plan.instances[0].mems[0]
+        assert facts.nodes[node].instance_bytes >= 64 << 20
+        # Without the status it is someone else's process: a neighbour on CPU 0.
+        facts, _ = read_facts(loaded, "/", None, 0.5)
+        assert [n.cpu for n in facts.neighbours if n.pid == instance.pid] == [0]
+        assert facts.nodes[node].instance_bytes == 0
+    finally:
+        busy.kill()
+        busy.wait()
