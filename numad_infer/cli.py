@@ -391,6 +391,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Check the host settings around the instances; exit 0 all well, 1 a warning, 2 a failure."""
+    from numad_infer.checkup import checkup
+    from numad_infer.doctor import exit_status, format_checks, worst
+
+    loaded = load_all(args)
+    checks = checkup(loaded, args.fsroot, _running_daemon(Path(args.state_file)), args.sample)
+    if args.json:
+        print(json.dumps({"checks": [c.to_json() for c in checks], "worst": worst(checks).value}, indent=2))
+    else:
+        print(format_checks(checks))
+    return exit_status(checks)
+
+
 def _is_numa_infer_daemon(pid: int) -> bool:
     import psutil
 
@@ -456,6 +470,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=None, help="repeats of every figure (default 5, --quick 3)")
     p.add_argument("--tokens", type=int, default=None, help="tokens generated per decode sample (default 64, --quick 16)")
     p.set_defaults(func=cmd_tune)
+    p = sub.add_parser("doctor", parents=[common],
+                       help="check the host settings the instances depend on (exit 0 ok, 1 warnings, 2 failures); "
+                            "changes nothing")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--sample", type=float, default=1.0, metavar="SECONDS",
+                   help="how long to watch the inference CPUs for other busy processes (default 1)")
+    p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("health", parents=[common], help="for liveness/readiness probes: exit 0 yes, 1 no, 3 no daemon")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--live", action="store_true", help="the daemon's loop is turning (the default)")

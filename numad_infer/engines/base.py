@@ -13,6 +13,7 @@ A new engine is a subclass registered with `register()` (the built-in ones regis
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -92,6 +93,19 @@ class Engine(ABC):
     def parse_metrics(self, text: str) -> EngineCounters | None:
         """The counters in a scrape of `metrics_path`, None when they are not all there."""
         return None
+
+    def system_info(self, config: Config, host: HostAccess) -> tuple[str | None, str]:
+        """What the engine says it was built for (llama.cpp's system-info line, e.g.
+        "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1"), and where that came from or why it is unknown."""
+        return None, f"{self.name} does not report its build"
+
+
+def parse_system_info(text: str) -> frozenset[str] | None:
+    """The features llama.cpp's system-info line turns on ("AVX512 = 1" -> "AVX512"), None without one."""
+    found = re.findall(r"\b([A-Z][A-Z0-9_]*) = (\d+)", text)
+    if not found:
+        return None
+    return frozenset(name for name, value in found if value != "0")
 
 
 _REGISTRY: dict[str, Engine] = {}

@@ -21,6 +21,8 @@ _FROM_CREDENTIAL = ("import os, runpy; "
 # find_spec only locates the package: importing llama_cpp would load the C library (slow).
 _FIND_LLAMA_CPP = "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"
 
+_SYSTEM_INFO = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+
 
 class LlamaCppPython(Engine):
     name = "llama-cpp-python"
@@ -48,6 +50,14 @@ class LlamaCppPython(Engine):
             "--interrupt_requests", "false",
             *config.server.extra_args,
         ]
+
+    def system_info(self, config: Config, host: HostAccess) -> tuple[str | None, str]:
+        """llama_cpp.llama_print_system_info(): the CPU backend the library loads, with its features."""
+        python = config.server.python
+        done = host.run([python, "-I", "-c", _SYSTEM_INFO], 60.0)
+        if done is None or done.returncode != 0:
+            return None, f"{python} cannot import llama_cpp{host.who}"
+        return done.stdout.strip(), f"llama_cpp.llama_print_system_info() in {python}"
 
     def check_host(self, config: Config, source: str, host: HostAccess) -> list[str]:
         """A warning, not a refusal: the interpreter may be installed into after the check."""

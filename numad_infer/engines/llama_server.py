@@ -75,6 +75,20 @@ class LlamaServer(Engine):
                               f"{_HINT}", path, True)
         return []
 
+    def system_info(self, config: Config, host: HostAccess) -> tuple[str | None, str]:
+        """llama-server prints llama.cpp's system info (the CPU backend it loaded, with its
+        features) before it loads a model: start it on a file that is no model, so that it
+        stops there without listening on anything."""
+        path = config.server.llama_server
+        done = host.run([path, "--log-verbosity", "4", "--model", "/dev/null", "--host", "127.0.0.1", "--port", "0"],
+                        30.0)
+        if done is None:
+            return None, f"`{path}` did not run{host.who}"
+        for line in (done.stdout + done.stderr).splitlines():
+            if "system_info" in line or " CPU : " in line:
+                return line[line.find("CPU :"):] if "CPU :" in line else line, f"`{path} --log-verbosity 4`"
+        return None, f"`{path}` printed no system_info line (this build does not say what it uses)"
+
     def parse_metrics(self, text: str) -> EngineCounters | None:
         found: dict[str, float] = {}
         for line in text.splitlines():
