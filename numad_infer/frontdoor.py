@@ -36,7 +36,8 @@ class FrontdoorRunner(Protocol):
     restarted_by_manager: bool
 
     def running(self) -> bool: ...
-    def start(self, binary: str, config_path: Path) -> None: ...
+    # privileged_port: the listener is below 1024 (HAProxy keeps CAP_NET_BIND_SERVICE, nothing else).
+    def start(self, binary: str, config_path: Path, privileged_port: bool) -> None: ...
     def reload(self) -> None: ...
     def stop(self) -> None: ...
 
@@ -49,6 +50,7 @@ class Frontdoor:
         self.api = RuntimeAPI(str(runner.socket_path))
         self.listen = ""
         self.binary = ""
+        self.privileged_port = False
         self.stats: BackendStat | None = None  # last pass's counters, None when unreadable
         self.error = ""  # why the last apply or read failed, for status
 
@@ -82,6 +84,7 @@ class Frontdoor:
         except OSError:
             current = ""
         self.binary = config.frontend.haproxy
+        self.privileged_port = config.frontend.address[1] < 1024
         if running and current == text:
             self.listen = config.frontend.listen
             return False
@@ -97,7 +100,7 @@ class Frontdoor:
             self.runner.reload()
         else:
             log.info("front door: starting haproxy on %s over %d instance(s)", config.frontend.listen, len(plan.instances))
-            self.runner.start(config.frontend.haproxy, self.paths.config)
+            self.runner.start(config.frontend.haproxy, self.paths.config, self.privileged_port)
         self.listen = config.frontend.listen
         self.error = ""
         return True
@@ -116,7 +119,12 @@ class Frontdoor:
             return None
         if not self.runner.restarted_by_manager and not self.runner.running():
             log.error("front door: haproxy exited: starting it again")
-            self.runner.start(self.binary, self.paths.config)
+            try:
+                self.runner.start(self.binary, self.paths.config, self.privileged_port)
+            except HaproxyError as exc:
+                self.stats, self.error = None, str(exc)
+                log.error("front door: %s", exc)
+                return None
         try:
             self.stats = self.api.backend(BACKEND)
             self.error = ""

@@ -43,6 +43,18 @@ def shared_dir() -> Path:
     return _shared
 
 
+def run_dir(tmp: Path) -> Path:
+    """The daemon's state directory. Run as root, the daemon starts HAProxy as its own
+    user (numa-infer-frontdoor, or nobody), which must read haproxy.cfg there, as it does
+    in /run/numa-infer: so not under pytest's private (0700) directories."""
+    if os.geteuid() != 0:
+        return tmp / "run"
+    import tempfile
+    path = Path(tempfile.mkdtemp(prefix="run-", dir=shared_dir()))
+    path.chmod(0o755)
+    return path
+
+
 def _runnable_by_others(path: Path) -> bool:
     path = path.resolve()
     return all(os.stat(d).st_mode & 0o001 for d in path.parents) and bool(os.stat(path).st_mode & 0o001)
@@ -187,7 +199,7 @@ class DaemonRun:
         self.tmp = tmp
         self.model = model
         self.fsroot = fakesys.write_tree(tmp / "fs", machine or two_single_cpu_nodes())
-        self.state_file = tmp / "run" / "state.json"
+        self.state_file = run_dir(tmp) / "state.json"
         self.config = tmp / "numa-infer.toml"
         self.base_port = free_port_block(8, also=(500,))
         self.extra_config = extra_config
