@@ -57,7 +57,7 @@ class Frontdoor:
     def _candidate(self, config: Config, plan: Plan) -> Path:
         candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
         # Renamed into place, never written through: a link planted under this name is
-        # replaced, not followed. 0644: HAProxy may run as another user (DynamicUser).
+        # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
         write_atomic(candidate, render_haproxy(config, plan, self.paths), durable=False)
         try:
             haproxy.validate(config.frontend.haproxy, str(candidate))

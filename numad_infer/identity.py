@@ -69,7 +69,7 @@ FRONTDOOR_USER = "numa-infer-frontdoor"
 FALLBACK_USER = "nobody"  # on every Linux host; shared with other daemons, hence only a fallback
 SYSUSERS_FILE = "/usr/lib/sysusers.d/numa-infer.conf"
 CREATE_USERS = (f"install the numa-infer package, or create the users with `systemd-sysusers {SYSUSERS_FILE}` "
-                "(in a source tree: `systemd-sysusers $PWD/debian/numa-infer.sysusers`)")
+                "(from a source clone, in its root: `systemd-sysusers \"$PWD/debian/numa-infer.sysusers\"`)")
 
 
 def lookup(name: str, source: str, key: str = "server.user") -> RunAs:

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- what the servers run as ------------------------------------------------------------------
-# Run as root (CI), the daemon drops its servers to server.user (nobody): the interpreter,
-# llama-cpp-python and the model must then be readable by nobody, as on a real host. pytest's
+# Run as root (CI), the daemon drops its servers to server.user (numa-infer, or nobody where
+# that user does not exist): the interpreter,
+# llama-cpp-python and the model must then be readable by it, as on a real host. pytest's
 # temporary directories are private (0700) and this venv's interpreter may live under /root,
 # so the servers get a world-readable directory of their own with the model and, where
 # needed, a bridge venv: the system interpreter of the same Python version (same ABI) with
