@@ -336,10 +336,8 @@ class ProcessBackend:
         pass  # nothing on disk
 
     def frontdoor_runner(self, run_dir: Path) -> FrontdoorRunner:
-        runs_as = frontdoor_runs_as(self.kind)
-        if runs_as is None:
-            log.info("front door: the daemon is not root: haproxy runs as the daemon's user (uid %d)", os.geteuid())
-        elif runs_as.fallback:
+        runs_as = frontdoor_runs_as(self.kind)  # None: the daemon is not root, and haproxy runs as its user
+        if runs_as is not None and runs_as.fallback:
             log.warning("front door: %s", runs_as.fallback)
         return ProcessFrontdoorRunner(run_dir, self.output, runs_as)
 
@@ -403,7 +401,8 @@ class ProcessFrontdoorRunner:
         except (OSError, subprocess.SubprocessError) as exc:  # the switch failed, or no binary
             raise HaproxyError(f"cannot start {binary}: {exc}") from None
         log.info("front door: haproxy master pid %d as %s", self.child.pid,
-                 "the daemon's user" if self.runs_as is None else self.runs_as.name)
+                 f"the daemon's user (uid {os.geteuid()}: not root, it cannot switch)" if self.runs_as is None
+                 else self.runs_as.name)
 
     def reload(self) -> None:
         if self.running():

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
+from numad_infer.defaults import FRONTDOOR_USER, INSTANCE_USER, SYSUSERS_FILE
 from numad_infer.errors import ConfigError
 
 
@@ -63,11 +64,7 @@ class RunAs:
 
 DYNAMIC_USER = RunAs("systemd's DynamicUser", None, None, ())
 
-# Created by the package (debian/numa-infer.sysusers, installed as SYSUSERS_FILE).
-INSTANCE_USER = "numa-infer"
-FRONTDOOR_USER = "numa-infer-frontdoor"
 FALLBACK_USER = "nobody"  # on every Linux host; shared with other daemons, hence only a fallback
-SYSUSERS_FILE = "/usr/lib/sysusers.d/numa-infer.conf"
 CREATE_USERS = (f"install the numa-infer package, or create the users with `systemd-sysusers {SYSUSERS_FILE}` "
                 "(from a source clone, in its root: `systemd-sysusers \"$PWD/debian/numa-infer.sysusers\"`)")
 

@@ -17,7 +17,7 @@ from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
 from numad_infer.haproxycfg import CONFIG_NAME
-from numad_infer.identity import FRONTDOOR_USER
+from numad_infer.defaults import FRONTDOOR_USER
 from numad_infer.engines import KEY_CREDENTIAL, engine_of
 from numad_infer.planner import Instance, Plan
 from numad_infer.unitnames import FRONTDOOR_UNIT, dropin, template_unit
