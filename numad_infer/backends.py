@@ -27,7 +27,6 @@ from numad_infer.errors import NumaInferError
 from numad_infer.childlog import ChildOutput, InstanceLogs
 from numad_infer.cpuset import format_list
 from numad_infer.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
-from numad_infer.notify import child_environ
 from numad_infer.planner import Instance, Plan
 from numad_infer.frontdoor import FrontdoorRunner
 from numad_infer.haproxy import HaproxyError
@@ -229,6 +228,16 @@ def server_environment(engine: Engine, instance: Instance, key: str | None, runs
     return env
 
 
+def frontdoor_environment(runs_as: RunAs | None, daemon_environment: Mapping[str, str]) -> dict[str, str]:
+    """HAProxy's whole environment under the process backend: PATH, the locale and HOME.
+    Its config names no variable, and /proc/PID/environ is readable by its user (`nobody`,
+    where the packaged user is missing, is shared)."""
+    env = {name: daemon_environment[name] for name in INHERITED_VARIABLES if name in daemon_environment}
+    env.setdefault("PATH", _DEFAULT_PATH)
+    env["HOME"] = runs_as.home if runs_as is not None else daemon_environment.get("HOME", "/")
+    return env
+
+
 # Job types that bring the daemon back (systemctl restart, try-restart, reload-or-restart).
 RESTART_JOBS = ("restart", "try-restart", "reload-or-restart")
 
@@ -394,7 +403,7 @@ class ProcessFrontdoorRunner:
         # -db: stay in the foreground; the master dies with the daemon (PDEATHSIG).
         try:
             self.child = self.output.popen(
-                "frontdoor", [binary, "-W", "-db", "-f", str(config_path)], env=child_environ(),
+                "frontdoor", [binary, "-W", "-db", "-f", str(config_path)], env=frontdoor_environment(self.runs_as, os.environ),
                 stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True, cwd="/",
                 preexec_fn=switch_user(self.runs_as, privileged_port),
             )

@@ -148,10 +148,15 @@ def doors(tmp_path: Path):
 
 @as_root
 @with_haproxy
-def test_the_process_backend_runs_haproxy_as_its_own_user_master_and_workers_alike(doors) -> None:
-    # Before: haproxy ran as the root daemon's child, as root, with every capability.
+def test_the_process_backend_runs_haproxy_as_its_own_user_master_and_workers_alike(doors, monkeypatch) -> None:
+    # Before: haproxy ran as the root daemon's child, as root, with every capability, and
+    # with the daemon's whole environment.
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "daemon-secret")
     door = doors()
     door.start()
+    environ = Path(f"/proc/{door.master}/environ").read_bytes().split(b"\0")
+    assert not [e for e in environ if b"daemon-secret" in e or e.startswith(b"NOTIFY_SOCKET=")]
+    assert any(e.startswith(b"PATH=") for e in environ)
     uid = expected_frontdoor_uid()
     assert uid != 0
     for pid in door.processes():
