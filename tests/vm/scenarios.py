@@ -394,13 +394,19 @@ def s6_reload() -> str:
     pid0 = main_pid("infer@0")
     write_config("nodes = [0]")
     sh("systemctl", "reload", "numa-infer", timeout=300)
-    if sh("systemctl", "is-active", "infer@1", check=False).strip() == "active":
-        raise Fail("infer@1 still active")
+    # The dropped instance is drained, not killed (issue 18): the reload takes it out of the
+    # front door's rotation and the daemon stops it once no client connection to it is open,
+    # on a later pass. So it is allowed to be active for a moment after the reload returns,
+    # never past drain_timeout_s (120 s by default).
+    t0 = time.monotonic()
+    wait(lambda: sh("systemctl", "is-active", "infer@1", check=False).strip() != "active", 130,
+         "infer@1 to be stopped after its drain")
+    drained = time.monotonic() - t0
     if Path("/run/systemd/system/infer@1.service.d/50-numa-infer.conf").exists():
         raise Fail("infer@1 drop-in still there")
     if main_pid("infer@0") != pid0:
         raise Fail(f"infer@0 restarted: {pid0} -> {main_pid('infer@0')}")
-    return f"infer@1 stopped and removed, infer@0 kept pid {pid0}"
+    return f"infer@1 drained and stopped {drained:.1f}s after the reload returned, drop-in removed, infer@0 kept pid {pid0}"
 
 
 @scenario("7-bad-reload")
