@@ -22,6 +22,8 @@ from numad_infer.tables import format_table
 from numad_infer.unitnames import DAEMON_UNIT
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from numad_infer.allowed import Allowed
     from numad_infer.status import Status
     from numad_infer.loading import Loaded
@@ -144,13 +146,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_backend(choice: str, state_file: Path, instance_logs: str = "file"):
+def _make_backend(choice: str, state_file: Path, instance_logs: str = "file",
+                  progress: Callable[[], None] | None = None):
     from numad_infer.backends import ProcessBackend, SystemdBackend
     from numad_infer.childlog import InstanceLogs
     from numad_infer.identity import BackendKind, backend_kind
+    from numad_infer.systemctl import Systemctl
 
     if backend_kind(choice) == BackendKind.SYSTEMD:
-        return SystemdBackend()  # the journal has the instances' output, named by unit
+        # The journal has the instances' output, named by unit.
+        return SystemdBackend(Systemctl(progress=progress))
     return ProcessBackend(state_file.parent / "logs", InstanceLogs(instance_logs))
 
 
@@ -163,7 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                         format="%(levelname)s: %(message)s" if under_journal else "%(asctime)s %(levelname)s: %(message)s")
     notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
     state_file = Path(args.state_file)
-    backend = _make_backend(args.backend, state_file, args.instance_logs)
+    backend = _make_backend(args.backend, state_file, args.instance_logs, progress=notifier.keepalive)
     daemon = Daemon(args.config, args.fsroot, backend, state_file, notifier)
     return daemon.run()
 

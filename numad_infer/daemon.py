@@ -76,6 +76,7 @@ class Daemon:
 
     # -- reporting --------------------------------------------------------------------------------------
     def reload(self) -> None:
+        self.notifier.keepalive()
         self.notifier.reloading()
         self.plan.reload()
         self.notifier.ready(self.status_line())
