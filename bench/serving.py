@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-serving-"))
-    model = generated_model(args.size)  # readable by the servers' user (nobody, when run as root)
+    model = generated_model(args.size)  # readable by the servers' user (numa-infer, or nobody without it, when run as root)
     weights = model.stat().st_size
     topo = read_topology("/")
     print(f"# host: {os.cpu_count()} CPUs, {len(topo.nodes)} NUMA node(s); model {args.size}: {weights / 2**20:.0f} MiB;"

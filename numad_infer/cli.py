@@ -115,12 +115,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from numad_infer.identity import systemd_frontdoor_user
     from numad_infer.render import render_units
     from numad_infer.unitdir import write_units
 
     loaded = load_all(args)
     unit_dir = Path(args.output or loaded.config.systemd.unit_dir)
-    result = write_units(unit_dir, render_units(loaded.config, loaded.plan))
+    result = write_units(unit_dir, render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
     for rel in result.written:
         print(f"wrote {unit_dir / rel}")
     for rel in result.removed:
@@ -133,13 +134,15 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from numad_infer.identity import systemd_frontdoor_user
     from numad_infer.render import render_units
     from numad_infer.unitdir import plan_write
 
     loaded = load_all(args)
     print(f"{args.config}: valid for this machine")
     print(format_plan(loaded.plan, loaded.warnings))
-    pending = plan_write(Path(loaded.config.systemd.unit_dir), render_units(loaded.config, loaded.plan))
+    pending = plan_write(Path(loaded.config.systemd.unit_dir),
+                         render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
     if pending.changed:
         print(f"units in {loaded.config.systemd.unit_dir} differ from this plan: "
               f"{len(pending.written)} to write, {len(pending.removed)} to remove")

@@ -72,11 +72,13 @@ MODULES: dict[str, tuple[str, str]] = {
     "hostfacts": (EDGE, "reads what `doctor` judges (sysctls, THP, cpufreq, IRQs, swap, processes) from a root"),
     "hostcheck": (EDGE, "the host as the instances meet it: programs run with their privilege (an engine's "
                         "check), host warnings"),
-    "identity": (EDGE, "the backend kind (asked once) and who the instances run as: DynamicUser, `server.user`"),
+    "identity": (EDGE, "the backend kind (asked once), who the instances and the front door run as: DynamicUser, "
+                 "`server.user`, the packaged users"),
     "metrics": (EDGE, "the Prometheus endpoint"),
     "modelfile": (EDGE, "the model file: readable, GGUF, its size"),
     "notify": (EDGE, "sd_notify"),
     "pinning": (EDGE, "affinity and memory-policy syscalls"),
+    "privdrop": (EDGE, "a child switched to another user, keeping CAP_NET_BIND_SERVICE only where asked"),
     "portowner": (EDGE, "whose process listens on an instance's port (before it gets the key or requests)"),
     "procfs": (EDGE, "/proc reader rooted at a directory"),
     "statefile": (EDGE, "the state file the daemon writes and the commands read"),

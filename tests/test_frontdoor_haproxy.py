@@ -287,7 +287,7 @@ def test_every_path_in_haproxy_cfg_is_quoted_and_haproxy_accepts_it(tmp_path: Pa
     paths = Paths(run_dir / "haproxy.cfg", run_dir / "state $HOME", run_dir / "haproxy.sock")
     plan = plan_for(tmp_path, config)
     text = render_haproxy(config, plan, paths)
-    assert f'stats socket "{run_dir}/haproxy.sock" mode 600' in text
+    assert f'stats socket "{run_dir}/haproxy.sock" mode 660' in text
     assert f'server-state-file "{run_dir}/state \\$HOME"' in text
     paths.config.write_text(text)
     paths.state.write_text("1\n")

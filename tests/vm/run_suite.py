@@ -31,6 +31,8 @@ from scenarios import GROUPS, TOPOLOGY  # noqa: E402  (scenario names, to notice
 # The "deb" group installs numa-infer from its Debian package instead of the wheel.
 WHEEL_SETUP = """/opt/llm/bin/pip install -q --no-deps --no-index /mnt/share/dist/*.whl
 sed 's#/usr/bin/numa-infer#/opt/llm/bin/numa-infer#g' /mnt/share/numa-infer.service > /etc/systemd/system/numa-infer.service
+# The users the package would make: the shipped unit names the front door's group.
+systemd-sysusers /mnt/share/numa-infer.sysusers
 systemctl daemon-reload
 """
 GUEST_TEST = """#!/bin/bash
@@ -97,12 +99,13 @@ def main() -> int:
                    stdout=subprocess.DEVNULL)
     shutil.copy(HERE / "scenarios.py", work / "scenarios.py")
     shutil.copy(ROOT / "packaging/systemd/numa-infer.service", work / "numa-infer.service")
+    shutil.copy(ROOT / "debian/numa-infer.sysusers", work / "numa-infer.sysusers")
 
     failed = False
     for group in groups:
         share = work / f"share-{group}"
         share.mkdir()
-        for item in ("dist", "tiny.gguf", "scenarios.py", "numa-infer.service"):
+        for item in ("dist", "tiny.gguf", "scenarios.py", "numa-infer.service", "numa-infer.sysusers"):
             src = work / item
             (shutil.copytree if src.is_dir() else shutil.copy)(src, share / item)
         if group == "deb":

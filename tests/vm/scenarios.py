@@ -262,16 +262,7 @@ def s1_start() -> str:
 def s1b_frontdoor() -> str:
     if sh("systemctl", "is-active", "numa-infer-frontdoor", check=False).strip() != "active":
         raise Fail("numa-infer-frontdoor.service is not active")
-    # Root by design (its admin socket is then root's) but with no capability at all.
-    status_text = Path(f"/proc/{main_pid('numa-infer-frontdoor')}/status").read_text()
-    caps = {line.split(":")[0]: int(line.split()[1], 16) for line in status_text.splitlines() if line.startswith("Cap")}
-    if caps["CapEff"] or caps["CapBnd"] or caps["CapPrm"]:
-        raise Fail(f"haproxy holds capabilities: {caps}")
-    user = "root without capabilities"
-    daemon_caps = [line for line in Path(f"/proc/{main_pid('numa-infer')}/status").read_text().splitlines()
-                   if line.startswith("CapBnd:")][0]
-    if int(daemon_caps.split()[1], 16) != 1 << 23:  # CAP_SYS_NICE alone
-        raise Fail(f"the daemon's bounding set is not CAP_SYS_NICE alone: {daemon_caps}")
+    user = frontdoor_runs_as_its_user()  # and the daemon's capabilities
     before = {i["name"]: i.get("served") or 0 for i in status()["instances"]}
     load = Load(clients=2, limit=6)
     for t in load.threads:
@@ -578,6 +569,53 @@ def apt(*args: str) -> str:
     return sh("apt-get", "-y", "-q", "-o", "Acquire::Retries=0", "-o", "Dpkg::Use-Pty=0", *args, timeout=600)
 
 
+# -- issue 19, items 7 and 9: the package's users, and HAProxy as its own ---------------------------
+
+PACKAGED_USERS = ("numa-infer", "numa-infer-frontdoor")  # debian/numa-infer.sysusers
+
+
+def packaged_users() -> str:
+    """Both users exist, unprivileged, with no login shell."""
+    import pwd
+    found = []
+    for name in PACKAGED_USERS:
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            raise Fail(f"user {name} does not exist (sysusers.d/numa-infer.conf not applied)") from None
+        if not 0 < entry.pw_uid < 1000 or not entry.pw_shell.endswith("nologin"):
+            raise Fail(f"user {name}: uid {entry.pw_uid}, shell {entry.pw_shell}")
+        found.append(f"{name} ({entry.pw_uid})")
+    return ", ".join(found)
+
+
+def frontdoor_runs_as_its_user() -> str:
+    """HAProxy, master and workers, runs as numa-infer-frontdoor with no capability; its
+    admin socket's directory is its own and its group's (mode 0750), and the daemon, root
+    without a DAC override, reaches the socket through that group."""
+    import grp
+    import pwd
+    user = pwd.getpwnam("numa-infer-frontdoor")
+    master = main_pid("numa-infer-frontdoor")
+    pids = [master, *(int(p) for p in sh("pgrep", "-P", str(master), check=False).split())]
+    for pid in pids:
+        fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+        uids = fields["Uid"].split()
+        caps = {k: int(v, 16) for k, v in fields.items() if k in ("CapEff", "CapPrm", "CapBnd")}
+        if uids != [str(user.pw_uid)] * 4 or any(caps.values()):
+            raise Fail(f"haproxy pid {pid}: uids {uids}, capabilities {caps}")
+    directory = os.stat("/run/numa-infer-frontdoor")
+    if (directory.st_uid, directory.st_gid, directory.st_mode & 0o777) != (user.pw_uid, user.pw_gid, 0o750):
+        raise Fail(f"/run/numa-infer-frontdoor: uid {directory.st_uid} gid {directory.st_gid} "
+                   f"mode {directory.st_mode & 0o777:o}")
+    daemon = dict(line.split(":", 1) for line in Path(f"/proc/{main_pid('numa-infer')}/status").read_text().splitlines())
+    if str(grp.getgrnam("numa-infer-frontdoor").gr_gid) not in daemon["Groups"].split():
+        raise Fail(f"the daemon is not in the group numa-infer-frontdoor: groups {daemon['Groups'].strip()}")
+    if int(daemon["CapBnd"], 16) != 1 << 23:  # CAP_SYS_NICE alone
+        raise Fail(f"the daemon's bounding set is not CAP_SYS_NICE alone: {daemon['CapBnd'].strip()}")
+    return f"numa-infer-frontdoor (uid {user.pw_uid}, {len(pids)} processes, no capability)"
+
+
 @scenario("d1-install")
 def d1_install() -> str:
     global NI
@@ -598,7 +636,8 @@ def d1_install() -> str:
             raise Fail(f"{path} not installed")
     if "/etc/numa-infer.toml" not in sh("dpkg-query", "-W", "-f=${Conffiles}", "numa-infer"):
         raise Fail("/etc/numa-infer.toml is not a conffile")
-    return f"{version}; installed disabled and inactive, no failed unit"
+    users = packaged_users()
+    return f"{version}; installed disabled and inactive, no failed unit; users {users}"
 
 
 @scenario("d2-configure-start")
