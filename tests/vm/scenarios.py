@@ -1237,6 +1237,9 @@ GROUPS = {
     "restarts": [s1_start] + [s8_daemon_kill, s8b_daemon_restart] * 8 + [s9_stop],
     # Random faults under load for 3-7 minutes, every kind once (bench/chaos.py's soak, under systemd).
     "chaos": [s1_start, c1_chaos, s9_stop],
+    # What CI runs: tune, then the chaos soak, in one guest. Each on its own costs a boot, a
+    # daemon start and a model load (about 3 minutes under TCG); the guest gets 1500 s.
+    "tune-chaos": [s1_start, t1_tune, c1_chaos, s9_stop],
     "deb": [d1_install, d2_start, s1b_frontdoor, s2_kill, s4_affinity, d3_upgrade, d4_purge],
     # numa-infer's container image under podman: the cgroup limits a Guaranteed pod gets.
     "container": [k0_load, k1_cpuset_per_node, k2_published_port, k3_podman_update, k4_podman_stop, k5_one_node,
@@ -1244,7 +1247,7 @@ GROUPS = {
 }
 
 # The emulated machine each group boots (tests/vm/image.sh run SHARE TOPO).
-TOPOLOGY = {"tune": "2x2", "engine": "2x2", "filter-cost": "2x2", "2x2": "2x2", "2x2smt": "2x2smt", "4x1": "4x1", "deb": "2x2", "bench": "2x2", "restarts": "2x2", "chaos": "2x2", "container": "2x2"}
+TOPOLOGY = {"tune": "2x2", "engine": "2x2", "filter-cost": "2x2", "2x2": "2x2", "2x2smt": "2x2smt", "4x1": "4x1", "deb": "2x2", "bench": "2x2", "restarts": "2x2", "chaos": "2x2", "tune-chaos": "2x2", "container": "2x2"}
 
 if __name__ == "__main__":
     for run in GROUPS[sys.argv[1]]:
