@@ -14,6 +14,7 @@ runtime would); under the process backend the instances die with their daemon
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import random
@@ -86,7 +87,9 @@ def one_request(port: int, stream: bool, tally: Tally) -> bool:
             return tally.add("ok" if finished else "cut")
     except urllib.error.HTTPError as exc:
         return tally.add("before", f"HTTP {exc.code}")
-    except (OSError, ValueError) as exc:
+    # A body cut short (IncompleteRead) is an HTTPException, not an OSError: a client thread
+    # must count it, not die of it.
+    except (OSError, ValueError, http.client.HTTPException) as exc:
         cause = type(exc).__name__ if not isinstance(exc, urllib.error.URLError) else f"{exc.reason}"
         return tally.add("in-flight" if got_bytes else "before", str(cause)[:60])
 

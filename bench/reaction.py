@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=5)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-bench-"))
-    model = generated_model("tiny")  # readable by the servers' user (nobody, when run as root)
+    model = generated_model("tiny")  # readable by the servers' user (numa-infer, or nobody without it, when run as root)
     (tmp / "d").mkdir()
     # Enough restart budget for the repeated kills below (the default marks it failed after 5).
     # Repeated kills on purpose: no restart budget or backoff in the way of the reaction time.

@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-serving-"))
-    model = generated_model(args.size)  # readable by the servers' user (nobody, when run as root)
+    model = generated_model(args.size)  # readable by the servers' user (numa-infer, or nobody without it, when run as root)
     # Bytes a decoded token reads (layers, output projection, one embedding row), not the file.
     weights = decode_bytes(str(model))
     no_stop = engine_named("llama-cpp-python").no_stop_fields(stop_token_ids(str(model)))

@@ -27,10 +27,12 @@ from numad_infer.errors import NumaInferError
 from numad_infer.childlog import ChildOutput, InstanceLogs
 from numad_infer.cpuset import format_list
 from numad_infer.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
-from numad_infer.notify import child_environ
 from numad_infer.planner import Instance, Plan
 from numad_infer.frontdoor import FrontdoorRunner
-from numad_infer.identity import BackendKind, RunAs, instances_run_as
+from numad_infer.haproxy import HaproxyError
+from numad_infer.identity import (CREATE_USERS, FRONTDOOR_USER, BackendKind, RunAs, frontdoor_runs_as, instances_run_as,
+                                  systemd_frontdoor_user, unreadable_reason)
+from numad_infer.privdrop import switch_user
 from numad_infer.engines import Engine, engine_of
 from numad_infer.render import FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, instance_environment, render_units
 from numad_infer.unitnames import (DAEMON_UNIT, DROPIN_NAME, FRONTDOOR_UNIT, dropin, name_of_dropin, template_of,
@@ -39,6 +41,8 @@ from numad_infer.systemctl import Systemctl, SystemctlError
 from numad_infer.unitdir import managed_files, write_units
 
 log = logging.getLogger(__name__)
+
+SOCKET_DIR_NAME = "frontdoor"  # process backend: HAProxy's own directory in the run directory
 
 
 @dataclass(frozen=True)
@@ -100,7 +104,11 @@ class SystemdBackend:
         return specs
 
     def sync(self, config: Config, plan: Plan) -> bool:
-        result = write_units(Path(config.systemd.unit_dir), render_units(config, plan))
+        frontdoor_user = systemd_frontdoor_user()
+        if config.frontend.enabled and frontdoor_user is None:
+            log.warning("front door: user %s does not exist on this host: haproxy runs as root with no capability; %s",
+                        FRONTDOOR_USER, CREATE_USERS)
+        result = write_units(Path(config.systemd.unit_dir), render_units(config, plan, frontdoor_user))
         if result.changed:
             log.info("units: wrote %s, removed %s; systemctl daemon-reload",
                      ", ".join(result.written) or "nothing", ", ".join(result.removed) or "nothing")
@@ -187,8 +195,8 @@ class SystemdFrontdoorRunner:
         props = self.systemctl.show_many([FRONTDOOR_UNIT], "ActiveState").get(FRONTDOOR_UNIT, {})
         return props.get("ActiveState") in ("active", "reloading", "activating")
 
-    def start(self, binary: str, config_path: Path) -> None:
-        self.systemctl.start(FRONTDOOR_UNIT)
+    def start(self, binary: str, config_path: Path, privileged_port: bool = False) -> None:
+        self.systemctl.start(FRONTDOOR_UNIT)  # the unit holds the user and the capability
 
     def reload(self) -> None:
         self.systemctl.reload(FRONTDOOR_UNIT)
@@ -217,6 +225,16 @@ def server_environment(engine: Engine, instance: Instance, key: str | None, runs
     env.update(instance_environment(instance))
     if key is not None:
         env.update(engine.key_environment(key))  # readable by the child's user only, not argv
+    return env
+
+
+def frontdoor_environment(runs_as: RunAs | None, daemon_environment: Mapping[str, str]) -> dict[str, str]:
+    """HAProxy's whole environment under the process backend: PATH, the locale and HOME.
+    Its config names no variable, and /proc/PID/environ is readable by its user (`nobody`,
+    where the packaged user is missing, is shared)."""
+    env = {name: daemon_environment[name] for name in INHERITED_VARIABLES if name in daemon_environment}
+    env.setdefault("PATH", _DEFAULT_PATH)
+    env["HOME"] = runs_as.home if runs_as is not None else daemon_environment.get("HOME", "/")
     return env
 
 
@@ -327,31 +345,73 @@ class ProcessBackend:
         pass  # nothing on disk
 
     def frontdoor_runner(self, run_dir: Path) -> FrontdoorRunner:
-        return ProcessFrontdoorRunner(run_dir, self.output)
+        runs_as = frontdoor_runs_as(self.kind)  # None: the daemon is not root, and haproxy runs as its user
+        if runs_as is not None and runs_as.fallback:
+            log.warning("front door: %s", runs_as.fallback)
+        return ProcessFrontdoorRunner(run_dir, self.output, runs_as)
 
 
 class ProcessFrontdoorRunner:
-    """HAProxy as the daemon's child, in master-worker mode (-W): SIGUSR2 reloads seamlessly."""
+    """HAProxy as the daemon's child, in master-worker mode (-W): SIGUSR2 reloads seamlessly.
+
+    A root daemon starts it as `runs_as` (identity.frontdoor_runs_as), master and workers
+    alike: the master re-executes itself on every reload, so it must never be root. Its
+    admin socket sits in `<run dir>/frontdoor/`, HAProxy's own directory (mode 0700): only
+    HAProxy and the root daemon reach it. A daemon that is not root cannot switch: HAProxy
+    runs as the daemon's user, in a directory of the daemon's.
+    """
 
     restarted_by_manager = False  # the daemon starts it again (Frontdoor.observe)
 
-    def __init__(self, run_dir: Path, output: ChildOutput) -> None:
+    def __init__(self, run_dir: Path, output: ChildOutput, runs_as: RunAs | None) -> None:
         self.run_dir = run_dir
-        self.socket_path = run_dir / "haproxy.sock"
+        self.socket_path = run_dir / SOCKET_DIR_NAME / "admin.sock"
         self.output = output
+        self.runs_as = runs_as
         self.child: subprocess.Popen[bytes] | None = None
 
     def running(self) -> bool:
         return self.child is not None and self.child.poll() is None
 
-    def start(self, binary: str, config_path: Path) -> None:
+    def _socket_dir(self) -> None:
+        """HAProxy's directory, made (or taken back) for it: never through a link."""
+        directory = self.socket_path.parent
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise HaproxyError(f"{directory} (the front door's socket directory) is not a directory "
+                               f"({exc.strerror}): remove it; the daemon makes it") from None
+        try:
+            if self.runs_as is not None:
+                assert self.runs_as.uid is not None and self.runs_as.gid is not None
+                os.fchown(fd, self.runs_as.uid, self.runs_as.gid)
+            os.fchmod(fd, 0o700)
+        finally:
+            os.close(fd)
+
+    def start(self, binary: str, config_path: Path, privileged_port: bool = False) -> None:
+        if self.runs_as is not None:
+            reason = unreadable_reason(str(config_path), self.runs_as)
+            if reason is not None:
+                raise HaproxyError(f"haproxy runs as {self.runs_as.name}, who cannot read {config_path}: {reason}; "
+                                   "or choose a --state-file in a directory that user can reach")
+        self._socket_dir()
         # -db: stay in the foreground; the master dies with the daemon (PDEATHSIG).
-        self.child = self.output.popen(
-            "frontdoor", [binary, "-W", "-db", "-f", str(config_path)], env=child_environ(),
-            stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True,
-            preexec_fn=lambda: _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM),
-        )
-        log.info("front door: haproxy master pid %d", self.child.pid)
+        try:
+            self.child = self.output.popen(
+                "frontdoor", [binary, "-W", "-db", "-f", str(config_path)], env=frontdoor_environment(self.runs_as, os.environ),
+                stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True, cwd="/",
+                preexec_fn=switch_user(self.runs_as, privileged_port),
+            )
+        except (OSError, subprocess.SubprocessError) as exc:  # the switch failed, or no binary
+            raise HaproxyError(f"cannot start {binary}: {exc}") from None
+        log.info("front door: haproxy master pid %d as %s", self.child.pid,
+                 f"the daemon's user (uid {os.geteuid()}: not root, it cannot switch)" if self.runs_as is None
+                 else self.runs_as.name)
 
     def reload(self) -> None:
         if self.running():

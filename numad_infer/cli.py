@@ -22,6 +22,8 @@ from numad_infer.tables import format_table
 from numad_infer.unitnames import DAEMON_UNIT
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from numad_infer.allowed import Allowed
     from numad_infer.status import Status
     from numad_infer.loading import Loaded
@@ -113,12 +115,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
+    from numad_infer.identity import systemd_frontdoor_user
     from numad_infer.render import render_units
     from numad_infer.unitdir import write_units
 
     loaded = load_all(args)
     unit_dir = Path(args.output or loaded.config.systemd.unit_dir)
-    result = write_units(unit_dir, render_units(loaded.config, loaded.plan))
+    result = write_units(unit_dir, render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
     for rel in result.written:
         print(f"wrote {unit_dir / rel}")
     for rel in result.removed:
@@ -131,26 +134,31 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from numad_infer.identity import systemd_frontdoor_user
     from numad_infer.render import render_units
     from numad_infer.unitdir import plan_write
 
     loaded = load_all(args)
     print(f"{args.config}: valid for this machine")
     print(format_plan(loaded.plan, loaded.warnings))
-    pending = plan_write(Path(loaded.config.systemd.unit_dir), render_units(loaded.config, loaded.plan))
+    pending = plan_write(Path(loaded.config.systemd.unit_dir),
+                         render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
     if pending.changed:
         print(f"units in {loaded.config.systemd.unit_dir} differ from this plan: "
               f"{len(pending.written)} to write, {len(pending.removed)} to remove")
     return 0
 
 
-def _make_backend(choice: str, state_file: Path, instance_logs: str = "file"):
+def _make_backend(choice: str, state_file: Path, instance_logs: str = "file",
+                  progress: Callable[[], None] | None = None):
     from numad_infer.backends import ProcessBackend, SystemdBackend
     from numad_infer.childlog import InstanceLogs
     from numad_infer.identity import BackendKind, backend_kind
+    from numad_infer.systemctl import Systemctl
 
     if backend_kind(choice) == BackendKind.SYSTEMD:
-        return SystemdBackend()  # the journal has the instances' output, named by unit
+        # The journal has the instances' output, named by unit.
+        return SystemdBackend(Systemctl(progress=progress))
     return ProcessBackend(state_file.parent / "logs", InstanceLogs(instance_logs))
 
 
@@ -163,7 +171,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                         format="%(levelname)s: %(message)s" if under_journal else "%(asctime)s %(levelname)s: %(message)s")
     notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
     state_file = Path(args.state_file)
-    backend = _make_backend(args.backend, state_file, args.instance_logs)
+    backend = _make_backend(args.backend, state_file, args.instance_logs, progress=notifier.keepalive)
     daemon = Daemon(args.config, args.fsroot, backend, state_file, notifier)
     return daemon.run()
 
@@ -391,6 +399,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Check the host settings around the instances; exit 0 all well, 1 a warning, 2 a failure."""
+    from numad_infer.checkup import checkup
+    from numad_infer.doctor import exit_status, format_checks, worst
+
+    loaded = load_all(args)
+    checks = checkup(loaded, args.fsroot, _running_daemon(Path(args.state_file)), args.sample)
+    if args.json:
+        print(json.dumps({"checks": [c.to_json() for c in checks], "worst": worst(checks).value}, indent=2))
+    else:
+        print(format_checks(checks))
+    return exit_status(checks)
+
+
 def _is_numa_infer_daemon(pid: int) -> bool:
     import psutil
 
@@ -456,6 +478,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=None, help="repeats of every figure (default 5, --quick 3)")
     p.add_argument("--tokens", type=int, default=None, help="tokens generated per decode sample (default 64, --quick 16)")
     p.set_defaults(func=cmd_tune)
+    p = sub.add_parser("doctor", parents=[common],
+                       help="check the host settings the instances depend on (exit 0 ok, 1 warnings, 2 failures); "
+                            "changes nothing")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--sample", type=float, default=1.0, metavar="SECONDS",
+                   help="how long to watch the inference CPUs for other busy processes (default 1)")
+    p.set_defaults(func=cmd_doctor)
     p = sub.add_parser("health", parents=[common], help="for liveness/readiness probes: exit 0 yes, 1 no, 3 no daemon")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--live", action="store_true", help="the daemon's loop is turning (the default)")

@@ -26,7 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - the package requires 3.11, tomli keeps 3.10 tooling working
     import tomli as tomllib
 
-from numad_infer.defaults import DEFAULT_CONFIG_PATH  # noqa: E402  (re-exported)
+from numad_infer.defaults import DEFAULT_CONFIG_PATH, INSTANCE_USER  # noqa: E402  (DEFAULT_CONFIG_PATH re-exported)
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -235,13 +235,15 @@ class ServerSection(_Section):
     )
     # Process backend, daemon run as root: the user the servers are dropped to (systemd
     # units always get a DynamicUser instead). "root" keeps them root, with a warning.
+    # Not `nobody` by default: other daemons share it, and could read the servers' memory.
     user: SafeStr = Field(
-        "nobody",
+        INSTANCE_USER,
         description=(
             "process backend only, daemon run as root: the user the servers run as (switched between fork and"
             " exec, with that user's own groups only); the model and `server.python` must be readable by it, "
-            "and `check` says so when not; `\"root\"` keeps them root, with a warning. Under systemd the "
-            "instances always get a `DynamicUser`"
+            "and `check` says so when not; `\"root\"` keeps them root, with a warning. The default user is "
+            "made by the package (sysusers.d); where it does not exist (a source tree), the servers run as "
+            "`nobody`, with a warning naming the fix. Under systemd the instances always get a `DynamicUser`"
         ),
         json_schema_extra={"kind": "user name"},
     )

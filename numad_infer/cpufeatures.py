@@ -1,5 +1,9 @@
 """Which CPU kernels an engine runs, and what of the CPU it leaves idle. Pure.
 
+The one path for both questions: `Engine.cpu` reads the engine (an `EngineCpuReport`),
+`idle_units` is the verdict that `check`'s warning and `doctor`'s "engine vector ISA"
+check both give.
+
 llama.cpp built with GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS (scripts/build-llama-server)
 loads one libggml-cpu-<variant>.so at start and logs which; a build with one CPU backend
 (llama-cpp-python's wheel) reports the ISA it was compiled for in its system_info
@@ -37,9 +41,11 @@ VARIANT_FEATURES: dict[str, frozenset[str]] = {
 _LOADED = re.compile(r"loaded CPU backend from \S*libggml-cpu-([A-Za-z0-9_.]+)\.so")
 _SYSTEM_INFO_CPU = re.compile(r"CPU\s*:\s*((?:[A-Z0-9_]+\s*=\s*\d+\s*\|\s*)+)")
 
-# What a warning is about: the widest units, where prompt processing gains most
-# (issue 20: up to 1.76x on Q4_K_M). cpuinfo flag -> system_info feature.
-WIDE_UNITS = {"avx512f": "AVX512", "amx_int8": "AMX_INT8"}
+# What the verdict is about: the wide units, widest first, where prompt processing gains
+# most (issue 20: up to 1.76x on Q4_K_M). system_info feature -> the /proc/cpuinfo flags
+# that offer it (AMX: the tiles and the int8 unit that uses them).
+WIDE_UNITS: dict[str, tuple[str, ...]] = {"AMX_INT8": ("amx_tile", "amx_int8"), "AVX512": ("avx512f",),
+                                          "AVX2": ("avx2",)}
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,15 @@ class EngineCpu:
         wide = sorted(self.features & {"AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "AMX_INT8"})
         isa = "+".join(wide) or "no AVX2"
         return f"{self.variant} ({isa})" if self.variant else isa
+
+
+@dataclass(frozen=True)
+class EngineCpuReport:
+    """What `Engine.cpu` found: the kernels, or why the engine cannot tell (doctor shows it)."""
+
+    cpu: EngineCpu | None  # None: the engine does not say
+    source: str  # the command that said, or why it said nothing
+    fix: str  # how to get kernels for this CPU's wide units with this engine
 
 
 def from_backend_log(text: str) -> EngineCpu | None:
@@ -84,6 +99,11 @@ def cpuinfo_flags(text: str) -> frozenset[str]:
     return frozenset()
 
 
-def idle_units(host_flags: frozenset[str], engine: EngineCpu) -> list[str]:
-    """The wide units this CPU and OS offer that the engine's kernels do not use."""
-    return [feature for flag, feature in WIDE_UNITS.items() if flag in host_flags and feature not in engine.features]
+def offered_units(host_flags: frozenset[str]) -> tuple[str, ...]:
+    """The wide units this CPU and OS offer, widest first."""
+    return tuple(unit for unit, flags in WIDE_UNITS.items() if all(flag in host_flags for flag in flags))
+
+
+def idle_units(host_flags: frozenset[str], engine: EngineCpu) -> tuple[str, ...]:
+    """The wide units this CPU and OS offer that the engine's kernels do not use, widest first."""
+    return tuple(unit for unit in offered_units(host_flags) if unit not in engine.features)

@@ -76,6 +76,7 @@ class Daemon:
 
     # -- reporting --------------------------------------------------------------------------------------
     def reload(self) -> None:
+        self.notifier.keepalive()
         self.notifier.reloading()
         self.plan.reload()
         self.notifier.ready(self.status_line())
@@ -91,7 +92,8 @@ class Daemon:
             interval_s=config.monitor.interval_s if config else None, generation=self.plan.generation,
             last_reload=self.plan.last_reload, warnings=self.plan.warnings, status=self.status_line(),
             pass_duration_s=self.pass_duration_s, metrics=self.metrics.listen or None,
-            allowed=snapshot.allowed_line(self.plan.loaded))
+            allowed=snapshot.allowed_line(self.plan.loaded),
+            min_local_fraction=config.monitor.min_local_fraction if config else None)
         runtimes = list(self.reconciler.runtimes.values())
         return Status(daemon, snapshot.instances(runtimes, now, self.frontdoor, self.plan.loaded, self.tuned),
                       snapshot.frontdoor_status(self.frontdoor))

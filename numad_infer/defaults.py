@@ -13,3 +13,9 @@ FRONTDOOR_STOP_S = 10.0
 def stop_bound_s(drain_timeout_s: float) -> float:
     """The longest a daemon takes from SIGTERM to exit: the drain, the instances, HAProxy."""
     return drain_timeout_s + INSTANCE_STOP_S + FRONTDOOR_STOP_S
+
+# The system users the package makes (debian/numa-infer.sysusers, installed as
+# SYSUSERS_FILE): the servers under the process backend, and HAProxy under both backends.
+INSTANCE_USER = "numa-infer"
+FRONTDOOR_USER = "numa-infer-frontdoor"
+SYSUSERS_FILE = "/usr/lib/sysusers.d/numa-infer.conf"

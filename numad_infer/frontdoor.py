@@ -18,7 +18,7 @@ from typing import Protocol
 from numad_infer import haproxy
 from numad_infer.atomicfile import write_atomic
 from numad_infer.config import Config
-from numad_infer.haproxy import AdminState, BackendStat, HaproxyError, RuntimeAPI
+from numad_infer.haproxy import AdminState, BackendStat, FrontendStat, HaproxyError, RuntimeAPI
 from numad_infer.haproxycfg import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
 from numad_infer.planner import Instance, Plan
 
@@ -36,7 +36,8 @@ class FrontdoorRunner(Protocol):
     restarted_by_manager: bool
 
     def running(self) -> bool: ...
-    def start(self, binary: str, config_path: Path) -> None: ...
+    # privileged_port: the listener is below 1024 (HAProxy keeps CAP_NET_BIND_SERVICE, nothing else).
+    def start(self, binary: str, config_path: Path, privileged_port: bool) -> None: ...
     def reload(self) -> None: ...
     def stop(self) -> None: ...
 
@@ -49,13 +50,16 @@ class Frontdoor:
         self.api = RuntimeAPI(str(runner.socket_path))
         self.listen = ""
         self.binary = ""
+        self.privileged_port = False
         self.stats: BackendStat | None = None  # last pass's counters, None when unreadable
+        self.answers: FrontendStat | None = None  # the listener's answers by class, read with `stats`
+        self.queue_size = 0  # frontend.queue_size of the applied config: a full queue answers 503
         self.error = ""  # why the last apply or read failed, for status
 
     def _candidate(self, config: Config, plan: Plan) -> Path:
         candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
         # Renamed into place, never written through: a link planted under this name is
-        # replaced, not followed. 0644: HAProxy may run as another user (DynamicUser).
+        # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
         write_atomic(candidate, render_haproxy(config, plan, self.paths), durable=False)
         try:
             haproxy.validate(config.frontend.haproxy, str(candidate))
@@ -73,7 +77,7 @@ class Frontdoor:
             if self.runner.running():
                 log.info("front door off (frontend.listen = \"\"): stopping haproxy")
                 self.runner.stop()
-            self.listen, self.stats = "", None
+            self.listen, self.stats, self.answers = "", None, None
             return False
         text = render_haproxy(config, plan, self.paths)
         running = self.runner.running()
@@ -82,6 +86,8 @@ class Frontdoor:
         except OSError:
             current = ""
         self.binary = config.frontend.haproxy
+        self.queue_size = config.frontend.queue_size
+        self.privileged_port = config.frontend.address[1] < 1024
         if running and current == text:
             self.listen = config.frontend.listen
             return False
@@ -97,7 +103,7 @@ class Frontdoor:
             self.runner.reload()
         else:
             log.info("front door: starting haproxy on %s over %d instance(s)", config.frontend.listen, len(plan.instances))
-            self.runner.start(config.frontend.haproxy, self.paths.config)
+            self.runner.start(config.frontend.haproxy, self.paths.config, self.privileged_port)
         self.listen = config.frontend.listen
         self.error = ""
         return True
@@ -112,16 +118,21 @@ class Frontdoor:
     def observe(self) -> BackendStat | None:
         """Read the counters once for this pass (None while HAProxy is not answering)."""
         if not self.listen:
-            self.stats = None
+            self.stats = self.answers = None
             return None
         if not self.runner.restarted_by_manager and not self.runner.running():
             log.error("front door: haproxy exited: starting it again")
-            self.runner.start(self.binary, self.paths.config)
+            try:
+                self.runner.start(self.binary, self.paths.config, self.privileged_port)
+            except HaproxyError as exc:
+                self.stats, self.error = None, str(exc)
+                log.error("front door: %s", exc)
+                return None
         try:
-            self.stats = self.api.backend(BACKEND)
+            self.stats, self.answers = self.api.counters(BACKEND, FRONTEND)
             self.error = ""
         except HaproxyError as exc:
-            self.stats = None
+            self.stats = self.answers = None
             self.error = str(exc)
         return self.stats
 

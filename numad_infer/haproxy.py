@@ -93,6 +93,16 @@ class BackendStat:
     servers: dict[str, ServerStat]
 
 
+# HAProxy counts a frontend's answers by class only (hrsp_1xx ... hrsp_other): its own
+# 503 "queue full" answer is in 5xx with the instances' 500s and its 502/504s.
+RESPONSE_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx", "other")
+
+
+@dataclass(frozen=True)
+class FrontendStat:
+    responses: dict[str, int]  # class (RESPONSE_CLASSES) -> answers sent since HAProxy (re)started
+
+
 class RuntimeAPI:
     def __init__(self, socket_path: str, timeout_s: float = 2.0) -> None:
         self.socket_path = socket_path
@@ -117,26 +127,18 @@ class RuntimeAPI:
         return b"".join(chunks).decode(errors="replace")
 
     def backend(self, name: str) -> BackendStat:
+        return _backend(self._show_stat(), name)
+
+    def counters(self, backend: str, frontend: str) -> tuple[BackendStat, FrontendStat]:
+        """The backend's servers and the frontend's answers, from one `show stat`."""
+        rows = self._show_stat()
+        return _backend(rows, backend), _frontend(rows, frontend)
+
+    def _show_stat(self) -> list[dict[str, str]]:
         text = self.command("show stat")
         if not text.startswith("# "):
             raise HaproxyError(f"runtime API: unexpected answer to show stat: {text[:120]!r}")
-        rows = csv.DictReader(io.StringIO(text[2:]))
-        servers: dict[str, ServerStat] = {}
-        queued = in_flight = 0
-        found = False
-        for row in rows:
-            if row.get("pxname") != name:
-                continue
-            kind = row.get("svname", "")
-            if kind == "BACKEND":
-                found = True
-                queued, in_flight = _int(row.get("qcur")), _int(row.get("scur"))
-            elif kind != "FRONTEND":
-                servers[kind] = ServerStat(kind, row.get("status", ""), _int(row.get("scur")), _int(row.get("qcur")),
-                                           _int(row.get("stot")))
-        if not found:
-            raise HaproxyError(f"runtime API: no backend {name!r} in show stat")
-        return BackendStat(queued, in_flight, servers)
+        return list(csv.DictReader(io.StringIO(text[2:])))
 
     def set_state(self, backend: str, server: str, state: AdminState) -> None:
         answer = self.command(f"set server {backend}/{server} state {state.value}").strip()
@@ -146,6 +148,32 @@ class RuntimeAPI:
     def servers_state(self) -> str:
         """`show servers state`: the file format `load-server-state-from-file` reads back."""
         return self.command("show servers state")
+
+
+def _backend(rows: list[dict[str, str]], name: str) -> BackendStat:
+    servers: dict[str, ServerStat] = {}
+    queued = in_flight = 0
+    found = False
+    for row in rows:
+        if row.get("pxname") != name:
+            continue
+        kind = row.get("svname", "")
+        if kind == "BACKEND":
+            found = True
+            queued, in_flight = _int(row.get("qcur")), _int(row.get("scur"))
+        elif kind != "FRONTEND":
+            servers[kind] = ServerStat(kind, row.get("status", ""), _int(row.get("scur")), _int(row.get("qcur")),
+                                       _int(row.get("stot")))
+    if not found:
+        raise HaproxyError(f"runtime API: no backend {name!r} in show stat")
+    return BackendStat(queued, in_flight, servers)
+
+
+def _frontend(rows: list[dict[str, str]], name: str) -> FrontendStat:
+    for row in rows:
+        if row.get("pxname") == name and row.get("svname") == "FRONTEND":
+            return FrontendStat({cls: _int(row.get(f"hrsp_{cls}")) for cls in RESPONSE_CLASSES})
+    raise HaproxyError(f"runtime API: no frontend {name!r} in show stat")
 
 
 def _int(value: str | None) -> int:

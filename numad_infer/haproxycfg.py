@@ -150,7 +150,10 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths) -> str:
 def _global(config: Config, paths: Paths, maxconn: int) -> list[str]:
     lines = ["global",
              f"    maxconn {maxconn}",
-             f"    stats socket {_socket_address(paths.socket)} mode 600 level admin",
+             # 660: HAProxy runs as its own user; the daemon reaches the socket as root (process
+             # backend) or through HAProxy's group (systemd, where it has no DAC override).
+             # Either way the directory around it is HAProxy's, closed to everyone else.
+             f"    stats socket {_socket_address(paths.socket)} mode 660 level admin",
              f"    server-state-file {quoted(paths.state)}",
              # Server up/down changes reach the journal (or the process backend's log file).
              "    log stderr format short local0 notice"]

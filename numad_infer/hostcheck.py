@@ -72,5 +72,7 @@ def host_warnings(proc: ProcReader, runs_as: RunAs | None) -> list[str]:
         found.append("numad is running: it re-pins processes and fights numa-infer; stop and disable it")
     if runs_as is not None and runs_as.is_root:
         found.append("server.user = root: the servers run as root; any flaw in the HTTP server is a root "
-                     "compromise. Name an unprivileged user (the default is nobody)")
+                     "compromise. Name an unprivileged user (the default is numa-infer)")
+    if runs_as is not None and runs_as.fallback:
+        found.append(f"server.user: {runs_as.fallback}")
     return found

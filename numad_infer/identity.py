@@ -2,9 +2,16 @@
 
 Under systemd every instance unit has a DynamicUser: a uid allocated at start, in no
 group that owns files, so only "others" permissions count for it. Under the process
-backend a root daemon drops the servers to `server.user` (by default `nobody`) between
+backend a root daemon drops the servers to `server.user` (by default `numa-infer`) between
 fork and exec. A daemon that is not root cannot change user: its servers run as itself,
 and whatever it can read, they can.
+
+The front door (HAProxy) runs as `numa-infer-frontdoor` under both backends: a user of
+its own, not the servers'. A server parses untrusted prompts and model files; as the same
+user it could ptrace HAProxy, which sees every client's prompt and key, or drive its
+admin socket. Both users come with the package (sysusers.d). Run from a source tree
+without them, the servers and the front door fall back to `nobody`, with a warning that
+names the fix; under systemd the front door then stays root with no capability.
 """
 
 from __future__ import annotations
@@ -12,10 +19,11 @@ from __future__ import annotations
 import os
 import pwd
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
+from numad_infer.defaults import FRONTDOOR_USER, INSTANCE_USER, SYSUSERS_FILE
 from numad_infer.errors import ConfigError
 
 
@@ -41,6 +49,8 @@ class RunAs:
     gid: int | None
     groups: tuple[int, ...]  # supplementary groups
     home: str = "/"
+    # Why this is not the user that was asked for (a packaged user missing): a warning.
+    fallback: str = ""
 
     @property
     def is_root(self) -> bool:
@@ -54,6 +64,10 @@ class RunAs:
 
 DYNAMIC_USER = RunAs("systemd's DynamicUser", None, None, ())
 
+FALLBACK_USER = "nobody"  # on every Linux host; shared with other daemons, hence only a fallback
+CREATE_USERS = (f"install the numa-infer package, or create the users with `systemd-sysusers {SYSUSERS_FILE}` "
+                "(from a source clone, in its root: `systemd-sysusers \"$PWD/debian/numa-infer.sysusers\"`)")
+
 
 def lookup(name: str, source: str, key: str = "server.user") -> RunAs:
     """The user `name` of this host, or a ConfigError naming the key."""
@@ -64,6 +78,45 @@ def lookup(name: str, source: str, key: str = "server.user") -> RunAs:
                           f"{name}) or name another, e.g. \"nobody\"", name, True) from None
     groups = tuple(g for g in os.getgrouplist(name, entry.pw_gid) if g != entry.pw_gid)
     return RunAs(name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir or "/")
+
+
+def lookup_packaged(name: str, source: str, key: str, packaged: str) -> RunAs:
+    """`name`, except that the package's own user `packaged`, when this host lacks it (a
+    source tree, no .deb), is `nobody` with a warning: an unprivileged fallback rather than
+    a daemon that refuses to start. Any other missing user is a ConfigError."""
+    if name != packaged:
+        return lookup(name, source, key)
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        fallback = lookup(FALLBACK_USER, source, key)
+        return replace(fallback, fallback=f"user {name} does not exist on this host: running as {FALLBACK_USER}, "
+                                          f"which other daemons share; {CREATE_USERS}")
+    return lookup(name, source, key)
+
+
+def frontdoor_runs_as(kind: BackendKind, name: str = FRONTDOOR_USER) -> RunAs | None:
+    """Who HAProxy runs as, or None where it is not switched: under the process backend a
+    daemon that is not root cannot change user (HAProxy runs as the daemon's user); under
+    systemd without the user, the unit keeps HAProxy root with no capability, since only
+    a group the daemon is in lets it reach an unprivileged HAProxy's admin socket.
+    `name`: the packaged user (tests name a missing one)."""
+    if kind == BackendKind.SYSTEMD:
+        try:
+            pwd.getpwnam(name)
+        except KeyError:
+            return None
+        return lookup(name, "front door", "user")
+    if os.geteuid() != 0:
+        return None
+    return lookup_packaged(name, "front door", "user", packaged=name)
+
+
+def systemd_frontdoor_user(name: str = FRONTDOOR_USER) -> str | None:
+    """The user the front door's unit names (render.frontdoor_identity): None on a host
+    without it, where a `User=` would keep the unit from starting at all."""
+    found = frontdoor_runs_as(BackendKind.SYSTEMD, name)
+    return None if found is None else found.name
 
 
 def unreadable_reason(path: str, user: RunAs) -> str | None:
@@ -101,4 +154,4 @@ def instances_run_as(user: str, source: str, kind: BackendKind) -> RunAs | None:
         return DYNAMIC_USER
     if os.geteuid() != 0:
         return None
-    return lookup(user, source)
+    return lookup_packaged(user, source, "server.user", packaged=INSTANCE_USER)

@@ -38,6 +38,7 @@ MODULES: dict[str, tuple[str, str]] = {
                           "leaves idle"),
     "cpuset": (CORE, "CPU lists: parse and format `0-3,8`"),
     "defaults": (CORE, "default paths, apart so `status` need not import the schema"),
+    "doctor": (CORE, "`doctor`'s verdicts: host facts + the plan's needs -> ok/info/warn/fail checks, each with its fix"),
     "drift": (CORE, "expected vs observed -> drift verdicts"),
     "engines/__init__": (CORE, "the engine registry with the built-in engines registered"),
     "engines/base": (CORE, "`Engine`: everything that differs between engines (argv, probe and key routes, key "
@@ -71,13 +72,16 @@ MODULES: dict[str, tuple[str, str]] = {
     "haproxy": (EDGE, "the HAProxy binary (version, `-c`) and its runtime API socket"),
     "health": (EDGE, "HTTP probe, API-key check, the engine's own counters"),
     "holds": (EDGE, "another process asks the daemon to keep an instance stopped"),
+    "hostfacts": (EDGE, "reads what `doctor` judges (sysctls, THP, cpufreq, IRQs, swap, processes) from a root"),
     "hostcheck": (EDGE, "the host as the instances meet it: programs run with their privilege (an engine's "
                         "check), host warnings"),
-    "identity": (EDGE, "the backend kind (asked once) and who the instances run as: DynamicUser, `server.user`"),
+    "identity": (EDGE, "the backend kind (asked once), who the instances and the front door run as: DynamicUser, "
+                 "`server.user`, the packaged users"),
     "metrics": (EDGE, "the Prometheus endpoint"),
     "modelfile": (EDGE, "the model file: readable, GGUF, its size"),
     "notify": (EDGE, "sd_notify"),
     "pinning": (EDGE, "affinity and memory-policy syscalls"),
+    "privdrop": (EDGE, "a child switched to another user, keeping CAP_NET_BIND_SERVICE only where asked"),
     "portowner": (EDGE, "whose process listens on an instance's port (before it gets the key or requests)"),
     "procfs": (EDGE, "/proc reader rooted at a directory"),
     "statefile": (EDGE, "the state file the daemon writes and the commands read"),
@@ -86,6 +90,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "unitdir": (EDGE, "writing units: atomic, only our own files, unit-name and directory-ownership checks"),
     # -- orchestration ------------------------------------------------------------------------
     "__main__": (ORCHESTRATION, "`python -m numad_infer`"),
+    "checkup": (ORCHESTRATION, "`doctor`'s pipeline: the plan's needs, the host's facts, the engine's build, verdicts"),
     "cli": (ORCHESTRATION, "argument parsing and presentation"),
     "daemon": (ORCHESTRATION, "the loop: signals, passes, publishing, shutdown"),
     "driftchecks": (ORCHESTRATION, "one drift check per kind (affinity, memory), each with its own per-process "

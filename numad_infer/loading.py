@@ -18,7 +18,7 @@ from numad_infer.allowed import UNRESTRICTED, Allowed
 from numad_infer.apikey import read_api_key
 from numad_infer.cgroups import CgroupReader
 from numad_infer.config import Config, load_config
-from numad_infer.cpufeatures import EngineCpu, cpuinfo_flags, idle_units
+from numad_infer.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_units
 from numad_infer.engines import Engine, engine_of
 from numad_infer.haproxy import check_haproxy
 from numad_infer.haproxycfg import paths_in, render_haproxy
@@ -45,7 +45,7 @@ class Loaded:
     model_bytes: int  # the file: what the planner fits in memory
     decode_bytes: int  # what one decoded token reads (decode efficiency's numerator)
     allowed: Allowed  # what the instances' cgroup lets them use (planned within it)
-    engine_cpu: EngineCpu | None  # the CPU kernels the engine runs here (None: it cannot tell)
+    engine_cpu: EngineCpuReport  # the CPU kernels the engine runs here, or why it cannot tell
     # What does not stop the plan but undoes its work or may stop an instance: the
     # plan's, the engine's and the host's, in that order.
     warnings: tuple[str, ...]
@@ -79,7 +79,7 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     engine = engine_of(config)
     engine_warnings = engine.check_host(config, source, InstanceHost(runs_as))
     engine_cpu = engine.cpu(config, InstanceHost(runs_as))
-    engine_warnings += _idle_unit_warnings(config, engine_cpu)
+    engine_warnings += _idle_unit_warnings(engine_cpu)
     plan = make_plan(config, topology, size, source=source, allowed=allowed)
     check_haproxy(config, source)
     read_api_key(config, source)
@@ -90,25 +90,23 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
                   allowed, engine_cpu, warnings)
 
 
-def _idle_unit_warnings(config: Config, engine_cpu: EngineCpu | None) -> list[str]:
-    """AVX-512 or AMX that this CPU and OS offer and the engine's kernels leave idle (prompt
-    processing is where they pay: up to 1.76x on Q4_K_M, issue 20). /proc/cpuinfo is always
-    this machine's, even with --fsroot."""
-    if engine_cpu is None:
+def _idle_unit_warnings(report: EngineCpuReport) -> list[str]:
+    """The wide units this CPU and OS offer and the engine's kernels leave idle (prompt
+    processing is where they pay: up to 1.76x on Q4_K_M, issue 20): `idle_units`, doctor's
+    verdict too. Silent when the engine cannot tell (doctor says why). /proc/cpuinfo is
+    always this machine's, even with --fsroot: the engine runs here."""
+    if report.cpu is None:
         return []
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             flags = cpuinfo_flags(f.read())
     except OSError:
         return []
-    idle = idle_units(flags, engine_cpu)
+    idle = idle_units(flags, report.cpu)
     if not idle:
         return []
-    fix = ("build server.llama_server with scripts/build-llama-server (one CPU backend per x86 level, the best "
-           "chosen at start)" if config.server.engine == "llama-server" else
-           "reinstall llama-cpp-python into server.python with CMAKE_ARGS for this CPU (e.g. -DGGML_NATIVE=ON), "
-           "or use server.engine = \"llama-server\" with scripts/build-llama-server's build")
-    return [f"this CPU has {' and '.join(idle)} that the engine does not use (it runs {engine_cpu.describe()}); {fix}"]
+    return [f"this CPU has {' and '.join(idle)} that the engine does not use (it runs {report.cpu.describe()})"
+            f"{'; ' + report.fix if report.fix else ''}"]
 
 
 def _check_frontdoor_config(config: Config, plan: Plan) -> None:

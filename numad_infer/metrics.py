@@ -21,7 +21,7 @@ from prometheus_client.registry import Collector
 from numad_infer.config import parse_listen
 from numad_infer.drift import EventKind
 from numad_infer.states import State
-from numad_infer.status import InstanceStatus, Status
+from numad_infer.status import InstanceStatus, Status, in_rotation
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ _GAUGES: tuple[tuple[str, str, Callable[[InstanceStatus], float | None]], ...] =
     ("numa_infer_local_memory_fraction", "Share of anonymous memory on the instance's own nodes",
      lambda i: i.local_memory_fraction),
     ("numa_infer_instance_threads", "Threads (OpenMP) the instance runs with", lambda i: i.threads),
+    # An alert on "a node without an instance in rotation" needs HAProxy's view, not only
+    # the daemon's: a healthy instance can still be DOWN or in MAINT at the front door.
+    ("numa_infer_instance_in_rotation", "1 while the front door sends the instance requests (HAProxy UP)",
+     lambda i: None if i.rotation is None else 1.0 if in_rotation(i.rotation) else 0.0),
     ("numa_infer_instance_requests_in_flight", "Requests the front door has sent to the instance and not finished",
      lambda i: i.in_flight),
     ("numa_infer_instance_requests_queued", "Requests waiting at the front door for this instance",
@@ -104,9 +108,33 @@ def _daemon_metrics(snap: Status) -> Iterator:
                                         "Requests waiting at the front door for any instance")
             waiting.add_metric([], front.queued)
             yield waiting
+        if front.in_flight is not None:
+            serving = GaugeMetricFamily("numa_infer_frontdoor_requests_in_flight",
+                                        "Requests the front door has sent to instances and not finished")
+            serving.add_metric([], front.in_flight)
+            yield serving
+        if front.queue_size is not None:
+            # Published so that "queue full" is an expression, not a copy of the config in the rules.
+            size = GaugeMetricFamily("numa_infer_frontdoor_queue_size",
+                                     "frontend.queue_size: requests that may wait; one more is answered 503")
+            size.add_metric([], front.queue_size)
+            yield size
+        if front.responses:
+            answers = CounterMetricFamily("numa_infer_frontdoor_responses",
+                                          "Answers the front door sent to clients, by HTTP class (HAProxy counts "
+                                          "no finer: its own 503 for a full queue is in 5xx); reset when HAProxy "
+                                          "restarts", labels=["code"])
+            for code, count in sorted(front.responses.items()):
+                answers.add_metric([code], count)
+            yield answers
     passes = GaugeMetricFamily("numa_infer_pass_duration_seconds", "Duration of the last monitoring pass")
     passes.add_metric([], snap.daemon.pass_duration_s or 0.0)
     yield passes
+    if snap.daemon.min_local_fraction is not None:
+        floor = GaugeMetricFamily("numa_infer_min_local_fraction",
+                                  "monitor.min_local_fraction: local memory below it is memory drift")
+        floor.add_metric([], snap.daemon.min_local_fraction)
+        yield floor
     ok = GaugeMetricFamily("numa_infer_config_ok", "0 while the last reload was refused (old plan still running)")
     ok.add_metric([], 0.0 if snap.daemon.last_reload is not None and not snap.daemon.last_reload.ok else 1.0)
     yield ok

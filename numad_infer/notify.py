@@ -70,3 +70,13 @@ class Notifier:
     def watchdog(self, now: float) -> None:
         self._last_ping = now
         self.send("WATCHDOG=1")
+
+    def keepalive(self) -> None:
+        """Ping if one is due. Called between the steps of slow work (every systemctl call of
+        a reload or a pass), not only between passes: a reload that writes units, runs
+        daemon-reload and reloads HAProxy takes 20-30 s on a slow or loaded machine, and
+        with the last ping up to half the watchdog interval old, systemd killed a daemon
+        that was busy, not hung. A step that hangs still starves it, which is the point."""
+        now = time.monotonic()
+        if self.watchdog_due(now):
+            self.watchdog(now)

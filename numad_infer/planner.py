@@ -369,9 +369,19 @@ def _quota_cap(config: Config, instances: list[Instance], allowed: Allowed, warn
                         f"more than the CPU quota of {allowed.quota_cpus:g} ({allowed.source}): they will be "
                         f"throttled; use \"auto\", or {advice}")
         return instances
-    share, extra = divmod(budget, len(instances))
+    kept = instances
+    if budget < len(instances):
+        # One thread each is the least an instance can run on: more instances than the
+        # quota holds would take turns on it. Keep those with the most CPUs (then node order).
+        ranked = sorted(range(len(instances)), key=lambda k: (-len(instances[k].cpus), k))[:budget]
+        kept = [instances[k] for k in sorted(ranked)]
+        dropped = [i for i in instances if i not in kept]
+        warnings.append(f"the CPU quota of {allowed.quota_cpus:g} ({allowed.source}) holds {budget} thread(s): "
+                        f"{len(kept)} instance(s) of {len(instances)} planned, "
+                        f"{', '.join(f'{i.name} (CPUs {format_list(i.cpus)})' for i in dropped)} left out; {advice}")
+    share, extra = divmod(budget, len(kept))
     capped = []
-    for k, i in enumerate(instances):
+    for k, i in enumerate(kept):
         threads = max(1, min(len(i.cpus), share + (1 if k < extra else 0)))
         batch = threads if placement.threads_batch == "auto" else i.threads_batch
         capped.append(replace(i, threads=threads, threads_batch=batch))

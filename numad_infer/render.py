@@ -17,6 +17,7 @@ from numad_infer.config import Config
 from numad_infer.cpuset import format_list
 from numad_infer.errors import NumaInferError
 from numad_infer.haproxycfg import CONFIG_NAME
+from numad_infer.defaults import FRONTDOOR_USER
 from numad_infer.engines import KEY_CREDENTIAL, engine_of
 from numad_infer.planner import Instance, Plan
 from numad_infer.unitnames import FRONTDOOR_UNIT, dropin, template_unit
@@ -168,7 +169,23 @@ FRONTDOOR_RUN_DIR = "/run/numa-infer"
 FRONTDOOR_SOCKET = "/run/numa-infer-frontdoor/admin.sock"
 
 
-def render_frontdoor_unit(config: Config) -> str:
+def frontdoor_identity(user: str | None) -> list[str]:
+    """Who HAProxy runs as under systemd, and its admin socket's directory (mode 0750).
+
+    `user` (identity.FRONTDOOR_USER, made by the package): its own user and group. The
+    socket (mode 660) is then the group's too, and the daemon, which has no DAC override,
+    reaches it as a member (SupplementaryGroups= in numa-infer.service). No one else is.
+    Not a DynamicUser: the daemon could not be in its group.
+    None (the user is missing, a source install): root with no capability at all, as
+    before the user existed; the socket is then root's, which the daemon is.
+    """
+    directory = ["RuntimeDirectory=numa-infer-frontdoor", "RuntimeDirectoryMode=0750"]
+    if user is None:
+        return directory
+    return [f"User={escape_value(user)}", f"Group={escape_value(user)}", *directory]
+
+
+def render_frontdoor_unit(config: Config, user: str | None = FRONTDOOR_USER) -> str:
     binary = config.frontend.haproxy
     cfg = f"{FRONTDOOR_RUN_DIR}/{CONFIG_NAME}"
     check = " ".join(quote_arg(a) for a in (binary, "-c", "-q", "-f", cfg))
@@ -191,10 +208,7 @@ def render_frontdoor_unit(config: Config) -> str:
         "KillMode=mixed",
         "Restart=on-failure",
         "RestartSec=2",
-        "RuntimeDirectory=numa-infer-frontdoor",
-        # Root, but with no capability at all (the empty bounding set in SANDBOX): its
-        # admin socket is then root's, mode 600, and the daemon reaches it without a DAC
-        # override; a DynamicUser's socket would need one (or a socket open to everyone).
+        *frontdoor_identity(user),
         *SANDBOX,
         "ProtectHome=yes",
         "SystemCallFilter=@system-service",
@@ -209,12 +223,13 @@ def render_frontdoor_unit(config: Config) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_units(config: Config, plan: Plan) -> dict[str, str]:
-    """Relative path under the unit directory -> file content."""
+def render_units(config: Config, plan: Plan, frontdoor_user: str | None = FRONTDOOR_USER) -> dict[str, str]:
+    """Relative path under the unit directory -> file content. `frontdoor_user`: see
+    `frontdoor_identity` (identity.systemd_frontdoor_user says which this host has)."""
     template = config.systemd.template
     files = {template_unit(template): render_template(config)}
     if config.frontend.enabled:
-        files[FRONTDOOR_UNIT] = render_frontdoor_unit(config)
+        files[FRONTDOOR_UNIT] = render_frontdoor_unit(config, frontdoor_user)
     for instance in plan.instances:
         files[dropin(instance.name)] = render_dropin(config, instance)
     return files

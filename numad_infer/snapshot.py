@@ -39,7 +39,7 @@ def instances(runtimes: list[Runtime], now: float, frontdoor: Frontdoor, loaded:
     # The slots column only for an engine that reports its busy slots.
     slots = (loaded.engine.slots(loaded.config) if loaded is not None and loaded.engine.metrics_path else None)
     weights = 0 if loaded is None else loaded.decode_bytes
-    cpu = None if loaded is None or loaded.engine_cpu is None else loaded.engine_cpu.describe()
+    cpu = None if loaded is None or loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe()
     return tuple(replace(_instance_status(rt, now, frontdoor, slots, _efficiency(rt, weights, tuned)), cpu_backend=cpu)
                  for rt in runtimes)
 
@@ -57,7 +57,8 @@ def frontdoor_status(fd: Frontdoor) -> FrontdoorStatus | None:
         return None
     stats = fd.stats
     return FrontdoorStatus(fd.listen, stats is not None, None if stats is None else stats.queued,
-                           None if stats is None else stats.in_flight, fd.error or None)
+                           None if stats is None else stats.in_flight, fd.error or None, fd.queue_size or None,
+                           {} if fd.answers is None else dict(fd.answers.responses))
 
 
 def _efficiency(rt: Runtime, weights: int, tuned: Results) -> float | None:

@@ -122,6 +122,9 @@ class FrontdoorStatus:
     queued: int | None = None
     in_flight: int | None = None
     error: str | None = None
+    queue_size: int | None = None  # frontend.queue_size: one more waiting request gets a 503
+    # Answers sent to clients by class ("2xx", "5xx"...) since HAProxy (re)started.
+    responses: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class DaemonStatus:
     metrics: str | None = None
     # What the instances' cgroup lets them use, and what of the machine that leaves out.
     allowed: str | None = None
+    min_local_fraction: float | None = None  # monitor.min_local_fraction: below it is memory drift
 
 
 def in_rotation(rotation: str | None) -> bool:

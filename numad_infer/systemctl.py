@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Callable
 
 from numad_infer.errors import NumaInferError
 from numad_infer.notify import child_environ
@@ -23,12 +24,25 @@ def pid1_is_systemd(fsroot: str = "/") -> bool:
 
 
 class Systemctl:
-    def __init__(self, binary: str | None = None, timeout_s: float = 90.0) -> None:
+    def __init__(self, binary: str | None = None, timeout_s: float = 90.0,
+                 progress: Callable[[], None] | None = None) -> None:
         self.binary = binary or shutil.which("systemctl") or "/usr/bin/systemctl"
         self.timeout_s = timeout_s
+        # Called before and after every call: the daemon feeds its watchdog here, so a
+        # reload made of many slow (but finishing) calls is not taken for a hang.
+        self.progress = progress
 
     # Every call puts "--" before unit names: a name is never read as an option.
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        if self.progress is not None:
+            self.progress()
+        try:
+            return self._run(args, check)
+        finally:
+            if self.progress is not None:
+                self.progress()
+
+    def _run(self, args: tuple[str, ...], check: bool) -> subprocess.CompletedProcess[str]:
         try:
             proc = subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=self.timeout_s,
                                   env=child_environ())

@@ -392,7 +392,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
             grid.append(Candidate(value, "current setting"))
     report = Report(model=config.model.path, weight_bytes=size, decode_bytes=loaded.decode_bytes,
                     engine=config.server.engine, node=node, cpus=instance.cpus,
-                    engine_cpu=None if loaded.engine_cpu is None else loaded.engine_cpu.describe())
+                    engine_cpu=None if loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe())
     try:
         for measured in nodes:
             fleet.hold(measured, config.frontend.drain_timeout_s + 120)

@@ -20,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- what the servers run as ------------------------------------------------------------------
-# Run as root (CI), the daemon drops its servers to server.user (nobody): the interpreter,
-# llama-cpp-python and the model must then be readable by nobody, as on a real host. pytest's
+# Run as root (CI), the daemon drops its servers to server.user (numa-infer, or nobody where
+# that user does not exist): the interpreter,
+# llama-cpp-python and the model must then be readable by it, as on a real host. pytest's
 # temporary directories are private (0700) and this venv's interpreter may live under /root,
 # so the servers get a world-readable directory of their own with the model and, where
 # needed, a bridge venv: the system interpreter of the same Python version (same ABI) with
@@ -41,6 +42,18 @@ def shared_dir() -> Path:
         _shared.chmod(0o755)
         atexit.register(shutil.rmtree, _shared, True)
     return _shared
+
+
+def run_dir(tmp: Path) -> Path:
+    """The daemon's state directory. Run as root, the daemon starts HAProxy as its own
+    user (numa-infer-frontdoor, or nobody), which must read haproxy.cfg there, as it does
+    in /run/numa-infer: so not under pytest's private (0700) directories."""
+    if os.geteuid() != 0:
+        return tmp / "run"
+    import tempfile
+    path = Path(tempfile.mkdtemp(prefix="run-", dir=shared_dir()))
+    path.chmod(0o755)
+    return path
 
 
 def _runnable_by_others(path: Path) -> bool:
@@ -198,7 +211,7 @@ class DaemonRun:
         self.tmp = tmp
         self.model = model
         self.fsroot = fakesys.write_tree(tmp / "fs", machine or two_single_cpu_nodes())
-        self.state_file = tmp / "run" / "state.json"
+        self.state_file = run_dir(tmp) / "state.json"
         self.config = tmp / "numa-infer.toml"
         self.base_port = free_port_block(8, also=(500,))
         self.extra_config = extra_config

@@ -167,3 +167,13 @@ def test_an_instance_whose_cpuset_narrowed_under_it_is_drift_told_once_and_statu
     assert check.run(ctx) and check.run(ctx)
     assert runtime.runnable_cpus == (1,) and runtime.drift_counts == {"allowed": 1}
     assert runtime.last_drift is not None and "allows only CPUs 1 of the planned 0-1" in runtime.last_drift.detail
+
+
+def test_a_quota_smaller_than_the_instances_keeps_as_many_instances_as_it_holds_threads(machine) -> None:
+    # `--cpus=1` on a two-node machine: two instances of one thread each would take turns
+    # on one CPU's time; one instance with one thread is what the quota holds.
+    plan = make_plan(cfg(), machine, allowed=Allowed(None, None, quota_cpus=1.0, source="cpu.max"))
+    assert [i.threads for i in plan.instances] == [1]
+    assert plan.instances[0].name == "infer@0"
+    assert any("CPU quota of 1 (cpu.max) holds 1 thread(s): 1 instance(s) of 2 planned, infer@1" in w
+               and "--cpuset-cpus" in w for w in plan.warnings), plan.warnings

@@ -116,7 +116,7 @@ ALLOWED = {
     "Description", "After", "Documentation", "Type", "Restart", "RestartSec", "TimeoutStopSec", "DynamicUser",
     "ProtectHome", "SystemCallFilter", "SystemCallErrorNumber", "IPAddressDeny", "IPAddressAllow", "Environment",
     "LimitMEMLOCK", "CPUAffinity", "NUMAPolicy", "NUMAMask", "ExecStart", "ExecStartPre", "ExecReload", "KillMode",
-    "RuntimeDirectory", "AmbientCapabilities", "CapabilityBoundingSet", "PrivateUsers", "NoNewPrivileges",
+    "RuntimeDirectory", "RuntimeDirectoryMode", "User", "Group", "AmbientCapabilities", "CapabilityBoundingSet", "PrivateUsers", "NoNewPrivileges",
     "ProtectSystem", "PrivateTmp", "PrivateDevices", "PrivateMounts", "ProtectKernelTunables", "ProtectKernelModules",
     "ProtectKernelLogs", "ProtectControlGroups", "ProtectClock", "ProtectHostname", "ProtectProc", "RestrictNamespaces",
     "RestrictSUIDSGID", "LockPersonality", "RestrictRealtime", "RestrictAddressFamilies", "SystemCallArchitectures",

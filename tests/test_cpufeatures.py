@@ -1,5 +1,5 @@
-"""numad_infer.cpufeatures and Engine.cpu: which CPU kernels an engine runs, and the warning
-when it leaves AVX-512/AMX idle (issue 20, item 2)."""
+"""numad_infer.cpufeatures and Engine.cpu: which CPU kernels an engine runs, and the verdict
+(`check`'s warning, `doctor`'s check) when it leaves AVX2/AVX-512/AMX idle (issue 20, item 2)."""
 
 from __future__ import annotations
 
@@ -31,14 +31,17 @@ def test_a_single_backend_build_is_read_from_its_system_info() -> None:
 
 
 @pytest.mark.parametrize("flags, engine, idle", [
-    ("fpu avx2 avx512f avx512bw amx_tile amx_int8", "haswell", ["AVX512", "AMX_INT8"]),
-    ("fpu avx2 avx512f avx512bw amx_tile amx_int8", "icelake", ["AMX_INT8"]),
-    ("fpu avx2 avx512f avx512bw amx_tile amx_int8", "sapphirerapids", []),
-    ("fpu avx2 avx512f avx512bw", "zen4", []),
-    ("fpu avx2", "haswell", []),  # an AVX2-only CPU (or an OS without AVX-512 state): nothing idle
+    ("fpu avx2 avx512f avx512bw amx_tile amx_int8", "haswell", ("AMX_INT8", "AVX512")),
+    ("fpu avx2 avx512f avx512bw amx_tile amx_int8", "icelake", ("AMX_INT8",)),
+    ("fpu avx2 avx512f avx512bw amx_tile amx_int8", "sapphirerapids", ()),
+    ("fpu avx2 avx512f avx512bw", "zen4", ()),
+    ("fpu avx2", "haswell", ()),  # an AVX2-only CPU (or an OS without AVX-512 state): nothing idle
+    ("fpu avx2", "sse42", ("AVX2",)),
+    ("fpu sse4_2 avx", "sse42", ()),  # no wide unit on the CPU: nothing to leave idle
+    ("fpu avx2 avx512f amx_int8", "skylakex", ()),  # AMX needs its tiles too
 ])
 def test_idle_units_are_the_wide_ones_the_cpu_has_and_the_engine_does_not_use(flags: str, engine: str,
-                                                                              idle: list[str]) -> None:
+                                                                              idle: tuple[str, ...]) -> None:
     host = cpuinfo_flags(f"processor\t: 0\nflags\t\t: {flags}\n")
     assert idle_units(host, EngineCpu(engine, VARIANT_FEATURES[engine])) == idle
 
@@ -53,8 +56,29 @@ def test_llama_cpp_python_reports_what_its_libggml_cpu_was_compiled_for() -> Non
     from numad_infer.hostcheck import InstanceHost
 
     config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\npython = "{sys.executable}"\n', "/etc/x.toml")
-    cpu = engine_of(config).cpu(config, InstanceHost(None))
-    assert cpu is not None and cpu.variant is None and "AVX2" in cpu.features
+    report = engine_of(config).cpu(config, InstanceHost(None))
+    cpu = report.cpu
+    assert cpu is not None and cpu.variant is None and "AVX2" in cpu.features, report
+    assert sys.executable in report.source
+
+
+def test_an_engine_that_cannot_tell_says_why(tmp_path: Path) -> None:
+    """doctor shows the reason; `check` stays silent rather than guess."""
+    from numad_infer.config import parse_config
+    from numad_infer.engines import engine_of
+    from numad_infer.hostcheck import InstanceHost
+
+    static = tmp_path / "llama-server"  # a static build: --list-devices names no variant
+    static.write_text("#!/bin/sh\necho 'Available devices:'\n")
+    static.chmod(0o755)
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-server"\nllama_server = "{static}"\n',
+                          "/etc/x.toml")
+    report = engine_of(config).cpu(config, InstanceHost(None))
+    assert report.cpu is None and "named no libggml-cpu variant" in report.source and str(static) in report.source
+    assert "scripts/build-llama-server" in report.fix
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\npython = "{tmp_path / "absent"}"\n', "/etc/x.toml")
+    report = engine_of(config).cpu(config, InstanceHost(None))
+    assert report.cpu is None and "cannot load llama_cpp" in report.source
 
 
 def test_llama_server_names_the_variant_it_loaded_on_this_host() -> None:
@@ -68,7 +92,7 @@ def test_llama_server_names_the_variant_it_loaded_on_this_host() -> None:
     binary = llama_server_binary()
     config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-server"\nllama_server = "{binary}"\n',
                           "/etc/x.toml")
-    cpu = engine_of(config).cpu(config, InstanceHost(None))
+    cpu = engine_of(config).cpu(config, InstanceHost(None)).cpu
     assert cpu is not None and cpu.variant in VARIANT_FEATURES
     host = cpuinfo_flags(Path("/proc/cpuinfo").read_text())
     # Every wide unit the variant uses is one the OS enabled (cpuinfo lists only those).

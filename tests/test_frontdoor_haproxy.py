@@ -31,7 +31,7 @@ import pytest
 from numad_infer.config import Config, parse_config
 from numad_infer.errors import ConfigError
 from numad_infer.haproxy import RuntimeAPI
-from numad_infer.haproxycfg import BACKEND, Paths, paths_in, quoted, render_haproxy
+from numad_infer.haproxycfg import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy
 from tests.daemon_harness import free_port_block
 from tests.test_engines import plan_for
 
@@ -245,6 +245,9 @@ def test_haproxys_own_answers_are_openai_json_errors(front_door) -> None:
     answer = door.post("none", {"prompt": "hello"})
     assert answer.status == 503 and answer.error()["code"] == 503, answer
     assert answer.error()["type"] == "server_busy"
+    # The answers the metrics publish, and the 5xx alert reads, count HAProxy's own 503.
+    _, answers = RuntimeAPI(str(door.run_dir / "haproxy.sock")).counters(BACKEND, FRONTEND)
+    assert answers.responses["5xx"] == 1 and answers.responses["2xx"] == 0, answers
     # The H1 parser's own 400 (malformed request) and 408 (headers too slow) stay HTML in
     # HAProxy 2.6: http-error and errorfile do not reach them (README says so).
 
@@ -284,7 +287,7 @@ def test_every_path_in_haproxy_cfg_is_quoted_and_haproxy_accepts_it(tmp_path: Pa
     paths = Paths(run_dir / "haproxy.cfg", run_dir / "state $HOME", run_dir / "haproxy.sock")
     plan = plan_for(tmp_path, config)
     text = render_haproxy(config, plan, paths)
-    assert f'stats socket "{run_dir}/haproxy.sock" mode 600' in text
+    assert f'stats socket "{run_dir}/haproxy.sock" mode 660' in text
     assert f'server-state-file "{run_dir}/state \\$HOME"' in text
     paths.config.write_text(text)
     paths.state.write_text("1\n")

@@ -496,3 +496,42 @@ def test_a_fifo_in_place_of_the_key_file_is_refused_at_once(tmp_path: Path) -> N
     with pytest.raises(ConfigError, match=r"is not a regular file"):
         read_api_key(_key_config(fifo), "cfg")
     assert time.monotonic() - started < 5
+
+
+def test_a_reload_made_of_slow_systemctl_calls_keeps_feeding_the_watchdog(tmp_path: Path) -> None:
+    """In the VM suite a reload (units, daemon-reload, HAProxy reload) took 20-30 s on a
+    loaded host and systemd killed the daemon for a missed ping (WatchdogSec=60). Each
+    systemctl call now gives the notifier a chance to ping, as the daemon wires it."""
+    import socket
+
+    from numad_infer.cli import _make_backend
+    from numad_infer.notify import Notifier
+
+    sock_path = tmp_path / "notify"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(0.05)
+    fake = tmp_path / "systemctl"
+    fake.write_text("#!/bin/sh\nsleep 0.3\n")
+    fake.chmod(0o755)
+    # Watchdog of 0.4 s: a ping is due 0.2 s after the last one.
+    notifier = Notifier({"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"})
+    notifier.watchdog(time.monotonic())
+    last = time.monotonic()
+    backend = _make_backend("systemd", tmp_path / "state.json", progress=notifier.keepalive)
+    backend.systemctl.binary = str(fake)
+    gaps: list[float] = []
+    for _ in range(4):  # 1.2 s of systemctl calls, no loop pass in between
+        backend.systemctl.daemon_reload()
+        while True:
+            try:
+                message = sock.recv(4096).decode()
+            except TimeoutError:
+                break
+            if "WATCHDOG=1" in message:
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+    sock.close()
+    assert len(gaps) >= 3, gaps
+    assert max(gaps) < 0.4 + 0.3, gaps  # never longer than the interval plus one call

@@ -18,9 +18,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
+from numad_infer.cpufeatures import EngineCpuReport
+
 if TYPE_CHECKING:
     from numad_infer.config import Config
-    from numad_infer.cpufeatures import EngineCpu
     from numad_infer.planner import Instance
 
 # Where systemd puts the API key (LoadCredential=KEY_CREDENTIAL:server.api_key_file).
@@ -63,6 +64,8 @@ class Engine(ABC):
     key_check_path: ClassVar[str] = "/v1/models"
     # The server's own Prometheus counters, None when it has none.
     metrics_path: ClassVar[str | None] = None
+    # How to get CPU kernels for this host's wide units ("" when the engine has no way).
+    cpu_fix: ClassVar[str] = ""
 
     @abstractmethod
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
@@ -94,10 +97,11 @@ class Engine(ABC):
         """The counters in a scrape of `metrics_path`, None when they are not all there."""
         return None
 
-    def cpu(self, config: Config, host: HostAccess) -> EngineCpu | None:
-        """The CPU kernels the engine runs on this host (its ggml CPU variant or compiled ISA);
-        None when it cannot tell. Status and `check` show it; `check` warns of idle units."""
-        return None
+    def cpu(self, config: Config, host: HostAccess) -> EngineCpuReport:
+        """The CPU kernels the engine runs on this host (its ggml CPU variant or compiled ISA),
+        or why it cannot tell. The one source for status, metrics, tune's report, and the
+        idle wide units that `check` warns of and `doctor` judges."""
+        return EngineCpuReport(None, f"{self.name} does not say which CPU kernels it runs", self.cpu_fix)
 
     def no_stop_fields(self, stop_token_ids: tuple[int, ...]) -> dict[str, object]:
         """Fields of an OpenAI completion request that keep it from ending at end-of-sequence,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from numad_infer.cpufeatures import EngineCpu, from_system_info
+from numad_infer.cpufeatures import EngineCpuReport, from_system_info
 from numad_infer.engines.base import KEY_CREDENTIAL, Engine, HostAccess
 
 if TYPE_CHECKING:
@@ -42,6 +42,9 @@ class LlamaCppPython(Engine):
     # It has no /health, and /v1/models waits on the model lock; FastAPI's /docs never does.
     liveness_path = "/docs"
     key_env = "API_KEY"
+    cpu_fix = ("reinstall llama-cpp-python into server.python built for this CPU (CMAKE_ARGS='-DGGML_NATIVE=ON' pip "
+               "install --force-reinstall --no-binary :all: llama-cpp-python), or use server.engine = \"llama-server\" "
+               "with scripts/build-llama-server's build")
 
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
         start = ["-c", _FROM_CREDENTIAL] if key_from_credential and config.server.api_key_file else ["-m", "llama_cpp.server"]
@@ -63,9 +66,16 @@ class LlamaCppPython(Engine):
             *config.server.extra_args,
         ]
 
-    def cpu(self, config: Config, host: HostAccess) -> EngineCpu | None:
-        done = host.run([config.server.python, "-I", "-c", _ASK_GGML_CPU], 30.0)
-        return None if done is None or done.returncode != 0 else from_system_info(done.stdout)
+    def cpu(self, config: Config, host: HostAccess) -> EngineCpuReport:
+        python = config.server.python
+        done = host.run([python, "-I", "-c", _ASK_GGML_CPU], 30.0)
+        if done is None or done.returncode != 0:
+            return EngineCpuReport(None, f"{python} cannot load llama_cpp's libggml-cpu.so{host.who}", self.cpu_fix)
+        cpu = from_system_info(done.stdout)
+        if cpu is None:
+            return EngineCpuReport(None, f"llama_cpp's libggml-cpu.so in {python} said {done.stdout[:80]!r}, naming no "
+                                         "CPU features", self.cpu_fix)
+        return EngineCpuReport(cpu, f"llama_cpp's libggml-cpu.so in {python}", self.cpu_fix)
 
     def check_host(self, config: Config, source: str, host: HostAccess) -> list[str]:
         """A warning, not a refusal: the interpreter may be installed into after the check."""

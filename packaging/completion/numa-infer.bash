@@ -6,7 +6,7 @@ _numa_infer()
     local cur prev words cword split
     _init_completion -s || return
 
-    local commands="topology plan render check run status health reload tune"
+    local commands="topology plan render check run status health reload tune doctor"
     local global_opts="--config --fsroot --state-file"
 
     # Options that take an argument.
@@ -69,6 +69,7 @@ _numa_infer()
         run) opts="--backend --verbose" ;;
         reload) opts="--pid --timeout" ;;
         health) opts="--live --ready" ;;
+        doctor) opts="--json --sample" ;;
         tune) opts="--nodes --quick --json --apply --stop-instances --layouts --samples --tokens" ;;
         *) return ;;
     esac

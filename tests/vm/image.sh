@@ -45,10 +45,13 @@ DEB_DEPENDS="python3-pydantic python3-psutil python3-sdnotify python3-prometheus
 # Everything that shapes the image is a constant in this file, not an environment knob:
 # the key hashes this file, so changing any of these makes a new image.
 SUITE=trixie
-IMG_SIZE=3G # sparse; the built root is ~1 GB, the rest is room for tests (snapshot=on: writes are discarded)
+IMG_SIZE=4G # sparse; the built root is ~1.2 GB, the rest is room for tests and a loaded container image (snapshot=on: writes are discarded)
 KEEP=2      # image directories kept in the cache (most recently used first)
 GUEST_HOSTNAME="numa-e2e"
 PACKAGES=systemd,systemd-sysv,udev,dbus,python3,python3-venv,libgomp1,numactl,procps,curl,iproute2,haproxy,linux-image-amd64,initramfs-tools,lz4,util-linux,ca-certificates
+# The container group runs numa-infer's image under podman (crun, cgroup v2): rootful, with
+# netavark's bridge (nftables) for the published front-door port.
+PACKAGES=$PACKAGES,podman,crun,conmon,netavark,aardvark-dns,nftables,catatonit
 # Units that cost boot time under TCG or misbehave without a console (from the reference;
 # serial-getty@ttyS0 in particular: its hangup swallows console output).
 MASK_UNITS=(serial-getty@ttyS0.service getty@tty1.service apt-daily.timer apt-daily-upgrade.timer
@@ -56,6 +59,7 @@ MASK_UNITS=(serial-getty@ttyS0.service getty@tty1.service apt-daily.timer apt-da
   modprobe@drm.service modprobe@fuse.service modprobe@loop.service modprobe@dm_mod.service
   systemd-binfmt.service proc-sys-fs-binfmt_misc.automount sys-kernel-debug.mount
   sys-kernel-tracing.mount dev-hugepages.mount
+  podman-auto-update.timer podman-restart.service
   haproxy.service) # Debian's own HAProxy instance: numa-infer runs its own (numa-infer-frontdoor.service)
 
 log() { echo "image.sh: $*" >&2; }

@@ -31,6 +31,8 @@ from scenarios import GROUPS, TOPOLOGY  # noqa: E402  (scenario names, to notice
 # The "deb" group installs numa-infer from its Debian package instead of the wheel.
 WHEEL_SETUP = """/opt/llm/bin/pip install -q --no-deps --no-index /mnt/share/dist/*.whl
 sed 's#/usr/bin/numa-infer#/opt/llm/bin/numa-infer#g' /mnt/share/numa-infer.service > /etc/systemd/system/numa-infer.service
+# The users the package would make: the shipped unit names the front door's group.
+systemd-sysusers /mnt/share/numa-infer.sysusers
 systemctl daemon-reload
 """
 GUEST_TEST = """#!/bin/bash
@@ -72,11 +74,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group", action="append", choices=sorted(GROUPS), help="topology group(s) to run (default: all)")
     parser.add_argument("--keep", action="store_true", help="keep the share directories (logs, journal)")
+    parser.add_argument("--prepare", action="store_true",
+                        help="only build what is cached (the guest image, the container image's base) and exit: "
+                             ".ci/run does this while pytest runs, so a machine without caches builds them "
+                             "alongside the tests instead of after them")
     args = parser.parse_args()
     if os.environ.get("NUMA_INFER_SKIP_VM") == "1":
         print("SKIP vm suite: NUMA_INFER_SKIP_VM=1 is set")
         return 0
-    groups = args.group or ["2x2", "tune", "2x2smt", "4x1", "engine", "chaos", "deb"]
+    groups = args.group or ["2x2", "2x2smt", "4x1", "engine", "container", "tune-chaos", "deb"]
 
     t0 = time.monotonic()
     python = ROOT / ".venv/bin/python"
@@ -89,6 +95,12 @@ def main() -> int:
         print("FAIL vm-image: tests/vm/image.sh build failed (see above)")
         return 1
     print(f"image ready in {time.monotonic() - t0:.0f}s: {build.stdout.strip().splitlines()[-1]}", flush=True)
+    if args.prepare:
+        if "container" in groups:
+            t1 = time.monotonic()
+            subprocess.run([str(ROOT / "scripts/build-image")], check=True, stdout=subprocess.DEVNULL)
+            print(f"container image built in {time.monotonic() - t1:.0f}s", flush=True)
+        return 0
 
     work = Path(tempfile.mkdtemp(prefix="numa-infer-vm-"))
     subprocess.run([str(python), "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(work / "dist"), str(ROOT)],
@@ -97,12 +109,13 @@ def main() -> int:
                    stdout=subprocess.DEVNULL)
     shutil.copy(HERE / "scenarios.py", work / "scenarios.py")
     shutil.copy(ROOT / "packaging/systemd/numa-infer.service", work / "numa-infer.service")
+    shutil.copy(ROOT / "debian/numa-infer.sysusers", work / "numa-infer.sysusers")
 
     failed = False
     for group in groups:
         share = work / f"share-{group}"
         share.mkdir()
-        for item in ("dist", "tiny.gguf", "scenarios.py", "numa-infer.service"):
+        for item in ("dist", "tiny.gguf", "scenarios.py", "numa-infer.service", "numa-infer.sysusers"):
             src = work / item
             (shutil.copytree if src.is_dir() else shutil.copy)(src, share / item)
         if group == "deb":
@@ -112,6 +125,9 @@ def main() -> int:
             built = subprocess.run([str(ROOT / "scripts/build-llama-server")], check=True, stdout=subprocess.PIPE,
                                    text=True).stdout.strip().splitlines()[-1]
             shutil.copy(built, share / "llama-server")
+        if group == "container":
+            (share / "image.txt").write_text(save_image(share / "numa-infer-image.tar"))
+            shutil.copy(ROOT / "deploy/kubernetes/numa-infer.toml", share / "container.toml")
         if group in ("bench", "filter-cost"):
             subprocess.run([str(python), str(ROOT / "tools/make_model.py"), str(share / "bench.gguf"), "--size", "small"],
                            check=True, stdout=subprocess.DEVNULL)
@@ -119,7 +135,11 @@ def main() -> int:
         (share / "test.sh").chmod(0o755)
         started = time.monotonic()
         for attempt in (1, 2):
-            proc, serial = run_guest(share, TOPOLOGY[group], env)
+            # `podman load` of the image alone takes minutes under TCG on a busy host; tune and
+            # the chaos soak together take 15.
+            long_guest = group in ("container", "tune-chaos")
+            guest_env = dict(env, VM_TIMEOUT=env.get("VM_TIMEOUT", "1500")) if long_guest else env
+            proc, serial = run_guest(share, TOPOLOGY[group], guest_env)
             # The guest mounts the 9p share once boot completes; once in a while virtio-9p is
             # not there yet ("9pnet_virtio: no channels available"): nothing ran, so boot again.
             if attempt == 1 and proc.returncode == 99 and "no share or no test.sh" in serial:
@@ -158,6 +178,22 @@ def main() -> int:
     else:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
+
+
+def save_image(out: Path) -> str:
+    """numa-infer's container image (scripts/build-image: cached base, this tree's code and
+    llama-server), saved as an archive for `podman load` in the guest (it has no registry)."""
+    t0 = time.monotonic()
+    image = subprocess.run([str(ROOT / "scripts/build-image")], check=True, stdout=subprocess.PIPE,
+                           text=True).stdout.strip().splitlines()[-1]
+    # `podman load` of it takes 5-10 minutes under TCG on a busy 2-core host (451 s for this
+    # gzip-compressed oci-archive, 607 s for the uncompressed docker-archive, one run each).
+    subprocess.run(["podman", "save", "-q", "--format", "oci-archive", "-o", str(out), image], check=True)
+    size = subprocess.run(["podman", "image", "inspect", "-f", "{{.Size}}", image], check=True, stdout=subprocess.PIPE,
+                          text=True).stdout.strip()
+    print(f"container image {image}: {int(size) / 1e6:.0f} MB, built and saved in {time.monotonic() - t0:.0f}s",
+          flush=True)
+    return image
 
 
 def build_debs(out: Path) -> None:
