@@ -254,8 +254,12 @@ def test_tune_interrupted_leaves_the_fleet_as_it_was(daemon) -> None:
     run = daemon()
     run.all_healthy(2)
     config_before = run.config.read_text()
+    # Enough samples that the interrupt lands while it measures: with the default 5, a whole
+    # run on the tiny model once ended before the daemon's state file (one pass later) showed
+    # the hold, on a loaded CI host, and tune exited 0.
     proc = subprocess.Popen([sys.executable, "-m", "numad_infer", "--config", str(run.config), "--fsroot",
-                             str(run.fsroot), "--state-file", str(run.state_file), "tune", "--apply"],
+                             str(run.fsroot), "--state-file", str(run.state_file), "tune", "--apply",
+                             "--samples", "500"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     run.wait(lambda s: any(i["state"] == "held" for i in s["instances"]), 120, "an instance held by tune")
     proc.send_signal(signal.SIGINT)
