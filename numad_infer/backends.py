@@ -286,6 +286,11 @@ class ProcessBackend:
         env = server_environment(engine, instance, self.api_key, self.runs_as, os.environ)
         switch = self.runs_as.popen_kwargs() if self.runs_as is not None else {}
         cpus, mems, policy = frozenset(instance.cpus), instance.mems, instance.policy
+        # Where a seccomp profile refuses set_mempolicy (Kubernetes' RuntimeDefault without
+        # CAP_SYS_NICE), trying it in the child would fail every start: the server starts
+        # pinned but unbound, its memory placed by first touch from its pinned threads, and
+        # `check`/status say so (hostcheck.memory_call_warnings). Probed once, in the daemon.
+        bind = pinning.memory_calls().bind_refused is None
 
         def pin_in_child() -> None:
             # Runs after fork, after the switch to server.user, before exec: the server
@@ -293,7 +298,8 @@ class ProcessBackend:
             # own node. (PDEATHSIG is set after the switch, which would clear it.)
             _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
             os.sched_setaffinity(0, cpus)
-            pinning.set_mempolicy(policy, mems)
+            if bind:
+                pinning.set_mempolicy(policy, mems)
 
         self.children[instance.name] = self.output.popen(
             instance.name, argv, env=env, stdin=subprocess.DEVNULL, cwd="/",

@@ -137,6 +137,10 @@ class MemoryCheck(DriftCheck):
         if not ctx.monitor.repair or ctx.instance.policy == Policy.INTERLEAVE:
             log.warning("%s: memory drift: %s (not repaired)", name, found)
             return
+        refused = pinning.memory_calls().migrate_refused
+        if refused is not None:  # a seccomp profile: every try would fail the same way
+            log.warning("%s: memory drift: %s (not repaired: migrate_pages is refused here: %s)", name, found, refused)
+            return
         try:
             left = pinning.migrate_pages(ctx.pid, verdict.remote_nodes, ctx.instance.mems)
         except OSError as exc:

@@ -22,10 +22,11 @@ from numad_infer.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_units
 from numad_infer.engines import Engine, engine_of
 from numad_infer.haproxy import check_haproxy
 from numad_infer.haproxycfg import paths_in, render_haproxy
-from numad_infer.hostcheck import InstanceHost, host_warnings
+from numad_infer.hostcheck import InstanceHost, host_warnings, memory_call_warnings
 from numad_infer.identity import BackendKind, RunAs, instances_run_as
 from numad_infer.ggufheader import decode_bytes
 from numad_infer.modelfile import model_size
+from numad_infer.pinning import memory_calls
 from numad_infer.planner import Plan, make_plan
 from numad_infer.procfs import ProcReader
 from numad_infer.sysfs import SysfsReader
@@ -85,7 +86,8 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     read_api_key(config, source)
     _check_frontdoor_config(config, plan)
     # Processes are always this machine's, even with --fsroot.
-    warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as))
+    warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as),
+                *memory_call_warnings(memory_calls(), kind))
     return Loaded(source, config, topology, plan, kind, runs_as, engine, size, decode_bytes(config.model.path),
                   allowed, engine_cpu, warnings)
 

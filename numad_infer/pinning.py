@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import platform
+import threading
+from dataclasses import dataclass
 
 from numad_infer.planner import Policy
 
+MPOL_DEFAULT = 0
 MPOL_BIND = 2
 MPOL_INTERLEAVE = 3
 
@@ -67,3 +71,59 @@ def set_thread_affinity(tid: int, cpus: frozenset[int]) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+@dataclass(frozen=True)
+class MemoryCalls:
+    """Whether this process may set a memory policy and move pages: why not, or None.
+
+    A container's seccomp profile decides it, not the kernel: Kubernetes' RuntimeDefault
+    (containerd's and Docker's profile) allows set_mempolicy and mbind only with
+    CAP_SYS_NICE and refuses migrate_pages and move_pages; podman's default allows the
+    policy and refuses the migration. A refused call fails with EPERM, in the daemon and in
+    every child it starts (a filter survives fork and exec)."""
+
+    bind_refused: str | None  # set_mempolicy: an instance cannot be started bound to its node(s)
+    migrate_refused: str | None  # migrate_pages: memory drift cannot be repaired
+
+
+# What a refusal looks like: a seccomp filter answers EPERM (SECCOMP_RET_ERRNO), a kernel
+# without NUMA support ENOSYS. Anything else (EINVAL...) is not a refusal of the call.
+_REFUSED = (errno.EPERM, errno.EACCES, errno.ENOSYS)
+
+
+def _first_allowed_node() -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Mems_allowed_list:"):
+                    return int(line.split(":", 1)[1].strip().split(",")[0].split("-")[0])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+@functools.cache
+def memory_calls() -> MemoryCalls:
+    """Try each call once, harmlessly: a seccomp filter does not change while we run."""
+    refused: dict[str, str | None] = {"bind": None, "migrate": None}
+
+    def attempt(key: str, call: int, *args: object) -> None:
+        try:
+            _syscall(call, *args)
+        except OSError as exc:
+            if exc.errno in _REFUSED:
+                refused[key] = exc.strerror or str(exc)
+
+    # MPOL_DEFAULT with no mask ("the default"), on a thread that ends right after: no
+    # policy of the daemon's own threads changes.
+    probe = threading.Thread(target=attempt, args=("bind", 0, ctypes.c_int(MPOL_DEFAULT), None, ctypes.c_ulong(0)),
+                             name="mempolicy-probe")
+    probe.start()
+    probe.join()
+    # From a node to itself: moves nothing, but passes the same filter a real repair does.
+    node = (_first_allowed_node(),)
+    maxnode = _maxnode(node)
+    attempt("migrate", 1, ctypes.c_int(os.getpid()), ctypes.c_ulong(maxnode), _nodemask(node, maxnode),
+            _nodemask(node, maxnode))
+    return MemoryCalls(refused["bind"], refused["migrate"])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from numad_infer import bandwidth, bandwidthfile
+from numad_infer import bandwidth, bandwidthfile, pinning
 from numad_infer.addresses import connect_host
 from numad_infer.apikey import read_api_key
 from numad_infer.backends import ProcessBackend
@@ -192,6 +192,13 @@ class Measurer:
 
     def bandwidth(self, nodes: list[int], samples: int) -> dict[tuple[int, int], Figure]:
         """(CPU node, memory node) -> GB/s, read by the CPUs the node's instance would get."""
+        refused = pinning.memory_calls().bind_refused
+        if refused is not None:
+            # Each reader binds its buffer to one node: without set_mempolicy every reader
+            # would die and the measurement would wait out its timeout.
+            raise TuneError(f"cannot measure bandwidth per memory node: set_mempolicy is refused here ({refused}: "
+                            "a seccomp profile); allow it (docs/kubernetes.md, \"Memory policy under seccomp\") "
+                            "or run tune where it is allowed")
         cpus = {}
         for node in nodes:
             _, instance = self.instance_for(node, 1, self.config.server.base_port)

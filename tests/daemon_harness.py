@@ -205,9 +205,12 @@ class DaemonRun:
     def __init__(self, tmp: Path, model: Path, placement: str = "", monitor: str = "", env: dict[str, str] | None = None,
                  machine: fakesys.FakeMachine | None = None, extra_config: str = "", interval_s: float = 0.5,
                  backoff_s: float = 0.2, frontend: str | None = None, context_size: int = 256,
-                 engine: str = "llama-cpp-python", cgroup: Path | None = None, run_args: tuple[str, ...] = ()) -> None:
+                 engine: str = "llama-cpp-python", cgroup: Path | None = None, run_args: tuple[str, ...] = (),
+                 seccomp_refuse: tuple[str, ...] = ()) -> None:
         """`cgroup`: a cgroup v1 directory (a cpuset) the daemon, and so its servers, start in.
-        `run_args`: more options for `numa-infer run`."""
+        `run_args`: more options for `numa-infer run`.
+        `seccomp_refuse`: system calls a real seccomp filter refuses (EPERM) to the daemon and
+        everything it starts, as a container runtime's profile does (tests/seccomp.py)."""
         self.tmp = tmp
         self.model = model
         self.fsroot = fakesys.write_tree(tmp / "fs", machine or two_single_cpu_nodes())
@@ -230,16 +233,25 @@ class DaemonRun:
         self.log = open(tmp / "daemon.log", "w")
         self.cgroup = cgroup
         self.run_args = run_args
+        self.seccomp_refuse = seccomp_refuse
         self.proc = self.spawn()
 
     def spawn(self) -> subprocess.Popen:
         """Start the daemon (again: what a supervisor does after it died)."""
-        cgroup = self.cgroup
+        cgroup, refuse = self.cgroup, self.seccomp_refuse
+
+        def confine() -> None:
+            if cgroup is not None:
+                (cgroup / "tasks").write_text(str(os.getpid()))
+            if refuse:
+                from tests import seccomp
+                seccomp.refuse(refuse)
+
         return subprocess.Popen(
             [sys.executable, "-m", "numad_infer", "--config", str(self.config), "--fsroot", str(self.fsroot),
              "--state-file", str(self.state_file), "run", "--backend", "process", *self.run_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
-            preexec_fn=None if cgroup is None else lambda: (cgroup / "tasks").write_text(str(os.getpid())),
+            preexec_fn=confine if cgroup is not None or refuse else None,
         )
 
     def write_config(self, placement: str = "", monitor: str = "", extra: str = "") -> None:

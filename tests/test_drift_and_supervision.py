@@ -454,6 +454,27 @@ def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(probes_a
     assert (backend.running["infer@1"], (0, 2), (1,)) in moved
 
 
+def test_memory_drift_under_a_profile_that_refuses_migrate_pages_is_reported_not_retried(
+        probes_answer, monkeypatch, caplog) -> None:
+    # podman's and Kubernetes' default seccomp profiles refuse migrate_pages (tests/test_seccomp.py
+    # shows the probe with a real filter): the drift is shown, no call is made, and the log
+    # says why, rather than an ERROR for a call that can only fail again.
+    from numad_infer import pinning
+
+    backend, proc = RecordingBackend(), FakeProc()
+    proc.numa_maps = lambda pid: NodeUsage(anon={0: 200 << 20, 2: 800 << 20}, source="numa_maps")
+    monkeypatch.setattr(pinning, "memory_calls", lambda: pinning.MemoryCalls(None, "Operation not permitted"))
+    monkeypatch.setattr(pinning, "migrate_pages", lambda *a: pytest.fail("migrate_pages called"))
+    rec = Reconciler(backend, proc)
+    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    with caplog.at_level("WARNING"):
+        rec.monitor(1.0)
+    rt = rec.runtimes["infer@0"]
+    assert rt.memory is not None and rt.memory.drifted and rt.last_drift.kind == "memory"
+    assert not rt.repair_counts
+    assert "not repaired: migrate_pages is refused here: Operation not permitted" in caplog.text
+
+
 def test_interleaved_instances_are_never_migrated(probes_answer, monkeypatch) -> None:
     from numad_infer import pinning
 

@@ -283,9 +283,16 @@ def test_tune_interrupted_leaves_the_fleet_as_it_was(daemon) -> None:
     run = daemon()
     run.all_healthy(2)
     config_before = run.config.read_text()
+    # SIGINT back to its default in tune: a CI run started in the background (`.ci/run &`,
+    # nohup) has SIGINT ignored, that is inherited, and Python then raises no
+    # KeyboardInterrupt: tune ran to the end and exited 0. An operator's ^C reaches it with the
+    # default disposition, which is what is tested. More samples than the default keep it
+    # measuring when the interrupt comes.
     proc = subprocess.Popen([sys.executable, "-m", "numad_infer", "--config", str(run.config), "--fsroot",
-                             str(run.fsroot), "--state-file", str(run.state_file), "tune", "--apply"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                             str(run.fsroot), "--state-file", str(run.state_file), "tune", "--apply",
+                             "--samples", "100"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     run.wait(lambda s: any(i["state"] == "held" for i in s["instances"]), 120, "an instance held by tune")
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
