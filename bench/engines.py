@@ -6,14 +6,16 @@ on the same CPUs (this host's own topology), on the generated model quantized to
 
 Per engine and model: prompt tokens/s (a long prompt against a short one, as tune does),
 single-client decode tokens/s (streamed, as tune does) and that rate as a share of the
-memory read bandwidth measured in the same run, counting the bytes a decoded token reads
-(numad_infer.ggufheader: the layers, the output projection, one embedding row); then for
+memory read bandwidth measured in the same run by tune's method (numad_infer.bandwidth, one
+reader per CPU the instance runs on), counting the bytes a decoded token reads
+(numad_infer.ggufheader: the layers, the output projection, one embedding row), for each
+--threads count (e.g. 1,all: one thread and numa-infer's default); then, at the first, for
 C = 1, 2, 4, 8 concurrent clients, each sending completions of --tokens tokens to the
 instance directly, aggregate tokens/s (completion tokens / wall time). Every request
 suppresses end-of-sequence (Engine.no_stop_fields), so each gets the tokens it asked for.
 
     .venv/bin/python bench/engines.py [--size medium] [--models Q4_K_M,f16] [--tokens 64]
-        [--parallel 4] [--rounds 2] [--clients 1,2,4,8]
+        [--parallel 4] [--rounds 2] [--clients 1,2,4,8] [--threads all]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.serving import PROMPT, bandwidth_gbs, host_machine  # noqa: E402
+from numad_infer import bandwidth  # noqa: E402
 from numad_infer.engines import get as engine_named  # noqa: E402
 from numad_infer.ggufheader import decode_bytes, stop_token_ids  # noqa: E402
 from numad_infer.tuner import Client  # noqa: E402
@@ -77,12 +80,14 @@ class Measured:
     aggregate: dict[int, float]  # clients -> tokens/s
 
 
-def measure(engine: str, model: Path, tmp: Path, args: argparse.Namespace) -> Measured:
+def measure(engine: str, model: Path, tmp: Path, args: argparse.Namespace, threads: int | None) -> Measured:
     # Every request gets the tokens it asks for, whatever the model would say.
     no_stop = engine_named(engine).no_stop_fields(stop_token_ids(str(model)))
-    where = tmp / f"{engine}-{model.stem}"
+    where = tmp / f"{engine}-{model.stem}-{threads or 'all'}"
     where.mkdir()
-    run = DaemonRun(where, model, machine=host_machine(), interval_s=5.0, engine=engine,
+    # threads None: numa-infer's default (the node's physical cores).
+    placement = f"threads = {threads}\nthreads_batch = {threads}" if threads else ""
+    run = DaemonRun(where, model, placement=placement, machine=host_machine(), interval_s=5.0, engine=engine,
                     context_size=1024, frontend='listen = ""\n')
     if engine == "llama-server":
         run.server_extra = f"parallel = {args.parallel}"
@@ -111,11 +116,21 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--clients", default="1,2,4,8", help="comma-separated concurrency levels ('' for none)")
+    parser.add_argument("--threads", default="all",
+                        help="comma-separated thread counts per instance, 'all' for numa-infer's default (e.g. 1,all); "
+                             "the concurrency levels run at the first only")
     args = parser.parse_args()
+    thread_counts = [None if t == "all" else int(t) for t in args.threads.split(",")]
     args.clients = [int(c) for c in args.clients.split(",") if c]
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-bench-engines-"))
     bw = bandwidth_gbs(os.cpu_count() or 1)
-    print(f"# host: {os.cpu_count()} CPUs; read bandwidth {bw:.1f} GB/s (numpy, all CPUs); {args.tokens} tokens per "
+    # What `tune` measures and `status` divides by (numad_infer.bandwidth: one reader per CPU
+    # the instance runs on), for each thread count: decode efficiency is against that.
+    cpus = sorted(os.sched_getaffinity(0))
+    tune_bw = {n: bandwidth.measure(cpus[:n or len(cpus)], 0, samples=3).gbs for n in thread_counts}
+    print(f"# host: {os.cpu_count()} CPUs; read bandwidth {bw:.1f} GB/s (numpy, all CPUs), tune's "
+          + ", ".join(f"{g:.1f} GB/s with {n or len(cpus)} reader(s)" for n, g in tune_bw.items())
+          + f"; {args.tokens} tokens per "
           f"request, {args.rounds} per client; llama-server with {args.parallel} slots; medians of {args.samples}",
           flush=True)
     for name in args.models.split(","):
@@ -124,12 +139,17 @@ def main() -> None:
         print(f"## model {args.size} {name}: {model.stat().st_size / 2**20:.0f} MiB, {read / 2**20:.0f} MiB read per "
               f"decoded token", flush=True)
         results: dict[str, Measured] = {}
-        for engine in ("llama-cpp-python", "llama-server"):
-            m = results[engine] = measure(engine, model, tmp, args)
-            print(f"{engine:17s} ({m.threads} threads): prompt {m.prompt:7.1f} tok/s  decode {m.decode:6.1f} tok/s "
-                  f"= {read * m.decode / 1e9:.1f} GB/s = {read * m.decode / 1e9 / bw:.0%} of the bandwidth"
-                  + ("; " + "  ".join(f"C={c}: {r:6.1f}" for c, r in m.aggregate.items()) + " tok/s" if m.aggregate
-                     else ""), flush=True)
+        for index, threads in enumerate(thread_counts):
+            for engine in ("llama-cpp-python", "llama-server"):
+                m = measure(engine, model, tmp, args if index == 0 else argparse.Namespace(**{**vars(args), "clients": []}),
+                            threads)
+                if index == 0:
+                    results[engine] = m
+                print(f"{engine:17s} ({m.threads} threads): prompt {m.prompt:7.1f} tok/s  decode {m.decode:6.1f} tok/s "
+                      f"= {read * m.decode / 1e9:.1f} GB/s = {read * m.decode / 1e9 / tune_bw[threads]:.0%} of tune's "
+                      f"{tune_bw[threads]:.1f} GB/s ({read * m.decode / 1e9 / bw:.0%} of numpy's)"
+                      + ("; " + "  ".join(f"C={c}: {r:6.1f}" for c, r in m.aggregate.items()) + " tok/s"
+                         if m.aggregate else ""), flush=True)
         py, ls = results["llama-cpp-python"], results["llama-server"]
         print(f"ratio llama-server / llama-cpp-python: prompt {ls.prompt / py.prompt:.2f}x  decode "
               f"{ls.decode / py.decode:.2f}x" + "".join(f"  C={c}: {ls.aggregate[c] / py.aggregate[c]:.2f}x"

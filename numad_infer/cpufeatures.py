@@ -99,6 +99,30 @@ def cpuinfo_flags(text: str) -> frozenset[str]:
     return frozenset()
 
 
+# /proc/cpuinfo flag -> the feature name VARIANT_FEATURES uses.
+_CPUINFO_FEATURES: dict[str, str] = {
+    "sse4_2": "SSE42", "avx": "AVX", "f16c": "F16C", "fma": "FMA", "avx2": "AVX2", "bmi2": "BMI2",
+    "avx512f": "AVX512", "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI",
+    "avx512_bf16": "AVX512_BF16", "avx_vnni": "AVX_VNNI", "amx_int8": "AMX_INT8"}
+
+
+def _best_variant(offered: frozenset[str]) -> str:
+    fitting = [name for name, needs in VARIANT_FEATURES.items() if needs <= offered]
+    return max(fitting, key=lambda name: len(VARIANT_FEATURES[name]))
+
+
+def host_variants(host_flags: frozenset[str]) -> tuple[str, ...]:
+    """The variants a build for this host needs (scripts/build-llama-server's default): x64,
+    the fallback for any x86-64, and the one ggml would load here. Where the best needs AMX,
+    the best without it too: cpuinfo lists amx_* even where the kernel keeps tile data out
+    of XCR0 (many VMs), and ggml (patched to check XCR0) then falls back to that one."""
+    offered = frozenset(feature for flag, feature in _CPUINFO_FEATURES.items() if flag in host_flags)
+    chosen = ["x64", _best_variant(offered)]
+    if "AMX_INT8" in VARIANT_FEATURES[chosen[-1]]:
+        chosen.append(_best_variant(offered - {"AMX_INT8"}))
+    return tuple(dict.fromkeys(chosen))
+
+
 def offered_units(host_flags: frozenset[str]) -> tuple[str, ...]:
     """The wide units this CPU and OS offer, widest first."""
     return tuple(unit for unit, flags in WIDE_UNITS.items() if all(flag in host_flags for flag in flags))
@@ -107,3 +131,9 @@ def offered_units(host_flags: frozenset[str]) -> tuple[str, ...]:
 def idle_units(host_flags: frozenset[str], engine: EngineCpu) -> tuple[str, ...]:
     """The wide units this CPU and OS offer that the engine's kernels do not use, widest first."""
     return tuple(unit for unit in offered_units(host_flags) if unit not in engine.features)
+
+
+if __name__ == "__main__":
+    # scripts/build-llama-server asks which variants this host needs, before any venv exists.
+    with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as cpuinfo:
+        print(" ".join(host_variants(cpuinfo_flags(cpuinfo.read()))))

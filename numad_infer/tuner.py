@@ -197,7 +197,7 @@ class Measurer:
             # Each reader binds its buffer to one node: without set_mempolicy every reader
             # would die and the measurement would wait out its timeout.
             raise TuneError(f"cannot measure bandwidth per memory node: set_mempolicy is refused here ({refused}: "
-                            "a seccomp profile); allow it (docs/kubernetes.md, \"Memory policy under seccomp\") "
+                            f"a seccomp profile); allow it ({pinning.SECCOMP_DOC}) "
                             "or run tune where it is allowed")
         cpus = {}
         for node in nodes:

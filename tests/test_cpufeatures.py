@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from numad_infer.cpufeatures import (VARIANT_FEATURES, EngineCpu, cpuinfo_flags, from_backend_log, from_system_info,
-                                     idle_units)
+                                     host_variants, idle_units)
 
 # What llama-server (GGML_BACKEND_DL build) logs before anything else.
 LOG = """load_backend: loaded CPU backend from /opt/llama/libggml-cpu-icelake.so
@@ -99,3 +99,18 @@ def test_llama_server_names_the_variant_it_loaded_on_this_host() -> None:
     needs = {"AVX2": "avx2", "AVX512": "avx512f", "AVX512_VNNI": "avx512_vnni", "AMX_INT8": "amx_int8"}
     assert all(needs[f] in host for f in cpu.features if f in needs), (cpu, sorted(host))
     assert not idle_units(host, cpu)  # the best variant for this host: nothing wide left idle
+
+
+@pytest.mark.parametrize(("flags", "wanted"), [
+    ("sse2", ("x64",)),
+    ("sse4_2 avx f16c fma avx2 bmi2", ("x64", "haswell")),  # this EPYC host, and the TCG guest at best
+    ("sse4_2 avx f16c fma avx2 bmi2 avx512f avx512_vnni", ("x64", "cascadelake")),
+    ("sse4_2 avx f16c fma avx2 bmi2 avx512f avx512vbmi avx512_vnni avx512_bf16", ("x64", "zen4")),
+    # Sapphire Rapids: cpuinfo lists amx_* even where the kernel keeps tile data out of XCR0,
+    # and the patched ggml then loads the best variant without AMX: that one is built too.
+    ("sse4_2 avx f16c fma avx2 bmi2 avx512f avx512vbmi avx512_vnni avx512_bf16 amx_tile amx_int8",
+     ("x64", "sapphirerapids", "zen4")),
+])
+def test_a_build_for_this_host_holds_x64_and_the_variant_this_cpu_loads(flags: str, wanted: tuple[str, ...]) -> None:
+    # scripts/build-llama-server's default variant list (NUMA_INFER_CPU_VARIANTS=host).
+    assert host_variants(frozenset(flags.split())) == wanted

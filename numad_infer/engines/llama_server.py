@@ -26,8 +26,8 @@ class LlamaServer(Engine):
     liveness_path = "/health"  # answered by its HTTP threads; 503 until the model is loaded
     key_env = "LLAMA_API_KEY"
     metrics_path = "/metrics"
-    cpu_fix = ("build server.llama_server with scripts/build-llama-server (one CPU backend per x86 level, the best "
-               "chosen at start)")
+    cpu_fix = ("build server.llama_server with `NUMA_INFER_CPU_VARIANTS=all scripts/build-llama-server` (one CPU "
+               "backend per x86 level, the best chosen at start), or with scripts/build-llama-server on this machine")
 
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
         parallel = config.server.parallel
