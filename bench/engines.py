@@ -91,7 +91,7 @@ def measure(engine: str, model: Path, tmp: Path, args: argparse.Namespace, threa
                     context_size=1024, frontend='listen = ""\n')
     if engine == "llama-server":
         run.server_extra = f"parallel = {args.parallel}"
-        run.write_config()
+        run.write_config(placement)  # the whole file again: the placement too
     try:
         state = run.all_healthy(1, timeout=600)
         inst = state["instances"][0]
