@@ -29,6 +29,8 @@ sys.path.insert(0, str(ROOT))
 from tests.daemon_harness import DaemonRun, generated_model  # noqa: E402
 from tests import fakesys  # noqa: E402
 from numad_infer.sysfs import read_topology  # noqa: E402
+from numad_infer.engines import get as engine_named  # noqa: E402
+from numad_infer.ggufheader import decode_bytes, stop_token_ids  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 
@@ -44,10 +46,11 @@ def wait_ready(port: int, timeout: float = 300) -> None:
     raise SystemExit(f"server on {port} never answered")
 
 
-def decode_rate(port: int, tokens: int, runs: int) -> float:
-    """Tokens/s of generation: time of `tokens` tokens minus time of 1 token (prompt + first)."""
+def decode_rate(port: int, tokens: int, runs: int, no_stop: dict[str, object] | None = None) -> float:
+    """Tokens/s of generation: time of `tokens` tokens minus time of 1 token (prompt + first).
+    `no_stop`: Engine.no_stop_fields, so every request gets the tokens it asks for."""
     def timed(n: int) -> float:
-        body = json.dumps({"prompt": PROMPT, "max_tokens": n, "temperature": 0}).encode()
+        body = json.dumps({"prompt": PROMPT, "max_tokens": n, "temperature": 0, **(no_stop or {})}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
         start = time.monotonic()
@@ -94,9 +97,12 @@ def main() -> None:
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-serving-"))
     model = generated_model(args.size)  # readable by the servers' user (numa-infer, or nobody without it, when run as root)
-    weights = model.stat().st_size
+    # Bytes a decoded token reads (layers, output projection, one embedding row), not the file.
+    weights = decode_bytes(str(model))
+    no_stop = engine_named("llama-cpp-python").no_stop_fields(stop_token_ids(str(model)))
     topo = read_topology("/")
-    print(f"# host: {os.cpu_count()} CPUs, {len(topo.nodes)} NUMA node(s); model {args.size}: {weights / 2**20:.0f} MiB;"
+    print(f"# host: {os.cpu_count()} CPUs, {len(topo.nodes)} NUMA node(s); model {args.size}: {model.stat().st_size / 2**20:.0f} MiB"
+          f" ({weights / 2**20:.0f} MiB read per token);"
           f" {args.tokens} tokens, median of {args.runs}")
 
     # numa-infer: the plan for this machine (one instance per node, threads = physical cores).
@@ -105,7 +111,7 @@ def main() -> None:
     try:
         state = run.all_healthy(len([n for n in topo.nodes if n.cpus]), timeout=600)
         first = state["instances"][0]
-        ni_rate = decode_rate(first["port"], args.tokens, args.runs)
+        ni_rate = decode_rate(first["port"], args.tokens, args.runs, no_stop)
         ni_threads = first["threads"]
     finally:
         run.stop()
@@ -116,7 +122,7 @@ def main() -> None:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_ready(port)
-        default_rate = decode_rate(port, args.tokens, args.runs)
+        default_rate = decode_rate(port, args.tokens, args.runs, no_stop)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(30)

@@ -11,7 +11,7 @@ in one run on this machine.
    reports) beside numpy (a sum per CPU, bench/serving.py), sysbench memory (read) and
    mbw (memcpy, single thread), where installed (apt-get install sysbench mbw).
 
-    .venv/bin/python bench/tune.py [--size medium] [--samples 5] [--tokens 32]
+    .venv/bin/python bench/tune.py [--size medium] [--model Q4_K_M] [--samples 5] [--tokens 32]
 """
 
 from __future__ import annotations
@@ -65,12 +65,13 @@ def known_tools(threads: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="medium")
+    parser.add_argument("--model", default="Q4_K_M", help="f16 (as generated) or a quantization: Q4_K_M, Q8_0, Q4_0")
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-bench-tune-"))
     tmp.chmod(0o755)
-    model = generated_model(args.size)
+    model = generated_model(args.size, None if args.model == "f16" else args.model)
     fsroot = fakesys.write_tree(tmp / "fs", host_machine())
     config_path = tmp / "numa-infer.toml"
     config_path.write_text(f'[model]\npath = "{model}"\ncontext_size = 1024\n[server]\n{engine_keys("llama-cpp-python")}'

@@ -1,5 +1,5 @@
 """`numa-infer doctor`'s pipeline: what the validated plan needs of the host, the facts
-hostfacts reads (and the engine reports), and doctor's verdicts on them."""
+hostfacts reads (and the engine reported to validation), and doctor's verdicts on them."""
 
 from __future__ import annotations
 
@@ -7,10 +7,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from numad_infer.doctor import Check, EngineIsa, HostFacts, diagnose
+from numad_infer.doctor import Check, HostFacts, diagnose
 from numad_infer.doctor import Plan as DoctorPlan
-from numad_infer.engines.base import parse_system_info
-from numad_infer.hostcheck import InstanceHost
 from numad_infer.hostfacts import HostReader, Sampler
 from numad_infer.procfs import ProcReader
 
@@ -49,10 +47,6 @@ def read_facts(loaded: "Loaded", fsroot: str | os.PathLike[str], status: "Status
             for node, nbytes in (usage.anon.items() if usage else ()):
                 held[node] = held.get(node, 0) + nbytes
     nodes = {n: mem for n in plan.need_bytes if (mem := reader.node_memory(n, held.get(n, 0))) is not None}
-    info, reason = loaded.engine.system_info(loaded.config, InstanceHost(loaded.runs_as))
-    features = parse_system_info(info) if info else None
-    if info and features is None:
-        reason = f"{reason} said {info[:80]!r}, naming no CPU features"
     facts = HostFacts(
         numa_balancing=reader.sysctl("kernel.numa_balancing"),
         thp_enabled=reader.thp("enabled"),
@@ -68,7 +62,8 @@ def read_facts(loaded: "Loaded", fsroot: str | os.PathLike[str], status: "Status
         sample_s=sample_s,
         managers=reader.managers(),
         cpu_flags=reader.cpu_flags(),
-        engine_isa=EngineIsa(features, reason),
+        # What validation asked the engine (Engine.cpu), not a second asking.
+        engine_cpu=loaded.engine_cpu,
         nodes_per_package=reader.nodes_per_package({n.id: n.cpus for n in loaded.topology.nodes if n.cpus}),
     )
     return facts, plan

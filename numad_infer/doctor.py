@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from enum import Enum
 
+from numad_infer.cpufeatures import EngineCpuReport, idle_units, offered_units
 from numad_infer.cpuset import format_list
 
 # The one-line fix for most of what follows: the tuned profile numa-infer ships
@@ -84,14 +85,6 @@ class Neighbour:
 
 
 @dataclass(frozen=True)
-class EngineIsa:
-    """What the engine says it was built with (llama.cpp's system info), or why we cannot tell."""
-
-    features: frozenset[str] | None  # e.g. {"AVX2", "AVX512", "AMX_INT8"}; None: unknown
-    reason: str  # where `features` came from, or why it is unknown
-
-
-@dataclass(frozen=True)
 class Plan:
     """What doctor needs of the plan: where the instances run and what they load."""
 
@@ -119,7 +112,7 @@ class HostFacts:
     sample_s: float
     managers: tuple[str, ...]  # NUMA managers seen running, as "name (pid N)"
     cpu_flags: frozenset[str]
-    engine_isa: EngineIsa
+    engine_cpu: EngineCpuReport  # Engine.cpu: the kernels it runs, or why it cannot tell
     nodes_per_package: dict[int, tuple[int, ...]]  # package id -> its nodes with CPUs; empty: unknown
 
 
@@ -292,28 +285,24 @@ def check_managers(f: HostFacts) -> Check:
                  "systemctl disable --now numad (or remove the NRI resource policy from this node)")
 
 
-# The CPU's widest vector unit, widest first: (its /proc/cpuinfo flags, llama.cpp's system-info name).
-_ISAS = (("AMX", ("amx_tile", "amx_int8"), "AMX_INT8"), ("AVX-512", ("avx512f",), "AVX512"), ("AVX2", ("avx2",), "AVX2"))
-
-
 def check_isa(f: HostFacts, plan: Plan) -> Check:
+    """`idle_units`, the verdict `check` warns with too, on the CPU flags doctor read."""
     name = "engine vector ISA"
-    widest = next(((isa, feature) for isa, flags, feature in _ISAS if all(fl in f.cpu_flags for fl in flags)), None)
-    if widest is None:
+    offered = offered_units(f.cpu_flags)
+    if not offered:
         return Check(name, Level.INFO, "CPU has no AVX2", "-", "nothing wider to use", "")
-    isa, feature = widest
-    wanted = f"{feature} (the CPU has {isa})"
-    if f.engine_isa.features is None:
-        return Check(name, Level.WARN, "unknown", wanted, f"cannot tell what {plan.engine} uses: {f.engine_isa.reason}",
+    wanted = "+".join(sorted(offered))
+    cpu = f.engine_cpu.cpu
+    if cpu is None:
+        return Check(name, Level.WARN, "unknown", wanted, f"cannot tell what {plan.engine} uses: {f.engine_cpu.source}",
                      "")
-    have = sorted(x for _, _, x in _ISAS if x in f.engine_isa.features)
-    seen = ", ".join(have) or "none of AVX2/AVX512/AMX_INT8"
-    if feature in f.engine_isa.features:
-        return Check(name, Level.OK, seen, wanted, f"{plan.engine} uses the CPU's widest vector unit", "")
-    hint = ("scripts/build-llama-server (GGML_NATIVE for this CPU)" if plan.engine == "llama-server" else
-            "CMAKE_ARGS='-DGGML_NATIVE=ON' pip install --force-reinstall --no-binary :all: llama-cpp-python")
-    return Check(name, Level.WARN, seen, wanted,
-                 f"{plan.engine} leaves {isa} unused: prompt processing is several times slower", f"rebuild: {hint}")
+    idle = idle_units(f.cpu_flags, cpu)
+    if not idle:
+        return Check(name, Level.OK, cpu.describe(), wanted, f"{plan.engine} uses the CPU's wide units", "")
+    return Check(name, Level.WARN, cpu.describe(), wanted,
+                 f"{plan.engine} leaves {' and '.join(idle)} idle: prompt processing is slower "
+                 "(up to 1.76x on Q4_K_M, issue 20)",
+                 f.engine_cpu.fix)
 
 
 def check_nodes_per_socket(f: HostFacts) -> Check:

@@ -8,7 +8,7 @@ import os
 import subprocess
 
 from numad_infer.identity import DYNAMIC_USER, BackendKind, RunAs
-from numad_infer.pinning import MemoryCalls
+from numad_infer.pinning import SECCOMP_DOC, MemoryCalls
 from numad_infer.procfs import ProcReader
 
 # Programs that ran successfully, by argv, file identity and user: a reload does not run
@@ -79,10 +79,6 @@ def host_warnings(proc: ProcReader, runs_as: RunAs | None) -> list[str]:
     return found
 
 
-# Where the operator reads how to allow them: the calls, the profiles that refuse them, the fix.
-_SECCOMP_DOC = "docs/kubernetes.md, \"Memory policy under seccomp\""
-
-
 def memory_call_warnings(calls: MemoryCalls, kind: BackendKind) -> list[str]:
     """What a seccomp profile that refuses the memory calls costs, in the operator's words.
 
@@ -93,9 +89,9 @@ def memory_call_warnings(calls: MemoryCalls, kind: BackendKind) -> list[str]:
         found.append(f"set_mempolicy is refused here ({calls.bind_refused}: a seccomp profile, such as Kubernetes' "
                      "RuntimeDefault without CAP_SYS_NICE): the instances start pinned to their CPUs but not bound "
                      "to their memory node(s); their memory follows first touch from their pinned threads, within "
-                     f"the cgroup's memory nodes. Allow set_mempolicy and mbind in the profile ({_SECCOMP_DOC})")
+                     f"the cgroup's memory nodes. Allow set_mempolicy and mbind in the profile ({SECCOMP_DOC})")
     if calls.migrate_refused is not None:
         found.append(f"migrate_pages is refused here ({calls.migrate_refused}: a seccomp profile; podman's and "
                      "Kubernetes' defaults refuse it): memory drift is reported, not repaired. Allow migrate_pages "
-                     f"in the profile ({_SECCOMP_DOC})")
+                     f"in the profile ({SECCOMP_DOC})")
     return found

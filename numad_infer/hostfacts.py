@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+from numad_infer.cpufeatures import cpuinfo_flags
 from numad_infer.cpuset import CpuListError, parse_list
 from numad_infer.doctor import NUMA_MANAGERS, CpuFreq, Irq, Neighbour, NodeMemory
 
@@ -126,11 +127,7 @@ class HostReader:
         return tuple(f"{name} (pid {pid})" for name, pid in self.running(NUMA_MANAGERS))
 
     def cpu_flags(self) -> frozenset[str]:
-        for line in (self._text(self.proc / "cpuinfo") or "").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "flags":
-                return frozenset(value.split())
-        return frozenset()
+        return cpuinfo_flags(self._text(self.proc / "cpuinfo") or "")
 
     def nodes_per_package(self, node_cpus: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
         """Package (socket) id -> its nodes that have CPUs; empty when the kernel does not say."""

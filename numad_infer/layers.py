@@ -34,6 +34,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "addresses": (CORE, "where a local client reaches a listen address (wildcard -> loopback)"),
     "config": (CORE, "the schema of /etc/numa-infer.toml, parsing and validation"),
     "configref": (CORE, "the key reference (README, man page) generated from the schema"),
+    "cpufeatures": (CORE, "which CPU kernels an engine runs (ggml variant, system_info) and the wide units it "
+                          "leaves idle"),
     "cpuset": (CORE, "CPU lists: parse and format `0-3,8`"),
     "defaults": (CORE, "default paths, apart so `status` need not import the schema"),
     "doctor": (CORE, "`doctor`'s verdicts: host facts + the plan's needs -> ok/info/warn/fail checks, each with its fix"),
@@ -66,6 +68,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "bandwidthfile": (EDGE, "the bandwidth tune measured, kept for the daemon"),
     "configedit": (EDGE, "`tune --apply`'s round-trip edit of the TOML file"),
     "frontdoor": (EDGE, "the daemon's handle on the running HAProxy: apply, observe, rotation"),
+    "ggufheader": (EDGE, "the GGUF header: tensor table (bytes a decoded token reads) and end-of-sequence ids"),
     "haproxy": (EDGE, "the HAProxy binary (version, `-c`) and its runtime API socket"),
     "health": (EDGE, "HTTP probe, API-key check, the engine's own counters"),
     "holds": (EDGE, "another process asks the daemon to keep an instance stopped"),

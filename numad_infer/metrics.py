@@ -61,7 +61,7 @@ _GAUGES: tuple[tuple[str, str, Callable[[InstanceStatus], float | None]], ...] =
      "Tokens the instance generated per second over the last pass (engines that count them)",
      lambda i: i.decode_tokens_per_s),
     ("numa_infer_instance_decode_efficiency",
-     "Decode tokens/s x weight bytes / the node's read bandwidth (numa-infer tune)", lambda i: i.decode_efficiency),
+     "Decode tokens/s x bytes a decoded token reads / the node's read bandwidth (numa-infer tune)", lambda i: i.decode_efficiency),
     ("numa_infer_instance_busy_slots", "Requests the instance works on now (engines that report it)",
      lambda i: i.busy_slots),
     ("numa_infer_instance_slots", "Requests the instance can work on at once (engines that report it)",
@@ -76,6 +76,9 @@ def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator:
                                    labels=_LABELS)
     drifts = CounterMetricFamily("numa_infer_drift_events", "Drift found, by kind", labels=_LABELS + ["kind"])
     repairs = CounterMetricFamily("numa_infer_repairs", "Repairs done, by kind", labels=_LABELS + ["kind"])
+    # An info metric (value 1): the label says which CPU kernels the engine runs.
+    cpu = GaugeMetricFamily("numa_infer_instance_cpu_backend_info",
+                            "The engine's CPU kernels: ggml's variant and its wide units", labels=_LABELS + ["cpu_backend"])
     for inst in instances:
         key = [inst.name, "" if inst.node is None else str(inst.node)]
         for family, value in gauges:
@@ -85,11 +88,13 @@ def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator:
         for name in State:
             state.add_metric(key + [name.value], 1.0 if inst.state == name else 0.0)
         restarts.add_metric(key, inst.restarts)
+        if inst.cpu_backend is not None:
+            cpu.add_metric(key + [inst.cpu_backend], 1.0)
         for kind in EventKind:
             drifts.add_metric(key + [kind.value], inst.drift_events.get(kind.value, 0))
             repairs.add_metric(key + [kind.value], inst.repairs.get(kind.value, 0))
     yield from (family for family, _ in gauges)
-    yield from (state, restarts, drifts, repairs)
+    yield from (state, restarts, drifts, repairs, cpu)
 
 
 def _daemon_metrics(snap: Status) -> Iterator:

@@ -38,8 +38,10 @@ def instances(runtimes: list[Runtime], now: float, frontdoor: Frontdoor, loaded:
               tuned: Results) -> tuple[InstanceStatus, ...]:
     # The slots column only for an engine that reports its busy slots.
     slots = (loaded.engine.slots(loaded.config) if loaded is not None and loaded.engine.metrics_path else None)
-    weights = 0 if loaded is None else loaded.model_bytes
-    return tuple(_instance_status(rt, now, frontdoor, slots, _efficiency(rt, weights, tuned)) for rt in runtimes)
+    weights = 0 if loaded is None else loaded.decode_bytes
+    cpu = None if loaded is None or loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe()
+    return tuple(replace(_instance_status(rt, now, frontdoor, slots, _efficiency(rt, weights, tuned)), cpu_backend=cpu)
+                 for rt in runtimes)
 
 
 def allowed_line(loaded: Loaded | None) -> str | None:
@@ -60,7 +62,7 @@ def frontdoor_status(fd: Frontdoor) -> FrontdoorStatus | None:
 
 
 def _efficiency(rt: Runtime, weights: int, tuned: Results) -> float | None:
-    """Decode tokens/s x bytes of weights read per token / the node's measured bandwidth."""
+    """Decode tokens/s x bytes a decoded token reads (ggufheader) / the node's measured bandwidth."""
     if rt.decode_tokens_per_s is None or rt.instance.node is None or not weights:
         return None
     gbs = tuned.local_gbs(rt.instance.node)

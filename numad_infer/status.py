@@ -101,8 +101,11 @@ class InstanceStatus:
     slots: int | None = None  # requests it works on at once (server.parallel)
     busy_slots: int | None = None
     decode_tokens_per_s: float | None = None  # generated tokens per second over the last pass
-    # decode_tokens_per_s x weight bytes / the node's read bandwidth as `numa-infer tune` measured it
+    # decode_tokens_per_s x bytes a decoded token reads (every layer, the output
+    # projection, one embedding row) / the node's read bandwidth as `numa-infer tune` measured it
     decode_efficiency: float | None = None
+    # The CPU kernels the engine runs: ggml's variant and its wide units, e.g. "haswell (AVX2)"
+    cpu_backend: str | None = None
 
     @classmethod
     def planned(cls, instance: "Instance", pid: int | None, state: State, **observed: Any) -> "InstanceStatus":

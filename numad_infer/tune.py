@@ -50,11 +50,11 @@ class Result:
     decode: Figure  # tokens/s generating, one client
     prompt: Figure  # tokens/s processing a prompt
 
-    def efficiency(self, weight_bytes: int, bandwidth_gbs: float | None) -> float | None:
-        """Decode tokens/s x bytes read per token / the node's read bandwidth."""
+    def efficiency(self, decode_bytes: int, bandwidth_gbs: float | None) -> float | None:
+        """Decode tokens/s x bytes a decoded token reads (ggufheader) / the node's read bandwidth."""
         if not bandwidth_gbs:
             return None
-        return self.decode.median * weight_bytes / (bandwidth_gbs * 1e9)
+        return self.decode.median * decode_bytes / (bandwidth_gbs * 1e9)
 
 
 def thread_grid(cores: int, logical: int, quick: bool = False) -> list[Candidate]:
@@ -118,7 +118,8 @@ def choose(results: list[Result], key: str, metric: str, current: int) -> Choice
 @dataclass
 class Report:
     model: str
-    weight_bytes: int
+    weight_bytes: int  # the file
+    decode_bytes: int  # what one decoded token reads of it (ggufheader.GgufHeader.decode_bytes)
     engine: str
     node: int
     cpus: tuple[int, ...]
@@ -127,6 +128,7 @@ class Report:
     choices: list[Choice] = field(default_factory=list)
     layout_results: list["LayoutResult"] = field(default_factory=list)
     current_layout: "Layout | None" = None
+    engine_cpu: str | None = None  # the CPU kernels the engine ran (cpufeatures.EngineCpu.describe)
 
     def to_json(self) -> dict[str, Any]:
         def figure(f: Figure) -> dict[str, Any]:
@@ -134,12 +136,13 @@ class Report:
 
         local = self.bandwidth.get((self.node, self.node))
         return {
-            "model": self.model, "weight_bytes": self.weight_bytes, "engine": self.engine, "node": self.node,
+            "model": self.model, "weight_bytes": self.weight_bytes, "decode_bytes": self.decode_bytes, "engine": self.engine,
+            "engine_cpu": self.engine_cpu, "node": self.node,
             "cpus": list(self.cpus),
             "bandwidth_gbs": [{"cpus_node": c, "memory_node": m, **figure(f)} for (c, m), f in sorted(self.bandwidth.items())],
             "candidates": [{"threads": r.candidate.threads, "label": r.candidate.label, "decode_tokens_per_s": figure(r.decode),
                             "prompt_tokens_per_s": figure(r.prompt),
-                            "decode_efficiency": _round(r.efficiency(self.weight_bytes, local.median if local else None))}
+                            "decode_efficiency": _round(r.efficiency(self.decode_bytes, local.median if local else None))}
                            for r in self.results],
             "choices": [{**asdict(c), "verdict": c.verdict.value, "value": c.value} for c in self.choices],
             "layouts": [{"mode": r.layout.mode, "instances_per_node": r.layout.instances_per_node, "name": r.layout.name,
@@ -154,7 +157,9 @@ def _round(value: float | None) -> float | None:
 
 
 def format_report(report: Report) -> str:
-    lines = [f"model {report.model} ({report.weight_bytes / 2**20:.0f} MiB), engine {report.engine}, "
+    lines = [f"model {report.model} ({report.weight_bytes / 2**20:.0f} MiB, {report.decode_bytes / 2**20:.0f} MiB read "
+             f"per decoded token), engine {report.engine}"
+             f"{f' ({report.engine_cpu})' if report.engine_cpu else ''}, "
              f"node {report.node} (CPUs {','.join(map(str, report.cpus))})"]
     if report.bandwidth:
         nodes = sorted({m for _, m in report.bandwidth})
@@ -167,7 +172,7 @@ def format_report(report: Report) -> str:
     marks = {c.metric: c for c in report.choices}
     rows = [("THREADS", "WHY", "DECODE tok/s", "PROMPT tok/s", "DECODE EFF", "")]
     for r in report.results:
-        eff = r.efficiency(report.weight_bytes, local.median if local else None)
+        eff = r.efficiency(report.decode_bytes, local.median if local else None)
         notes = []
         for metric, choice in marks.items():
             if r.candidate.threads == choice.current:

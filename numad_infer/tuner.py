@@ -28,6 +28,7 @@ from numad_infer.config import Config
 from numad_infer.allowed import within
 from numad_infer.engines import engine_of
 from numad_infer.errors import NumaInferError
+from numad_infer.ggufheader import stop_token_ids
 from numad_infer.health import probe
 from numad_infer.identity import BackendKind
 from numad_infer.planner import Instance, make_plan, reserved_cores, unreserved_cores
@@ -75,6 +76,7 @@ class Measurer:
         self.log_dir, self.settings, self.progress = log_dir, settings, progress
         self.key = read_api_key(config, "server.api_key_file")
         self.proc = ProcReader()
+        self.no_stop = engine_of(config).no_stop_fields(stop_token_ids(config.model.path))
 
     def instance_for(self, node: int, threads: int, port: int) -> tuple[Config, Instance]:
         physical = len(self._plan(candidate_config(self.config, node, 1, port, smt=False)).cpus)
@@ -93,7 +95,7 @@ class Measurer:
         backend.start(instance)
         try:
             self._wait_ready(backend, cfg, instance)
-            client = Client(cfg.server.host, instance.port, self.key)
+            client = Client(cfg.server.host, instance.port, self.key, self.no_stop)
             _, probe_tokens, _ = client.complete(client.fresh(20), 4)  # warm up, and the tokens per word
             # The prompt fills at most ~70 % of the context (the generated models tokenise "wordN" into several).
             words = max(8, min(PROMPT_WORDS, int(0.7 * cfg.model.context_size * 21 / max(probe_tokens, 1))))
@@ -143,7 +145,7 @@ class Measurer:
                 self._wait_ready(backend, cfg, instance)
             ports = [i.port for i in plan.instances]
             for port_ in ports:
-                Client(cfg.server.host, port_, self.key).complete("warm up", 2)
+                Client(cfg.server.host, port_, self.key, self.no_stop).complete("warm up", 2)
             rates: list[float] = []
             latencies: list[float] = []
             for sample in range(self.settings.samples):
@@ -166,7 +168,7 @@ class Measurer:
         lock = threading.Lock()
 
         def client(port: int) -> None:
-            session = Client(host, port, self.key)
+            session = Client(host, port, self.key, self.no_stop)
             for _ in range(rounds):
                 try:
                     took, _, got = session.complete(session.fresh(8), self.settings.tokens)
@@ -195,7 +197,7 @@ class Measurer:
             # Each reader binds its buffer to one node: without set_mempolicy every reader
             # would die and the measurement would wait out its timeout.
             raise TuneError(f"cannot measure bandwidth per memory node: set_mempolicy is refused here ({refused}: "
-                            "a seccomp profile); allow it (docs/kubernetes.md, \"Memory policy under seccomp\") "
+                            f"a seccomp profile); allow it ({pinning.SECCOMP_DOC}) "
                             "or run tune where it is allowed")
         cpus = {}
         for node in nodes:
@@ -209,13 +211,15 @@ class Measurer:
 class Client:
     """Completions against one server, timed from the client: the same for both engines."""
 
-    def __init__(self, host: str, port: int, key: str | None) -> None:
+    def __init__(self, host: str, port: int, key: str | None, no_stop: dict[str, object] | None = None) -> None:
         self.host = connect_host(host)
         self.port, self.key = port, key
+        # Engine.no_stop_fields: a measurement must not end where the model draws EOS.
+        self.no_stop = no_stop or {}
 
     def complete(self, prompt: str, max_tokens: int) -> tuple[float, int, int]:
         """(seconds, prompt tokens, completion tokens)."""
-        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+        body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **self.no_stop}).encode()
         headers = {"Content-Type": "application/json"}
         if self.key is not None:
             headers["Authorization"] = f"Bearer {self.key}"
@@ -241,7 +245,8 @@ class Client:
     def decode_rate(self, tokens: int) -> float:
         """Generated tokens/s, from the arrival times of a streamed completion's tokens: the
         first token (which carries the prompt's time) starts the clock, the last stops it."""
-        body = json.dumps({"prompt": self.fresh(8), "max_tokens": tokens, "temperature": 0, "stream": True}).encode()
+        body = json.dumps({"prompt": self.fresh(8), "max_tokens": tokens, "temperature": 0, "stream": True,
+                           **self.no_stop}).encode()
         headers = {"Content-Type": "application/json"}
         if self.key is not None:
             headers["Authorization"] = f"Bearer {self.key}"
@@ -392,8 +397,9 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     for value in current.values():
         if value not in {c.threads for c in grid}:
             grid.append(Candidate(value, "current setting"))
-    report = Report(model=config.model.path, weight_bytes=size, engine=config.server.engine, node=node,
-                    cpus=instance.cpus)
+    report = Report(model=config.model.path, weight_bytes=size, decode_bytes=loaded.decode_bytes,
+                    engine=config.server.engine, node=node, cpus=instance.cpus,
+                    engine_cpu=None if loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe())
     try:
         for measured in nodes:
             fleet.hold(measured, config.frontend.drain_timeout_s + 120)

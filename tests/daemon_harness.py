@@ -85,16 +85,24 @@ _llama_server: Path | None = None
 
 def llama_server_binary() -> Path:
     """llama.cpp's llama-server, built from the pinned sdist's vendored tree (cached by
-    scripts/build-llama-server), copied where the servers' user can run it."""
+    scripts/build-llama-server), copied where the servers' user can run it: the whole build
+    directory, since the binary loads libllama/libggml and one libggml-cpu-<variant>.so
+    from beside itself."""
     global _llama_server
     if _llama_server is None:
-        built = subprocess.run([str(ROOT / "scripts/build-llama-server")], check=True, capture_output=True, text=True,
-                               cwd=ROOT).stdout.strip().splitlines()[-1]
-        _llama_server = shared_dir() / "llama-server"
+        built = Path(subprocess.run([str(ROOT / "scripts/build-llama-server")], check=True, capture_output=True,
+                                    text=True, cwd=ROOT).stdout.strip().splitlines()[-1])
         import shutil
-        shutil.copy(built, _llama_server)
-        _llama_server.chmod(0o755)
+        engine_dir = shared_dir() / "llama-engine"
+        shutil.copytree(built.parent, engine_dir, dirs_exist_ok=True)
+        subprocess.run(["chmod", "-R", "a+rX", str(engine_dir)], check=True)
+        _llama_server = engine_dir / "llama-server"
     return _llama_server
+
+
+def llama_tool(name: str) -> Path:
+    """llama-bench or llama-quantize from the same build as llama_server_binary()."""
+    return llama_server_binary().parent / name
 
 
 ENGINES = ("llama-cpp-python", "llama-server")
@@ -135,15 +143,18 @@ def free_port_block(count: int, also: tuple[int, ...] = ()) -> int:
     raise RuntimeError("no free block of ports on 127.0.0.1")
 
 
-def generated_model(size: str) -> Path:
-    """tools/make_model.py's model of that size, once per session, readable by the servers."""
-    if size not in _models:
-        path = shared_dir() / f"{size}.gguf"
-        subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(path), "--size", size], check=True,
-                       capture_output=True)
+def generated_model(size: str, quant: str | None = None) -> Path:
+    """tools/make_model.py's model of that size (quantized to `quant`: Q4_0, Q8_0, Q4_K_M),
+    once per session, readable by the servers."""
+    name = size if quant is None else f"{size}-{quant}"
+    if name not in _models:
+        path = shared_dir() / f"{name}.gguf"
+        quant_args = [] if quant is None else ["--quant", quant]
+        subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(path), "--size", size, *quant_args],
+                       check=True, capture_output=True)
         path.chmod(0o644)
-        _models[size] = path
-    return _models[size]
+        _models[name] = path
+    return _models[name]
 
 
 def two_single_cpu_nodes() -> fakesys.FakeMachine:

@@ -86,6 +86,8 @@ def test_start_brings_up_pinned_healthy_instances_and_notifies(daemon) -> None:
         # What status says, checked against the processes themselves, not the state file.
         argv = psutil.Process(shown["pid"]).cmdline()
         assert argv[argv.index("--port") + 1] == str(shown["port"]) and shown["state"] == "healthy", argv
+        # The CPU kernels the engine runs (issue 20): the wheel's portable AVX2 build.
+        assert "AVX2" in shown["cpu_backend"], shown["cpu_backend"]
     run.wait(lambda s: all(i["local_memory_fraction"] is not None for i in s["instances"]), 10, "memory reading")
     text = run.cli("status")
     assert "2/2 instances healthy" in text.stdout and "infer@1" in text.stdout
@@ -207,6 +209,9 @@ def test_metrics_follow_what_happened(daemon) -> None:
     assert before['numa_infer_instance_healthy{instance="infer@1",node="1"}'] == 1.0
     assert before['numa_infer_instance_restarts_total{instance="infer@1",node="1"}'] == 0.0
     assert before["numa_infer_pass_duration_seconds"] > 0
+    # Which CPU kernels each instance's engine runs, as an info metric (issue 20).
+    assert [k for k in before if k.startswith('numa_infer_instance_cpu_backend_info{') and 'instance="infer@1"' in k
+            and "AVX2" in k and before[k] == 1.0], sorted(before)[:5]
     os.kill(run.instance(state, "infer@1")["pid"], signal.SIGKILL)
     run.wait(lambda s: run.instance(s, "infer@1")["restarts"] == 1 and run.instance(s, "infer@1")["state"] == "healthy",
              60, "restart")

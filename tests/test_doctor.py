@@ -2,7 +2,8 @@
 at them with --fsroot), for each verdict it can give, and the command as an operator runs it.
 
 Fakes: the trees stand in for a 2-socket server with cpufreq and IRQs that this VM does
-not have; `llama-server` is a shell script printing llama.cpp's system-info line, because
+not have; `llama-server` is a shell script printing the backend log of a build with ggml's
+CPU variants (and `python` one printing a single-backend build's system-info line), because
 a build with AVX-512 or AMX cannot run on this CPU. The noisy-neighbour sampler is a real
 busy process on this host's own /proc in one test, and injected in the others.
 """
@@ -70,18 +71,19 @@ def good_host(root: Path) -> None:
     put(root, "proc/cpuinfo", f"processor\t: 0\nflags\t\t: {GOOD_FLAGS}\n")
 
 
-def fake_llama_server(directory: Path, features: str | None) -> Path:
-    """A stand-in llama-server: passes the engine's check and prints `features` as llama.cpp does."""
+def fake_llama_server(directory: Path, variant: str | None) -> Path:
+    """A stand-in llama-server: passes the engine's check, and `-lv 4 --list-devices` logs the
+    libggml-cpu `variant` it loaded as a GGML_BACKEND_DL build does (None: a static build, no log)."""
     script = directory / "llama-server"
-    info = (f'echo "system_info: n_threads = 32 (n_threads_batch = 32) / 128 | CPU : SSE3 = 1 | {features} |"'
-            if features is not None else "echo 'loading model'")
+    listed = (f'echo "load_backend: loaded CPU backend from {directory}/libggml-cpu-{variant}.so" >&2'
+              if variant is not None else "echo 'Available devices:'")
     script.write_text("#!/bin/sh\ncase \"$1\" in\n--version) echo 'version: 1 (fake)' ;;\n--help) echo '--api-key-file' ;;\n"
-                      f"*) {info}; exit 1 ;;\nesac\n")
+                      f"-lv) {listed} ;;\n*) exit 1 ;;\nesac\n")
     script.chmod(0o755)
     return script
 
 
-def setup(tmp_path: Path, mutate: Mutate | None = None, features: str | None = "AVX2 = 1 | AVX512 = 1",
+def setup(tmp_path: Path, mutate: Mutate | None = None, variant: str | None = "skylakex",
           extra: str = "", model_extra: str = "") -> tuple[Path, Path]:
     """(config, fsroot) of the good host changed by `mutate`."""
     root = tmp_path / "fs"
@@ -93,7 +95,7 @@ def setup(tmp_path: Path, mutate: Mutate | None = None, features: str | None = "
     model = home / "tiny.gguf"
     model.write_bytes(GGUF_HEADER)
     model.chmod(0o644)
-    server = fake_llama_server(home, features)
+    server = fake_llama_server(home, variant)
     searchable_by_others(home)
     config = tmp_path / "numa-infer.toml"
     config.write_text(f'[model]\npath = "{model}"\n{model_extra}[server]\nengine = "llama-server"\nllama_server = "{server}"\n'
@@ -102,8 +104,8 @@ def setup(tmp_path: Path, mutate: Mutate | None = None, features: str | None = "
 
 
 def doctor(tmp_path: Path, mutate: Mutate | None = None, neighbours: tuple[Neighbour, ...] = (),
-           features: str | None = "AVX2 = 1 | AVX512 = 1", extra: str = "", model_extra: str = "") -> dict[str, Check]:
-    config, root = setup(tmp_path, mutate, features, extra, model_extra)
+           variant: str | None = "skylakex", extra: str = "", model_extra: str = "") -> dict[str, Check]:
+    config, root = setup(tmp_path, mutate, variant, extra, model_extra)
     loaded = load(str(config), BackendKind.PROCESS, str(root))
     return {c.name: c for c in checkup(loaded, root, None, 0.0, sampler=lambda seconds: neighbours)}
 
@@ -287,10 +289,11 @@ def test_real_busy_process_is_seen_on_its_cpu() -> None:
 
 
 def _facts_with(neighbours: tuple[Neighbour, ...]):
-    from numad_infer.doctor import EngineIsa, HostFacts
+    from numad_infer.cpufeatures import EngineCpuReport
+    from numad_infer.doctor import HostFacts
 
     return HostFacts(0, "always", "madvise", {}, 0, 0, 10, {}, (), False, neighbours, 0.5, (), frozenset(),
-                     EngineIsa(None, ""), {})
+                     EngineCpuReport(None, "", ""), {})
 
 
 @pytest.mark.parametrize("argv", [["/usr/sbin/numad", "-i", "15"],
@@ -300,20 +303,40 @@ def test_numa_manager_running_fails(tmp_path: Path, argv: list[str]) -> None:
     assert check.level == Level.FAIL and f"{Path(argv[0]).name} (pid 900)" == check.seen
 
 
-@pytest.mark.parametrize("flags, features, level, seen", [
-    (GOOD_FLAGS, "AVX2 = 1 | AVX512 = 1", Level.OK, "AVX2, AVX512"),
-    (GOOD_FLAGS, "AVX2 = 1 | AVX512 = 0", Level.WARN, "AVX2"),
-    (GOOD_FLAGS + " amx_tile amx_int8", "AVX2 = 1 | AVX512 = 1", Level.WARN, "AVX2, AVX512"),
-    (GOOD_FLAGS + " amx_tile amx_int8", "AVX2 = 1 | AVX512 = 1 | AMX_INT8 = 1", Level.OK, "AMX_INT8, AVX2, AVX512"),
-    ("fpu sse2 avx avx2", "AVX2 = 1", Level.OK, "AVX2"),
+@pytest.mark.parametrize("flags, variant, level, seen", [
+    (GOOD_FLAGS, "skylakex", Level.OK, "skylakex (AVX2+AVX512)"),
+    (GOOD_FLAGS, "haswell", Level.WARN, "haswell (AVX2)"),
+    (GOOD_FLAGS + " amx_tile amx_int8", "skylakex", Level.WARN, "skylakex (AVX2+AVX512)"),
+    (GOOD_FLAGS + " amx_tile amx_int8", "sapphirerapids", Level.OK,
+     "sapphirerapids (AMX_INT8+AVX2+AVX512+AVX512_BF16+AVX512_VNNI)"),
+    ("fpu sse2 avx avx2", "haswell", Level.OK, "haswell (AVX2)"),
+    ("fpu sse2 avx avx2", "sse42", Level.WARN, "sse42 (no AVX2)"),
     (GOOD_FLAGS, None, Level.WARN, "unknown"),
 ])
-def test_engine_isa_against_the_cpu(tmp_path: Path, flags: str, features: str | None, level: Level, seen: str) -> None:
-    check = doctor(tmp_path, lambda r: put(r, "proc/cpuinfo", f"flags\t\t: {flags}"), features=features)[
+def test_engine_isa_against_the_cpu(tmp_path: Path, flags: str, variant: str | None, level: Level, seen: str) -> None:
+    check = doctor(tmp_path, lambda r: put(r, "proc/cpuinfo", f"flags\t\t: {flags}"), variant=variant)[
         "engine vector ISA"]
     assert (check.level, check.seen) == (level, seen), check
-    if features is None:
-        assert "printed no system_info line" in check.why
+    if variant is None:  # the engine's own reason, as Engine.cpu gave it
+        assert "named no libggml-cpu variant" in check.why
+    elif level == Level.WARN:
+        assert "scripts/build-llama-server" in check.fix
+
+
+def test_engine_isa_of_a_single_backend_build_comes_from_its_system_info(tmp_path: Path) -> None:
+    """llama-cpp-python: its libggml-cpu.so says what it was compiled for (system_info's
+    words); an AVX2 build on a CPU with AVX-512 leaves that idle, and the fix is a rebuild."""
+    config, root = setup(tmp_path, lambda r: put(r, "proc/cpuinfo", f"flags\t\t: {GOOD_FLAGS}"))
+    python = tmp_path / "home" / "python"
+    python.write_text("#!/bin/sh\necho 'CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 0 | AMX_INT8 = 0 | '\n")
+    python.chmod(0o755)
+    text = config.read_text()
+    server = text[text.index("[server]"):text.index("[systemd]")]
+    config.write_text(text.replace(server, f'[server]\npython = "{python}"\n'))
+    loaded = load(str(config), BackendKind.PROCESS, str(root))
+    check = {c.name: c for c in checkup(loaded, root, None, 0.0, sampler=lambda seconds: ())}["engine vector ISA"]
+    assert (check.level, check.seen, check.wanted) == (Level.WARN, "AVX2", "AVX2+AVX512"), check
+    assert "leaves AVX512 idle" in check.why and "GGML_NATIVE" in check.fix
 
 
 def test_nodes_per_socket_reports_sub_numa_clustering(tmp_path: Path) -> None:

@@ -209,7 +209,7 @@ def test_grace_period_covers_the_drain_timeout_and_stopping_every_instance(rende
 def test_configmap_holds_a_valid_process_backend_llama_server_config(rendered: list[dict]) -> None:
     config = config_of(rendered)
     assert config.server.engine == "llama-server"
-    assert config.server.llama_server == "/usr/local/bin/llama-server"
+    assert config.server.llama_server == "/usr/local/lib/llama-server/llama-server"
     assert config.frontend.enabled, "the Service needs the front door"
     assert config.metrics.listen, "the scrape annotations need the metrics endpoint"
     assert parse_listen(config.frontend.listen)[0] == "0.0.0.0"
@@ -298,7 +298,10 @@ def test_containerfile_user_volume_ports_and_binaries_match_the_manifests_and_co
     assert sorted(int(p) for p in exposed) == sorted(p["containerPort"] for p in container(rendered)["ports"])
     copies = {a.split()[-1]: a.split()[-2] for ins, a in containerfile_all() if ins == "COPY"}
     config = config_of(rendered)
-    assert copies[config.server.llama_server] == "bin/llama-server"
+    # The configured binary sits in the directory the image copies whole (its libraries and
+    # CPU variants beside it).
+    llama_dir = config.server.llama_server.rsplit("/", 1)[0] + "/"
+    assert copies[llama_dir] == "llama-server/"
     assert copies[entrypoint()[2]] == "bin/numa-infer"
     assert "--chown=65532:65532" in next(a for ins, a in containerfile_all() if ins == "COPY" and a.endswith(STATE_DIR + "/"))
     packages = {line.strip() for line in DEBIAN_PACKAGES.read_text().splitlines() if line.strip() and not line.startswith("#")}

@@ -46,7 +46,7 @@ def test_a_margin_within_the_noise_keeps_the_current_setting() -> None:
     choice = choose(results, "placement.threads", "decode", current=32)
     assert choice.winner == 31 and choice.verdict == Verdict.KEEP and choice.value == 32
     assert choice.margin == pytest.approx(0.04) and choice.noise == pytest.approx(0.1)
-    report = Report("m.gguf", 2**30, "llama-cpp-python", 0, (0, 1), {(0, 0): Figure((20.0, 21.0))}, results, [choice])
+    report = Report("m.gguf", 2**30, 2**29, "llama-cpp-python", 0, (0, 1), {(0, 0): Figure((20.0, 21.0))}, results, [choice])
     text = format_report(report)
     assert "within the noise (±10.0%); keep the current setting" in text
     assert json.loads(json.dumps(report.to_json()))["choices"][0]["verdict"] == "keep"
@@ -218,6 +218,14 @@ def test_tune_measures_every_candidate_it_lists_and_applies_the_winner(daemon) -
         assert len(c["prompt_tokens_per_s"]["samples"]) == 2 and c["prompt_tokens_per_s"]["median"] > 0
     assert [(b["cpus_node"], b["memory_node"]) for b in report["bandwidth_gbs"]] == [(0, 0)]
     assert report["bandwidth_gbs"][0]["median"] > 0.5
+    # Efficiency counts the bytes a decoded token reads (tensor table), not the file size.
+    from numad_infer.ggufheader import read_header
+    assert report["engine_cpu"] and "AVX2" in report["engine_cpu"]  # the wheel's kernels, as check sees them
+    assert report["decode_bytes"] == read_header(str(run.model)).decode_bytes() < report["weight_bytes"]
+    for c in report["candidates"]:
+        assert c["decode_efficiency"] == pytest.approx(
+            c["decode_tokens_per_s"]["median"] * report["decode_bytes"] / (report["bandwidth_gbs"][0]["median"] * 1e9),
+            rel=0.01, abs=1e-4)
     choices = {c["key"]: c for c in report["choices"]}
     best = max(report["candidates"], key=lambda c: c["decode_tokens_per_s"]["median"])
     assert choices["placement.threads"]["winner"] == best["threads"] and choices["placement.threads"]["current"] == 2
@@ -230,6 +238,27 @@ def test_tune_measures_every_candidate_it_lists_and_applies_the_winner(daemon) -
         assert "(previous file kept as" in applied.stdout
     else:
         assert "unchanged" in applied.stdout
+
+
+@pytest.mark.parametrize("engine", ["llama-cpp-python", "llama-server"])
+def test_tune_measures_a_model_that_ends_every_completion_at_once(tmp_path: Path, engine: str) -> None:
+    # A random model that draws </s> first (make_model --draw-eos): without suppressing
+    # end-of-sequence, tune stopped with "asked for 8 streamed tokens, got 0" (issue 20).
+    from bench.serving import host_machine
+    from tests.daemon_harness import shared_dir
+
+    model = shared_dir() / "draws-eos.gguf"
+    if not model.exists():
+        subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(model), "--draw-eos"], check=True,
+                       capture_output=True)
+        model.chmod(0o644)
+    with daemons(tmp_path, model) as start:
+        run = start(machine=host_machine(), frontend='listen = ""\n', engine=engine)
+        run.stop()
+        done = tune(run, "--quick", "--json", "--samples", "1", "--tokens", "8")
+    assert done.returncode == 0, done.stderr[-1500:]
+    for c in json.loads(done.stdout)["candidates"]:
+        assert c["decode_tokens_per_s"]["median"] > 0 and c["prompt_tokens_per_s"]["median"] > 0
 
 
 def test_tune_on_a_running_fleet_holds_one_node_at_a_time_and_gives_it_back(daemon) -> None:
@@ -337,7 +366,11 @@ def test_status_shows_llama_server_decode_as_a_share_of_the_measured_bandwidth(d
         stop.set()
         client.join(30)
     inst = run.instance(state, "infer@0")
-    expected = inst["decode_tokens_per_s"] * run.model.stat().st_size / 10e9
+    # Bytes a decoded token reads (the tensor table), not the file: tiny's token_embd is 1/8 of it.
+    from numad_infer.ggufheader import read_header
+    read = read_header(str(run.model)).decode_bytes()
+    assert read < 0.95 * run.model.stat().st_size
+    expected = inst["decode_tokens_per_s"] * read / 10e9
     assert inst["decode_efficiency"] == pytest.approx(expected, rel=0.01, abs=1e-4)
     text = run.cli("status").stdout
     assert "BW-EFF" in text and "TOK/S" in text

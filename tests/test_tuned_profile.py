@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.doctor import EngineIsa, HostFacts, Level, Plan, check_numa_balancing, check_swap, check_thp
+from numad_infer.cpufeatures import EngineCpuReport
+from numad_infer.doctor import HostFacts, Level, Plan, check_numa_balancing, check_swap, check_thp
 from numad_infer.doctor import check_zone_reclaim
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +74,7 @@ def test_what_the_profile_sets_is_what_doctor_wants(profile: dict) -> None:
                       thp_defrag="madvise", cpufreq={}, zone_reclaim_mode=int(sysctl["vm.zone_reclaim_mode"]),
                       swap_total_bytes=2**33, swappiness=int(sysctl["vm.swappiness"]), nodes={}, irqs=(),
                       irqbalance=True, neighbours=(), sample_s=1.0, managers=(), cpu_flags=frozenset(),
-                      engine_isa=EngineIsa(None, ""), nodes_per_package={})
+                      engine_cpu=EngineCpuReport(None, "", ""), nodes_per_package={})
     plan = Plan(frozenset({1}), frozenset({0, 1}), {}, "model.gguf", mlock=False, engine="llama-server")
     checks = [check_numa_balancing(facts), *check_thp(facts), check_zone_reclaim(facts), check_swap(facts, plan)]
     assert [(c.name, c.level) for c in checks if c.level != Level.OK] == []

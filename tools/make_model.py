@@ -8,7 +8,12 @@ memory-bandwidth benchmarks need, without downloading anything.
 
     python tools/make_model.py OUT.gguf [--size tiny|small|medium|large]
         [--layers N --embd N --ff N --heads N --kv-heads N --vocab N --ctx N]
-        [--seed N] [--dtype f32|f16]
+        [--seed N] [--dtype f32|f16] [--quant Q4_0|Q8_0|Q4_K_M] [--draw-eos]
+
+--quant writes the random f16/f32 model to a temporary file and quantizes it with
+llama.cpp's own quantizer (llama_model_quantize, the code behind llama-quantize, from
+the libllama of the pinned llama-cpp-python: the same vendored tree as
+scripts/build-llama-server), so tests and benches run the formats operators deploy.
 
 Same arguments -> byte-identical file. The file is written to a temporary
 name next to OUT and renamed into place, so readers never see half a model.
@@ -44,6 +49,9 @@ class Spec:
     vocab: int
     ctx: int
     dtype: str  # "f32" or "f16": storage type of the 2-D weight matrices
+    # The opposite steering for </s>: every completion ends at its first token, as a random
+    # model sometimes does by chance. What a measurement must survive (issue 20, item 5).
+    draw_eos: bool = False
 
 
 # Sizes are for the file on disk (weights dominate). tiny/small stay f32 so
@@ -74,10 +82,14 @@ INIT_STD = 0.02  # small weights keep activations and logits finite through all 
 STEER_COL = 0
 STEER_SCALE = 64.0  # constant = STEER_SCALE*sqrt(embd): keeps the other axes, hence layer inputs, tiny
 STEER_SUPPRESS = -4.0
+STEER_DRAW = 4.0  # --draw-eos: </s>'s logit about +STEER_DRAW*sqrt(embd), above every other
 LAYER_IN = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight")
 LAYER_OUT = ("attn_output.weight", "ffn_down.weight")
 ROPE_BASE = 10000.0
 RMS_EPS = 1e-5
+# llama.cpp's file types for the quantizations operators deploy most (llama.h's
+# LLAMA_FTYPE_MOSTLY_*): Q4_K_M first, then Q8_0 and Q4_0.
+QUANT_FTYPES: dict[str, int] = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15}
 CHUNK_ELEMS = 1 << 22  # ~16 MB of float32 per generation chunk bounds peak memory
 
 # SentencePiece conventions: llama.cpp's SPM tokenizer needs these exact ids
@@ -163,7 +175,8 @@ def tensor_seed(seed: int, name: str) -> np.random.SeedSequence:
     return np.random.SeedSequence([seed, digest])
 
 
-def write_tensor(fout, name: str, shape: tuple[int, ...], is_norm: bool, dtype: np.dtype, seed: int) -> None:
+def write_tensor(fout, name: str, shape: tuple[int, ...], is_norm: bool, dtype: np.dtype, seed: int,
+                 draw_eos: bool = False) -> None:
     if is_norm:
         # RMSNorm gains of 1 are the identity scale; llama.cpp wants them f32.
         np.ones(shape, dtype=np.float32).tofile(fout)
@@ -184,6 +197,8 @@ def write_tensor(fout, name: str, shape: tuple[int, ...], is_norm: bool, dtype: 
             chunk[STEER_COL - r0, :] = 0.0
         elif name == "output.weight" and r0 < N_SPECIAL + N_BYTES:
             chunk[: N_SPECIAL + N_BYTES - r0, STEER_COL] = STEER_SUPPRESS
+            if draw_eos:
+                chunk[EOS - r0, STEER_COL] = STEER_DRAW
         (chunk if dtype == np.float32 else chunk.astype(dtype)).tofile(fout)
 
 
@@ -238,7 +253,7 @@ def write_model(out: Path, s: Spec, seed: int, name: str) -> None:
         fout = w.fout[0]
         w.write_padding(fout, fout.tell())
         for tname, shape, is_norm in plan:
-            write_tensor(fout, tname, shape, is_norm, np.dtype(np.float32) if is_norm else wdtype, seed)
+            write_tensor(fout, tname, shape, is_norm, np.dtype(np.float32) if is_norm else wdtype, seed, s.draw_eos)
             w.write_padding(fout, fout.tell())
         fout.flush()
         os.fsync(fout.fileno())
@@ -254,7 +269,43 @@ def write_model(out: Path, s: Spec, seed: int, name: str) -> None:
         raise
 
 
-def parse_args(argv: list[str] | None) -> tuple[Path, Spec, int, str]:
+def quantize_model(src: Path, out: Path, quant: str, threads: int = 0) -> None:
+    """Quantize the GGUF `src` into `out` (atomically) with llama.cpp's quantizer."""
+    try:
+        import llama_cpp
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise ValueError("--quant needs llama-cpp-python (pip install -e .[server])") from None
+    if quant not in QUANT_FTYPES:
+        raise ValueError(f"--quant must be one of {', '.join(QUANT_FTYPES)}, not {quant!r}")
+    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = QUANT_FTYPES[quant]
+        params.nthread = threads
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+        if rc != 0:
+            raise ValueError(f"llama_model_quantize({src} -> {quant}) failed with {rc}")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_quantized(out: Path, s: Spec, seed: int, name: str, quant: str) -> None:
+    """The random model of `s`, quantized to `quant`: same weights as the unquantized file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmpdir:
+        src = Path(tmpdir) / "unquantized.gguf"
+        write_model(src, s, seed, name)
+        quantize_model(src, out, quant)
+
+
+def parse_args(argv: list[str] | None) -> tuple[Path, Spec, int, str, str | None]:
     ap = argparse.ArgumentParser(description="Generate a random-weight LLaMA GGUF model for tests and benchmarks.")
     ap.add_argument("output", type=Path, help="path of the .gguf file to write")
     ap.add_argument("--size", choices=sorted(PRESETS, key=list(PRESETS).index), default="tiny",
@@ -271,6 +322,10 @@ def parse_args(argv: list[str] | None) -> tuple[Path, Spec, int, str]:
         ap.add_argument(f"--{flag}", type=int, help=helptext)
     ap.add_argument("--seed", type=int, default=0, help="RNG seed (default: 0)")
     ap.add_argument("--dtype", choices=("f32", "f16"), help="weight matrix type (default: per preset)")
+    ap.add_argument("--draw-eos", action="store_true",
+                    help="make </s> the likeliest token everywhere: completions end at once unless it is suppressed")
+    ap.add_argument("--quant", choices=tuple(QUANT_FTYPES),
+                    help="quantize the generated weights with llama.cpp's quantizer (default: none)")
     a = ap.parse_args(argv)
 
     spec = PRESETS[a.size]
@@ -278,22 +333,25 @@ def parse_args(argv: list[str] | None) -> tuple[Path, Spec, int, str]:
     # --heads alone should not leave the preset's kv_heads dangling.
     if a.heads is not None and a.kv_heads is None:
         overrides["kv_heads"] = a.heads
-    spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None})
+    spec = replace(spec, **{k: v for k, v in overrides.items() if v is not None}, draw_eos=a.draw_eos)
     for k in ("layers", "embd", "ff", "heads", "kv_heads", "vocab", "ctx"):
         if getattr(spec, k) <= 0:
             ap.error(f"--{k.replace('_', '-')} must be positive")
     if a.seed < 0:
         ap.error("--seed must be non-negative")
-    return a.output, spec, a.seed, f"numa-infer-random-{a.size}"
+    return a.output, spec, a.seed, f"numa-infer-random-{a.size}", a.quant
 
 
 def main(argv: list[str] | None = None) -> int:
-    out, spec, seed, name = parse_args(argv)
+    out, spec, seed, name, quant = parse_args(argv)
     # Turn SIGTERM into an exception so the temp file is removed, not leaked;
     # restore the old handler after, in case main() is called in-process.
     old_handler = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        write_model(out, spec, seed, name)
+        if quant is None:
+            write_model(out, spec, seed, name)
+        else:
+            write_quantized(out, spec, seed, name, quant)
     except ValueError as e:
         print(f"make_model.py: error: {e}", file=sys.stderr)
         return 2

@@ -13,11 +13,12 @@ A new engine is a subclass registered with `register()` (the built-in ones regis
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from numad_infer.cpufeatures import EngineCpuReport
 
 if TYPE_CHECKING:
     from numad_infer.config import Config
@@ -63,6 +64,8 @@ class Engine(ABC):
     key_check_path: ClassVar[str] = "/v1/models"
     # The server's own Prometheus counters, None when it has none.
     metrics_path: ClassVar[str | None] = None
+    # How to get CPU kernels for this host's wide units ("" when the engine has no way).
+    cpu_fix: ClassVar[str] = ""
 
     @abstractmethod
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
@@ -94,18 +97,18 @@ class Engine(ABC):
         """The counters in a scrape of `metrics_path`, None when they are not all there."""
         return None
 
-    def system_info(self, config: Config, host: HostAccess) -> tuple[str | None, str]:
-        """What the engine says it was built for (llama.cpp's system-info line, e.g.
-        "CPU : SSE3 = 1 | AVX2 = 1 | AVX512 = 1"), and where that came from or why it is unknown."""
-        return None, f"{self.name} does not report its build"
+    def cpu(self, config: Config, host: HostAccess) -> EngineCpuReport:
+        """The CPU kernels the engine runs on this host (its ggml CPU variant or compiled ISA),
+        or why it cannot tell. The one source for status, metrics, tune's report, and the
+        idle wide units that `check` warns of and `doctor` judges."""
+        return EngineCpuReport(None, f"{self.name} does not say which CPU kernels it runs", self.cpu_fix)
 
-
-def parse_system_info(text: str) -> frozenset[str] | None:
-    """The features llama.cpp's system-info line turns on ("AVX512 = 1" -> "AVX512"), None without one."""
-    found = re.findall(r"\b([A-Z][A-Z0-9_]*) = (\d+)", text)
-    if not found:
-        return None
-    return frozenset(name for name, value in found if value != "0")
+    def no_stop_fields(self, stop_token_ids: tuple[int, ...]) -> dict[str, object]:
+        """Fields of an OpenAI completion request that keep it from ending at end-of-sequence,
+        so a measurement gets the tokens it asked for whatever the model would say
+        (`stop_token_ids`: the model's EOS/EOT ids, from its GGUF header). By default an
+        OpenAI logit_bias that no logit survives."""
+        return {"logit_bias": {str(t): -1e30 for t in stop_token_ids}} if stop_token_ids else {}
 
 
 _REGISTRY: dict[str, Engine] = {}

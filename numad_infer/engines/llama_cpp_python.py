@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from numad_infer.cpufeatures import EngineCpuReport, from_system_info
 from numad_infer.engines.base import KEY_CREDENTIAL, Engine, HostAccess
 
 if TYPE_CHECKING:
@@ -21,7 +22,18 @@ _FROM_CREDENTIAL = ("import os, runpy; "
 # find_spec only locates the package: importing llama_cpp would load the C library (slow).
 _FIND_LLAMA_CPP = "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"
 
-_SYSTEM_INFO = "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"
+# The wheel has one CPU backend (no GGML_BACKEND_DL): ask its libggml-cpu.so what it was
+# compiled for, in system_info's words, through ctypes (importing llama_cpp costs ~0.6 s).
+_ASK_GGML_CPU = (
+    "import ctypes, importlib.util, os, sys\n"
+    "lib = os.path.join(os.path.dirname(importlib.util.find_spec('llama_cpp').origin), 'lib')\n"
+    "ctypes.CDLL(os.path.join(lib, 'libggml-base.so'), mode=ctypes.RTLD_GLOBAL)\n"
+    "cpu = ctypes.CDLL(os.path.join(lib, 'libggml-cpu.so'))\n"
+    "names = ('SSE3', 'AVX', 'AVX2', 'F16C', 'FMA', 'BMI2', 'AVX_VNNI', 'AVX512', 'AVX512_VBMI', 'AVX512_VNNI',"
+    " 'AVX512_BF16', 'AMX_INT8')\n"
+    "sys.stdout.write('CPU : ' + ''.join(f'{n} = {getattr(cpu, \"ggml_cpu_has_\" + n.lower())()} | ' for n in names"
+    " if hasattr(cpu, 'ggml_cpu_has_' + n.lower())))\n"
+)
 
 
 class LlamaCppPython(Engine):
@@ -30,6 +42,9 @@ class LlamaCppPython(Engine):
     # It has no /health, and /v1/models waits on the model lock; FastAPI's /docs never does.
     liveness_path = "/docs"
     key_env = "API_KEY"
+    cpu_fix = ("reinstall llama-cpp-python into server.python built for this CPU (CMAKE_ARGS='-DGGML_NATIVE=ON' pip "
+               "install --force-reinstall --no-binary :all: llama-cpp-python), or use server.engine = \"llama-server\" "
+               "with scripts/build-llama-server's build")
 
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
         start = ["-c", _FROM_CREDENTIAL] if key_from_credential and config.server.api_key_file else ["-m", "llama_cpp.server"]
@@ -51,13 +66,16 @@ class LlamaCppPython(Engine):
             *config.server.extra_args,
         ]
 
-    def system_info(self, config: Config, host: HostAccess) -> tuple[str | None, str]:
-        """llama_cpp.llama_print_system_info(): the CPU backend the library loads, with its features."""
+    def cpu(self, config: Config, host: HostAccess) -> EngineCpuReport:
         python = config.server.python
-        done = host.run([python, "-I", "-c", _SYSTEM_INFO], 60.0)
+        done = host.run([python, "-I", "-c", _ASK_GGML_CPU], 30.0)
         if done is None or done.returncode != 0:
-            return None, f"{python} cannot import llama_cpp{host.who}"
-        return done.stdout.strip(), f"llama_cpp.llama_print_system_info() in {python}"
+            return EngineCpuReport(None, f"{python} cannot load llama_cpp's libggml-cpu.so{host.who}", self.cpu_fix)
+        cpu = from_system_info(done.stdout)
+        if cpu is None:
+            return EngineCpuReport(None, f"llama_cpp's libggml-cpu.so in {python} said {done.stdout[:80]!r}, naming no "
+                                         "CPU features", self.cpu_fix)
+        return EngineCpuReport(cpu, f"llama_cpp's libggml-cpu.so in {python}", self.cpu_fix)
 
     def check_host(self, config: Config, source: str, host: HostAccess) -> list[str]:
         """A warning, not a refusal: the interpreter may be installed into after the check."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import stat
 from typing import TYPE_CHECKING, ClassVar
 
+from numad_infer.cpufeatures import EngineCpuReport, from_backend_log
 from numad_infer.engines.base import KEY_CREDENTIAL, Engine, EngineCounters, HostAccess
 from numad_infer.errors import ConfigError
 
@@ -25,6 +26,8 @@ class LlamaServer(Engine):
     liveness_path = "/health"  # answered by its HTTP threads; 503 until the model is loaded
     key_env = "LLAMA_API_KEY"
     metrics_path = "/metrics"
+    cpu_fix = ("build server.llama_server with `NUMA_INFER_CPU_VARIANTS=all scripts/build-llama-server` (one CPU "
+               "backend per x86 level, the best chosen at start), or with scripts/build-llama-server on this machine")
 
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
         parallel = config.server.parallel
@@ -75,19 +78,25 @@ class LlamaServer(Engine):
                               f"{_HINT}", path, True)
         return []
 
-    def system_info(self, config: Config, host: HostAccess) -> tuple[str | None, str]:
-        """llama-server prints llama.cpp's system info (the CPU backend it loaded, with its
-        features) before it loads a model: start it on a file that is no model, so that it
-        stops there without listening on anything."""
+    def cpu(self, config: Config, host: HostAccess) -> EngineCpuReport:
+        # --list-devices loads the backends (ggml_backend_load_all) and exits; at verbosity 4
+        # ggml logs the libggml-cpu-<variant>.so it chose (scripts/build-llama-server's
+        # build). A static build loads nothing and logs no variant; nor does it say its
+        # ISA before it has loaded a model, so it stays unknown.
         path = config.server.llama_server
-        done = host.run([path, "--log-verbosity", "4", "--model", "/dev/null", "--host", "127.0.0.1", "--port", "0"],
-                        30.0)
+        asked = f"`{path} -lv 4 --list-devices`"
+        done = host.run([path, "-lv", "4", "--list-devices"], 30.0)
         if done is None:
-            return None, f"`{path}` did not run{host.who}"
-        for line in (done.stdout + done.stderr).splitlines():
-            if "system_info" in line or " CPU : " in line:
-                return line[line.find("CPU :"):] if "CPU :" in line else line, f"`{path} --log-verbosity 4`"
-        return None, f"`{path}` printed no system_info line (this build does not say what it uses)"
+            return EngineCpuReport(None, f"{asked} did not run{host.who}", self.cpu_fix)
+        cpu = from_backend_log(done.stdout + done.stderr)
+        if cpu is None:
+            return EngineCpuReport(None, f"{asked} named no libggml-cpu variant (a build with one static CPU backend "
+                                         "does not say which it uses)", self.cpu_fix)
+        return EngineCpuReport(cpu, asked, self.cpu_fix)
+
+    def no_stop_fields(self, stop_token_ids: tuple[int, ...]) -> dict[str, object]:
+        # Its own switch: it knows every end-of-generation token of the model itself.
+        return {"ignore_eos": True}
 
     def parse_metrics(self, text: str) -> EngineCounters | None:
         found: dict[str, float] = {}

@@ -121,10 +121,11 @@ def main() -> int:
         if group == "deb":
             build_debs(share / "debs")
         if group == "engine":
-            # llama.cpp's llama-server, built from the pinned sdist (cached), through the share.
+            # llama.cpp's llama-server, built from the pinned sdist (cached), through the share: the
+            # whole directory, since the binary loads its libraries and one CPU variant from beside itself.
             built = subprocess.run([str(ROOT / "scripts/build-llama-server")], check=True, stdout=subprocess.PIPE,
                                    text=True).stdout.strip().splitlines()[-1]
-            shutil.copy(built, share / "llama-server")
+            shutil.copytree(Path(built).parent, share / "llama-server")
         if group == "container":
             (share / "image.txt").write_text(save_image(share / "numa-infer-image.tar"))
             shutil.copy(ROOT / "deploy/kubernetes/numa-infer.toml", share / "container.toml")
@@ -204,17 +205,14 @@ def build_debs(out: Path) -> None:
 
 
 def llama_wheel(python: Path) -> Path:
-    """The llama-cpp-python wheel the project pins, from pip's cache (scripts/setup built it)."""
+    """The llama-cpp-python wheel that scripts/setup built and installed (one build, one place:
+    its portable AVX2 flags are what TCG can run, and its CMAKE_ARGS file says so)."""
     pin = re.search(r'"llama-cpp-python\[server\]==([^"]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
-    out = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "numa-infer" / "llama-wheel" / pin
+    cache = Path(os.environ.get("NUMA_INFER_CACHE", Path.home() / ".cache" / "numa-infer"))
+    out = cache / "llama-wheel" / pin
     found = sorted(out.glob("llama_cpp_python-*.whl"))
     if not found:
-        # Same CMAKE_ARGS as scripts/setup: a portable AVX2 build, which TCG can run.
-        build_env = dict(os.environ, CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON",
-                         CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 1))
-        subprocess.run([str(python), "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), f"llama-cpp-python=={pin}"],
-                       check=True, env=build_env)
-        found = sorted(out.glob("llama_cpp_python-*.whl"))
+        raise SystemExit(f"run_suite: no llama-cpp-python wheel in {out}: run scripts/setup first")
     return found[-1]
 
 
