@@ -30,6 +30,7 @@ from numad_infer.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
 from numad_infer.planner import Instance, Plan
 from numad_infer.frontdoor import FrontdoorRunner
 from numad_infer.haproxy import HaproxyError
+from numad_infer.listener import HeldListener
 from numad_infer.identity import (CREATE_USERS, FRONTDOOR_USER, BackendKind, RunAs, frontdoor_runs_as, instances_run_as,
                                   systemd_frontdoor_user, unreadable_reason)
 from numad_infer.privdrop import switch_user
@@ -187,6 +188,7 @@ class SystemdFrontdoorRunner:
     socket_path = Path(FRONTDOOR_SOCKET)
     run_dir = Path(FRONTDOOR_RUN_DIR)
     restarted_by_manager = True  # Restart=on-failure in its unit
+    listener = None  # HAProxy binds the address itself in its unit
 
     def __init__(self, systemctl: Systemctl) -> None:
         self.systemctl = systemctl
@@ -195,7 +197,8 @@ class SystemdFrontdoorRunner:
         props = self.systemctl.show_many([FRONTDOOR_UNIT], "ActiveState").get(FRONTDOOR_UNIT, {})
         return props.get("ActiveState") in ("active", "reloading", "activating")
 
-    def start(self, binary: str, config_path: Path, privileged_port: bool = False) -> None:
+    def start(self, binary: str, config_path: Path, privileged_port: bool = False,
+              listener_fd: int | None = None) -> None:
         self.systemctl.start(FRONTDOOR_UNIT)  # the unit holds the user and the capability
 
     def reload(self) -> None:
@@ -375,6 +378,8 @@ class ProcessFrontdoorRunner:
         self.output = output
         self.runs_as = runs_as
         self.child: subprocess.Popen[bytes] | None = None
+        # The daemon holds the port; HAProxy, killed or restarted, finds the same socket.
+        self.listener = HeldListener()
 
     def running(self) -> bool:
         return self.child is not None and self.child.poll() is None
@@ -399,7 +404,8 @@ class ProcessFrontdoorRunner:
         finally:
             os.close(fd)
 
-    def start(self, binary: str, config_path: Path, privileged_port: bool = False) -> None:
+    def start(self, binary: str, config_path: Path, privileged_port: bool = False,
+              listener_fd: int | None = None) -> None:
         if self.runs_as is not None:
             reason = unreadable_reason(str(config_path), self.runs_as)
             if reason is not None:
@@ -411,6 +417,7 @@ class ProcessFrontdoorRunner:
             self.child = self.output.popen(
                 "frontdoor", [binary, "-W", "-db", "-f", str(config_path)], env=frontdoor_environment(self.runs_as, os.environ),
                 stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True, cwd="/",
+                pass_fds=() if listener_fd is None else (listener_fd,),
                 preexec_fn=switch_user(self.runs_as, privileged_port),
             )
         except (OSError, subprocess.SubprocessError) as exc:  # the switch failed, or no binary

@@ -20,6 +20,7 @@ from numad_infer.atomicfile import write_atomic
 from numad_infer.config import Config
 from numad_infer.haproxy import AdminState, BackendStat, FrontendStat, HaproxyError, RuntimeAPI
 from numad_infer.haproxycfg import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
+from numad_infer.listener import HeldListener
 from numad_infer.planner import Instance, Plan
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,14 @@ class FrontdoorRunner(Protocol):
     run_dir: Path  # where the daemon writes haproxy.cfg and the saved server states
     # Something else (systemd's Restart=) brings HAProxy back if it dies; otherwise the daemon does.
     restarted_by_manager: bool
+    # The listening socket the daemon holds and hands to HAProxy; None: HAProxy binds the
+    # address itself (a systemd unit cannot be handed a descriptor by the daemon).
+    listener: HeldListener | None
 
     def running(self) -> bool: ...
-    # privileged_port: the listener is below 1024 (HAProxy keeps CAP_NET_BIND_SERVICE, nothing else).
-    def start(self, binary: str, config_path: Path, privileged_port: bool) -> None: ...
+    # privileged_port: HAProxy binds a port below 1024 itself (it keeps CAP_NET_BIND_SERVICE,
+    # nothing else). listener_fd: the held socket to pass it, which it binds as fd@N.
+    def start(self, binary: str, config_path: Path, privileged_port: bool, listener_fd: int | None = None) -> None: ...
     def reload(self) -> None: ...
     def stop(self) -> None: ...
 
@@ -56,13 +61,35 @@ class Frontdoor:
         self.queue_size = 0  # frontend.queue_size of the applied config: a full queue answers 503
         self.error = ""  # why the last apply or read failed, for status
 
+    @property
+    def _listener_fd(self) -> int | None:
+        listener = self.runner.listener
+        return None if listener is None else listener.fd
+
+    def _hold(self, config: Config) -> bool:
+        """Hold the listening socket at the configured address (when the runner takes one).
+        True when it is a new socket: a HAProxy running on the old one must be restarted."""
+        listener = self.runner.listener
+        if listener is None:
+            return False
+        address = config.frontend.address
+        if listener.address == address:
+            return False
+        try:
+            listener.hold(*address)
+        except OSError as exc:
+            raise HaproxyError(f"cannot listen on frontend.listen = \"{config.frontend.listen}\": {exc.strerror}; "
+                               "free the port or choose another") from None
+        return True
+
     def _candidate(self, config: Config, plan: Plan) -> Path:
         candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
         # Renamed into place, never written through: a link planted under this name is
         # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
-        write_atomic(candidate, render_haproxy(config, plan, self.paths), durable=False)
+        fd = self._listener_fd
+        write_atomic(candidate, render_haproxy(config, plan, self.paths, fd), durable=False)
         try:
-            haproxy.validate(config.frontend.haproxy, str(candidate))
+            haproxy.validate(config.frontend.haproxy, str(candidate), pass_fds=() if fd is None else (fd,))
         except HaproxyError:
             candidate.unlink(missing_ok=True)
             raise
@@ -77,17 +104,25 @@ class Frontdoor:
             if self.runner.running():
                 log.info("front door off (frontend.listen = \"\"): stopping haproxy")
                 self.runner.stop()
+            if self.runner.listener is not None:
+                self.runner.listener.refuse()
             self.listen, self.stats, self.answers = "", None, None
             return False
-        text = render_haproxy(config, plan, self.paths)
         running = self.runner.running()
+        if self._hold(config) and running:
+            # A new address is a new socket: HAProxy cannot take it on a reload.
+            log.info("front door: listening on %s now: restarting haproxy", config.frontend.listen)
+            self.runner.stop()
+            running = False
+        text = render_haproxy(config, plan, self.paths, self._listener_fd)
         try:
             current = self.paths.config.read_text(encoding="utf-8")
         except OSError:
             current = ""
         self.binary = config.frontend.haproxy
         self.queue_size = config.frontend.queue_size
-        self.privileged_port = config.frontend.address[1] < 1024
+        # A held socket is bound already: HAProxy then needs no capability at all.
+        self.privileged_port = config.frontend.address[1] < 1024 and self.runner.listener is None
         if running and current == text:
             self.listen = config.frontend.listen
             return False
@@ -103,7 +138,7 @@ class Frontdoor:
             self.runner.reload()
         else:
             log.info("front door: starting haproxy on %s over %d instance(s)", config.frontend.listen, len(plan.instances))
-            self.runner.start(config.frontend.haproxy, self.paths.config, self.privileged_port)
+            self.runner.start(config.frontend.haproxy, self.paths.config, self.privileged_port, self._listener_fd)
         self.listen = config.frontend.listen
         self.error = ""
         return True
@@ -123,7 +158,8 @@ class Frontdoor:
         if not self.runner.restarted_by_manager and not self.runner.running():
             log.error("front door: haproxy exited: starting it again")
             try:
-                self.runner.start(self.binary, self.paths.config, self.privileged_port)
+                # On the held socket: what clients sent while it was dead waits there for it.
+                self.runner.start(self.binary, self.paths.config, self.privileged_port, self._listener_fd)
             except HaproxyError as exc:
                 self.stats, self.error = None, str(exc)
                 log.error("front door: %s", exc)
@@ -160,7 +196,7 @@ class Frontdoor:
         self.stats.servers[name] = replace(stat, status=_STATUS_OF[state])
 
     def close(self) -> bool:
-        """Stop taking connections, keep serving the ones open: HAProxy releases the port, so a
+        """Stop taking connections, keep serving the ones open: the port is closed, so a
         client (or a Service) is refused at once and tries elsewhere. True when it closed."""
         if not self.listen or not self.runner.running():
             return False
@@ -168,9 +204,15 @@ class Frontdoor:
             answer = self.api.command(f"disable frontend {FRONTEND}").strip()
         except HaproxyError as exc:
             log.error("front door: cannot close the listener: %s", exc)
-            return False
+            answer = str(exc)
         if answer:  # HAProxy answers nothing on success
             log.error("front door: disable frontend %s: %s", FRONTEND, answer)
+        listener = self.runner.listener
+        if listener is not None:
+            # HAProxy's pause alone would leave the inherited socket queueing connections
+            # that no one accepts; shut down, it refuses them in every process holding it.
+            listener.refuse()
+        elif answer:
             return False
         log.info("front door: listener on %s closed: new connections are refused", self.listen)
         return True
@@ -187,4 +229,6 @@ class Frontdoor:
         if self.runner.running():
             log.info("front door: stopping haproxy")
             self.runner.stop()
+        if self.runner.listener is not None:
+            self.runner.listener.refuse()
 

@@ -49,10 +49,12 @@ def version(binary: str, timeout_s: float = 10.0) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-def validate(binary: str, config_path: str, timeout_s: float = 30.0) -> None:
-    """`haproxy -c`: HaproxyError with HAProxy's own words when the file is refused."""
+def validate(binary: str, config_path: str, timeout_s: float = 30.0, pass_fds: tuple[int, ...] = ()) -> None:
+    """`haproxy -c`: HaproxyError with HAProxy's own words when the file is refused.
+    `pass_fds`: descriptors the file binds (`bind fd@N`); the check refuses one it lacks."""
     try:
-        proc = subprocess.run([binary, "-c", "-q", "-f", config_path], capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run([binary, "-c", "-q", "-f", config_path], capture_output=True, text=True, timeout=timeout_s,
+                              pass_fds=pass_fds)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise HaproxyError(f"cannot run {binary} -c: {exc}") from None
     if proc.returncode != 0:

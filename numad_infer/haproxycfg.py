@@ -114,7 +114,10 @@ def paths_in(run_dir: Path, socket: Path) -> Paths:
     return Paths(run_dir / CONFIG_NAME, run_dir / STATE_NAME, socket)
 
 
-def render_haproxy(config: Config, plan: Plan, paths: Paths) -> str:
+def render_haproxy(config: Config, plan: Plan, paths: Paths, listener_fd: int | None = None) -> str:
+    """haproxy.cfg for this plan. `listener_fd`: the daemon holds the listening socket and
+    HAProxy takes it as that inherited descriptor (listener.py says why), instead of binding
+    the address itself."""
     front: FrontendSection = config.frontend
     host, port = front.address
     target = connect_host(config.server.host)
@@ -123,7 +126,7 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths) -> str:
     maxconn = len(plan.instances) * per_server + front.queue_size + SPARE_CONNECTIONS
     lines = [MARKER, *_global(config, paths, maxconn), "", *_defaults(front), "",
              f"frontend {FRONTEND}",
-             f"    bind {host_port(host, port)}",
+             f"    bind {host_port(host, port) if listener_fd is None else f'fd@{listener_fd}'}",
              f"    default_backend {BACKEND}",
              "",
              f"backend {BACKEND}",

@@ -68,6 +68,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "bandwidthfile": (EDGE, "the bandwidth tune measured, kept for the daemon"),
     "configedit": (EDGE, "`tune --apply`'s round-trip edit of the TOML file"),
     "frontdoor": (EDGE, "the daemon's handle on the running HAProxy: apply, observe, rotation"),
+    "listener": (EDGE, "the front door's listening socket, held by the daemon across HAProxy's death and reloads"),
     "ggufheader": (EDGE, "the GGUF header: tensor table (bytes a decoded token reads) and end-of-sequence ids"),
     "haproxy": (EDGE, "the HAProxy binary (version, `-c`) and its runtime API socket"),
     "health": (EDGE, "HTTP probe, API-key check, the engine's own counters"),

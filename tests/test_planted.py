@@ -221,6 +221,7 @@ def test_a_sticky_world_writable_directory_is_refused_for_the_daemons_files(tmp_
 
 class IdleRunner:
     restarted_by_manager = False
+    listener = None  # HAProxy would bind the address itself
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.socket_path = run_dir, run_dir / "admin.sock"
@@ -228,7 +229,7 @@ class IdleRunner:
     def running(self) -> bool:
         return False
 
-    def start(self, binary: str, config_path: Path, privileged_port: bool) -> None: ...
+    def start(self, binary: str, config_path: Path, privileged_port: bool, listener_fd: int | None = None) -> None: ...
     def reload(self) -> None: ...
     def stop(self) -> None: ...
 
