@@ -30,12 +30,12 @@ from numad_infer.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
 from numad_infer.planner import Instance, Plan
 from numad_infer.frontdoor import FrontdoorRunner
 from numad_infer.haproxy import HaproxyError
-from numad_infer.listener import HeldListener
+from numad_infer.listener import FD_VARIABLE, Handout, HeldListener, Store
 from numad_infer.identity import (CREATE_USERS, FRONTDOOR_USER, BackendKind, RunAs, frontdoor_runs_as, instances_run_as,
                                   systemd_frontdoor_user, unreadable_reason)
 from numad_infer.privdrop import switch_user
 from numad_infer.engines import Engine, engine_of
-from numad_infer.render import FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, instance_environment, render_units
+from numad_infer.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, instance_environment, render_units
 from numad_infer.unitnames import (DAEMON_UNIT, DROPIN_NAME, FRONTDOOR_UNIT, dropin, name_of_dropin, template_of,
                                    template_unit, unit)
 from numad_infer.systemctl import Systemctl, SystemctlError
@@ -77,9 +77,11 @@ class SystemdBackend:
     kind = BackendKind.SYSTEMD
     instance_cgroups = True
 
-    def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = DAEMON_UNIT) -> None:
+    def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = DAEMON_UNIT,
+                 handout: FrontdoorHandout | None = None) -> None:
         self.systemctl = systemctl or Systemctl()
         self.daemon_unit = daemon_unit
+        self.handout = handout  # None: no front door socket to hand out (a command, a test)
 
     def specs(self, config: Config, plan: Plan) -> dict[str, str]:
         files = render_units(config, plan)
@@ -179,27 +181,46 @@ class SystemdBackend:
 
     def frontdoor_runner(self, run_dir: Path) -> FrontdoorRunner:
         # The unit (render.render_frontdoor_unit) fixes where its files are.
-        return SystemdFrontdoorRunner(self.systemctl)
+        return SystemdFrontdoorRunner(self.systemctl, self.handout)
+
+
+@dataclass(frozen=True)
+class FrontdoorHandout:
+    """What the daemon under systemd needs to hold the front door's socket for HAProxy's
+    unit: where to keep it (the unit's file descriptor store), the descriptor a previous
+    daemon kept there, and who may take it (listener.Handout)."""
+
+    store: Store
+    kept_fd: int | None
+    uids: frozenset[int]
+    gid: int | None
+    path: Path = Path(FRONTDOOR_HANDOUT)
 
 
 class SystemdFrontdoorRunner:
-    """HAProxy as numa-infer-frontdoor.service (rendered into the unit directory by `sync`)."""
+    """HAProxy as numa-infer-frontdoor.service (rendered into the unit directory by `sync`).
+
+    The daemon holds the listening socket (listener.py says why); the unit starts HAProxy
+    through `frontdoor_exec`, which asks the daemon for it."""
 
     socket_path = Path(FRONTDOOR_SOCKET)
     run_dir = Path(FRONTDOOR_RUN_DIR)
     restarted_by_manager = True  # Restart=on-failure in its unit
-    listener = None  # HAProxy binds the address itself in its unit
 
-    def __init__(self, systemctl: Systemctl) -> None:
+    def __init__(self, systemctl: Systemctl, handout: FrontdoorHandout | None = None) -> None:
         self.systemctl = systemctl
+        self.listener = HeldListener(None if handout is None else handout.store)
+        if handout is not None:
+            if handout.kept_fd is not None:
+                self.listener.adopt(handout.kept_fd)
+            Handout(self.listener, handout.path, handout.uids, handout.gid).start()
 
     def running(self) -> bool:
         props = self.systemctl.show_many([FRONTDOOR_UNIT], "ActiveState").get(FRONTDOOR_UNIT, {})
         return props.get("ActiveState") in ("active", "reloading", "activating")
 
-    def start(self, binary: str, config_path: Path, privileged_port: bool = False,
-              listener_fd: int | None = None) -> None:
-        self.systemctl.start(FRONTDOOR_UNIT)  # the unit holds the user and the capability
+    def start(self, binary: str, config_path: Path) -> None:
+        self.systemctl.start(FRONTDOOR_UNIT)  # the unit holds the user; HAProxy asks for the socket
 
     def reload(self) -> None:
         self.systemctl.reload(FRONTDOOR_UNIT)
@@ -231,13 +252,16 @@ def server_environment(engine: Engine, instance: Instance, key: str | None, runs
     return env
 
 
-def frontdoor_environment(runs_as: RunAs | None, daemon_environment: Mapping[str, str]) -> dict[str, str]:
-    """HAProxy's whole environment under the process backend: PATH, the locale and HOME.
-    Its config names no variable, and /proc/PID/environ is readable by its user (`nobody`,
-    where the packaged user is missing, is shared)."""
+def frontdoor_environment(runs_as: RunAs | None, daemon_environment: Mapping[str, str],
+                         listener_fd: int | None = None) -> dict[str, str]:
+    """HAProxy's whole environment under the process backend: PATH, the locale, HOME and
+    the held socket's number (the one variable its config names). /proc/PID/environ is
+    readable by its user (`nobody`, where the packaged user is missing, is shared)."""
     env = {name: daemon_environment[name] for name in INHERITED_VARIABLES if name in daemon_environment}
     env.setdefault("PATH", _DEFAULT_PATH)
     env["HOME"] = runs_as.home if runs_as is not None else daemon_environment.get("HOME", "/")
+    if listener_fd is not None:
+        env[FD_VARIABLE] = str(listener_fd)
     return env
 
 
@@ -404,8 +428,8 @@ class ProcessFrontdoorRunner:
         finally:
             os.close(fd)
 
-    def start(self, binary: str, config_path: Path, privileged_port: bool = False,
-              listener_fd: int | None = None) -> None:
+    def start(self, binary: str, config_path: Path) -> None:
+        listener_fd = self.listener.fd
         if self.runs_as is not None:
             reason = unreadable_reason(str(config_path), self.runs_as)
             if reason is not None:
@@ -415,10 +439,11 @@ class ProcessFrontdoorRunner:
         # -db: stay in the foreground; the master dies with the daemon (PDEATHSIG).
         try:
             self.child = self.output.popen(
-                "frontdoor", [binary, "-W", "-db", "-f", str(config_path)], env=frontdoor_environment(self.runs_as, os.environ),
+                "frontdoor", [binary, "-W", "-db", "-f", str(config_path)],
+                env=frontdoor_environment(self.runs_as, os.environ, listener_fd),
                 stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True, cwd="/",
                 pass_fds=() if listener_fd is None else (listener_fd,),
-                preexec_fn=switch_user(self.runs_as, privileged_port),
+                preexec_fn=switch_user(self.runs_as),
             )
         except (OSError, subprocess.SubprocessError) as exc:  # the switch failed, or no binary
             raise HaproxyError(f"cannot start {binary}: {exc}") from None

@@ -150,15 +150,25 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _make_backend(choice: str, state_file: Path, instance_logs: str = "file",
-                  progress: Callable[[], None] | None = None):
-    from numad_infer.backends import ProcessBackend, SystemdBackend
+                  notifier: "Notifier | None" = None):
+    from numad_infer.backends import FrontdoorHandout, ProcessBackend, SystemdBackend
     from numad_infer.childlog import InstanceLogs
-    from numad_infer.identity import BackendKind, backend_kind
+    from numad_infer.identity import BackendKind, backend_kind, frontdoor_runs_as
+    from numad_infer.listener import STORE_NAME
+    from numad_infer.notify import inherited_fds
     from numad_infer.systemctl import Systemctl
 
     if backend_kind(choice) == BackendKind.SYSTEMD:
+        handout = None
+        if notifier is not None:
+            # What a previous daemon kept in the unit's file descriptor store, and who may
+            # take the socket: HAProxy's user (or root, where the package's user is missing).
+            kept = inherited_fds().get(STORE_NAME)
+            user = frontdoor_runs_as(BackendKind.SYSTEMD)
+            uids = frozenset({0} | ({user.uid} if user is not None and user.uid is not None else set()))
+            handout = FrontdoorHandout(notifier.store_fd, kept, uids, None if user is None else user.gid)
         # The journal has the instances' output, named by unit.
-        return SystemdBackend(Systemctl(progress=progress))
+        return SystemdBackend(Systemctl(progress=None if notifier is None else notifier.keepalive), handout=handout)
     return ProcessBackend(state_file.parent / "logs", InstanceLogs(instance_logs))
 
 
@@ -171,7 +181,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                         format="%(levelname)s: %(message)s" if under_journal else "%(asctime)s %(levelname)s: %(message)s")
     notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
     state_file = Path(args.state_file)
-    backend = _make_backend(args.backend, state_file, args.instance_logs, progress=notifier.keepalive)
+    backend = _make_backend(args.backend, state_file, args.instance_logs, notifier)
     daemon = Daemon(args.config, args.fsroot, backend, state_file, notifier)
     return daemon.run()
 

@@ -9,6 +9,7 @@ it says: `haproxycfg`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from dataclasses import replace
@@ -35,14 +36,11 @@ class FrontdoorRunner(Protocol):
     run_dir: Path  # where the daemon writes haproxy.cfg and the saved server states
     # Something else (systemd's Restart=) brings HAProxy back if it dies; otherwise the daemon does.
     restarted_by_manager: bool
-    # The listening socket the daemon holds and hands to HAProxy; None: HAProxy binds the
-    # address itself (a systemd unit cannot be handed a descriptor by the daemon).
-    listener: HeldListener | None
+    # The listening socket the daemon holds, and HAProxy accepts on (listener.py says why).
+    listener: HeldListener
 
     def running(self) -> bool: ...
-    # privileged_port: HAProxy binds a port below 1024 itself (it keeps CAP_NET_BIND_SERVICE,
-    # nothing else). listener_fd: the held socket to pass it, which it binds as fd@N.
-    def start(self, binary: str, config_path: Path, privileged_port: bool, listener_fd: int | None = None) -> None: ...
+    def start(self, binary: str, config_path: Path) -> None: ...
     def reload(self) -> None: ...
     def stop(self) -> None: ...
 
@@ -55,29 +53,28 @@ class Frontdoor:
         self.api = RuntimeAPI(str(runner.socket_path))
         self.listen = ""
         self.binary = ""
-        self.privileged_port = False
         self.stats: BackendStat | None = None  # last pass's counters, None when unreadable
         self.answers: FrontendStat | None = None  # the listener's answers by class, read with `stats`
         self.queue_size = 0  # frontend.queue_size of the applied config: a full queue answers 503
         self.error = ""  # why the last apply or read failed, for status
 
-    @property
-    def _listener_fd(self) -> int | None:
-        listener = self.runner.listener
-        return None if listener is None else listener.fd
-
     def _hold(self, config: Config) -> bool:
-        """Hold the listening socket at the configured address (when the runner takes one).
-        True when it is a new socket: a HAProxy running on the old one must be restarted."""
+        """Hold the listening socket at the configured address. True when it is a new
+        socket: a HAProxy running on the old one must be restarted."""
         listener = self.runner.listener
-        if listener is None:
-            return False
         address = config.frontend.address
         if listener.address == address:
             return False
         try:
             listener.hold(*address)
         except OSError as exc:
+            if exc.errno == errno.EADDRINUSE and self.runner.running():
+                # A HAProxy started by an older numa-infer binds the port itself: once, it
+                # is restarted on the daemon's socket (its open connections are cut).
+                log.warning("front door: haproxy holds %s itself: restarting it on the daemon's socket",
+                            config.frontend.listen)
+                self.runner.stop()
+                return self._hold(config)
             raise HaproxyError(f"cannot listen on frontend.listen = \"{config.frontend.listen}\": {exc.strerror}; "
                                "free the port or choose another") from None
         return True
@@ -86,10 +83,9 @@ class Frontdoor:
         candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
         # Renamed into place, never written through: a link planted under this name is
         # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
-        fd = self._listener_fd
-        write_atomic(candidate, render_haproxy(config, plan, self.paths, fd), durable=False)
+        write_atomic(candidate, render_haproxy(config, plan, self.paths, held=True), durable=False)
         try:
-            haproxy.validate(config.frontend.haproxy, str(candidate), pass_fds=() if fd is None else (fd,))
+            haproxy.validate(config.frontend.haproxy, str(candidate), listener_fd=self.runner.listener.fd)
         except HaproxyError:
             candidate.unlink(missing_ok=True)
             raise
@@ -104,8 +100,7 @@ class Frontdoor:
             if self.runner.running():
                 log.info("front door off (frontend.listen = \"\"): stopping haproxy")
                 self.runner.stop()
-            if self.runner.listener is not None:
-                self.runner.listener.refuse()
+            self.runner.listener.refuse()
             self.listen, self.stats, self.answers = "", None, None
             return False
         running = self.runner.running()
@@ -114,15 +109,13 @@ class Frontdoor:
             log.info("front door: listening on %s now: restarting haproxy", config.frontend.listen)
             self.runner.stop()
             running = False
-        text = render_haproxy(config, plan, self.paths, self._listener_fd)
+        text = render_haproxy(config, plan, self.paths, held=True)
         try:
             current = self.paths.config.read_text(encoding="utf-8")
         except OSError:
             current = ""
         self.binary = config.frontend.haproxy
         self.queue_size = config.frontend.queue_size
-        # A held socket is bound already: HAProxy then needs no capability at all.
-        self.privileged_port = config.frontend.address[1] < 1024 and self.runner.listener is None
         if running and current == text:
             self.listen = config.frontend.listen
             return False
@@ -138,7 +131,7 @@ class Frontdoor:
             self.runner.reload()
         else:
             log.info("front door: starting haproxy on %s over %d instance(s)", config.frontend.listen, len(plan.instances))
-            self.runner.start(config.frontend.haproxy, self.paths.config, self.privileged_port, self._listener_fd)
+            self.runner.start(config.frontend.haproxy, self.paths.config)
         self.listen = config.frontend.listen
         self.error = ""
         return True
@@ -159,7 +152,7 @@ class Frontdoor:
             log.error("front door: haproxy exited: starting it again")
             try:
                 # On the held socket: what clients sent while it was dead waits there for it.
-                self.runner.start(self.binary, self.paths.config, self.privileged_port, self._listener_fd)
+                self.runner.start(self.binary, self.paths.config)
             except HaproxyError as exc:
                 self.stats, self.error = None, str(exc)
                 log.error("front door: %s", exc)
@@ -207,13 +200,9 @@ class Frontdoor:
             answer = str(exc)
         if answer:  # HAProxy answers nothing on success
             log.error("front door: disable frontend %s: %s", FRONTEND, answer)
-        listener = self.runner.listener
-        if listener is not None:
-            # HAProxy's pause alone would leave the inherited socket queueing connections
-            # that no one accepts; shut down, it refuses them in every process holding it.
-            listener.refuse()
-        elif answer:
-            return False
+        # HAProxy's pause alone would leave the inherited socket queueing connections that
+        # no one accepts; shut down, it refuses them in every process holding it.
+        self.runner.listener.refuse()
         log.info("front door: listener on %s closed: new connections are refused", self.listen)
         return True
 
@@ -229,6 +218,5 @@ class Frontdoor:
         if self.runner.running():
             log.info("front door: stopping haproxy")
             self.runner.stop()
-        if self.runner.listener is not None:
-            self.runner.listener.refuse()
+        self.runner.listener.refuse()
 

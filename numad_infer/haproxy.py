@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 import re
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from numad_infer.errors import ConfigError, NumaInferError
+from numad_infer.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
 
 if TYPE_CHECKING:
     from numad_infer.config import Config
@@ -49,12 +51,14 @@ def version(binary: str, timeout_s: float = 10.0) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-def validate(binary: str, config_path: str, timeout_s: float = 30.0, pass_fds: tuple[int, ...] = ()) -> None:
+def validate(binary: str, config_path: str, timeout_s: float = 30.0, listener_fd: int | None = None) -> None:
     """`haproxy -c`: HaproxyError with HAProxy's own words when the file is refused.
-    `pass_fds`: descriptors the file binds (`bind fd@N`); the check refuses one it lacks."""
+    `listener_fd`: the held socket the file binds ("fd@${NUMA_INFER_FRONTDOOR_FD}"); the
+    check refuses a descriptor it lacks."""
+    env = None if listener_fd is None else {**os.environ, FD_VARIABLE: str(listener_fd)}
     try:
         proc = subprocess.run([binary, "-c", "-q", "-f", config_path], capture_output=True, text=True, timeout=timeout_s,
-                              pass_fds=pass_fds)
+                              pass_fds=() if listener_fd is None else (listener_fd,), env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise HaproxyError(f"cannot run {binary} -c: {exc}") from None
     if proc.returncode != 0:

@@ -35,6 +35,7 @@ from numad_infer.addresses import connect_host, host_port
 from numad_infer.config import Affinity, Config, FrontendSection
 from numad_infer.engines import engine_of
 from numad_infer.errors import ConfigError
+from numad_infer.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
 from numad_infer.planner import Plan
 
 BACKEND = "instances"
@@ -114,10 +115,14 @@ def paths_in(run_dir: Path, socket: Path) -> Paths:
     return Paths(run_dir / CONFIG_NAME, run_dir / STATE_NAME, socket)
 
 
-def render_haproxy(config: Config, plan: Plan, paths: Paths, listener_fd: int | None = None) -> str:
-    """haproxy.cfg for this plan. `listener_fd`: the daemon holds the listening socket and
-    HAProxy takes it as that inherited descriptor (listener.py says why), instead of binding
-    the address itself."""
+# HAProxy expands the variable in a quoted word: its copy of the daemon's socket.
+HELD_BIND = '"fd@${' + FD_VARIABLE + '}"'
+
+
+def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False) -> str:
+    """haproxy.cfg for this plan. `held`: the daemon holds the listening socket and HAProxy
+    takes it as the inherited descriptor that NUMA_INFER_FRONTDOOR_FD names (listener.py
+    says why), instead of binding the address itself (`check`'s scratch copy does)."""
     front: FrontendSection = config.frontend
     host, port = front.address
     target = connect_host(config.server.host)
@@ -126,7 +131,7 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, listener_fd: int | 
     maxconn = len(plan.instances) * per_server + front.queue_size + SPARE_CONNECTIONS
     lines = [MARKER, *_global(config, paths, maxconn), "", *_defaults(front), "",
              f"frontend {FRONTEND}",
-             f"    bind {host_port(host, port) if listener_fd is None else f'fd@{listener_fd}'}",
+             f"    bind {HELD_BIND if held else host_port(host, port)}",
              f"    default_backend {BACKEND}",
              "",
              f"backend {BACKEND}",

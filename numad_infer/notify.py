@@ -7,12 +7,27 @@ processes (systemctl, servers started by the process backend) cannot notify for 
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import sdnotify
 
 # What systemd gives the service's main process to talk back with.
 NOTIFY_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+# What it gives back from the file descriptor store at start (sd_listen_fds(3)).
+LISTEN_VARIABLES = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+LISTEN_FDS_START = 3
+
+
+def inherited_fds(environ: dict[str, str] | None = None) -> dict[str, int]:
+    """Descriptors systemd passed this process, by name (FDNAME=), taken out of the
+    environment so that no child believes they are its own."""
+    env = os.environ if environ is None else environ
+    count, pid, names = (env.pop(name, None) for name in LISTEN_VARIABLES)
+    if not count or not count.isdigit() or pid != str(os.getpid()):
+        return {}
+    labels = (names or "").split(":")
+    return {labels[i] if i < len(labels) and labels[i] else f"fd{i}": LISTEN_FDS_START + i for i in range(int(count))}
 
 
 def child_environ() -> dict[str, str]:
@@ -47,6 +62,21 @@ class Notifier:
     def send(self, *fields: str) -> None:
         if self._notifier is not None:
             self._notifier.notify("\n".join(fields))
+
+    def store_fd(self, name: str, fd: int | None) -> None:
+        """Keep `fd` in the unit's file descriptor store under `name` (FileDescriptorStoreMax=
+        in numa-infer.service), so that it outlives this process; None: drop it from there.
+        The sdnotify package sends text only: a descriptor needs SCM_RIGHTS."""
+        if not self.socket:
+            return
+        address = "\0" + self.socket[1:] if self.socket.startswith("@") else self.socket
+        message = f"FDSTOREREMOVE=1\nFDNAME={name}" if fd is None else f"FDSTORE=1\nFDNAME={name}"
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+                sock.connect(address)
+                socket.send_fds(sock, [message.encode()], [] if fd is None else [fd])
+        except OSError:
+            pass  # as sd_notify: a manager that does not listen is not the daemon's failure
 
     def ready(self, status: str) -> None:
         self._last_status = status

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+import sys
 
 from numad_infer.addresses import connect_host
 from numad_infer.config import Config
@@ -167,6 +168,9 @@ def render_dropin(config: Config, instance: Instance) -> str:
 # its own RuntimeDirectory, kept across daemon restarts; HAProxy owns the socket's).
 FRONTDOOR_RUN_DIR = "/run/numa-infer"
 FRONTDOOR_SOCKET = "/run/numa-infer-frontdoor/admin.sock"
+# Where the daemon hands its listening socket to HAProxy's unit (listener.Handout); in its
+# own RuntimeDirectory, group numa-infer-frontdoor, mode 0660.
+FRONTDOOR_HANDOUT = "/run/numa-infer/listener.sock"
 
 
 def frontdoor_identity(user: str | None) -> list[str]:
@@ -185,10 +189,15 @@ def frontdoor_identity(user: str | None) -> list[str]:
     return [f"User={escape_value(user)}", f"Group={escape_value(user)}", *directory]
 
 
-def render_frontdoor_unit(config: Config, user: str | None = FRONTDOOR_USER) -> str:
+def render_frontdoor_unit(config: Config, user: str | None = FRONTDOOR_USER, python: str | None = None) -> str:
+    """`python`: the interpreter that runs frontdoor_exec (default: the daemon's own, which
+    can import numad_infer wherever it was installed)."""
     binary = config.frontend.haproxy
     cfg = f"{FRONTDOOR_RUN_DIR}/{CONFIG_NAME}"
-    check = " ".join(quote_arg(a) for a in (binary, "-c", "-q", "-f", cfg))
+    # HAProxy, and its check, start on the socket the daemon holds (listener.py says why):
+    # frontdoor_exec asks the daemon for it, then executes HAProxy in its own place.
+    on_socket = (python or sys.executable, "-m", "numad_infer.frontdoor_exec", FRONTDOOR_HANDOUT, "--", binary)
+    check = " ".join(quote_arg(a) for a in (*on_socket, "-c", "-q", "-f", cfg))
     lines = [
         MARKER,
         "[Unit]",
@@ -202,7 +211,7 @@ def render_frontdoor_unit(config: Config, user: str | None = FRONTDOOR_USER) -> 
         # dropping a connection (the new workers take over the listening socket).
         "Type=notify",
         "ExecStartPre=" + check,
-        "ExecStart=" + " ".join(quote_arg(a) for a in (binary, "-Ws", "-f", cfg)),
+        "ExecStart=" + " ".join(quote_arg(a) for a in (*on_socket, "-Ws", "-f", cfg)),
         "ExecReload=" + check,
         "ExecReload=/bin/kill -USR2 $MAINPID",
         "KillMode=mixed",
@@ -215,21 +224,19 @@ def render_frontdoor_unit(config: Config, user: str | None = FRONTDOOR_USER) -> 
         "SystemCallErrorNumber=EPERM",
         *frontdoor_ip_allow_list(config),
     ]
-    if config.frontend.address[1] < 1024:
-        # A privileged port: the one capability that needs, and no user namespace (a
-        # capability inside one does not reach the host's ports).
-        lines += ["CapabilityBoundingSet=CAP_NET_BIND_SERVICE", "AmbientCapabilities=CAP_NET_BIND_SERVICE",
-                  "PrivateUsers=no"]
+    # No capability even for a port below 1024: the daemon binds it (CAP_NET_BIND_SERVICE
+    # in numa-infer.service), HAProxy only accepts on it.
     return "\n".join(lines) + "\n"
 
 
-def render_units(config: Config, plan: Plan, frontdoor_user: str | None = FRONTDOOR_USER) -> dict[str, str]:
+def render_units(config: Config, plan: Plan, frontdoor_user: str | None = FRONTDOOR_USER,
+                 python: str | None = None) -> dict[str, str]:
     """Relative path under the unit directory -> file content. `frontdoor_user`: see
     `frontdoor_identity` (identity.systemd_frontdoor_user says which this host has)."""
     template = config.systemd.template
     files = {template_unit(template): render_template(config)}
     if config.frontend.enabled:
-        files[FRONTDOOR_UNIT] = render_frontdoor_unit(config, frontdoor_user)
+        files[FRONTDOOR_UNIT] = render_frontdoor_unit(config, frontdoor_user, python)
     for instance in plan.instances:
         files[dropin(instance.name)] = render_dropin(config, instance)
     return files

@@ -45,3 +45,7 @@ def dropin(name: str) -> str:
 def name_of_dropin(rel: str) -> str:
     """The inverse of `dropin`: `infer@0.service.d/50-numa-infer.conf` -> `infer@0`."""
     return rel.split("/")[0].removesuffix(f"{SUFFIX}.d")
+
+# The variable that names HAProxy's copy of the daemon's listening socket: haproxy.cfg binds
+# "fd@${...}" (haproxycfg), the daemon or frontdoor_exec sets it (listener.py).
+FRONTDOOR_FD_VARIABLE = "NUMA_INFER_FRONTDOOR_FD"

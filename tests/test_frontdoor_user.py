@@ -215,7 +215,7 @@ def test_without_the_capability_an_unprivileged_haproxy_cannot_bind_below_1024(d
     door.run_dir.mkdir(parents=True, exist_ok=True)
     door.door.paths.config.write_text(render_haproxy(door.config, door.plan, door.door.paths))
     door.door.paths.state.write_text("1\n")
-    door.door.runner.start(HAPROXY, door.door.paths.config, False)
+    door.door.runner.start(HAPROXY, door.door.paths.config)  # holds no socket: HAProxy binds
     child = door.door.runner.child
     assert child.wait(20) != 0
     assert "Permission denied" in door.log() or "cannot bind" in door.log(), door.log()
@@ -289,11 +289,17 @@ def test_the_rendered_front_door_unit_runs_as_its_user_with_a_group_only_directo
     # The daemon reaches the socket through that group, and has no DAC override to do otherwise.
     daemon = _directives((ROOT / "packaging/systemd/numa-infer.service").read_text())
     assert f"SupplementaryGroups={FRONTDOOR_USER}" in daemon
-    assert "CapabilityBoundingSet=CAP_SYS_NICE" in daemon
+    assert "CapabilityBoundingSet=CAP_SYS_NICE CAP_NET_BIND_SERVICE" in daemon  # it binds the front door's port
+    assert "FileDescriptorStoreMax=1" in daemon  # and keeps the socket there across its restarts
     # Without the user: root with no capability, the unit still starts.
     fallback = _directives(render_frontdoor_unit(config, None))
     assert not [l for l in fallback if l.startswith(("User=", "Group="))]
     assert "CapabilityBoundingSet=" in fallback and "RuntimeDirectoryMode=0750" in fallback
+    # Not even for port 80: the daemon binds it and HAProxy starts on its socket.
+    low = _directives(render_frontdoor_unit(parse_config('[model]\npath = "/m.gguf"\n[frontend]\nlisten = "0.0.0.0:80"\n')))
+    assert "CapabilityBoundingSet=" in low and "AmbientCapabilities=" in low
+    assert not [l for l in low if l.startswith(("CapabilityBoundingSet=C", "AmbientCapabilities=C"))]
+    assert all("numad_infer.frontdoor_exec" in l for l in low if l.startswith(("ExecStart=", "ExecStartPre=")))
 
 
 @pytest.mark.parametrize("listen", ["127.0.0.1:8000", "0.0.0.0:80"])

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from numad_infer.listener import HeldListener
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -221,15 +223,15 @@ def test_a_sticky_world_writable_directory_is_refused_for_the_daemons_files(tmp_
 
 class IdleRunner:
     restarted_by_manager = False
-    listener = None  # HAProxy would bind the address itself
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.socket_path = run_dir, run_dir / "admin.sock"
+        self.listener = HeldListener()
 
     def running(self) -> bool:
         return False
 
-    def start(self, binary: str, config_path: Path, privileged_port: bool, listener_fd: int | None = None) -> None: ...
+    def start(self, binary: str, config_path: Path) -> None: ...
     def reload(self) -> None: ...
     def stop(self) -> None: ...
 
@@ -251,10 +253,12 @@ def test_the_candidate_haproxy_cfg_replaces_a_planted_link_instead_of_writing_th
     planted.symlink_to(secret)
     config = parse_config(MINIMAL + '[frontend]\nlisten = "127.0.0.1:8000"\nhaproxy = "/usr/sbin/haproxy"\n')
     plan = make_plan(config, read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())))
+    front.runner.listener.hold("127.0.0.1", 0)  # as apply() does first: the file binds the held socket
     candidate = front._candidate(config, plan)
     # Before: the daemon wrote haproxy.cfg into the link's target and chmod-ed it 0644.
     assert secret.read_text() == "untouched\n" and stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert not candidate.is_symlink() and "backend" in candidate.read_text()
+    front.runner.listener.refuse()
 
 
 # -- tune --apply on the operator's file ---------------------------------------------------------

@@ -40,7 +40,7 @@ def make_config(model: str = "/var/lib/numa-infer/models/model.gguf", python: st
 def units_for(tmp_path: Path, factory, **kwargs) -> dict[str, str]:
     config = make_config(**kwargs)
     topo = read_topology(fakesys.write_tree(tmp_path / "fs", factory()))
-    return render_units(config, make_plan(config, topo))
+    return render_units(config, make_plan(config, topo), python="/usr/bin/python3")  # as the package's daemon
 
 
 def systemd_verify(unit_dir: Path, units: list[str]) -> str:
