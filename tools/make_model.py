@@ -259,14 +259,19 @@ def write_model(out: Path, s: Spec, seed: int, name: str) -> None:
         os.fsync(fout.fileno())
         w.close()
 
-        # mkstemp makes 0600; give the model normal umask-governed permissions.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, out)
+        _publish(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Put the finished temporary file in place. mkstemp makes 0600: give the model the
+    permissions the umask would have given a plain new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, out)
 
 
 def quantize_model(src: Path, out: Path, quant: str, threads: int = 0) -> None:
@@ -287,10 +292,7 @@ def quantize_model(src: Path, out: Path, quant: str, threads: int = 0) -> None:
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
         if rc != 0:
             raise ValueError(f"llama_model_quantize({src} -> {quant}) failed with {rc}")
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, out)
+        _publish(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
