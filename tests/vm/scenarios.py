@@ -609,9 +609,14 @@ def frontdoor_runs_as_its_user() -> str:
     daemon = dict(line.split(":", 1) for line in Path(f"/proc/{main_pid('numa-infer')}/status").read_text().splitlines())
     if str(grp.getgrnam("numa-infer-frontdoor").gr_gid) not in daemon["Groups"].split():
         raise Fail(f"the daemon is not in the group numa-infer-frontdoor: groups {daemon['Groups'].strip()}")
-    if int(daemon["CapBnd"], 16) != 1 << 23:  # CAP_SYS_NICE alone
-        raise Fail(f"the daemon's bounding set is not CAP_SYS_NICE alone: {daemon['CapBnd'].strip()}")
-    return f"numa-infer-frontdoor (uid {user.pw_uid}, {len(pids)} processes, no capability)"
+    if int(daemon["CapBnd"], 16) != (1 << 23) | (1 << 10):  # CAP_SYS_NICE, CAP_NET_BIND_SERVICE
+        raise Fail(f"the daemon's bounding set is not CAP_SYS_NICE and CAP_NET_BIND_SERVICE: {daemon['CapBnd'].strip()}")
+    # One listening socket on the front door's port, the daemon's: HAProxy accepts on it
+    # (listener.py), so a HAProxy restart refuses no client.
+    holders = sh("ss", "-Hltnp", f"sport = :{FRONT_PORT}", check=False)
+    if holders.count("LISTEN") != 1 or f"pid={main_pid('numa-infer')}," not in holders or f"pid={master}," not in holders:
+        raise Fail(f"the front door's port is not one socket held by the daemon and HAProxy: {holders.strip()}")
+    return f"numa-infer-frontdoor (uid {user.pw_uid}, {len(pids)} processes, no capability; on the daemon's socket)"
 
 
 @scenario("d1-install")
