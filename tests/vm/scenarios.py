@@ -221,6 +221,13 @@ def scenario(name: str):
                 RESULTS.append(f"FAIL {name}: {type(exc).__name__}: {exc}")
                 traceback.print_exc()
             print(RESULTS[-1], flush=True)
+            if RESULTS[-1].startswith("FAIL"):
+                # What the daemon and the front door said meanwhile: the guest is gone after the run.
+                since = f"-{int(time.monotonic() - started) + 5}s"
+                journal = subprocess.run(["journalctl", "--no-pager", "-o", "short-monotonic", "--since", since,
+                                          "-u", "numa-infer", "-u", "numa-infer-frontdoor"],
+                                         capture_output=True, text=True, timeout=60).stdout
+                print("  journal:\n" + "\n".join("    " + line for line in journal.splitlines()[-60:]), flush=True)
         run.scenario_name = name
         run.__wrapped__ = fn
         return run
