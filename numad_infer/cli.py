@@ -25,6 +25,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from numad_infer.allowed import Allowed
+    from numad_infer.config import Config
+    from numad_infer.engines import Engine
+    from numad_infer.notify import Notifier
     from numad_infer.status import Status
     from numad_infer.loading import Loaded
     from numad_infer.planner import Plan
@@ -71,6 +74,13 @@ def format_plan(plan: "Plan", warnings: "tuple[str, ...] | None" = None) -> str:
     lines = format_table(rows)
     lines += [f"warning: {w}" for w in (plan.warnings if warnings is None else warnings)]
     return "\n".join(lines)
+
+
+def format_engine(config: "Config", engine: "Engine") -> str:
+    """Which server every instance runs, and the key that chose it (or that it is the default)."""
+    chosen = "server.engine" if "engine" in config.server.model_fields_set else "the default; server.engine"
+    return (f"engine: {engine.name} ({chosen}), every instance runs {engine.program(config)} "
+            f"(server.{engine.program_key})")
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -140,6 +150,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     loaded = load_all(args)
     print(f"{args.config}: valid for this machine")
+    print(format_engine(loaded.config, loaded.engine))
     print(format_plan(loaded.plan, loaded.warnings))
     pending = plan_write(Path(loaded.config.systemd.unit_dir),
                          render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))

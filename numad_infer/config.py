@@ -78,6 +78,17 @@ class ModelSection(_Section):
         description="GGUF model every instance loads; must be a readable regular file, also for the instances' user",
         json_schema_extra={"kind": "absolute path"},
     )
+    # The id clients send: without it the engines report the file's path, which names a
+    # directory layout rather than a model and changes when the file moves.
+    name: str = Field(
+        "",
+        description=(
+            "the model's id: what clients send as `model` and what `/v1/models` lists (llama-server `--alias`, "
+            "llama-cpp-python `--model_alias`); letters, digits and `. _ : -`, at most 64; `\"\"`: the engine's "
+            "own id, the file's path"
+        ),
+        json_schema_extra={"kind": "name or `\"\"`"},
+    )
     context_size: int = Field(
         4096, ge=64, le=1_048_576,
         description="context window (tokens) per instance; with llama-server, per slot",
@@ -92,6 +103,14 @@ class ModelSection(_Section):
     def _absolute(cls, value: str) -> str:
         if not value.startswith("/"):
             raise ValueError("must be an absolute path, e.g. /var/lib/numa-infer/models/model.gguf")
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _model_name(cls, value: str) -> str:
+        if value and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}", value):
+            raise ValueError("must be 1-64 letters, digits or . _ : - (starting with a letter or digit), "
+                             "e.g. \"llama-3.1-8b\"")
         return value
 
 
@@ -166,12 +185,13 @@ class ServerSection(_Section):
     # A registered engine's name (numad_infer.engines): an open set, so a string checked
     # against the registry rather than an enum.
     engine: SafeStr = Field(
-        "llama-cpp-python",
+        "llama-server",
         description=(
-            "the inference server every instance runs: llama-cpp-python's (`python -m llama_cpp.server`, one "
-            "request at a time) or llama.cpp's native `llama-server` (`parallel` slots with continuous "
-            "batching: more tokens/s under concurrency, see `bench/README.md`); keys of the other engine are "
-            "refused"
+            "the inference server every instance runs: llama.cpp's native `llama-server` (the default: "
+            "`parallel` slots with continuous batching, more tokens/s under concurrency, see "
+            "`bench/README.md`; the best CPU kernels for the machine chosen when it starts) or "
+            "llama-cpp-python's (`python -m llama_cpp.server`, one request at a time); keys of the other "
+            "engine are refused"
         ),
         json_schema_extra={"kind": '`"llama-cpp-python"` or `"llama-server"`'},
     )

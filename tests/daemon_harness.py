@@ -108,11 +108,16 @@ def llama_tool(name: str) -> Path:
 ENGINES = ("llama-cpp-python", "llama-server")
 
 
+def with_server_keys(toml: str, keys: str) -> str:
+    """`toml` with `keys` in its [server] table (added at the end when it has none)."""
+    return toml.replace("[server]\n", "[server]\n" + keys, 1) if "[server]\n" in toml else f"{toml}\n[server]\n{keys}"
+
+
 def engine_keys(engine: str) -> str:
     """The [server] keys that choose an engine, for a test config."""
     if engine == "llama-server":
         return f'engine = "llama-server"\nllama_server = "{llama_server_binary()}"\n'
-    return f'python = "{server_python()}"\n'
+    return f'engine = "llama-cpp-python"\npython = "{server_python()}"\n'
 
 
 _models: dict[str, Path] = {}

@@ -131,7 +131,7 @@ def test_plan_inside_a_real_cpuset_cgroup_uses_only_its_cpu(tmp_path: Path) -> N
         model = tmp_path / "m.gguf"
         model.write_bytes(b"GGUF" + bytes(1020))
         config = tmp_path / "numa-infer.toml"
-        config.write_text(f'[model]\npath = "{model}"\n[server]\nuser = "root"\n[frontend]\nlisten = ""\n')
+        config.write_text(f'[model]\npath = "{model}"\n[server]\nengine = "llama-cpp-python"\nuser = "root"\n[frontend]\nlisten = ""\n')
         command = (f"echo $$ > {group}/tasks && exec {sys.executable} -m numad_infer --backend process "
                    f"--config {config} plan --json")
         done = subprocess.run(["sh", "-c", command], capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests import fakesys
+from tests.daemon_harness import llama_server_binary, with_server_keys
 from tests.conftest import searchable_by_others
 
 GGUF_HEADER = b"GGUF\x03\x00\x00\x00" + b"\x00" * 24
@@ -41,8 +42,10 @@ def model(tmp_path: Path) -> Path:
 
 
 def write_config(tmp_path: Path, model: Path, extra: str = "") -> Path:
+    """A config naming no engine (the default, llama-server), with this tree's build of it."""
     path = tmp_path / "numa-infer.toml"
-    path.write_text(f'[model]\npath = "{model}"\n[systemd]\nunit_dir = "{tmp_path / "units"}"\n{extra}')
+    text = f'[model]\npath = "{model}"\n[systemd]\nunit_dir = "{tmp_path / "units"}"\n{extra}'
+    path.write_text(with_server_keys(text, f'llama_server = "{llama_server_binary()}"\n'))
     return path
 
 
@@ -65,6 +68,9 @@ def test_plan_render_check_happy_path(tmp_path: Path, fs: Path, model: Path) -> 
     assert [(i["name"], i["threads"], i["port"]) for i in plan["instances"]] == [("infer@0", 32, 8080), ("infer@1", 32, 8081)]
     out = run("--config", str(config), "--fsroot", str(fs), "check", check=True).stdout
     assert "valid for this machine" in out and "3 to write" not in out and "4 to write" in out
+    # Which engine and binary every instance runs, and that it is the default.
+    assert f"engine: llama-server (the default; server.engine), every instance runs {llama_server_binary()} " \
+           "(server.llama_server)" in out
     assert "wrote" in run("--config", str(config), "--fsroot", str(fs), "render", check=True).stdout
     assert "up to date (4 files)" in run("--config", str(config), "--fsroot", str(fs), "render", check=True).stdout
 
@@ -105,6 +111,22 @@ def test_haproxy_missing_or_too_old_is_one_line_naming_the_key(tmp_path: Path, f
         proc = run("--config", str(config), "--fsroot", str(fs), "check")
         assert proc.returncode == 1 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr
         assert f'frontend.haproxy = "{binary}": {fragment}' in proc.stderr and 'frontend.listen = ""' in proc.stderr
+
+
+def test_a_missing_default_engine_is_one_line_naming_the_key_to_set(tmp_path: Path, fs: Path, model: Path) -> None:
+    """No engine named and no llama-server where the default looks (/usr/bin/llama-server on
+    a host without Debian's llama.cpp): refused in one line that says how to choose."""
+    config = tmp_path / "numa-infer.toml"
+    absent = tmp_path / "no" / "llama-server"
+    config.write_text(f'[model]\npath = "{model}"\n[server]\nllama_server = "{absent}"\n'
+                      f'[systemd]\nunit_dir = "{tmp_path / "units"}"\n')
+    done = run("--config", str(config), "--fsroot", str(fs), "check")
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f'numa-infer: {config}: server.llama_server = "{absent}": no such file; build it with '
+        "scripts/build-llama-server or install Debian's llama.cpp package, and point here; server.engine is not "
+        "set, and the default engine is llama-server: set server.llama_server to its binary, or server.engine = "
+        '"llama-cpp-python" with server.python']
 
 
 def test_missing_model_file(tmp_path: Path, fs: Path) -> None:

@@ -55,7 +55,7 @@ def test_llama_cpp_python_reports_what_its_libggml_cpu_was_compiled_for() -> Non
     from numad_infer.engines import engine_of
     from numad_infer.hostcheck import InstanceHost
 
-    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\npython = "{sys.executable}"\n', "/etc/x.toml")
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-cpp-python"\npython = "{sys.executable}"\n', "/etc/x.toml")
     report = engine_of(config).cpu(config, InstanceHost(None))
     cpu = report.cpu
     assert cpu is not None and cpu.variant is None and "AVX2" in cpu.features, report
@@ -76,7 +76,7 @@ def test_an_engine_that_cannot_tell_says_why(tmp_path: Path) -> None:
     report = engine_of(config).cpu(config, InstanceHost(None))
     assert report.cpu is None and "named no libggml-cpu variant" in report.source and str(static) in report.source
     assert "scripts/build-llama-server" in report.fix
-    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\npython = "{tmp_path / "absent"}"\n', "/etc/x.toml")
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-cpp-python"\npython = "{tmp_path / "absent"}"\n', "/etc/x.toml")
     report = engine_of(config).cpu(config, InstanceHost(None))
     assert report.cpu is None and "cannot load llama_cpp" in report.source
 

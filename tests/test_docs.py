@@ -37,7 +37,7 @@ def test_every_key_has_a_description_and_the_limits_are_shown() -> None:
     assert docs["monitor.interval_s"].kind == "float > 0, <= 3600"
     assert docs["monitor.restart_window_s"].kind == "float > 0"
     assert docs["placement.instances_per_node"].kind == "int 1..256"
-    assert docs["server.engine"].default == '"llama-cpp-python"' and docs["model.path"].default is None
+    assert docs["server.engine"].default == '"llama-server"' and docs["model.path"].default is None
     assert docs["frontend.affinity"].kind == '`"none"` or `"header"` or `"user"`'
 
 

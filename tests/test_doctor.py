@@ -332,7 +332,7 @@ def test_engine_isa_of_a_single_backend_build_comes_from_its_system_info(tmp_pat
     python.chmod(0o755)
     text = config.read_text()
     server = text[text.index("[server]"):text.index("[systemd]")]
-    config.write_text(text.replace(server, f'[server]\npython = "{python}"\n'))
+    config.write_text(text.replace(server, f'[server]\nengine = "llama-cpp-python"\npython = "{python}"\n'))
     loaded = load(str(config), BackendKind.PROCESS, str(root))
     check = {c.name: c for c in checkup(loaded, root, None, 0.0, sampler=lambda seconds: ())}["engine vector ISA"]
     assert (check.level, check.seen, check.wanted) == (Level.WARN, "AVX2", "AVX2+AVX512"), check

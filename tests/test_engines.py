@@ -34,9 +34,11 @@ def plan_for(tmp_path: Path, cfg):
 
 
 @pytest.mark.parametrize("server, key", [
-    ('[server]\nparallel = 4\n', "server.parallel"),
-    ('[server]\nllama_server = "/usr/bin/llama-server"\n', "server.llama_server"),
+    ('[server]\nengine = "llama-cpp-python"\nparallel = 4\n', "server.parallel"),
+    ('[server]\nengine = "llama-cpp-python"\nllama_server = "/usr/bin/llama-server"\n', "server.llama_server"),
     ('[server]\nengine = "llama-server"\npython = "/usr/bin/python3"\n', "server.python"),
+    # No engine named: the default, llama-server, so llama-cpp-python's key is the mistake.
+    ('[server]\npython = "/usr/bin/python3"\n', "server.python"),
 ])
 def test_a_key_of_the_other_engine_is_refused_by_name(server: str, key: str) -> None:
     with pytest.raises(ConfigError, match=rf"^/etc/numa-infer.toml: {key} = .*: applies to server.engine = "):
@@ -96,7 +98,8 @@ def test_llama_server_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
 
 
 def test_the_front_door_sends_each_instance_as_many_requests_as_it_has_slots(tmp_path: Path) -> None:
-    for server, per_server, path in ((SERVER + "parallel = 4\n", 4, "/health"), ("", 1, "/docs")):
+    for server, per_server, path in ((SERVER + "parallel = 4\n", 4, "/health"),
+                                     ('[server]\nengine = "llama-cpp-python"\n', 1, "/docs")):
         cfg = config(server)
         plan = plan_for(tmp_path / str(per_server), cfg)
         text = render_haproxy(cfg, plan, Paths(Path("/c"), Path("/s"), Path("/k")))
@@ -167,3 +170,54 @@ def test_the_binary_check_runs_unprivileged_and_accepts_the_real_llama_server() 
     assert stat.S_IMODE(binary.stat().st_mode) & 0o001
     cfg = config(f'[server]\nengine = "llama-server"\nllama_server = "{binary}"\n')
     assert check_llama_server(cfg, "cfg", lookup("nobody", "cfg")) == []
+
+
+def test_a_configuration_that_names_no_engine_runs_llama_server(tmp_path: Path) -> None:
+    cfg = config("")
+    assert engine_of(cfg).name == "llama-server" and cfg.server.engine == "llama-server"
+    argv = engine_of(cfg).argv(cfg, plan_for(tmp_path, cfg).instances[0])
+    assert argv[0] == "/usr/bin/llama-server" and "--alias" not in argv
+
+
+def test_a_configuration_that_names_its_engine_keeps_it(tmp_path: Path) -> None:
+    cfg = config('[server]\nengine = "llama-cpp-python"\npython = "/opt/llm/bin/python3"\n')
+    argv = engine_of(cfg).argv(cfg, plan_for(tmp_path, cfg).instances[0])
+    assert engine_of(cfg).name == "llama-cpp-python" and argv[:3] == ["/opt/llm/bin/python3", "-m", "llama_cpp.server"]
+
+
+def test_check_names_the_engine_its_binary_and_the_key_to_set(tmp_path: Path) -> None:
+    from numad_infer.cli import format_engine
+
+    absent = tmp_path / "absent"
+    default = config(f'[server]\nllama_server = "{absent}"\n')
+    assert format_engine(default, engine_of(default)) == (
+        f"engine: llama-server (the default; server.engine), every instance runs {absent} (server.llama_server)")
+    # The binary missing, with no engine named: the key to set, and how to choose the other.
+    with pytest.raises(ConfigError, match=r"server.llama_server = .*: no such file; .*server.engine is not set, and the "
+                                          r"default engine is llama-server: set server.llama_server to its binary, or "
+                                          r"server.engine = \"llama-cpp-python\""):
+        check_llama_server(default, "cfg", None)
+    named = config(f'[server]\nengine = "llama-server"\nllama_server = "{absent}"\n')
+    with pytest.raises(ConfigError) as refused:
+        check_llama_server(named, "cfg", None)
+    assert "server.engine is not set" not in str(refused.value)
+    other = config('[server]\nengine = "llama-cpp-python"\npython = "/opt/llm/bin/python3"\n')
+    assert format_engine(other, engine_of(other)) == (
+        "engine: llama-cpp-python (server.engine), every instance runs /opt/llm/bin/python3 (server.python)")
+
+
+@pytest.mark.parametrize("server, flag", [(SERVER, "--alias"),
+                                          ('[server]\nengine = "llama-cpp-python"\n', "--model_alias")])
+def test_the_model_name_is_what_the_engine_reports_as_model(tmp_path: Path, server: str, flag: str) -> None:
+    named = parse_config(f'[model]\npath = "/m.gguf"\nname = "llama-3.1-8b:q4"\n{server}', "/etc/numa-infer.toml")
+    instance = plan_for(tmp_path, named).instances[0]
+    argv = engine_of(named).argv(named, instance)
+    assert argv[argv.index(flag) + 1] == "llama-3.1-8b:q4"
+    unnamed = config(server)
+    assert flag not in engine_of(unnamed).argv(unnamed, instance)
+
+
+@pytest.mark.parametrize("name", ["a b", "-alias", "x" * 65, "m/n", "é"])
+def test_an_unsafe_model_name_is_refused_with_the_rule(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"model.name = .*: must be 1-64 letters, digits or \. _ : -"):
+        parse_config(f'[model]\npath = "/m.gguf"\nname = "{name}"\n', "/etc/numa-infer.toml")

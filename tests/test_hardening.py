@@ -205,7 +205,7 @@ def test_the_llama_cpp_check_runs_the_configured_python_unprivileged() -> None:
     from numad_infer.identity import lookup
 
     def _python_has_llama_cpp(python: str, runs_as) -> bool:
-        cfg = parse_config(f'[model]\npath = "/m.gguf"\n[server]\npython = "{python}"\n', "cfg")
+        cfg = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-cpp-python"\npython = "{python}"\n', "cfg")
         return LlamaCppPython().check_host(cfg, "cfg", InstanceHost(runs_as)) == []
 
     base = Path(tempfile.mkdtemp(prefix="numa-infer-pycheck-"))
@@ -407,7 +407,7 @@ def test_the_api_key_file_must_be_root_only_and_never_reaches_argv_or_a_unit(tmp
     key = tmp_path / "api-key"
     key.write_text("s3cr3t-key\n")
     key.chmod(0o644)
-    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\napi_key_file = "{key}"\n', "cfg")
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-cpp-python"\napi_key_file = "{key}"\n', "cfg")
     with pytest.raises(ConfigError, match=r"server.api_key_file = .*can be read or written by others \(mode 0644\); chmod 600"):
         read_api_key(config, "cfg")
     key.chmod(0o600)

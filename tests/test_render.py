@@ -32,7 +32,7 @@ def make_config(model: str = "/var/lib/numa-infer/models/model.gguf", python: st
     return parse_config(
         f"[model]\npath = {toml_str(model)}\nmlock = {'true' if mlock else 'false'}\n"
         f"[placement]\n{placement}\n"
-        f"[server]\npython = {toml_str(python)}\nextra_args = {extra_toml}\n",
+        f"[server]\nengine = \"llama-cpp-python\"\npython = {toml_str(python)}\nextra_args = {extra_toml}\n",
         "/etc/numa-infer.toml",
     )
 

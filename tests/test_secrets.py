@@ -40,7 +40,7 @@ def test_a_server_started_by_the_process_backend_gets_a_minimal_environment(tmp_
     server.chmod(0o700)
     key = private_key(tmp_path / "keys", "k-ENV-1")
     # user = "root": the script lives in pytest's 0700 directory, which nobody cannot enter.
-    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\npython = "{server}"\napi_key_file = "{key}"\n'
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-cpp-python"\npython = "{server}"\napi_key_file = "{key}"\n'
                           'user = "root"\n', "cfg")
     instance = Instance("infer@0", 0, (0,), ((0,),), (0,), Policy.BIND, 1, 8080)
     backend = ProcessBackend(tmp_path / "logs")

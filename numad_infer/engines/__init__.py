@@ -9,8 +9,10 @@ from numad_infer.engines.base import (KEY_CREDENTIAL, Engine, EngineCounters, Ho
 from numad_infer.engines.llama_cpp_python import LlamaCppPython
 from numad_infer.engines.llama_server import LlamaServer
 
-DEFAULT = register(LlamaCppPython()).name
-register(LlamaServer())
+# llama-server is the default: parallel slots (more tokens/s under concurrency, bench/README.md)
+# and the best CPU kernels for the machine chosen when it starts.
+register(LlamaCppPython())
+DEFAULT = register(LlamaServer()).name
 
 __all__ = ["DEFAULT", "KEY_CREDENTIAL", "Engine", "EngineCounters", "HostAccess", "LlamaCppPython", "LlamaServer",
            "engine_of", "engines", "get", "names", "register", "unregister"]

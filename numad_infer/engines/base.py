@@ -66,6 +66,8 @@ class Engine(ABC):
     metrics_path: ClassVar[str | None] = None
     # How to get CPU kernels for this host's wide units ("" when the engine has no way).
     cpu_fix: ClassVar[str] = ""
+    # The server.* key naming the program every instance executes (`check` shows it).
+    program_key: ClassVar[str]
 
     @abstractmethod
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
@@ -73,6 +75,10 @@ class Engine(ABC):
 
         `key_from_credential`: under systemd, where the API key is a credential file
         (KEY_CREDENTIAL in the directory $CREDENTIALS_DIRECTORY names)."""
+
+    def program(self, config: Config) -> str:
+        """The program every instance executes: the value of `server.<program_key>`."""
+        return str(getattr(config.server, self.program_key))
 
     def slots(self, config: Config) -> int:
         """Requests one instance works on at once (the front door's per-server maxconn)."""

@@ -42,6 +42,7 @@ class LlamaCppPython(Engine):
     # It has no /health, and /v1/models waits on the model lock; FastAPI's /docs never does.
     liveness_path = "/docs"
     key_env = "API_KEY"
+    program_key = "python"
     cpu_fix = ("reinstall llama-cpp-python into server.python built for this CPU (CMAKE_ARGS='-DGGML_NATIVE=ON' pip "
                "install --force-reinstall --no-binary :all: llama-cpp-python), or use server.engine = \"llama-server\" "
                "with scripts/build-llama-server's build")
@@ -63,6 +64,7 @@ class LlamaCppPython(Engine):
             # The default (true) ends a running stream whenever another request arrives:
             # concurrent clients, or a probe, would cut answers short.
             "--interrupt_requests", "false",
+            *(["--model_alias", config.model.name] if config.model.name else []),
             *config.server.extra_args,
         ]
 

@@ -25,6 +25,7 @@ class LlamaServer(Engine):
     own_keys: ClassVar[frozenset[str]] = frozenset({"llama_server", "parallel"})
     liveness_path = "/health"  # answered by its HTTP threads; 503 until the model is loaded
     key_env = "LLAMA_API_KEY"
+    program_key = "llama_server"
     metrics_path = "/metrics"
     cpu_fix = ("build server.llama_server with `NUMA_INFER_CPU_VARIANTS=all scripts/build-llama-server` (one CPU "
                "backend per x86 level, the best chosen at start), or with scripts/build-llama-server on this machine")
@@ -46,6 +47,7 @@ class LlamaServer(Engine):
             "--load-mode", "mlock" if config.model.mlock else "none",
             "--metrics",
             "--no-webui",
+            *(["--alias", config.model.name] if config.model.name else []),
             *config.server.extra_args,
         ]
 
@@ -62,7 +64,11 @@ class LlamaServer(Engine):
         try:
             st = host.stat(path)
         except FileNotFoundError:
-            raise ConfigError(source, key, f"no such file; {_HINT}", path, True) from None
+            # A configuration that names no engine gets this one: say so, and how to choose.
+            chosen = ("" if "engine" in config.server.model_fields_set else
+                      "; server.engine is not set, and the default engine is llama-server: set server.llama_server "
+                      "to its binary, or server.engine = \"llama-cpp-python\" with server.python")
+            raise ConfigError(source, key, f"no such file; {_HINT}{chosen}", path, True) from None
         except OSError as exc:
             raise ConfigError(source, key, f"cannot be read: {exc.strerror}", path, True) from None
         if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:

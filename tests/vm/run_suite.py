@@ -13,6 +13,7 @@ NUMA_INFER_SKIP_VM=1 skips the suite (it is never skipped silently).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import re
 import shutil
@@ -20,7 +21,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -74,6 +77,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group", action="append", choices=sorted(GROUPS), help="topology group(s) to run (default: all)")
     parser.add_argument("--keep", action="store_true", help="keep the share directories (logs, journal)")
+    parser.add_argument("--jobs", type=int, default=int(os.environ.get("NUMA_INFER_VM_JOBS", "2")),
+                        help="guests run at once (default 2, or NUMA_INFER_VM_JOBS)")
     parser.add_argument("--prepare", action="store_true",
                         help="only build what is cached (the guest image, the container image's base) and exit: "
                              ".ci/run does this while pytest runs, so a machine without caches builds them "
@@ -111,74 +116,125 @@ def main() -> int:
     shutil.copy(ROOT / "packaging/systemd/numa-infer.service", work / "numa-infer.service")
     shutil.copy(ROOT / "debian/numa-infer.sysusers", work / "numa-infer.sysusers")
 
-    failed = False
-    for group in groups:
-        share = work / f"share-{group}"
-        share.mkdir()
-        for item in ("dist", "tiny.gguf", "scenarios.py", "numa-infer.service", "numa-infer.sysusers"):
-            src = work / item
-            (shutil.copytree if src.is_dir() else shutil.copy)(src, share / item)
-        if group == "deb":
-            build_debs(share / "debs")
-        if group == "engine":
-            # llama.cpp's llama-server, built from the pinned sdist (cached), through the share: the
-            # whole directory, since the binary loads its libraries and one CPU variant from beside itself.
-            built = subprocess.run([str(ROOT / "scripts/build-llama-server")], check=True, stdout=subprocess.PIPE,
-                                   text=True).stdout.strip().splitlines()[-1]
-            shutil.copytree(Path(built).parent, share / "llama-server")
-        if group == "container":
-            (share / "image.txt").write_text(save_image(share / "numa-infer-image.tar"))
-            shutil.copy(ROOT / "deploy/kubernetes/numa-infer.toml", share / "container.toml")
-        if group in ("bench", "filter-cost"):
-            subprocess.run([str(python), str(ROOT / "tools/make_model.py"), str(share / "bench.gguf"), "--size", "small"],
-                           check=True, stdout=subprocess.DEVNULL)
-        (share / "test.sh").write_text(GUEST_TEST.format(group=group, setup="" if group == "deb" else WHEEL_SETUP))
-        (share / "test.sh").chmod(0o755)
-        started = time.monotonic()
-        for attempt in (1, 2):
-            # `podman load` of the image alone takes minutes under TCG on a busy host; tune and
-            # the chaos soak together take 15.
-            long_guest = group in ("container", "tune-chaos")
-            guest_env = dict(env, VM_TIMEOUT=env.get("VM_TIMEOUT", "1500")) if long_guest else env
-            proc, serial = run_guest(share, TOPOLOGY[group], guest_env)
-            # The guest mounts the 9p share once boot completes; once in a while virtio-9p is
-            # not there yet ("9pnet_virtio: no channels available"): nothing ran, so boot again.
-            if attempt == 1 and proc.returncode == 99 and "no share or no test.sh" in serial:
-                print(f"--- {group}: the guest did not get its share (9p), booting once more", flush=True)
-                continue
-            # Under multi-threaded TCG the guest kernel once in a while oopses while it patches
-            # its own code ("Oops: int3" in a static-key site, seen once so far in many hundred boots):
-            # QEMU's emulation, not numa-infer. Say so, keep that log, and boot once more.
-            if attempt == 1 and PANIC in serial:
-                oops = next((l for l in serial.splitlines() if "Oops" in l), PANIC)
-                kept = share / "serial-panic.log"
-                (share / "serial.log").rename(kept)
-                print(f"--- {group}: the guest kernel panicked ({oops.strip()}; {kept}), booting once more",
-                      flush=True)
-                continue
-            break
-        out = (share / "out.txt").read_text() if (share / "out.txt").exists() else ""
-        lines = [l for l in out.splitlines() if re.match(r"^(PASS|FAIL) ", l)]
-        print(f"--- {group}: guest ran {time.monotonic() - started:.0f}s (boot included), exit {proc.returncode}")
-        for line in lines:
-            print(line, flush=True)
-        reported = {l.split()[1].rstrip(":") for l in lines}
-        expected = [run.scenario_name for run in GROUPS[group]]
-        missing = [n for n in expected if n not in reported]
-        for name in missing:
-            print(f"FAIL {name}: no result from the guest (exit {proc.returncode}); see {share}/serial.log")
-        if any(l.startswith("FAIL") for l in lines) or missing or proc.returncode != 0:
-            failed = True
-            tail = out.splitlines()[-40:]
-            print("guest output (tail):\n  " + "\n  ".join(tail))
-            print(proc.stderr[-2000:])
-            args.keep = True
-    print(f"vm suite: {'FAILED' if failed else 'passed'} in {time.monotonic() - t0:.0f}s")
-    if args.keep:
+    # Guests side by side: under TCG a guest spends much of its time waiting (a model
+    # load on one vCPU, a daemon's probe interval, a scenario's condition), so two share
+    # this machine's cores well. Longest first, so the last to finish is a short one.
+    jobs = max(1, args.jobs)
+    order = sorted(groups, key=lambda g: -EXPECTED_S.get(g, 0))
+    print(f"vm suite: {len(order)} group(s), {jobs} guest(s) at a time: {' '.join(order)}", flush=True)
+    results: dict[str, GroupResult] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(run_group, group, work, python, env, jobs): group for group in order}
+        for future in concurrent.futures.as_completed(futures):
+            result = future.result()
+            results[result.group] = result
+            with PRINT:
+                print("\n".join(result.report), flush=True)
+    failed = any(r.failed for r in results.values())
+    total = time.monotonic() - t0
+    # The table that tests/vm/README.md keeps: each group's time, and the suite's.
+    print("vm suite timings (boot included; guests ran side by side):")
+    for group in order:
+        r = results[group]
+        print(f"  {group:<12} {r.seconds:6.0f}s  {'FAILED' if r.failed else 'passed'}")
+    print(f"vm suite: {'FAILED' if failed else 'passed'} in {total:.0f}s")
+    if args.keep or failed:
         print(f"logs kept in {work}")
     else:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
+
+
+# Each group's time in the last measured CI run (tests/vm/README.md), alone on the machine:
+# only the order of starting them, longest first.
+EXPECTED_S = {"tune-chaos": 900, "2x2": 715, "deb": 680, "container": 510, "engine": 320, "2x2smt": 220, "4x1": 200}
+PRINT = threading.Lock()
+
+
+@dataclass
+class GroupResult:
+    group: str
+    seconds: float
+    failed: bool
+    report: list[str]
+
+
+def stage(group: str, work: Path) -> Path:
+    """The group's share: what every group gets, and what its scenarios need besides."""
+    share = work / f"share-{group}"
+    share.mkdir()
+    for item in ("dist", "tiny.gguf", "scenarios.py", "numa-infer.service", "numa-infer.sysusers"):
+        src = work / item
+        (shutil.copytree if src.is_dir() else shutil.copy)(src, share / item)
+    if group == "deb":
+        build_debs(share / "debs")
+    if group == "engine":
+        # llama.cpp's llama-server, built from the pinned sdist (cached), through the share: the
+        # whole directory, since the binary loads its libraries and one CPU variant from beside itself.
+        built = subprocess.run([str(ROOT / "scripts/build-llama-server")], check=True, stdout=subprocess.PIPE,
+                               text=True).stdout.strip().splitlines()[-1]
+        shutil.copytree(Path(built).parent, share / "llama-server")
+    if group == "container":
+        (share / "image.txt").write_text(save_image(share / "numa-infer-image.tar"))
+        shutil.copy(ROOT / "deploy/kubernetes/numa-infer.toml", share / "container.toml")
+    if group in ("bench", "filter-cost"):
+        subprocess.run([str(ROOT / ".venv/bin/python"), str(ROOT / "tools/make_model.py"), str(share / "bench.gguf"),
+                        "--size", "small"], check=True, stdout=subprocess.DEVNULL)
+    (share / "test.sh").write_text(GUEST_TEST.format(group=group, setup="" if group == "deb" else WHEEL_SETUP))
+    (share / "test.sh").chmod(0o755)
+    return share
+
+
+def run_group(group: str, work: Path, python: Path, env: dict[str, str], jobs: int) -> GroupResult:
+    """Stage one group's share, boot its guest (once more after a boot that never ran the
+    test), and judge what it reported."""
+    started = time.monotonic()
+    report: list[str] = []
+    try:
+        share = stage(group, work)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return GroupResult(group, time.monotonic() - started, True, [f"FAIL {group}: staging its share failed: {exc}"])
+    staged = time.monotonic() - started
+    for attempt in (1, 2):
+        # `podman load` of the image alone takes minutes under TCG on a busy host; tune and
+        # the chaos soak together take 15. A guest beside another runs slower: each limit
+        # is the guest's harness limit, not a scenario's, and grows with the guests at once.
+        long_guest = group in ("container", "tune-chaos")
+        limit = (1500 if long_guest else 900) * (1 if jobs == 1 else 1.6)
+        guest_env = dict(env, VM_TIMEOUT=env.get("VM_TIMEOUT", str(int(limit))))
+        proc, serial = run_guest(share, TOPOLOGY[group], guest_env)
+        # The guest mounts the 9p share once boot completes; once in a while virtio-9p is
+        # not there yet ("9pnet_virtio: no channels available"): nothing ran, so boot again.
+        if attempt == 1 and proc.returncode == 99 and "no share or no test.sh" in serial:
+            report.append(f"--- {group}: the guest did not get its share (9p), booting once more")
+            continue
+        # Under multi-threaded TCG the guest kernel once in a while oopses while it patches
+        # its own code ("Oops: int3" in a static-key site, seen once so far in many hundred boots):
+        # QEMU's emulation, not numa-infer. Say so, keep that log, and boot once more.
+        if attempt == 1 and PANIC in serial:
+            oops = next((l for l in serial.splitlines() if "Oops" in l), PANIC)
+            kept = share / "serial-panic.log"
+            (share / "serial.log").rename(kept)
+            report.append(f"--- {group}: the guest kernel panicked ({oops.strip()}; {kept}), booting once more")
+            continue
+        break
+    out = (share / "out.txt").read_text() if (share / "out.txt").exists() else ""
+    lines = [l for l in out.splitlines() if re.match(r"^(PASS|FAIL) ", l)]
+    seconds = time.monotonic() - started
+    report.append(f"--- {group}: guest ran {seconds - staged:.0f}s (boot included; share staged in {staged:.0f}s), "
+                  f"exit {proc.returncode}")
+    report += lines
+    reported = {l.split()[1].rstrip(":") for l in lines}
+    expected = [run.scenario_name for run in GROUPS[group]]
+    missing = [n for n in expected if n not in reported]
+    for name in missing:
+        report.append(f"FAIL {name}: no result from the guest (exit {proc.returncode}); see {share}/serial.log")
+    failed = any(l.startswith("FAIL") for l in lines) or bool(missing) or proc.returncode != 0
+    if failed:
+        tail = out.splitlines()[-40:]
+        report.append("guest output (tail):\n  " + "\n  ".join(tail))
+        report.append(proc.stderr[-2000:])
+    return GroupResult(group, seconds, failed, report)
 
 
 def save_image(out: Path) -> str:

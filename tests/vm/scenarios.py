@@ -44,7 +44,7 @@ def sh(*args: str, check: bool = True, timeout: float = 120) -> str:
 LLAMA_SERVER_DIR = "/usr/local/lib/llama-server"
 LLAMA_SERVER = f"{LLAMA_SERVER_DIR}/llama-server"
 ENGINE = "llama-cpp-python"  # the "engine" group switches to "llama-server"
-ENGINE_KEYS = {"llama-cpp-python": 'python = "/opt/llm/bin/python"\n',
+ENGINE_KEYS = {"llama-cpp-python": 'engine = "llama-cpp-python"\npython = "/opt/llm/bin/python"\n',
                "llama-server": f'engine = "llama-server"\nllama_server = "{LLAMA_SERVER}"\nparallel = 2\n'}
 SERVER_PROCESS = {"llama-cpp-python": "llama_cpp.server", "llama-server": "llama-server"}
 
