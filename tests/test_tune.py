@@ -147,7 +147,11 @@ def _checked_setup(tmp_path: Path) -> tuple[Path, Path]:
     model.write_bytes(b"GGUF" + bytes(4092))
     model.chmod(0o644)
     path = tmp_path / "numa-infer.toml"
-    path.write_text(f'# kept\n[model]\npath = "{model}"\n\n[frontend]\nlisten = ""\n')
+    from tests.daemon_harness import llama_server_binary
+
+    # No engine named: the default, llama-server, this tree's build of it.
+    path.write_text(f'# kept\n[model]\npath = "{model}"\n\n[server]\nllama_server = "{llama_server_binary()}"\n\n'
+                    '[frontend]\nlisten = ""\n')
     return path, fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())
 
 
