@@ -54,6 +54,11 @@ class EngineCpu:
 
     variant: str | None  # the libggml-cpu variant it loaded; None for a single-backend build
     features: frozenset[str]  # system_info names: AVX2, AVX512, AVX512_VNNI, AMX_INT8, ...
+    # Units the engine's own check found this host cannot run although cpuinfo may list
+    # them: a wider variant was built beside the one it loaded, and ggml (patched to check
+    # XCR0 and to run a tile instruction) declined it. Not idle by the engine's fault: no
+    # rebuild would use them (e.g. AMX on hypervisors that fault at the first tilezero).
+    declined: frozenset[str] = frozenset()
 
     def describe(self) -> str:
         wide = sorted(self.features & {"AVX2", "AVX512", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI", "AMX_INT8"})
@@ -77,6 +82,15 @@ def from_backend_log(text: str) -> EngineCpu | None:
         return None
     variant = found[-1]
     return EngineCpu(variant, VARIANT_FEATURES.get(variant, frozenset()))
+
+
+def declined_by(loaded: EngineCpu, built: list[str]) -> EngineCpu:
+    """`loaded` with the units of the `built` variants wider than it, which ggml passed over
+    because this host cannot run them (it loads the widest variant that runs)."""
+    wider = [VARIANT_FEATURES[name] for name in built
+             if name in VARIANT_FEATURES and VARIANT_FEATURES[name] > loaded.features]
+    declined = frozenset().union(*wider) - loaded.features
+    return EngineCpu(loaded.variant, loaded.features, declined)
 
 
 def from_system_info(text: str) -> EngineCpu | None:
@@ -129,8 +143,9 @@ def offered_units(host_flags: frozenset[str]) -> tuple[str, ...]:
 
 
 def idle_units(host_flags: frozenset[str], engine: EngineCpu) -> tuple[str, ...]:
-    """The wide units this CPU and OS offer that the engine's kernels do not use, widest first."""
-    return tuple(unit for unit in offered_units(host_flags) if unit not in engine.features)
+    """The wide units this CPU and OS offer that the engine's kernels do not use, widest first
+    (not those its own check found this host cannot run)."""
+    return tuple(unit for unit in offered_units(host_flags) if unit not in engine.features | engine.declined)
 
 
 if __name__ == "__main__":

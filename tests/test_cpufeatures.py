@@ -114,3 +114,18 @@ def test_llama_server_names_the_variant_it_loaded_on_this_host() -> None:
 def test_a_build_for_this_host_holds_x64_and_the_variant_this_cpu_loads(flags: str, wanted: tuple[str, ...]) -> None:
     # scripts/build-llama-server's default variant list (NUMA_INFER_CPU_VARIANTS=host).
     assert host_variants(frozenset(flags.split())) == wanted
+
+
+def test_a_wider_variant_built_but_not_loaded_is_declined_by_the_host_not_idle() -> None:
+    """A Xeon whose hypervisor lists AMX and faults at the first tile instruction: ggml
+    (patched) loads zen4 although sapphirerapids sits beside it. AMX is then not the
+    engine's to use, and no rebuild would help: no idle-unit warning."""
+    from numad_infer.cpufeatures import declined_by
+
+    host = frozenset("sse4_2 avx f16c fma avx2 bmi2 avx512f avx512vbmi avx512_vnni avx512_bf16 amx_tile amx_int8".split())
+    loaded = EngineCpu("zen4", VARIANT_FEATURES["zen4"])
+    assert idle_units(host, loaded) == ("AMX_INT8",)
+    declined = declined_by(loaded, ["x64", "zen4", "sapphirerapids"])
+    assert declined.declined == {"AMX_INT8"} and idle_units(host, declined) == ()
+    # Built without the AMX variant: the build leaves AMX idle, and a rebuild is the fix.
+    assert idle_units(host, declined_by(loaded, ["x64", "zen4"])) == ("AMX_INT8",)

@@ -3,10 +3,11 @@ Decoding is memory-bound, so several sequences read the weights once per step.""
 
 from __future__ import annotations
 
+import os
 import stat
 from typing import TYPE_CHECKING, ClassVar
 
-from numad_infer.cpufeatures import EngineCpuReport, from_backend_log
+from numad_infer.cpufeatures import VARIANT_FEATURES, EngineCpuReport, declined_by, from_backend_log
 from numad_infer.engines.base import KEY_CREDENTIAL, Engine, EngineCounters, HostAccess
 from numad_infer.errors import ConfigError
 
@@ -18,6 +19,14 @@ if TYPE_CHECKING:
 _COUNTERS = {"llamacpp:tokens_predicted_total": "tokens_predicted", "llamacpp:requests_processing": "busy_slots"}
 
 _HINT = "build it with scripts/build-llama-server or install Debian's llama.cpp package, and point here"
+
+
+def _exists(host: HostAccess, path: str) -> bool:
+    try:
+        host.stat(path)
+    except OSError:
+        return False
+    return True
 
 
 class LlamaServer(Engine):
@@ -98,7 +107,9 @@ class LlamaServer(Engine):
         if cpu is None:
             return EngineCpuReport(None, f"{asked} named no libggml-cpu variant (a build with one static CPU backend "
                                          "does not say which it uses)", self.cpu_fix)
-        return EngineCpuReport(cpu, asked, self.cpu_fix)
+        # The variants built beside it: a wider one it did not load is one this host cannot run.
+        built = [name for name in VARIANT_FEATURES if _exists(host, f"{os.path.dirname(path)}/libggml-cpu-{name}.so")]
+        return EngineCpuReport(declined_by(cpu, built), asked, self.cpu_fix)
 
     def no_stop_fields(self, stop_token_ids: tuple[int, ...]) -> dict[str, object]:
         # Its own switch: it knows every end-of-generation token of the model itself.
