@@ -8,6 +8,7 @@ state in words of every instance, in one read).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -22,24 +23,45 @@ from typing import Protocol
 
 from numad_infer import pinning
 from numad_infer.apikey import fingerprint, read_api_key
-from numad_infer.config import Config
-from numad_infer.errors import NumaInferError
 from numad_infer.childlog import ChildOutput, InstanceLogs
+from numad_infer.config import Config
 from numad_infer.cpuset import format_list
-from numad_infer.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
-from numad_infer.planner import Instance, Plan
+from numad_infer.defaults import FRONTDOOR_STOP_S, FRONTDOOR_USER, INSTANCE_STOP_S
+from numad_infer.engines import Engine, engine_of
+from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor import FrontdoorRunner
 from numad_infer.haproxy import HaproxyError
+from numad_infer.identity import (
+    CREATE_USERS,
+    BackendKind,
+    RunAs,
+    frontdoor_runs_as,
+    instances_run_as,
+    systemd_frontdoor_user,
+    unreadable_reason,
+)
 from numad_infer.listener import FD_VARIABLE, Handout, HeldListener, Store
-from numad_infer.identity import (CREATE_USERS, FRONTDOOR_USER, BackendKind, RunAs, frontdoor_runs_as, instances_run_as,
-                                  systemd_frontdoor_user, unreadable_reason)
+from numad_infer.planner import Instance, Plan
 from numad_infer.privdrop import switch_user
-from numad_infer.engines import Engine, engine_of
-from numad_infer.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, instance_environment, render_units
-from numad_infer.unitnames import (DAEMON_UNIT, DROPIN_NAME, FRONTDOOR_UNIT, dropin, name_of_dropin, template_of,
-                                   template_unit, unit)
+from numad_infer.render import (
+    FRONTDOOR_HANDOUT,
+    FRONTDOOR_RUN_DIR,
+    FRONTDOOR_SOCKET,
+    instance_environment,
+    render_units,
+)
 from numad_infer.systemctl import Systemctl, SystemctlError
 from numad_infer.unitdir import managed_files, write_units
+from numad_infer.unitnames import (
+    DAEMON_UNIT,
+    DROPIN_NAME,
+    FRONTDOOR_UNIT,
+    dropin,
+    name_of_dropin,
+    template_of,
+    template_unit,
+    unit,
+)
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +312,8 @@ class ProcessBackend:
     def specs(self, config: Config, plan: Plan) -> dict[str, str]:
         key = fingerprint(read_api_key(config, "server.api_key_file"))
         user = instances_run_as(config.server.user, "server.user", self.kind)
-        return {i.name: json.dumps({"argv": engine_of(config).argv(config, i), "env": instance_environment(i), "key": key,
-                                    "cpus": i.cpus, "mems": i.mems, "policy": i.policy.value,
+        return {i.name: json.dumps({"argv": engine_of(config).argv(config, i), "env": instance_environment(i),
+                                    "key": key, "cpus": i.cpus, "mems": i.mems, "policy": i.policy.value,
                                     "user": None if user is None else user.name}, sort_keys=True)
                 for i in plan.instances}
 
@@ -411,10 +433,8 @@ class ProcessFrontdoorRunner:
     def _socket_dir(self) -> None:
         """HAProxy's directory, made (or taken back) for it: never through a link."""
         directory = self.socket_path.parent
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(directory, 0o700)
-        except FileExistsError:
-            pass
         try:
             fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:

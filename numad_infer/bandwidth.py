@@ -18,8 +18,8 @@ import mmap
 import multiprocessing
 import os
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from numad_infer import pinning
 from numad_infer.planner import Policy
@@ -42,7 +42,7 @@ class Bandwidth:
 
 
 def _reader(cpu: int, node: int, size: int, passes: int, samples: int, start: multiprocessing.synchronize.Barrier,
-            results: multiprocessing.queues.Queue) -> None:  # type: ignore[name-defined]
+            results: multiprocessing.queues.Queue[tuple[int, float]]) -> None:
     os.sched_setaffinity(0, {cpu})
     pinning.set_mempolicy(Policy.BIND, (node,))
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -84,8 +84,8 @@ def measure(cpus: Sequence[int], memory_node: int, samples: int = 5, size: int =
     return Bandwidth(cpus_node, memory_node, tuple(gbs))
 
 
-def matrix(node_cpus: dict[int, Sequence[int]], memory_nodes: Sequence[int], samples: int = 5,
-           progress=lambda text: None) -> dict[tuple[int, int], Bandwidth]:
+def matrix(node_cpus: Mapping[int, Sequence[int]], memory_nodes: Sequence[int], samples: int = 5,
+           progress: Callable[[str], object] = lambda text: None) -> dict[tuple[int, int], Bandwidth]:
     """(CPU node, memory node) -> bandwidth, for every node with CPUs against every node
     with memory: the diagonal is local, the rest what a misplaced instance would get."""
     found = {}

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from numad_infer.status import Status
 
 
-def plan_needs(loaded: "Loaded") -> DoctorPlan:
+def plan_needs(loaded: Loaded) -> DoctorPlan:
     """The inference CPUs and the weights each node must hold, from the validated plan."""
     need: dict[int, int] = {}
     for inst in loaded.plan.instances:
@@ -30,7 +30,7 @@ def plan_needs(loaded: "Loaded") -> DoctorPlan:
                       engine=loaded.engine.name)
 
 
-def read_facts(loaded: "Loaded", fsroot: str | os.PathLike[str], status: "Status | None", sample_s: float,
+def read_facts(loaded: Loaded, fsroot: str | os.PathLike[str], status: Status | None, sample_s: float,
                sampler: Sampler | None = None) -> tuple[HostFacts, DoctorPlan]:
     """Everything doctor judges. `status` (the running daemon's, or None) names the instances'
     processes: their memory is theirs to reuse, and their CPU use is no neighbour's."""
@@ -69,6 +69,6 @@ def read_facts(loaded: "Loaded", fsroot: str | os.PathLike[str], status: "Status
     return facts, plan
 
 
-def checkup(loaded: "Loaded", fsroot: str | os.PathLike[str], status: "Status | None", sample_s: float,
+def checkup(loaded: Loaded, fsroot: str | os.PathLike[str], status: Status | None, sample_s: float,
             sampler: Sampler | None = None) -> list[Check]:
     return diagnose(*read_facts(loaded, fsroot, status, sample_s, sampler))

@@ -16,21 +16,22 @@ from numad_infer import __version__
 from numad_infer.cpuset import format_list
 from numad_infer.defaults import DEFAULT_CONFIG_PATH, DEFAULT_STATE_FILE
 from numad_infer.errors import NumaInferError
-from numad_infer.states import State
 from numad_infer.statefile import read_status
+from numad_infer.states import State
 from numad_infer.tables import format_table
 from numad_infer.unitnames import DAEMON_UNIT
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Sequence
 
     from numad_infer.allowed import Allowed
+    from numad_infer.backends import Backend
     from numad_infer.config import Config
     from numad_infer.engines import Engine
-    from numad_infer.notify import Notifier
-    from numad_infer.status import Status
     from numad_infer.loading import Loaded
+    from numad_infer.notify import Notifier
     from numad_infer.planner import Plan
+    from numad_infer.status import Status
     from numad_infer.topology import Topology
 
 # The config schema (pydantic), planner and renderer are imported by the commands that
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 # operator's status check (or a monitoring script) should not pay ~100 ms for pydantic.
 
 
-def load_all(args: argparse.Namespace) -> "Loaded":
+def load_all(args: argparse.Namespace) -> Loaded:
     """The one pipeline (loading.py), for the backend `--backend` names."""
     from numad_infer.identity import backend_kind
     from numad_infer.loading import load
@@ -48,14 +49,15 @@ def load_all(args: argparse.Namespace) -> "Loaded":
 
 # -- presentation ------------------------------------------------------------------------
 
-def format_topology(topo: "Topology") -> str:
+def format_topology(topo: Topology) -> str:
     ids = topo.node_ids
     out = [f"available: {len(ids)} nodes ({format_list(ids)})"]
     for node in topo.nodes:
         out.append(f"node {node.id} cpus: {' '.join(map(str, node.cpus))}")
         threads = {len(c) for c in node.cores}
         smt = f" ({'/'.join(map(str, sorted(threads)))} thread(s) per core)" if node.cores else ""
-        out.append(f"node {node.id} cores: {len(node.cores)}{smt}: " + " ".join("[" + ",".join(map(str, c)) + "]" for c in node.cores))
+        out.append(f"node {node.id} cores: {len(node.cores)}{smt}: "
+                   + " ".join("[" + ",".join(map(str, c)) + "]" for c in node.cores))
         out.append(f"node {node.id} size: {node.memory_total_bytes // 2**20} MB")
     out.append("node distances:")
     out.append("node " + "".join(f"{i:>4}" for i in ids))
@@ -65,7 +67,7 @@ def format_topology(topo: "Topology") -> str:
     return "\n".join(out)
 
 
-def format_plan(plan: "Plan", warnings: "tuple[str, ...] | None" = None) -> str:
+def format_plan(plan: Plan, warnings: tuple[str, ...] | None = None) -> str:
     """The plan as a table, then `warnings` (default: the plan's own)."""
     rows = [("INSTANCE", "NODE", "CPUS", "MEMS", "POLICY", "THREADS", "PORT")]
     for i in plan.instances:
@@ -76,7 +78,7 @@ def format_plan(plan: "Plan", warnings: "tuple[str, ...] | None" = None) -> str:
     return "\n".join(lines)
 
 
-def format_engine(config: "Config", engine: "Engine") -> str:
+def format_engine(config: Config, engine: Engine) -> str:
     """Which server every instance runs, and the key that chose it (or that it is the default)."""
     chosen = "server.engine" if "engine" in config.server.model_fields_set else "the default; server.engine"
     return (f"engine: {engine.name} ({chosen}), every instance runs {engine.program(config)} "
@@ -85,7 +87,7 @@ def format_engine(config: "Config", engine: "Engine") -> str:
 
 # -- commands -------------------------------------------------------------------------------
 
-def format_allowed(topo: "Topology", allowed: "Allowed") -> list[str]:
+def format_allowed(topo: Topology, allowed: Allowed) -> list[str]:
     """What the instances' cgroup allows, and what of the machine that leaves out (nothing
     when it restricts nothing)."""
     from numad_infer.allowed import left_out
@@ -161,7 +163,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _make_backend(choice: str, state_file: Path, instance_logs: str = "file",
-                  notifier: "Notifier | None" = None):
+                  notifier: Notifier | None = None) -> Backend:
     from numad_infer.backends import FrontdoorHandout, ProcessBackend, SystemdBackend
     from numad_infer.childlog import InstanceLogs
     from numad_infer.identity import BackendKind, backend_kind, frontdoor_runs_as
@@ -189,7 +191,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     under_journal = bool(os.environ.get("JOURNAL_STREAM"))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(levelname)s: %(message)s" if under_journal else "%(asctime)s %(levelname)s: %(message)s")
+                        format=("%(levelname)s: %(message)s" if under_journal
+                                else "%(asctime)s %(levelname)s: %(message)s"))
     notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
     state_file = Path(args.state_file)
     backend = _make_backend(args.backend, state_file, args.instance_logs, notifier)
@@ -214,7 +217,7 @@ def _age(seconds: float | None) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def format_status(status: "Status") -> str:
+def format_status(status: Status) -> str:
     d = status.daemon
     lines = [f"numa-infer: {d.state.value}" + (f" (pid {d.pid}, backend {d.backend})" if d.pid else "")
              + f", config {d.config}"]
@@ -243,7 +246,7 @@ def format_status(status: "Status") -> str:
              "ROTATION", "INFLIGHT", "QUEUED") + (("SLOTS", "TOK/S", "BW-EFF") if engine else ())]
     for i in status.instances:
         frac = i.local_memory_fraction
-        row = (i.name, _dash(i.node), format_list(i.cpus), str(i.port), _dash(i.pid),
+        row: tuple[str, ...] = (i.name, _dash(i.node), format_list(i.cpus), str(i.port), _dash(i.pid),
                i.state.value + (" drifting" if i.drifting else ""), _age(i.uptime_s), str(i.restarts),
                "-" if frac is None else f"{frac:.1%}",
                "-" if i.probe_latency_ms is None else f"{i.probe_latency_ms:.0f}ms",
@@ -270,7 +273,7 @@ def _dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _offline_status(args: argparse.Namespace) -> "Status":
+def _offline_status(args: argparse.Namespace) -> Status:
     """The daemon is down: still show the plan and what the units are doing."""
     from numad_infer.status import DaemonState, DaemonStatus, InstanceStatus, Status
 
@@ -299,7 +302,7 @@ def _offline_status(args: argparse.Namespace) -> "Status":
     return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=tuple(warnings)), instances)
 
 
-def _running_daemon(path: Path) -> "Status | None":
+def _running_daemon(path: Path) -> Status | None:
     """The published status, if its daemon is alive (StatusError for a file of another shape)."""
     status = read_status(path)
     if status is None or not status.daemon.state.live or not _alive(status.daemon.pid):
@@ -395,7 +398,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from numad_infer.identity import backend_kind
 
     request = tuner.TuneRequest(args.config, args.fsroot, Path(args.state_file), args.nodes, args.quick, args.apply,
-                                args.stop_instances, args.samples, args.tokens, args.layouts, backend_kind(args.backend))
+                                args.stop_instances, args.samples, args.tokens, args.layouts,
+                                backend_kind(args.backend))
     try:
         report, edits = tuner.run(request, progress)
     except tuner.TuneError as exc:
@@ -448,15 +452,18 @@ def _is_numa_infer_daemon(pid: int) -> bool:
     return named and "run" in argv
 
 
-def _join(names) -> str:
+def _join(names: Sequence[str]) -> str:
     return ", ".join(names) if names else "none"
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", default=argparse.SUPPRESS, help=f"configuration file (default {DEFAULT_CONFIG_PATH})")
-    common.add_argument("--fsroot", default=argparse.SUPPRESS, help="read DIR/sys and DIR/proc instead of / (like HWLOC_FSROOT)")
-    common.add_argument("--state-file", default=argparse.SUPPRESS, help=f"daemon status file (default {DEFAULT_STATE_FILE})")
+    common.add_argument("--config", default=argparse.SUPPRESS,
+                        help=f"configuration file (default {DEFAULT_CONFIG_PATH})")
+    common.add_argument("--fsroot", default=argparse.SUPPRESS,
+                        help="read DIR/sys and DIR/proc instead of / (like HWLOC_FSROOT)")
+    common.add_argument("--state-file", default=argparse.SUPPRESS,
+                        help=f"daemon status file (default {DEFAULT_STATE_FILE})")
     common.add_argument("--backend", choices=("auto", "systemd", "process"), default=argparse.SUPPRESS,
                         help="where the instances run: systemd units, or child processes where systemd is not PID 1 "
                              "(auto, the default); decides who they run as, which every check honours")
@@ -482,22 +489,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="process backend: the instances' and HAProxy's output to STATE_DIR/logs/NAME.log (file, the "
                         "default), or to the daemon's stdout, each line prefixed with NAME: (stdout, for a container)")
     p.set_defaults(func=cmd_run)
-    p = sub.add_parser("status", parents=[common], help="instances, health and drift (exit 0 healthy, 1 not, 3 daemon down)")
+    p = sub.add_parser("status", parents=[common],
+                       help="instances, health and drift (exit 0 healthy, 1 not, 3 daemon down)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_status)
-    p = sub.add_parser("tune", parents=[common], help="measure threads and memory bandwidth with this model; pick the fastest")
+    p = sub.add_parser("tune", parents=[common],
+                       help="measure threads and memory bandwidth with this model; pick the fastest")
     p.add_argument("--nodes", type=lambda v: [int(n) for n in v.split(",")], default=None,
                    help="nodes to measure, e.g. 0,1 (default: the first planned node; the grid runs on the first)")
     p.add_argument("--quick", action="store_true", help="fewer candidates, samples and tokens")
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
-    p.add_argument("--apply", action="store_true", help="write the winner into the config file (a backup is kept) and reload")
+    p.add_argument("--apply", action="store_true",
+                   help="write the winner into the config file (a backup is kept) and reload")
     p.add_argument("--stop-instances", action="store_true",
                    help="without a front door: stop each node's instance while it is measured")
     p.add_argument("--layouts", action="store_true",
                    help="also measure layouts (per node, k per node along L3, interleaved) under concurrent clients; "
                         "needs the whole machine")
     p.add_argument("--samples", type=int, default=None, help="repeats of every figure (default 5, --quick 3)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens generated per decode sample (default 64, --quick 16)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens generated per decode sample (default 64, --quick 16)")
     p.set_defaults(func=cmd_tune)
     p = sub.add_parser("doctor", parents=[common],
                        help="check the host settings the instances depend on (exit 0 ok, 1 warnings, 2 failures); "
@@ -509,9 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("health", parents=[common], help="for liveness/readiness probes: exit 0 yes, 1 no, 3 no daemon")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--live", action="store_true", help="the daemon's loop is turning (the default)")
-    which.add_argument("--ready", action="store_true", help="at least one instance is in rotation behind the front door")
+    which.add_argument("--ready", action="store_true",
+                       help="at least one instance is in rotation behind the front door")
     p.set_defaults(func=cmd_health)
-    p = sub.add_parser("reload", parents=[common], help="make the daemon re-read its configuration and wait for the result")
+    p = sub.add_parser("reload", parents=[common],
+                       help="make the daemon re-read its configuration and wait for the result")
     p.add_argument("--pid", type=int, help="daemon PID (default: from the state file)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.set_defaults(func=cmd_reload)
@@ -525,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     args.state_file = getattr(args, "state_file", os.environ.get("NUMA_INFER_STATE_FILE", DEFAULT_STATE_FILE))
     args.backend = getattr(args, "backend", "auto")
     try:
-        return args.func(args)
+        code: int = args.func(args)
+        return code
     except NumaInferError as exc:
         print(f"numa-infer: {exc}", file=sys.stderr)
         return 1

@@ -11,23 +11,18 @@ import difflib
 import ipaddress
 import os
 import re
-import sys
+import tomllib
+from collections.abc import Mapping
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BeforeValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from numad_infer.cpuset import CpuListError, parse_list
-from numad_infer.errors import ConfigError  # noqa: F401  (re-exported: the one ConfigError, see errors.py)
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - the package requires 3.11, tomli keeps 3.10 tooling working
-    import tomli as tomllib
-
-from numad_infer.defaults import DEFAULT_CONFIG_PATH, INSTANCE_USER  # noqa: E402  (DEFAULT_CONFIG_PATH re-exported)
-
+from numad_infer.defaults import DEFAULT_CONFIG_PATH as DEFAULT_CONFIG_PATH  # re-exported (`as` says so to mypy)
+from numad_infer.defaults import INSTANCE_USER
+from numad_infer.errors import ConfigError as ConfigError  # re-exported: the one ConfigError, see errors.py
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -281,7 +276,8 @@ class ServerSection(_Section):
     @classmethod
     def _user_name(cls, value: str) -> str:
         if not _USER_NAME.match(value):
-            raise ValueError("must be a user name (letters, digits, _ . -; not starting with - or a digit), e.g. \"nobody\"")
+            raise ValueError("must be a user name (letters, digits, _ . -; not starting with - or a digit), "
+                             "e.g. \"nobody\"")
         return value
 
     @field_validator("host")
@@ -624,10 +620,11 @@ _TYPE_NAMES = {
 _UNSHOWN_KEYS = ("server.extra_args",)
 
 
-def _error_to_config_error(source: str, raw: dict[str, Any], error: dict[str, Any]) -> ConfigError:
+def _error_to_config_error(source: str, raw: dict[str, Any], error: Mapping[str, Any]) -> ConfigError:
     loc = tuple(error["loc"])
     # A union (nodes = "all" | [..]) reports each branch; the key is what matters.
-    loc = tuple(p for p in loc if not (isinstance(p, str) and (p.startswith(("literal[", "list[")) or p in ("str", "int"))))
+    loc = tuple(p for p in loc
+                if not (isinstance(p, str) and (p.startswith(("literal[", "list[")) or p in ("str", "int"))))
     key = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
     kind = error["type"]
     if kind == "extra_forbidden":
@@ -671,7 +668,8 @@ def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
         # One clear message beats a wall: report the first, say how many more.
         first = _error_to_config_error(source, raw, errors[0])
         if len(errors) > 1:
-            first = ConfigError(source, None, f"{first.args[0].removeprefix(source + ': ')} (and {len(errors) - 1} more problem(s))")
+            first = ConfigError(source, None,
+                                f"{first.args[0].removeprefix(source + ': ')} (and {len(errors) - 1} more problem(s))")
         raise first from None
     _check_engine_keys(config, source)
     return config
@@ -696,7 +694,8 @@ def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH) -> Config:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(source, None, "file not found; copy /usr/share/doc/numa-infer/examples/numa-infer.toml or pass --config") from None
+        raise ConfigError(source, None, "file not found; copy /usr/share/doc/numa-infer/examples/numa-infer.toml "
+                          "or pass --config") from None
     except PermissionError:
         raise ConfigError(source, None, f"permission denied to uid {os.geteuid()}; make it readable by that user "
                           "(chmod a+r, or the ConfigMap's defaultMode) or pass --config") from None

@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from numad_infer.atomicfile import write_atomic
 from numad_infer.config import Config, parse_config
@@ -34,11 +35,11 @@ def edited_text(text: str, edits: list[Edit]) -> str:
     for edit in edits:
         if edit.section not in document:
             document[edit.section] = tomlkit.table()
-        document[edit.section][edit.key] = edit.value  # type: ignore[index]
+        document[edit.section][edit.key] = edit.value
     return tomlkit.dumps(document)
 
 
-def apply_edits(path: Path, edits: list[Edit], validate: Callable[[Config], None]) -> Path:
+def apply_edits(path: Path, edits: list[Edit], validate: Callable[[Config], object]) -> Path:
     """Write `edits` into the file at `path`; returns the backup's path. `validate` gets the
     parsed result and raises a NumaInferError (a ConfigError, HAProxy's refusal ...) to refuse it.
 

@@ -94,7 +94,7 @@ def _default(info: FieldInfo) -> str | None:
     if value is PydanticUndefined:
         if info.default_factory is None:
             return None
-        value = info.default_factory()  # type: ignore[call-arg]
+        value = info.default_factory()  # type: ignore[call-arg]  # typed as maybe taking the data: ours never do
     if isinstance(value, Enum):
         value = value.value
     if isinstance(value, bool):

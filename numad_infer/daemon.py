@@ -12,7 +12,9 @@ import os
 import select
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from numad_infer import __version__, bandwidthfile, metrics, snapshot
 from numad_infer.backends import Backend
@@ -22,8 +24,8 @@ from numad_infer.notify import Notifier
 from numad_infer.planstate import PlanState
 from numad_infer.procfs import ProcReader
 from numad_infer.reconcile import Reconciler
-from numad_infer.states import IN_TRANSITION
 from numad_infer.statefile import check_state_dir, write_status
+from numad_infer.states import IN_TRANSITION
 from numad_infer.status import DaemonState, DaemonStatus, Status
 from numad_infer.sysfs import SysfsReader
 
@@ -44,7 +46,8 @@ class Daemon:
         self.metrics = metrics.Endpoint(lambda: self.latest)
         self.plan = PlanState(config_path, SysfsReader(fsroot), backend, self.reconciler, self.frontdoor, self.metrics,
                               state_file)
-        self.tuned = bandwidthfile.Results(state_file.parent / bandwidthfile.RESULTS_NAME)  # what `numa-infer tune` measured
+        # what `numa-infer tune` measured
+        self.tuned = bandwidthfile.Results(state_file.parent / bandwidthfile.RESULTS_NAME)
         self.started_at = time.time()
         self.state = DaemonState.STARTING
         self.pass_duration_s: float | None = None
@@ -56,7 +59,7 @@ class Daemon:
         os.set_blocking(self._wake_w, False)
         signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
 
-        def flag(name: str):
+        def flag(name: str) -> Callable[[int, FrameType | None], None]:
             return lambda signum, frame: self._flags.add(name)
 
         def stop(signum: int, frame: object) -> None:

@@ -125,7 +125,8 @@ def check_numa_balancing(f: HostFacts) -> Check:
     if f.numa_balancing is None:
         return Check(name, Level.OK, "absent", wanted, "this kernel has no automatic NUMA balancing", "")
     if f.numa_balancing == 0:
-        return Check(name, Level.OK, "0", wanted, "the kernel leaves the instances' pages where numa-infer put them", "")
+        return Check(name, Level.OK, "0", wanted,
+                     "the kernel leaves the instances' pages where numa-infer put them", "")
     return Check(name, Level.WARN, str(f.numa_balancing), wanted,
                  "the kernel unmaps pages to sample access and migrates them behind numa-infer's back",
                  f"{TUNED_FIX}, or: sysctl -w kernel.numa_balancing=0 (persist in /etc/sysctl.d/)")
@@ -258,7 +259,8 @@ def check_irqs(f: HostFacts, plan: Plan) -> Check:
            if f.irqbalance else
            f"systemctl enable --now irqbalance with IRQBALANCE_BANNED_CPULIST={ban} in /etc/default/irqbalance, "
            f"or: echo {format_list(spare)} > /proc/irq/N/smp_affinity_list for each")
-    return Check(name, Level.WARN, seen, wanted, "each interrupt stops an inference thread that the others wait for", fix)
+    return Check(name, Level.WARN, seen, wanted,
+                 "each interrupt stops an inference thread that the others wait for", fix)
 
 
 def check_neighbours(f: HostFacts, plan: Plan) -> Check:

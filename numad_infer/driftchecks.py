@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from numad_infer import drift, pinning
 from numad_infer.cgroups import CgroupReader
@@ -73,7 +74,8 @@ class AffinityCheck(DriftCheck):
         if not verdict.drifted:
             return False
         found = "; ".join(
-            f"thread {d.tid} ({d.name}) allowed {format_list(d.allowed)}, last ran on {d.last_cpu}" for d in verdict.drifted[:4]
+            f"thread {d.tid} ({d.name}) allowed {format_list(d.allowed)}, last ran on {d.last_cpu}"
+            for d in verdict.drifted[:4]
         ) + (f" and {len(verdict.drifted) - 4} more" if len(verdict.drifted) > 4 else "")
         self.found(ctx, f"outside CPUs {format_list(cpus)}: {found}")
         if not ctx.monitor.repair:
@@ -89,7 +91,8 @@ class AffinityCheck(DriftCheck):
                     gone += 1
             except OSError as exc:
                 log.error("%s: cannot re-pin thread %d: %s", name, d.tid, exc.strerror)
-        detail = f"re-pinned {len(fixed)} thread(s): {', '.join(fixed[:8])}" + (f"; {gone} exited meanwhile" if gone else "")
+        detail = (f"re-pinned {len(fixed)} thread(s): {', '.join(fixed[:8])}"
+                  + (f"; {gone} exited meanwhile" if gone else ""))
         log.warning("%s: affinity drift: %s; %s", name, found, detail)
         self.repaired(ctx, detail)
         return False
@@ -127,7 +130,8 @@ class MemoryCheck(DriftCheck):
         if not verdict.drifted:
             return False
         found = (f"{verdict.local_fraction:.1%} of {verdict.anon_bytes / 2**20:.0f} MiB anonymous memory on nodes "
-                 f"{format_list(mems)}; {verdict.remote_bytes / 2**20:.0f} MiB on node(s) {format_list(verdict.remote_nodes)}")
+                 f"{format_list(mems)}; {verdict.remote_bytes / 2**20:.0f} MiB on node(s) "
+                 f"{format_list(verdict.remote_nodes)}")
         self.found(ctx, found)
         self._repair(ctx, verdict, found)
         return True  # a migration is measured at the next pass: drifting until then
@@ -173,7 +177,8 @@ class AllowedSetCheck(DriftCheck):
         self.allowed = self.reader.cpuset_of(ctx.pid)
         planned = frozenset(ctx.instance.cpus)
         missing = frozenset() if self.allowed is None else planned - self.allowed
-        if missing and missing != self.told:
+        # (`missing` is empty when the cpuset is unknown: the last test only tells mypy so)
+        if missing and missing != self.told and self.allowed is not None:
             detail = (f"its cgroup allows only CPUs {format_list(planned & self.allowed or set())} of the planned "
                       f"{format_list(planned)} (cpuset changed under it)")
             log.warning("%s: %s", ctx.instance.name, detail)

@@ -130,7 +130,8 @@ class Frontdoor:
             log.info("front door: plan changed: reloading haproxy seamlessly")
             self.runner.reload()
         else:
-            log.info("front door: starting haproxy on %s over %d instance(s)", config.frontend.listen, len(plan.instances))
+            log.info("front door: starting haproxy on %s over %d instance(s)", config.frontend.listen,
+                     len(plan.instances))
             self.runner.start(config.frontend.haproxy, self.paths.config)
         self.listen = config.frontend.listen
         self.error = ""

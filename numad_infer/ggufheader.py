@@ -116,11 +116,13 @@ def _read(f: BinaryIO, n: int) -> bytes:
 
 
 def _u32(f: BinaryIO) -> int:
-    return struct.unpack("<I", _read(f, 4))[0]
+    value: int = struct.unpack("<I", _read(f, 4))[0]
+    return value
 
 
 def _u64(f: BinaryIO) -> int:
-    return struct.unpack("<Q", _read(f, 8))[0]
+    value: int = struct.unpack("<Q", _read(f, 8))[0]
+    return value
 
 
 def _string(f: BinaryIO) -> str:
@@ -172,7 +174,7 @@ def read_header(path: str) -> GgufHeader:
         data_start = -(-f.tell() // alignment) * alignment
         file_bytes = raw.seek(0, 2)
     # Unknown types: the gap to the next tensor (or the end of the file), padding included.
-    ends = sorted(off for _, _, _, off in infos) + [file_bytes - data_start]
+    ends = [*sorted(off for _, _, _, off in infos), file_bytes - data_start]
     tensors = []
     for name, shape, gtype, off in infos:
         if gtype in BLOCK:

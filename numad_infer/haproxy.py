@@ -57,12 +57,13 @@ def validate(binary: str, config_path: str, timeout_s: float = 30.0, listener_fd
     check refuses a descriptor it lacks."""
     env = None if listener_fd is None else {**os.environ, FD_VARIABLE: str(listener_fd)}
     try:
-        proc = subprocess.run([binary, "-c", "-q", "-f", config_path], capture_output=True, text=True, timeout=timeout_s,
-                              pass_fds=() if listener_fd is None else (listener_fd,), env=env)
+        proc = subprocess.run([binary, "-c", "-q", "-f", config_path], capture_output=True, text=True,
+                              timeout=timeout_s, pass_fds=() if listener_fd is None else (listener_fd,), env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise HaproxyError(f"cannot run {binary} -c: {exc}") from None
     if proc.returncode != 0:
-        lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines() if "ALERT" in line or "error" in line.lower()]
+        lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines()
+                 if "ALERT" in line or "error" in line.lower()]
         raise HaproxyError(f"haproxy -c refused {config_path}: " + ("; ".join(lines[:3]) or f"exit {proc.returncode}"))
 
 
@@ -186,7 +187,7 @@ def _int(value: str | None) -> int:
     return int(value) if value and value.isdigit() else 0
 
 
-def check_haproxy(config: "Config", source: str) -> None:
+def check_haproxy(config: Config, source: str) -> None:
     """The configured haproxy exists and is recent enough (a ConfigError naming the key otherwise)."""
     if not config.frontend.enabled:
         return

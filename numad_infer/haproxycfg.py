@@ -35,8 +35,8 @@ from numad_infer.addresses import connect_host, host_port
 from numad_infer.config import Affinity, Config, FrontendSection
 from numad_infer.engines import engine_of
 from numad_infer.errors import ConfigError
-from numad_infer.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
 from numad_infer.planner import Plan
+from numad_infer.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
 
 BACKEND = "instances"
 FRONTEND = "openai"  # the one listener; the daemon closes it first on stop (Frontdoor.close)
@@ -185,7 +185,8 @@ def _defaults(front: FrontendSection) -> list[str]:
              "    load-server-state-from-file global"]
     for answer in _ANSWERS:
         retry = " hdr Retry-After 1" if answer.retry_after else ""
-        lines.append(f"    http-error status {answer.status} content-type application/json string '{answer.body()}'{retry}")
+        lines.append(f"    http-error status {answer.status} content-type application/json "
+                     f"string '{answer.body()}'{retry}")
     return lines
 
 
@@ -221,7 +222,8 @@ def _affinity(front: FrontendSection) -> list[str]:
         return []
     key = (f"req.hdr({front.affinity_header})" if front.affinity == Affinity.HEADER
            else "req.body,json_query('$.user')")
-    return [f"    stick-table type string len 128 size {STICK_ENTRIES} expire {_ms(front.affinity_expire_s)}", f"    stick on {key}"]
+    return [f"    stick-table type string len 128 size {STICK_ENTRIES} expire {_ms(front.affinity_expire_s)}",
+            f"    stick on {key}"]
 
 
 def _ms(seconds: float) -> str:

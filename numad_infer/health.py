@@ -72,7 +72,8 @@ def probe(host: str, port: int, timeout_s: float, path: str) -> ProbeResult:
         conn.close()
 
 
-def read_engine_metrics(engine: Engine, host: str, port: int, key: str | None, timeout_s: float) -> EngineCounters | None:
+def read_engine_metrics(engine: Engine, host: str, port: int, key: str | None,
+                        timeout_s: float) -> EngineCounters | None:
     """The server's own counters, or None (none at all, not answering, a refused key)."""
     if engine.metrics_path is None:
         return None

@@ -12,6 +12,7 @@ planted link, FIFO or another user's file is ignored (and never opened blocking)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -66,10 +67,8 @@ def acquire(directory: Path, instance: str, by: str) -> Path:
 
 
 def release(path: Path) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         path.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def alive(pid: int | None, started: float | None = None) -> bool:

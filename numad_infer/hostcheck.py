@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from typing import Any
 
 from numad_infer.identity import DYNAMIC_USER, BackendKind, RunAs
 from numad_infer.pinning import SECCOMP_DOC, MemoryCalls
@@ -50,7 +51,7 @@ def run_as(argv: list[str], runs_as: RunAs | None, timeout_s: float) -> subproce
     """Run `argv` as the instances would run, or None when it cannot run or outlives the
     timeout. As a DynamicUser (systemd backend): a transient unit with one, since the
     daemon holds no CAP_SETUID to drop privileges itself."""
-    drop: dict[str, object] = {}
+    drop: dict[str, Any] = {}
     if runs_as == DYNAMIC_USER and os.geteuid() == 0:
         argv = ["systemd-run", "--quiet", "--wait", "--pipe", "--collect", "-p", "DynamicUser=yes",
                 "-p", f"RuntimeMaxSec={int(timeout_s)}", "-p", "ProtectSystem=strict", "-p", "PrivateTmp=yes",
@@ -59,7 +60,7 @@ def run_as(argv: list[str], runs_as: RunAs | None, timeout_s: float) -> subproce
         drop = runs_as.popen_kwargs()
     try:
         return subprocess.run(argv, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL,
-                              timeout=timeout_s + 5, cwd="/", env={"PATH": "/usr/bin:/bin"}, **drop)  # type: ignore[call-overload]
+                              timeout=timeout_s + 5, cwd="/", env={"PATH": "/usr/bin:/bin"}, **drop)
     except (OSError, subprocess.SubprocessError):
         return None
 

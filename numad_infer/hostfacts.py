@@ -12,7 +12,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-
 from numad_infer.cpufeatures import cpuinfo_flags
 from numad_infer.cpuset import CpuListError, parse_list
 from numad_infer.doctor import NUMA_MANAGERS, CpuFreq, Irq, Neighbour, NodeMemory
@@ -96,7 +95,7 @@ class HostReader:
 
     def processes(self) -> list[tuple[int, str, list[str]]]:
         """(pid, comm, argv) of every process."""
-        found = []
+        found: list[tuple[int, str, list[str]]] = []
         try:
             pids = [int(e) for e in os.listdir(self.proc) if e.isdigit()]
         except OSError:

@@ -38,7 +38,8 @@ MODULES: dict[str, tuple[str, str]] = {
                           "leaves idle"),
     "cpuset": (CORE, "CPU lists: parse and format `0-3,8`"),
     "defaults": (CORE, "default paths, apart so `status` need not import the schema"),
-    "doctor": (CORE, "`doctor`'s verdicts: host facts + the plan's needs -> ok/info/warn/fail checks, each with its fix"),
+    "doctor": (CORE, "`doctor`'s verdicts: host facts + the plan's needs -> ok/info/warn/fail checks, "
+                     "each with its fix"),
     "drift": (CORE, "expected vs observed -> drift verdicts"),
     "engines/__init__": (CORE, "the engine registry with the built-in engines registered"),
     "engines/base": (CORE, "`Engine`: everything that differs between engines (argv, probe and key routes, key "
@@ -62,7 +63,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "apikey": (EDGE, "the API key file"),
     "childlog": (EDGE, "a child's output (process backend): a log file, or stdout prefixed with its name"),
     "cgroups": (EDGE, "reads a cgroup's cpuset and CPU quota (the daemon's own, or the instances' slice)"),
-    "atomicfile": (EDGE, "replace a file atomically (temp file + rename); read only a regular file, never a link or FIFO"),
+    "atomicfile": (EDGE, "replace a file atomically (temp file + rename); read only a regular file, "
+                         "never a link or FIFO"),
     "backends": (EDGE, "where instances run: systemd units or child processes, behind one `Backend`"),
     "bandwidth": (EDGE, "the memory read-bandwidth measurement"),
     "bandwidthfile": (EDGE, "the bandwidth tune measured, kept for the daemon"),

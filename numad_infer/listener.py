@@ -24,16 +24,20 @@ An edge: sockets and nothing else. The front door (`frontdoor.py`) decides when.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
-from numad_infer.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
+from numad_infer.unitnames import FRONTDOOR_FD_VARIABLE
 
 log = logging.getLogger(__name__)
+
+# Under this name for backends.py and frontdoor_exec.py, which import it from here.
+FD_VARIABLE = FRONTDOOR_FD_VARIABLE
 
 # The kernel caps it at net.core.somaxconn: what waits there while HAProxy is restarted.
 BACKLOG = 4096
@@ -121,10 +125,8 @@ class HeldListener:
             return
         if self._store is not None:
             self._store(STORE_NAME, None)
-        try:
+        with contextlib.suppress(OSError):  # not connected/listening any more: nothing to refuse
             sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # not connected/listening any more: nothing to refuse
         sock.close()
 
 

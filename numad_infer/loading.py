@@ -20,11 +20,11 @@ from numad_infer.cgroups import CgroupReader
 from numad_infer.config import Config, load_config
 from numad_infer.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_units
 from numad_infer.engines import Engine, engine_of
+from numad_infer.ggufheader import decode_bytes
 from numad_infer.haproxy import check_haproxy
 from numad_infer.haproxycfg import paths_in, render_haproxy
 from numad_infer.hostcheck import InstanceHost, host_warnings, memory_call_warnings
 from numad_infer.identity import BackendKind, RunAs, instances_run_as
-from numad_infer.ggufheader import decode_bytes
 from numad_infer.modelfile import model_size
 from numad_infer.pinning import memory_calls
 from numad_infer.planner import Plan, make_plan

@@ -7,21 +7,26 @@ swapped in whole), so the HTTP thread never touches state the loop is changing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-
 import socket
 import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
 from numad_infer.config import parse_listen
 from numad_infer.drift import EventKind
 from numad_infer.states import State
 from numad_infer.status import InstanceStatus, Status, in_rotation
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIEnvironment
+
+    from prometheus_client.metrics_core import Metric
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +35,7 @@ class SnapshotCollector(Collector):
     def __init__(self, snapshot: Callable[[], Status | None]) -> None:
         self.snapshot = snapshot
 
-    def collect(self) -> Iterator:
+    def collect(self) -> Iterator[Metric]:
         snap = self.snapshot()
         if snap is None:
             return
@@ -61,7 +66,8 @@ _GAUGES: tuple[tuple[str, str, Callable[[InstanceStatus], float | None]], ...] =
      "Tokens the instance generated per second over the last pass (engines that count them)",
      lambda i: i.decode_tokens_per_s),
     ("numa_infer_instance_decode_efficiency",
-     "Decode tokens/s x bytes a decoded token reads / the node's read bandwidth (numa-infer tune)", lambda i: i.decode_efficiency),
+     "Decode tokens/s x bytes a decoded token reads / the node's read bandwidth (numa-infer tune)",
+     lambda i: i.decode_efficiency),
     ("numa_infer_instance_busy_slots", "Requests the instance works on now (engines that report it)",
      lambda i: i.busy_slots),
     ("numa_infer_instance_slots", "Requests the instance can work on at once (engines that report it)",
@@ -69,16 +75,18 @@ _GAUGES: tuple[tuple[str, str, Callable[[InstanceStatus], float | None]], ...] =
 )
 
 
-def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator:
+def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator[Metric]:
     gauges = [(GaugeMetricFamily(name, text, labels=_LABELS), value) for name, text, value in _GAUGES]
-    state = GaugeMetricFamily("numa_infer_instance_state", "1 for the instance's current state", labels=_LABELS + ["state"])
-    restarts = CounterMetricFamily("numa_infer_instance_restarts", "Restarts of the instance (by numa-infer or systemd)",
-                                   labels=_LABELS)
-    drifts = CounterMetricFamily("numa_infer_drift_events", "Drift found, by kind", labels=_LABELS + ["kind"])
-    repairs = CounterMetricFamily("numa_infer_repairs", "Repairs done, by kind", labels=_LABELS + ["kind"])
+    state = GaugeMetricFamily("numa_infer_instance_state", "1 for the instance's current state",
+                              labels=[*_LABELS, "state"])
+    restarts = CounterMetricFamily("numa_infer_instance_restarts",
+                                   "Restarts of the instance (by numa-infer or systemd)", labels=_LABELS)
+    drifts = CounterMetricFamily("numa_infer_drift_events", "Drift found, by kind", labels=[*_LABELS, "kind"])
+    repairs = CounterMetricFamily("numa_infer_repairs", "Repairs done, by kind", labels=[*_LABELS, "kind"])
     # An info metric (value 1): the label says which CPU kernels the engine runs.
     cpu = GaugeMetricFamily("numa_infer_instance_cpu_backend_info",
-                            "The engine's CPU kernels: ggml's variant and its wide units", labels=_LABELS + ["cpu_backend"])
+                            "The engine's CPU kernels: ggml's variant and its wide units",
+                            labels=[*_LABELS, "cpu_backend"])
     for inst in instances:
         key = [inst.name, "" if inst.node is None else str(inst.node)]
         for family, value in gauges:
@@ -86,18 +94,18 @@ def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator:
             if found is not None:
                 family.add_metric(key, found)
         for name in State:
-            state.add_metric(key + [name.value], 1.0 if inst.state == name else 0.0)
+            state.add_metric([*key, name.value], 1.0 if inst.state == name else 0.0)
         restarts.add_metric(key, inst.restarts)
         if inst.cpu_backend is not None:
-            cpu.add_metric(key + [inst.cpu_backend], 1.0)
+            cpu.add_metric([*key, inst.cpu_backend], 1.0)
         for kind in EventKind:
-            drifts.add_metric(key + [kind.value], inst.drift_events.get(kind.value, 0))
-            repairs.add_metric(key + [kind.value], inst.repairs.get(kind.value, 0))
+            drifts.add_metric([*key, kind.value], inst.drift_events.get(kind.value, 0))
+            repairs.add_metric([*key, kind.value], inst.repairs.get(kind.value, 0))
     yield from (family for family, _ in gauges)
     yield from (state, restarts, drifts, repairs, cpu)
 
 
-def _daemon_metrics(snap: Status) -> Iterator:
+def _daemon_metrics(snap: Status) -> Iterator[Metric]:
     front = snap.frontdoor
     if front is not None:
         up = GaugeMetricFamily("numa_infer_frontdoor_up", "1 while the front door (HAProxy) answers its runtime API")
@@ -140,18 +148,19 @@ def _daemon_metrics(snap: Status) -> Iterator:
     yield ok
 
 
-def serve(listen: str, snapshot: Callable[[], Status | None]):
+def serve(listen: str, snapshot: Callable[[], Status | None]) -> ThreadingWSGIServer:
     host, port = parse_listen(listen)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
     metrics_app = make_wsgi_app(registry)
 
-    def only_metrics(environ, start_response):
+    def only_metrics(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         # prometheus_client answers every path; an endpoint should answer only its own.
         if environ.get("PATH_INFO") != "/metrics":
             start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
             return [b"numa-infer: metrics are at /metrics\n"]
-        return metrics_app(environ, start_response)
+        answer: Iterable[bytes] = metrics_app(environ, start_response)
+        return answer
 
     class Server(ThreadingWSGIServer):
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -168,7 +177,7 @@ class Endpoint:
     def __init__(self, snapshot: Callable[[], Status | None]) -> None:
         self.snapshot = snapshot
         self.listen = ""
-        self._server = None
+        self._server: ThreadingWSGIServer | None = None
 
     def listen_on(self, listen: str) -> None:
         if listen == self.listen:

@@ -20,7 +20,8 @@ def model_size(path: str, source: str, runs_as: RunAs | None = None) -> int:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise ConfigError(source, "model.path", "file not found; put a GGUF model there or fix the path", path, True) from None
+        raise ConfigError(source, "model.path", "file not found; put a GGUF model there or fix the path",
+                          path, True) from None
     except PermissionError:
         # A directory on the way this user may not search: a volume mounted with the wrong owner or mode.
         raise ConfigError(source, "model.path", f"cannot be reached: a directory on its path is not readable by uid "
@@ -40,7 +41,8 @@ def model_size(path: str, source: str, runs_as: RunAs | None = None) -> int:
             magic = handle.read(4)
             size = os.fstat(handle.fileno()).st_size
     except FileNotFoundError:
-        raise ConfigError(source, "model.path", "file not found; put a GGUF model there or fix the path", path, True) from None
+        raise ConfigError(source, "model.path", "file not found; put a GGUF model there or fix the path",
+                          path, True) from None
     except PermissionError:
         raise ConfigError(
             source, "model.path", f"cannot be read by this user; make it readable by uid {os.geteuid()} (chmod 644)",

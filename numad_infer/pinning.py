@@ -26,7 +26,7 @@ _SYSCALLS = {"x86_64": (238, 256), "aarch64": (237, 238), "ppc64le": (261, 258),
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def _nodemask(nodes: tuple[int, ...], maxnode: int) -> ctypes.Array:
+def _nodemask(nodes: tuple[int, ...], maxnode: int) -> ctypes.Array[ctypes.c_ulong]:
     array = (ctypes.c_ulong * ((maxnode + 63) // 64))()
     for node in nodes:
         array[node // 64] |= 1 << (node % 64)
@@ -43,7 +43,7 @@ def _syscall(index: int, *args: object) -> int:
     numbers = _SYSCALLS.get(platform.machine())
     if numbers is None:
         raise OSError(errno.ENOSYS, f"unsupported architecture {platform.machine()}")
-    result = _libc.syscall(numbers[index], *args)
+    result: int = _libc.syscall(numbers[index], *args)
     if result < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

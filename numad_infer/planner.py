@@ -6,15 +6,16 @@ Pure. Every refusal is a `ConfigError` naming the key an operator must change.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
+from typing import Any
 
 from numad_infer import unitnames
+from numad_infer.allowed import UNRESTRICTED, Allowed, within
 from numad_infer.config import Config, parse_listen
 from numad_infer.cpuset import format_list
 from numad_infer.errors import ConfigError
-from numad_infer.allowed import UNRESTRICTED, Allowed, within
 from numad_infer.topology import Node, Topology
 
 # Weights are private per instance (mmap off); leave room for KV cache, the OS and Python.
@@ -44,7 +45,7 @@ class Instance:
     def unit(self) -> str:
         return unitnames.unit(self.name)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["places"] = [list(p) for p in self.places]
         data["policy"] = self.policy.value
@@ -58,7 +59,7 @@ class Plan:
     instances: tuple[Instance, ...]
     warnings: tuple[str, ...] = field(default=())
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"instances": [i.to_dict() for i in self.instances], "warnings": list(self.warnings)}
 
 
@@ -70,7 +71,7 @@ class PlanDiff:
     unchanged: tuple[str, ...]
 
 
-def diff_plans(old: dict[str, object], new: dict[str, object]) -> PlanDiff:
+def diff_plans(old: Mapping[str, object], new: Mapping[str, object]) -> PlanDiff:
     """Diff two {instance name: anything comparable} maps (instances, or their rendered units)."""
     return PlanDiff(
         added=tuple(sorted(new.keys() - old.keys())),
@@ -259,12 +260,14 @@ def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved
     return usable
 
 
-def _interleaved_instance(config: Config, selected: list[Node], usable: dict[int, list[tuple[int, ...]]]) -> list[Instance]:
+def _interleaved_instance(config: Config, selected: list[Node],
+                          usable: dict[int, list[tuple[int, ...]]]) -> list[Instance]:
     """Step 4a (mode = "interleave"): one instance over every usable core, memory over every selected node."""
     cores = [c for nid in sorted(usable) for c in usable[nid]]
     cpus, places = _threads_of(cores, config.placement.smt)
     mems = tuple(sorted(n.id for n in selected if n.has_memory)) or tuple(sorted(usable))
-    return [Instance(unitnames.instance_name(config.systemd.template, "interleave"), None, cpus, places, mems, Policy.INTERLEAVE, len(cpus), 0)]
+    return [Instance(unitnames.instance_name(config.systemd.template, "interleave"), None, cpus, places, mems,
+                     Policy.INTERLEAVE, len(cpus), 0)]
 
 
 def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[tuple[int, ...]]],
@@ -297,8 +300,8 @@ def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[t
         for j, group in enumerate(_split(node, cores, k)):
             cpus, places = _threads_of(group, config.placement.smt)
             ident = str(node_id) if k == 1 else f"{node_id}.{j}"
-            instances.append(Instance(unitnames.instance_name(config.systemd.template, ident), node_id, cpus, places, mems, Policy.BIND,
-                                      len(cpus), 0))
+            instances.append(Instance(unitnames.instance_name(config.systemd.template, ident), node_id, cpus, places,
+                                      mems, Policy.BIND, len(cpus), 0))
     return instances
 
 

@@ -81,9 +81,10 @@ class PlanState:
             # Keep running the old plan untouched; say why everywhere an operator looks.
             log.error("reload failed, still running the previous configuration: %s", exc)
             self.last_reload = ReloadResult(time.time(), False, "reload", str(exc))
-        except Exception as exc:  # noqa: BLE001 - a bug in loading must not end a running fleet
+        except Exception as exc:  # deliberately broad: a bug in loading must not end a running fleet
             log.exception("reload failed on an internal error, still running the previous configuration")
-            self.last_reload = ReloadResult(time.time(), False, "reload", f"internal error: {type(exc).__name__}: {exc}")
+            self.last_reload = ReloadResult(time.time(), False, "reload",
+                                            f"internal error: {type(exc).__name__}: {exc}")
         else:
             self.apply(loaded, "reload")
         self.generation += 1

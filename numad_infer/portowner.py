@@ -143,7 +143,7 @@ def _socket_inodes(proc: Path, pid: int, gone_ok: bool = False) -> set[int]:
     """Inodes of the sockets among the process's file descriptors (`socket:[INODE]` links).
     `gone_ok`: a process that exited has none (a child may exit while it is looked at)."""
     fds = proc / str(pid) / "fd"
-    inodes = set()
+    inodes: set[int] = set()
     try:
         names = os.listdir(fds)
     except FileNotFoundError:
@@ -173,7 +173,8 @@ def _listening_uids(proc: Path, target: IPAddress, port: int) -> set[int]:
 def _listeners(proc: Path, target: IPAddress, port: int) -> set[tuple[int, int]]:
     """(inode, uid) of each TCP socket listening on `port` that a connection to `target` may reach."""
     return {(int(fields[9]), int(fields[7])) for fields in _sockets(proc)
-            if fields[3] == _LISTEN and _port(fields[1]) == port and _reaches(_address(fields[1].partition(":")[0]), target)}
+            if fields[3] == _LISTEN and _port(fields[1]) == port
+            and _reaches(_address(fields[1].partition(":")[0]), target)}
 
 
 def _address(hex_address: str) -> IPAddress:
@@ -201,7 +202,8 @@ def _holder(proc: Path, port: int, family: set[int]) -> str:
         return "another process"
     try:
         found = [c.pid for c in psutil.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid is not None and c.pid not in family]
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                 and c.pid is not None and c.pid not in family]
     except (psutil.AccessDenied, OSError):
         found = []
     if not found:

@@ -75,7 +75,7 @@ class ProcReader:
             # One syscall instead of reading and parsing `status`: this runs for every
             # thread of every instance on every pass.
             try:
-                allowed = frozenset(os.sched_getaffinity(tid))
+                allowed: frozenset[int] | None = frozenset(os.sched_getaffinity(tid))
             except OSError:
                 return None
         else:
@@ -85,8 +85,8 @@ class ProcReader:
                 allowed = parse_list(match.group(1)) if match else None
             except CpuListError:
                 allowed = None
-            if allowed is None:
-                return None
+        if allowed is None:
+            return None
         fields = _stat_fields(stat)
         # Field 39 of stat ("processor") is index 36 after the "(comm)" split.
         last_cpu = int(fields[36]) if len(fields) > 36 and fields[36].lstrip("-").isdigit() else None
@@ -127,7 +127,8 @@ class ProcReader:
             times = psutil.Process(pid).cpu_times()
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             return None
-        return times.user + times.system
+        total: float = times.user + times.system
+        return total
 
     def port_owner(self, host: str, port: int, pid: int) -> PortOwner:
         """Is the socket listening on the instance's port the one of its process `pid`?"""

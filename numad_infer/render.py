@@ -16,10 +16,10 @@ import sys
 from numad_infer.addresses import connect_host
 from numad_infer.config import Config
 from numad_infer.cpuset import format_list
-from numad_infer.errors import NumaInferError
-from numad_infer.haproxycfg import CONFIG_NAME
 from numad_infer.defaults import FRONTDOOR_USER
 from numad_infer.engines import KEY_CREDENTIAL, engine_of
+from numad_infer.errors import NumaInferError
+from numad_infer.haproxycfg import CONFIG_NAME
 from numad_infer.planner import Instance, Plan
 from numad_infer.unitnames import FRONTDOOR_UNIT, dropin, template_unit
 
@@ -159,7 +159,8 @@ def render_dropin(config: Config, instance: Instance) -> str:
         f"NUMAPolicy={instance.policy.value}",
         f"NUMAMask={format_list(instance.mems)}",
         f"Environment={env}",
-        "ExecStart=" + " ".join(quote_arg(a) for a in engine_of(config).argv(config, instance, key_from_credential=True)),
+        "ExecStart=" + " ".join(quote_arg(a)
+                                for a in engine_of(config).argv(config, instance, key_from_credential=True)),
     ]
     return "\n".join(lines) + "\n"
 

@@ -3,6 +3,7 @@ and restart what changed, one at a time behind a front door."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -49,7 +50,7 @@ class Rollout:
               holds: dict[str, str], now: float, drain_timeout_s: float = 0.0) -> None:
         for name in [n for n in self.retiring if n in {i.name for i in plan.instances}]:
             # Planned again while it still finished its requests: the new one needs its port.
-            isolated(name, "stop", lambda n=name: self.backend.stop(n))
+            isolated(name, "stop", functools.partial(self.backend.stop, name))
             del self.retiring[name]
         for name in diff.removed:
             self._remove(name, runtimes.pop(name, None), now, drain_timeout_s)
@@ -120,7 +121,7 @@ class Rollout:
                             leaving.timeout_s)
             else:
                 log.info("%s: its requests are answered: stopping it", name)
-            isolated(name, "stop", lambda n=name: self.backend.stop(n))
+            isolated(name, "stop", functools.partial(self.backend.stop, name))
             del self.retiring[name]
 
     def roll(self, runtimes: dict[str, Runtime], holds: dict[str, str], now: float) -> None:
@@ -147,6 +148,7 @@ class Rollout:
         stuck = [n for n in self.rolled if n in runtimes and runtimes[n].supervision.state != State.HEALTHY]
         if stuck and not self._stopped_said:
             log.error("rolling restart stopped: %s not healthy on the new definition; %s keep the old one "
-                      "until it is (or until a reload fixes the configuration)", ", ".join(stuck), ", ".join(self.rolling))
+                      "until it is (or until a reload fixes the configuration)",
+                      ", ".join(stuck), ", ".join(self.rolling))
             self._stopped_said = True
         return not stuck

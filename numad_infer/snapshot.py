@@ -84,7 +84,8 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
         memory=None if mem is None else MemoryStatus(
             mem.anon_bytes, mem.remote_bytes, mem.file_bytes,
             None if mem.file_local_fraction is None else round(mem.file_local_fraction, 4), mem.source),
-        probe_latency_ms=None if rt.last_probe is None or not rt.last_probe.ok else round(rt.last_probe.latency_s * 1000, 1),
+        probe_latency_ms=(None if rt.last_probe is None or not rt.last_probe.ok
+                          else round(rt.last_probe.latency_s * 1000, 1)),
         last_drift=rt.last_drift, last_repair=rt.last_repair,
         drift_events=dict(rt.drift_counts), repairs=dict(rt.repair_counts),
         rotation=None if stat is None else stat.status, in_flight=None if stat is None else stat.in_flight,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from enum import Enum
-
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # `numa-infer status` reads states without loading pydantic
@@ -153,7 +152,8 @@ class Supervision:
         if len(self.restart_times) >= monitor.max_restarts:
             return RestartDecision.FAIL
         if now < self.next_restart_at:
-            self.change_state(State.BACKOFF, f"next restart at {self.next_restart_at:g}")  # UNHEALTHY / EXITED -> BACKOFF
+            # UNHEALTHY / EXITED -> BACKOFF
+            self.change_state(State.BACKOFF, f"next restart at {self.next_restart_at:g}")
             return RestartDecision.WAIT
         return RestartDecision.RESTART
 

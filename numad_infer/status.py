@@ -108,7 +108,7 @@ class InstanceStatus:
     cpu_backend: str | None = None
 
     @classmethod
-    def planned(cls, instance: "Instance", pid: int | None, state: State, **observed: Any) -> "InstanceStatus":
+    def planned(cls, instance: Instance, pid: int | None, state: State, **observed: Any) -> InstanceStatus:
         """What the plan says of `instance` (its place and port) plus what was observed of it:
         the one projection of a planned instance, for the daemon and for `status` without one."""
         return cls(name=instance.name, node=instance.node, cpus=instance.cpus, mems=instance.mems,
@@ -187,7 +187,7 @@ class Status:
         return {"schema": SCHEMA, **_plain(asdict(self))}
 
     @classmethod
-    def from_json(cls, data: Any, source: str = "state file") -> "Status":
+    def from_json(cls, data: Any, source: str = "state file") -> Status:
         if not isinstance(data, dict) or data.get("schema") != SCHEMA:
             found = data.get("schema") if isinstance(data, dict) else None
             raise StatusError(f"{source}: schema {found!r}, this numa-infer reads schema {SCHEMA}; "

@@ -8,8 +8,9 @@ backoff, failed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from numad_infer.backends import Backend, Observation
 from numad_infer.config import Config
@@ -114,7 +115,8 @@ class Supervisor:
         decision = sup.restart_decision(now, cfg.monitor)
         if decision == RestartDecision.FAIL:
             if sup.state != State.FAILED:
-                sup.on_failed(f"{cfg.monitor.max_restarts} restarts within {cfg.monitor.restart_window_s:g}s; last: {reason}")
+                sup.on_failed(f"{cfg.monitor.max_restarts} restarts within {cfg.monitor.restart_window_s:g}s; "
+                              f"last: {reason}")
                 log.error("%s: marked failed after %d restarts within %gs (%s); left alone until a reload",
                           rt.instance.name, cfg.monitor.max_restarts, cfg.monitor.restart_window_s, reason)
             return
@@ -148,7 +150,8 @@ class Supervisor:
         if self.frontdoor is not None and drain_first(busy, timeout_s):
             self.frontdoor.set_state(rt.instance, AdminState.DRAIN)
             rt.supervision.on_drain(now, timeout_s, f"held by {by}", counted=False, hold_by=by)  # -> DRAINING
-            log.info("%s: held by %s: draining %d request(s) first (at most %gs)", rt.instance.name, by, busy, timeout_s)
+            log.info("%s: held by %s: draining %d request(s) first (at most %gs)", rt.instance.name, by, busy,
+                     timeout_s)
             return
         self._stop_held(rt, by)
 

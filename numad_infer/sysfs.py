@@ -40,7 +40,8 @@ class SysfsReader:
         try:
             return parse_mask(text) if mask else parse_list(text)
         except CpuListError as exc:
-            raise TopologyError(f"{path}: cannot parse {text[:80]!r} as a CPU {'mask' if mask else 'list'}: {exc}") from exc
+            raise TopologyError(
+                f"{path}: cannot parse {text[:80]!r} as a CPU {'mask' if mask else 'list'}: {exc}") from exc
 
     def _first_cpus(self, base: Path, names: tuple[str, ...]) -> frozenset[int] | None:
         # Each pair is (file, is_mask): lists are preferred, masks are the old fallback.

@@ -8,6 +8,7 @@ most one node, cores as the kernel groups thread siblings).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from numad_infer.cpuset import format_list
 from numad_infer.errors import TopologyError
@@ -87,7 +88,7 @@ class Topology:
                     return core
         return None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "nodes": [
                 {
@@ -165,7 +166,7 @@ def _assign_cpus(raw_nodes: dict[int, RawNode], online: frozenset[int],
 def _distances(node_id: int, raw: RawNode, sorted_ids: list[int], warnings: list[str]) -> dict[int, int]:
     if raw.distances is not None:
         if len(raw.distances) == len(sorted_ids):
-            return dict(zip(sorted_ids, raw.distances))
+            return dict(zip(sorted_ids, raw.distances, strict=False))
         warnings.append(f"node {node_id}: distance row has {len(raw.distances)} entries for "
                         f"{len(sorted_ids)} nodes; distances ignored")
     # Without a distance table, the kernel's defaults: 10 local, 20 remote.

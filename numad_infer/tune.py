@@ -126,26 +126,31 @@ class Report:
     bandwidth: dict[tuple[int, int], Figure] = field(default_factory=dict)  # (cpu node, memory node) -> GB/s
     results: list[Result] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)
-    layout_results: list["LayoutResult"] = field(default_factory=list)
-    current_layout: "Layout | None" = None
+    layout_results: list[LayoutResult] = field(default_factory=list)
+    current_layout: Layout | None = None
     engine_cpu: str | None = None  # the CPU kernels the engine ran (cpufeatures.EngineCpu.describe)
 
     def to_json(self) -> dict[str, Any]:
         def figure(f: Figure) -> dict[str, Any]:
-            return {"median": round(f.median, 3), "spread": round(f.spread, 4), "samples": [round(s, 3) for s in f.samples]}
+            return {"median": round(f.median, 3), "spread": round(f.spread, 4),
+                    "samples": [round(s, 3) for s in f.samples]}
 
         local = self.bandwidth.get((self.node, self.node))
         return {
-            "model": self.model, "weight_bytes": self.weight_bytes, "decode_bytes": self.decode_bytes, "engine": self.engine,
-            "engine_cpu": self.engine_cpu, "node": self.node,
+            "model": self.model, "weight_bytes": self.weight_bytes, "decode_bytes": self.decode_bytes,
+            "engine": self.engine, "engine_cpu": self.engine_cpu, "node": self.node,
             "cpus": list(self.cpus),
-            "bandwidth_gbs": [{"cpus_node": c, "memory_node": m, **figure(f)} for (c, m), f in sorted(self.bandwidth.items())],
-            "candidates": [{"threads": r.candidate.threads, "label": r.candidate.label, "decode_tokens_per_s": figure(r.decode),
+            "bandwidth_gbs": [{"cpus_node": c, "memory_node": m, **figure(f)}
+                              for (c, m), f in sorted(self.bandwidth.items())],
+            "candidates": [{"threads": r.candidate.threads, "label": r.candidate.label,
+                            "decode_tokens_per_s": figure(r.decode),
                             "prompt_tokens_per_s": figure(r.prompt),
-                            "decode_efficiency": _round(r.efficiency(self.decode_bytes, local.median if local else None))}
+                            "decode_efficiency": _round(r.efficiency(self.decode_bytes,
+                                                                     local.median if local else None))}
                            for r in self.results],
             "choices": [{**asdict(c), "verdict": c.verdict.value, "value": c.value} for c in self.choices],
-            "layouts": [{"mode": r.layout.mode, "instances_per_node": r.layout.instances_per_node, "name": r.layout.name,
+            "layouts": [{"mode": r.layout.mode, "instances_per_node": r.layout.instances_per_node,
+                         "name": r.layout.name,
                          "instances": r.instances, "clients": r.clients, "aggregate_tokens_per_s": figure(r.aggregate),
                          "p50_s": round(r.p50_s, 3), "p99_s": round(r.p99_s, 3),
                          "current": r.layout == self.current_layout} for r in self.layout_results],
@@ -165,9 +170,9 @@ def format_report(report: Report) -> str:
         nodes = sorted({m for _, m in report.bandwidth})
         lines.append("memory read bandwidth, GB/s (rows: CPUs of node, columns: memory of node):")
         lines.append("node " + "".join(f"{m:>12}" for m in nodes))
-        for c in sorted({c for c, _ in report.bandwidth}):
-            lines.append(f"{c:>4} " + "".join(f"{str(report.bandwidth[c, m]) if (c, m) in report.bandwidth else '-':>12}"
-                                              for m in nodes))
+        for cn in sorted({c for c, _ in report.bandwidth}):
+            lines.append(f"{cn:>4} " + "".join(
+                f"{str(report.bandwidth[cn, m]) if (cn, m) in report.bandwidth else '-':>12}" for m in nodes))
     local = report.bandwidth.get((report.node, report.node))
     marks = {c.metric: c for c in report.choices}
     rows = [("THREADS", "WHY", "DECODE tok/s", "PROMPT tok/s", "DECODE EFF", "")]

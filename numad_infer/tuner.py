@@ -16,16 +16,17 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from numad_infer import bandwidth, bandwidthfile, pinning
 from numad_infer.addresses import connect_host
+from numad_infer.allowed import within
 from numad_infer.apikey import read_api_key
 from numad_infer.backends import ProcessBackend
 from numad_infer.config import Config
-from numad_infer.allowed import within
 from numad_infer.engines import engine_of
 from numad_infer.errors import NumaInferError
 from numad_infer.ggufheader import stop_token_ids
@@ -114,7 +115,8 @@ class Measurer:
         while time.monotonic() < deadline:
             pid = backend.main_pid(instance.name)
             if pid is None:
-                raise TuneError(f"the server for {instance.threads} threads exited ({backend.describe(instance.name)}); "
+                raise TuneError(f"the server for {instance.threads} threads exited "
+                                f"({backend.describe(instance.name)}); "
                                 f"see {self.log_dir / (instance.name + '.log')}")
             owner = self.proc.port_owner(cfg.server.host, instance.port, pid)
             if owner.holder == Holder.OTHER:
@@ -319,8 +321,8 @@ class Fleet:
 
     def hold(self, node: int, timeout_s: float) -> None:
         from numad_infer import holds
-        from numad_infer.states import State
         from numad_infer.statefile import read_status
+        from numad_infer.states import State
 
         names = self.instances_on(node)
         if not names:
@@ -341,8 +343,8 @@ class Fleet:
     def release(self, wait_s: float) -> None:
         """Give the held instances back and wait until they serve again (one node down at a time)."""
         from numad_infer import holds
-        from numad_infer.states import State
         from numad_infer.statefile import read_status
+        from numad_infer.states import State
 
         names = [p.name.removesuffix(holds.SUFFIX) for p in self.taken]
         for path in self.taken:
@@ -545,4 +547,5 @@ def _free_port() -> int:
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port

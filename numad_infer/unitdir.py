@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from dataclasses import dataclass
@@ -67,7 +68,8 @@ def managed_files(unit_dir: Path) -> list[str]:
 
 def plan_write(unit_dir: Path, files: dict[str, str]) -> WriteResult:
     """What `write_units` would do, without doing it (used by `check` and to decide daemon-reload)."""
-    written, unchanged = [], []
+    written: list[str] = []
+    unchanged: list[str] = []
     for rel, content in sorted(files.items()):
         path = unit_dir / rel
         try:
@@ -94,7 +96,8 @@ def check_private_dir(path: Path) -> None:
             break
         info = os.lstat(directory)
         if stat.S_ISLNK(info.st_mode) and directory == path:
-            raise NumaInferError(f"{directory} is a symbolic link; numa-infer writes there as root: make it a directory")
+            raise NumaInferError(f"{directory} is a symbolic link; numa-infer writes there as root: "
+                                 "make it a directory")
         if stat.S_ISLNK(info.st_mode):
             continue  # a link higher up (/run -> /var/run) is the system's own
         # Above it, a sticky world-writable directory (/tmp) is safe: others may not rename or
@@ -124,8 +127,6 @@ def write_units(unit_dir: Path, files: dict[str, str]) -> WriteResult:
         path = unit_dir / rel
         path.unlink(missing_ok=True)
         if path.parent != unit_dir:
-            try:
+            with contextlib.suppress(OSError):
                 path.parent.rmdir()  # only if empty: an operator's own drop-ins stay
-            except OSError:
-                pass
     return result

@@ -4,8 +4,18 @@ Built in: llama-cpp-python's server and llama.cpp's llama-server. This folder is
 place that knows how they differ; the rest of numa-infer asks `engine_of(config)`.
 """
 
-from numad_infer.engines.base import (KEY_CREDENTIAL, Engine, EngineCounters, HostAccess, engine_of, engines, get,
-                                      names, register, unregister)
+from numad_infer.engines.base import (
+    KEY_CREDENTIAL,
+    Engine,
+    EngineCounters,
+    HostAccess,
+    engine_of,
+    engines,
+    get,
+    names,
+    register,
+    unregister,
+)
 from numad_infer.engines.llama_cpp_python import LlamaCppPython
 from numad_infer.engines.llama_server import LlamaServer
 

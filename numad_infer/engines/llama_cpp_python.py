@@ -48,7 +48,8 @@ class LlamaCppPython(Engine):
                "with scripts/build-llama-server's build")
 
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
-        start = ["-c", _FROM_CREDENTIAL] if key_from_credential and config.server.api_key_file else ["-m", "llama_cpp.server"]
+        start = (["-c", _FROM_CREDENTIAL] if key_from_credential and config.server.api_key_file
+                 else ["-m", "llama_cpp.server"])
         return [
             config.server.python, *start,
             "--model", config.model.path,
