@@ -33,8 +33,12 @@ class HaproxyError(NumaInferError):
     pass
 
 
-def version(binary: str, timeout_s: float = 10.0) -> tuple[int, int]:
-    """(major, minor) of the haproxy at `binary`; HaproxyError when it is missing or is not haproxy."""
+def version(binary: str, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(major, minor) of the haproxy at `binary`; HaproxyError when it is missing or is not haproxy.
+
+    The limit only stops a hung binary, as `validate`'s does: a reload on a loaded machine
+    (seen: a TCG guest beside another) once took over 10 s to run `haproxy -v`, and a
+    reload refused for that would be a false alarm."""
     try:
         proc = subprocess.run([binary, "-v"], capture_output=True, text=True, timeout=timeout_s)
     except FileNotFoundError:
