@@ -13,8 +13,8 @@ NUMA_INFER_SKIP_VM=1 skips the suite (it is never skipped silently).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import os
+import queue
 import re
 import shutil
 import signal
@@ -79,6 +79,8 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the share directories (logs, journal)")
     parser.add_argument("--jobs", type=int, default=int(os.environ.get("NUMA_INFER_VM_JOBS", "2")),
                         help="guests run at once (default 2, or NUMA_INFER_VM_JOBS)")
+    parser.add_argument("--more-jobs-when", metavar="FILE",
+                        help="run one guest at a time until FILE exists, then --jobs (.ci/run: while pytest runs)")
     parser.add_argument("--prepare", action="store_true",
                         help="only build what is cached (the guest image, the container image's base) and exit: "
                              ".ci/run does this while pytest runs, so a machine without caches builds them "
@@ -123,13 +125,31 @@ def main() -> int:
     order = sorted(groups, key=lambda g: -EXPECTED_S.get(g, 0))
     print(f"vm suite: {len(order)} group(s), {jobs} guest(s) at a time: {' '.join(order)}", flush=True)
     results: dict[str, GroupResult] = {}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(run_group, group, work, python, env, jobs): group for group in order}
-        for future in concurrent.futures.as_completed(futures):
-            result = future.result()
-            results[result.group] = result
-            with PRINT:
-                print("\n".join(result.report), flush=True)
+    finished: queue.Queue[GroupResult] = queue.Queue()
+
+    def worker(group: str) -> None:
+        try:
+            finished.put(run_group(group, work, python, env, jobs))
+        except Exception as exc:  # a harness bug fails the group, visibly, and the others go on
+            finished.put(GroupResult(group, 0.0, True, [f"FAIL {group}: the harness failed: {exc!r}"]))
+
+    pending, running = list(order), set()
+    while pending or running:
+        # --more-jobs-when FILE: one guest until FILE exists (.ci/run: the tests are over),
+        # so a guest never shares the machine with both pytest and another guest.
+        allowed = jobs if args.more_jobs_when is None or Path(args.more_jobs_when).exists() else 1
+        while pending and len(running) < allowed:
+            group = pending.pop(0)
+            running.add(group)
+            print(f"vm suite: {group} started at {time.monotonic() - t0:.0f}s", flush=True)
+            threading.Thread(target=worker, args=(group,), daemon=True).start()
+        try:
+            result = finished.get(timeout=5)
+        except queue.Empty:
+            continue
+        running.discard(result.group)
+        results[result.group] = result
+        print("\n".join(result.report), flush=True)
     failed = any(r.failed for r in results.values())
     total = time.monotonic() - t0
     # The table that tests/vm/README.md keeps: each group's time, and the suite's.
@@ -148,7 +168,6 @@ def main() -> int:
 # Each group's time in the last measured CI run (tests/vm/README.md), alone on the machine:
 # only the order of starting them, longest first.
 EXPECTED_S = {"tune-chaos": 900, "2x2": 715, "deb": 680, "container": 510, "engine": 320, "2x2smt": 220, "4x1": 200}
-PRINT = threading.Lock()
 
 
 @dataclass
