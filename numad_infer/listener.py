@@ -156,13 +156,14 @@ class Handout:
             os.chown(self.path, -1, self.gid)  # the daemon is in that group: no capability needed
         server.listen(16)
         self._server = server
-        threading.Thread(target=self._serve, name="frontdoor-handout", daemon=True).start()
+        threading.Thread(target=self._serve, args=(server,), name="frontdoor-handout", daemon=True).start()
 
-    def _serve(self) -> None:
-        assert self._server is not None
+    def _serve(self, server: socket.socket) -> None:
+        # Its own reference: `close` clears the attribute while this thread may be between
+        # two connections (a closed socket then ends the loop with OSError).
         while True:
             try:
-                conn, _ = self._server.accept()
+                conn, _ = server.accept()
             except OSError:
                 return  # closed
             with conn:

@@ -123,6 +123,13 @@ def engine_keys(engine: str) -> str:
 _models: dict[str, Path] = {}
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -139,8 +146,12 @@ def free_port_block(count: int, also: tuple[int, ...] = ()) -> int:
     """A base port such that base..base+count-1 and base+k for k in `also` are free now (and
     not handed to another run of this session): instances take base_port + k."""
     import random
+    # Below the kernel's ephemeral range: there a client socket (HAProxy's connection to an
+    # instance, a test's own request, a guest's traffic) may take the port between this
+    # check and the server's bind, and the server then fails or a stranger answers on it.
+    top = min(_ephemeral_low(), 60000)
     for _ in range(200):
-        base = random.randrange(20000, 60000 - max((count, *also)))
+        base = random.randrange(10000, top - max((count, *also)))
         ports = [*range(base, base + count), *(base + k for k in also)]
         if not _handed_out.intersection(ports) and all(_port_free(p) for p in ports):
             _handed_out.update(ports)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon_harness import free_port_block
+
 from numad_infer import engines
 from numad_infer.config import ConfigError, parse_config
 from numad_infer.engines import Engine, EngineCounters, engine_of
@@ -79,9 +81,7 @@ def toy(tmp_path: Path) -> Iterator[ToyEngine]:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_port_block(1)  # below the ephemeral range (daemon_harness says why)
 
 
 def toy_config(model: Path, port: int = 8080, extra: str = ""):

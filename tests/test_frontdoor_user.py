@@ -70,16 +70,18 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-def wait_for(condition, what: str, timeout_s: float = 20.0) -> None:
+def wait_for(condition, what: str, timeout_s: float = 20.0, detail=lambda: "") -> None:
+    """`detail` is called only on the timeout: logs as they are then, not when the wait began."""
     deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
     while time.monotonic() < deadline:
         try:
             if condition():
                 return
-        except (OSError, HaproxyError):
-            pass
+        except (OSError, HaproxyError) as exc:
+            last = exc
         time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what} (last error: {last!r})\n{detail()}")
 
 
 def free_privileged_port() -> int:

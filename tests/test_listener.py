@@ -67,7 +67,13 @@ class Stubs:
 
 
 def serving(door: Door) -> None:
-    wait_for(lambda: post(door.port, timeout_s=2) == 200, f"a completion through the front door\n{door.log()}", 30)
+    wait_for(lambda: post(door.port, timeout_s=2) == 200, "a completion through the front door", 30,
+             lambda: f"{door.log()}{_unit_log(door)}")
+
+
+def _unit_log(door: Door) -> str:
+    path: Path | None = getattr(door, "unit_log", None)  # UnitRunner's: frontdoor_exec's and HAProxy's output
+    return f"\nunit log:\n{path.read_text(errors='replace')}" if path and path.exists() else ""
 
 
 @with_haproxy
@@ -156,6 +162,7 @@ class UnitRunner:
                       for key in ("ExecStart", "ExecStartPre", "ExecReload")}
         self.child: subprocess.Popen[bytes] | None = None
         self.log = open(tmp / "unit.log", "ab")
+        door.unit_log = tmp / "unit.log"  # type: ignore[attr-defined]  # shown when a wait times out
 
     def argv(self, line: str) -> list[str]:
         line = line.replace(FRONTDOOR_HANDOUT, str(self.handout_path))

@@ -39,7 +39,7 @@ from numad_infer import bandwidthfile
 from numad_infer.metrics import SnapshotCollector
 from numad_infer.states import State
 from numad_infer.status import DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, Status
-from tests.daemon_harness import ROOT, DaemonRun, daemons, generated_model
+from tests.daemon_harness import ROOT, DaemonRun, daemons, free_port_block, generated_model
 
 RULES = ROOT / "packaging/prometheus/numa-infer-rules.yml"
 RULES_TEST = ROOT / "packaging/prometheus/numa-infer-rules.test.yml"
@@ -197,9 +197,7 @@ def test_the_expected_empty_list_names_every_alert_and_parts_of_its_expression()
 
 
 def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return free_port_block(1)  # below the ephemeral range (daemon_harness says why)
 
 
 class Prometheus:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.daemon_harness import free_port_block
+
 from numad_infer.backends import INHERITED_VARIABLES, ProcessBackend
 from numad_infer.config import parse_config
 from numad_infer.planner import Instance, Plan, Policy
@@ -83,9 +85,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return free_port_block(1)  # below the ephemeral range (daemon_harness says why)
 
 
 @pytest.fixture
