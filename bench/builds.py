@@ -32,8 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from numad_infer.cpufeatures import from_backend_log  # noqa: E402
-from numad_infer.ggufheader import decode_bytes  # noqa: E402
+from numad_infer.host.cpufeatures import from_backend_log  # noqa: E402
+from numad_infer.model.gguf import decode_bytes  # noqa: E402
 from tests.daemon_harness import free_port_block, generated_model, llama_server_binary  # noqa: E402
 
 MODELS = ("f16", "Q8_0", "Q4_0", "Q4_K_M")

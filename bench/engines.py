@@ -6,9 +6,9 @@ on the same CPUs (this host's own topology), on the generated model quantized to
 
 Per engine and model: prompt tokens/s (a long prompt against a short one, as tune does),
 single-client decode tokens/s (streamed, as tune does) and that rate as a share of the
-memory read bandwidth measured in the same run by tune's method (numad_infer.bandwidth, one
+memory read bandwidth measured in the same run by tune's method (numad_infer.tune.bandwidth, one
 reader per CPU the instance runs on), counting the bytes a decoded token reads
-(numad_infer.ggufheader: the layers, the output projection, one embedding row), for each
+(numad_infer.model.gguf: the layers, the output projection, one embedding row), for each
 --threads count (e.g. 1,all: one thread and numa-infer's default); then, at the first, for
 C = 1, 2, 4, 8 concurrent clients, each sending completions of --tokens tokens to the
 instance directly, aggregate tokens/s (completion tokens / wall time). Every request
@@ -36,10 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.serving import PROMPT, bandwidth_gbs, host_machine  # noqa: E402
-from numad_infer import bandwidth  # noqa: E402
+from numad_infer.tune import bandwidth  # noqa: E402
 from numad_infer.engines import get as engine_named  # noqa: E402
-from numad_infer.ggufheader import decode_bytes, stop_token_ids  # noqa: E402
-from numad_infer.tuner import Client  # noqa: E402
+from numad_infer.model.gguf import decode_bytes, stop_token_ids  # noqa: E402
+from numad_infer.tune.run import Client  # noqa: E402
 from tests.daemon_harness import DaemonRun, generated_model  # noqa: E402
 
 
@@ -124,7 +124,7 @@ def main() -> None:
     args.clients = [int(c) for c in args.clients.split(",") if c]
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-bench-engines-"))
     bw = bandwidth_gbs(os.cpu_count() or 1)
-    # What `tune` measures and `status` divides by (numad_infer.bandwidth: one reader per CPU
+    # What `tune` measures and `status` divides by (numad_infer.tune.bandwidth: one reader per CPU
     # the instance runs on), for each thread count: decode efficiency is against that.
     cpus = sorted(os.sched_getaffinity(0))
     tune_bw = {n: bandwidth.measure(cpus[:n or len(cpus)], 0, samples=3).gbs for n in thread_counts}

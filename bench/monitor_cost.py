@@ -23,8 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from numad_infer.drift import check_affinity  # noqa: E402
-from numad_infer.procfs import ProcReader  # noqa: E402
+from numad_infer.host.procfs import ProcReader  # noqa: E402
+from numad_infer.lifecycle.drift import check_affinity  # noqa: E402
 
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 CGROUP_V2 = Path("/sys/fs/cgroup")

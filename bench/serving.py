@@ -26,11 +26,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.daemon_harness import DaemonRun, generated_model  # noqa: E402
-from tests import fakesys  # noqa: E402
-from numad_infer.sysfs import read_topology  # noqa: E402
 from numad_infer.engines import get as engine_named  # noqa: E402
-from numad_infer.ggufheader import decode_bytes, stop_token_ids  # noqa: E402
+from numad_infer.model.gguf import decode_bytes, stop_token_ids  # noqa: E402
+from numad_infer.topology.sysfs import read_topology  # noqa: E402
+from tests import fakesys  # noqa: E402
+from tests.daemon_harness import DaemonRun, generated_model  # noqa: E402
 
 PROMPT = "The quick brown fox jumps over the lazy dog because"
 

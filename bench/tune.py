@@ -7,7 +7,7 @@ in one run on this machine.
 2. An exhaustive sweep of every thread count from 1 to the node's logical CPUs, measured
    the same way (same servers, same samples): the best decode rate. Goal: tune's pick
    decodes within 5 % of the sweep's best.
-3. Read bandwidth of the node's CPUs from its memory: numad_infer.bandwidth (what tune
+3. Read bandwidth of the node's CPUs from its memory: numad_infer.tune.bandwidth (what tune
    reports) beside numpy (a sum per CPU, bench/serving.py), sysbench memory (read) and
    mbw (memcpy, single thread), where installed (apt-get install sysbench mbw).
 
@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.serving import bandwidth_gbs, host_machine  # noqa: E402
-from numad_infer import bandwidth  # noqa: E402
-from numad_infer.config import load_config  # noqa: E402
-from numad_infer.sysfs import read_topology  # noqa: E402
-from numad_infer.tune import Candidate  # noqa: E402
-from numad_infer.tuner import Measurer, Settings, _free_port  # noqa: E402
+from numad_infer.tune import bandwidth  # noqa: E402
+from numad_infer.config.schema import load_config  # noqa: E402
+from numad_infer.topology.sysfs import read_topology  # noqa: E402
+from numad_infer.tune.choice import Candidate  # noqa: E402
+from numad_infer.tune.run import Measurer, Settings, _free_port  # noqa: E402
 from tests import fakesys  # noqa: E402
 from tests.daemon_harness import engine_keys, generated_model  # noqa: E402
 
@@ -106,7 +106,7 @@ def main() -> None:
     cpus = node.cpus
     ours = bandwidth.measure(cpus, node.id, samples=args.samples)
     single = bandwidth.measure(cpus[:1], node.id, samples=args.samples)
-    print(f"numad_infer.bandwidth (memchr per CPU, what tune reports): {ours.gbs:.1f} GB/s with {len(cpus)} readers "
+    print(f"numad_infer.tune.bandwidth (memchr per CPU, what tune reports): {ours.gbs:.1f} GB/s with {len(cpus)} readers "
           f"(samples {', '.join(f'{s:.1f}' for s in ours.samples_gbs)}); {single.gbs:.1f} GB/s with 1")
     numpy_gbs = statistics.median(bandwidth_gbs(len(cpus)) for _ in range(3))
     print(f"numpy sum, {len(cpus)} threads: {numpy_gbs:.1f} GB/s; ratio ours / numpy {ours.gbs / numpy_gbs:.2f}")

@@ -1,5 +1,5 @@
 import sys
 
-from numad_infer.cli import main
+from numad_infer.cli.main import main
 
 sys.exit(main())

@@ -1,8 +1,14 @@
-"""Every module of numa-infer, its layer and its job: the one map that the README's "Layout"
-section is generated from (tools/layout_reference.py) and that tests/test_layers.py holds
-the imports to.
+"""Every module of numa-infer: its package, its layer and its job. The one map that the
+README's "Layout" section is generated from (tools/layout_reference.py) and that
+tests/test_layers.py holds the imports to.
 
-Layers, lowest first; a module may import from its own layer and the ones below it:
+A feature is a folder: `PACKAGES` lists them, lowest first, and a module imports only
+from its own package and the ones before it (the top level's version, errors and this
+map come first; the entry points `__main__` and `frontdoor_exec` last). No two modules
+import each other, directly or around a circle.
+
+Within and across packages, every module also has a layer; a module may import from its
+own layer and the ones below it:
 
 - core: pure, no I/O: values in, values out, tested with tables of inputs;
 - edge: talks to one thing outside the process (a file, /sys, /proc, systemctl, a socket,
@@ -16,8 +22,7 @@ a higher layer in a lower one means the lower one knows the higher one's shapes,
 is what the layering forbids (the guard is there for start-up time, not for direction).
 
 Adding a module is one line in `MODULES` (the test fails until it is there). A key is the
-module's path under numad_infer/ without `.py`, so a sub-package's modules are
-`engines/llama_server` and `engines/__init__`.
+module's path under numad_infer/ without `.py`: `config/schema`, `engines/__init__`.
 """
 
 from __future__ import annotations
@@ -27,90 +32,158 @@ from dataclasses import dataclass
 CORE, EDGE, ORCHESTRATION = "core", "edge", "orchestration"
 ORDER = (CORE, EDGE, ORCHESTRATION)
 
+# The packages, lowest first, with what each holds ("" is the top level).
+PACKAGES: tuple[tuple[str, str], ...] = (
+    ("", "the version, the error hierarchy, this map"),
+    ("util", "small pure helpers every package uses: CPU lists, tables, typed JSON, addresses, atomic files"),
+    ("config", "the TOML file: its schema, defaults, key reference and the API key file it names"),
+    ("systemd", "systemd's interfaces: sd_notify, systemctl, unit names, the unit directory"),
+    ("topology", "the machine's NUMA topology and the part of it the cgroup allows (sysfs, cgroups)"),
+    ("plan", "config + topology -> the plan: instances, cores, memory policy, ports"),
+    ("host", "the running host: /proc, CPU features, pinning syscalls, users, port owners"),
+    ("model", "the model file: readable, GGUF, its header"),
+    ("engines", "the inference servers numa-infer runs: one `Engine` per program"),
+    ("frontdoor", "HAProxy in front of the instances: its config, binary, runtime API, listening socket"),
+    ("validate", "the one validation pipeline: config, host, model, engine, key, plan"),
+    ("backends", "where the instances run: systemd units or child processes"),
+    ("lifecycle", "an instance's lifecycle: states, transitions, drift verdicts"),
+    ("status", "what the daemon publishes: status records, the state file, Prometheus metrics"),
+    ("supervision", "one reconcile pass: health, drift checks, restarts, roll-outs"),
+    ("doctor", "`numa-infer doctor`: host facts, verdicts, the pipeline"),
+    ("tune", "`numa-infer tune`: measure layouts, choose one, apply it"),
+    ("daemon", "the daemon's loop: the desired plan, reloads, publishing"),
+    ("cli", "the `numa-infer` command"),
+)
+ENTRY_POINTS = ("__main__", "frontdoor_exec")  # run by name; may import from any package
+PACKAGE_INIT = "the package (its docstring says what it holds)"
+
 MODULES: dict[str, tuple[str, str]] = {
-    # -- core ---------------------------------------------------------------------------------
+    # -- top level ---------------------------------------------------------------------------------
     "__init__": (CORE, "the version"),
-    "allowed": (CORE, "what the instances' cgroup lets them use (cpuset, CPU quota) and the topology within it"),
-    "addresses": (CORE, "where a local client reaches a listen address (wildcard -> loopback)"),
-    "config": (CORE, "the schema of /etc/numa-infer.toml, parsing and validation"),
-    "configref": (CORE, "the key reference (README, man page) generated from the schema"),
-    "cpufeatures": (CORE, "which CPU kernels an engine runs (ggml variant, system_info) and the wide units it "
-                          "leaves idle"),
-    "cpuset": (CORE, "CPU lists: parse and format `0-3,8`"),
-    "defaults": (CORE, "default paths, apart so `status` need not import the schema"),
-    "doctor": (CORE, "`doctor`'s verdicts: host facts + the plan's needs -> ok/info/warn/fail checks, "
-                     "each with its fix"),
-    "drift": (CORE, "expected vs observed -> drift verdicts"),
+    "errors": (CORE, "the one error hierarchy an operator sees (`NumaInferError`, `ConfigError`)"),
+    "layers": (CORE, "this map: every module, its layer and its job"),
+    # -- util --------------------------------------------------------------------------------------
+    "util/__init__": (CORE, PACKAGE_INIT),
+    "util/addresses": (CORE, "where a local client reaches a listen address (wildcard -> loopback)"),
+    "util/cpuset": (CORE, "CPU lists: parse and format `0-3,8`"),
+    "util/tables": (CORE, "plain-text tables for every command's output"),
+    "util/typedjson": (CORE, "JSON read back from a file -> typed dataclasses, every field checked"),
+    "util/atomicfile": (EDGE, "replace a file atomically (temp file + rename); read only a regular file, never a link"
+                              " or FIFO"),
+    # -- config ------------------------------------------------------------------------------------
+    "config/__init__": (CORE, PACKAGE_INIT),
+    "config/defaults": (CORE, "default paths, apart so `status` need not import the schema"),
+    "config/reference": (CORE, "the key reference (README, man page) generated from the schema"),
+    "config/schema": (CORE, "the schema of /etc/numa-infer.toml, parsing and validation"),
+    "config/apikey": (EDGE, "the API key file"),
+    # -- systemd -----------------------------------------------------------------------------------
+    "systemd/__init__": (CORE, PACKAGE_INIT),
+    "systemd/unitnames": (CORE, "systemd unit and drop-in names, built and taken apart"),
+    "systemd/notify": (EDGE, "sd_notify"),
+    "systemd/systemctl": (EDGE, "systemctl calls and their parsed answers"),
+    "systemd/unitdir": (EDGE, "writing units: atomic, only our own files, unit-name and directory-ownership checks"),
+    # -- topology ----------------------------------------------------------------------------------
+    "topology/__init__": (CORE, PACKAGE_INIT),
+    "topology/cgroup_limits": (CORE, "what the instances' cgroup lets them use (cpuset, CPU quota) and the topology "
+                                     "within it"),
+    "topology/model": (CORE, "the NUMA topology model and its builder"),
+    "topology/cgroups": (EDGE, "reads a cgroup's cpuset and CPU quota (the daemon's own, or the instances' slice)"),
+    "topology/sysfs": (EDGE, "/sys reader rooted at a directory"),
+    # -- plan --------------------------------------------------------------------------------------
+    "plan/__init__": (CORE, PACKAGE_INIT),
+    "plan/placement": (CORE, "config + topology -> the plan; plan diffs; the reserved-core rule"),
+    # -- host --------------------------------------------------------------------------------------
+    "host/__init__": (CORE, PACKAGE_INIT),
+    "host/cpufeatures": (CORE, "which CPU kernels an engine runs (ggml variant, system_info) and the wide units it "
+                               "leaves idle"),
+    "host/proc_types": (CORE, "what the monitor reads of a process (threads, memory per node) as types"),
+    "host/identity": (EDGE, "the backend kind (asked once), who the instances and the front door run as: DynamicUser,"
+                            " `server.user`, the packaged users"),
+    "host/pinning": (EDGE, "affinity and memory-policy syscalls"),
+    "host/portowner": (EDGE, "whose process listens on an instance's port (before it gets the key or requests)"),
+    "host/privdrop": (EDGE, "a child switched to another user with no capability, dying with the daemon"),
+    "host/procfs": (EDGE, "/proc reader rooted at a directory"),
+    # -- model -------------------------------------------------------------------------------------
+    "model/__init__": (CORE, PACKAGE_INIT),
+    "model/file": (EDGE, "the model file: readable, GGUF, its size"),
+    "model/gguf": (EDGE, "the GGUF header: tensor table (bytes a decoded token reads) and end-of-sequence ids"),
+    # -- engines -----------------------------------------------------------------------------------
     "engines/__init__": (CORE, "the engine registry with the built-in engines registered"),
     "engines/base": (CORE, "`Engine`: everything that differs between engines (argv, probe and key routes, key "
                            "variables, slots, own config keys, host check, metrics); the registry"),
     "engines/llama_cpp_python": (CORE, "llama-cpp-python's OpenAI server as an `Engine`"),
+    "engines/keys": (CORE, "a configuration's engine keys checked against the registry: name, key flags, other "
+                           "engines' keys"),
     "engines/llama_server": (CORE, "llama.cpp's llama-server as an `Engine`"),
-    "errors": (CORE, "the one error hierarchy an operator sees (`NumaInferError`, `ConfigError`)"),
-    "haproxycfg": (CORE, "haproxy.cfg from the plan"),
-    "layers": (CORE, "this map: every module, its layer and its job"),
-    "observed": (CORE, "what the monitor reads of a process (threads, memory per node) as types"),
-    "planner": (CORE, "config + topology -> the plan; plan diffs; the reserved-core rule"),
-    "render": (CORE, "the plan -> systemd unit text"),
-    "states": (CORE, "the one lifecycle state machine of an instance"),
-    "status": (CORE, "the typed status the daemon publishes and `status`/metrics read"),
-    "tables": (CORE, "plain-text tables for every command's output"),
-    "topology": (CORE, "the NUMA topology model and its builder"),
-    "typedjson": (CORE, "JSON read back from a file -> typed dataclasses, every field checked"),
-    "tune": (CORE, "tune's grid, layouts, the choice and its noise verdict, the report"),
-    "unitnames": (CORE, "systemd unit and drop-in names, built and taken apart"),
-    # -- edges --------------------------------------------------------------------------------
-    "apikey": (EDGE, "the API key file"),
-    "childlog": (EDGE, "a child's output (process backend): a log file, or stdout prefixed with its name"),
-    "cgroups": (EDGE, "reads a cgroup's cpuset and CPU quota (the daemon's own, or the instances' slice)"),
-    "atomicfile": (EDGE, "replace a file atomically (temp file + rename); read only a regular file, "
-                         "never a link or FIFO"),
-    "backends": (EDGE, "where instances run: systemd units or child processes, behind one `Backend`"),
-    "bandwidth": (EDGE, "the memory read-bandwidth measurement"),
-    "bandwidthfile": (EDGE, "the bandwidth tune measured, kept for the daemon"),
-    "configedit": (EDGE, "`tune --apply`'s round-trip edit of the TOML file"),
-    "frontdoor": (EDGE, "the daemon's handle on the running HAProxy: apply, observe, rotation"),
-    "listener": (EDGE, "the front door's listening socket, held by the daemon across HAProxy's death and reloads, "
-                       "handed to HAProxy's unit, kept in the daemon's file descriptor store"),
-    "frontdoor_exec": (EDGE, "what HAProxy's unit runs: takes the daemon's socket, then executes HAProxy"),
-    "ggufheader": (EDGE, "the GGUF header: tensor table (bytes a decoded token reads) and end-of-sequence ids"),
-    "haproxy": (EDGE, "the HAProxy binary (version, `-c`) and its runtime API socket"),
-    "health": (EDGE, "HTTP probe, API-key check, the engine's own counters"),
-    "holds": (EDGE, "another process asks the daemon to keep an instance stopped"),
-    "hostfacts": (EDGE, "reads what `doctor` judges (sysctls, THP, cpufreq, IRQs, swap, processes) from a root"),
-    "hostcheck": (EDGE, "the host as the instances meet it: programs run with their privilege (an engine's "
-                        "check), host warnings"),
-    "identity": (EDGE, "the backend kind (asked once), who the instances and the front door run as: DynamicUser, "
-                 "`server.user`, the packaged users"),
-    "metrics": (EDGE, "the Prometheus endpoint"),
-    "modelfile": (EDGE, "the model file: readable, GGUF, its size"),
-    "notify": (EDGE, "sd_notify"),
-    "pinning": (EDGE, "affinity and memory-policy syscalls"),
-    "privdrop": (EDGE, "a child switched to another user with no capability, dying with the daemon"),
-    "portowner": (EDGE, "whose process listens on an instance's port (before it gets the key or requests)"),
-    "procfs": (EDGE, "/proc reader rooted at a directory"),
-    "statefile": (EDGE, "the state file the daemon writes and the commands read"),
-    "sysfs": (EDGE, "/sys reader rooted at a directory"),
-    "systemctl": (EDGE, "systemctl calls and their parsed answers"),
-    "unitdir": (EDGE, "writing units: atomic, only our own files, unit-name and directory-ownership checks"),
-    # -- orchestration ------------------------------------------------------------------------
+    # -- frontdoor ---------------------------------------------------------------------------------
+    "frontdoor/__init__": (CORE, PACKAGE_INIT),
+    "frontdoor/haproxy_config": (CORE, "haproxy.cfg from the plan"),
+    "frontdoor/control": (EDGE, "the daemon's handle on the running HAProxy: apply, observe, rotation"),
+    "frontdoor/handover": (EDGE, "what HAProxy's unit runs: takes the daemon's socket, then executes HAProxy"),
+    "frontdoor/haproxy": (EDGE, "the HAProxy binary (version, `-c`) and its runtime API socket"),
+    "frontdoor/listener": (EDGE, "the front door's listening socket, held by the daemon across HAProxy's death and "
+                                 "reloads, handed to HAProxy's unit, kept in the daemon's file descriptor store"),
+    # -- validate ----------------------------------------------------------------------------------
+    "validate/__init__": (CORE, PACKAGE_INIT),
+    "validate/host_check": (EDGE, "the host as the instances meet it: programs run with their privilege (an engine's "
+                                  "check), host warnings"),
+    "validate/pipeline": (ORCHESTRATION, "the one loading and validation pipeline: config, topology, runs-as, model, "
+                                         "engine, front door, key, plan"),
+    # -- backends ----------------------------------------------------------------------------------
+    "backends/__init__": (CORE, PACKAGE_INIT),
+    "backends/units": (CORE, "the plan -> systemd unit text"),
+    "backends/base": (EDGE, "where instances run: systemd units or child processes, behind one `Backend`"),
+    "backends/childlog": (EDGE, "a child's output (process backend): a log file, or stdout prefixed with its name"),
+    # -- lifecycle ---------------------------------------------------------------------------------
+    "lifecycle/__init__": (CORE, PACKAGE_INIT),
+    "lifecycle/drift": (CORE, "expected vs observed -> drift verdicts"),
+    "lifecycle/states": (CORE, "the one lifecycle state machine of an instance"),
+    # -- status ------------------------------------------------------------------------------------
+    "status/__init__": (CORE, PACKAGE_INIT),
+    "status/records": (CORE, "the typed status the daemon publishes and `status`/metrics read"),
+    "status/metrics": (EDGE, "the Prometheus endpoint"),
+    "status/statefile": (EDGE, "the state file the daemon writes and the commands read"),
+    # -- supervision -------------------------------------------------------------------------------
+    "supervision/__init__": (CORE, PACKAGE_INIT),
+    "supervision/health": (EDGE, "HTTP probe, API-key check, the engine's own counters"),
+    "supervision/holds": (EDGE, "another process asks the daemon to keep an instance stopped"),
+    "supervision/drift_checks": (ORCHESTRATION, "one drift check per kind (affinity, memory), each with its own per-"
+                                                "process state, registered in `CHECKS`"),
+    "supervision/instance": (ORCHESTRATION, "what the daemon knows of one instance's current process"),
+    "supervision/keycheck": (ORCHESTRATION, "does an instance take the configured API key (once per process)"),
+    "supervision/reconcile": (ORCHESTRATION, "one pass: the coordinator of rollout, supervision and drift checks"),
+    "supervision/rollout": (ORCHESTRATION, "apply a plan: start, stop, adopt; restarts one at a time behind the front"
+                                           " door"),
+    "supervision/supervisor": (ORCHESTRATION, "probe results and exits -> lifecycle transitions: restart, drain, "
+                                              "hold, backoff"),
+    # -- doctor ------------------------------------------------------------------------------------
+    "doctor/__init__": (CORE, PACKAGE_INIT),
+    "doctor/verdicts": (CORE, "`doctor`'s verdicts: host facts + the plan's needs -> ok/info/warn/fail checks, each "
+                              "with its fix"),
+    "doctor/host_facts": (EDGE, "reads what `doctor` judges (sysctls, THP, cpufreq, IRQs, swap, processes) from a "
+                                "root"),
+    "doctor/pipeline": (ORCHESTRATION, "`doctor`'s pipeline: the plan's needs, the host's facts, the engine's build, "
+                                       "verdicts"),
+    # -- tune --------------------------------------------------------------------------------------
+    "tune/__init__": (CORE, PACKAGE_INIT),
+    "tune/choice": (CORE, "tune's grid, layouts, the choice and its noise verdict, the report"),
+    "tune/bandwidth": (EDGE, "the memory read-bandwidth measurement"),
+    "tune/bandwidth_file": (EDGE, "the bandwidth tune measured, kept for the daemon"),
+    "tune/config_edit": (EDGE, "`tune --apply`'s round-trip edit of the TOML file"),
+    "tune/run": (ORCHESTRATION, "tune's measuring servers and fleet holds"),
+    # -- daemon ------------------------------------------------------------------------------------
+    "daemon/__init__": (CORE, PACKAGE_INIT),
+    "daemon/desired": (ORCHESTRATION, "the plan the daemon runs: load, apply, reload, re-plan on hotplug; the reload "
+                                      "bookkeeping status reports"),
+    "daemon/loop": (ORCHESTRATION, "the loop: signals, passes, publishing, shutdown"),
+    "daemon/publish": (ORCHESTRATION, "what the daemon publishes each pass: runtimes -> status types, the status line"),
+    # -- cli ---------------------------------------------------------------------------------------
+    "cli/__init__": (CORE, PACKAGE_INIT),
+    "cli/main": (ORCHESTRATION, "argument parsing and presentation"),
+    # -- entry points (may import any package) -------------------------------------------------
     "__main__": (ORCHESTRATION, "`python -m numad_infer`"),
-    "checkup": (ORCHESTRATION, "`doctor`'s pipeline: the plan's needs, the host's facts, the engine's build, verdicts"),
-    "cli": (ORCHESTRATION, "argument parsing and presentation"),
-    "daemon": (ORCHESTRATION, "the loop: signals, passes, publishing, shutdown"),
-    "driftchecks": (ORCHESTRATION, "one drift check per kind (affinity, memory), each with its own per-process "
-                                   "state, registered in `CHECKS`"),
-    "keycheck": (ORCHESTRATION, "does an instance take the configured API key (once per process)"),
-    "loading": (ORCHESTRATION, "the one loading and validation pipeline: config, topology, runs-as, model, "
-                               "engine, front door, key, plan"),
-    "planstate": (ORCHESTRATION, "the plan the daemon runs: load, apply, reload, re-plan on hotplug; the "
-                                 "reload bookkeeping status reports"),
-    "reconcile": (ORCHESTRATION, "one pass: the coordinator of rollout, supervision and drift checks"),
-    "rollout": (ORCHESTRATION, "apply a plan: start, stop, adopt; restarts one at a time behind the front door"),
-    "runtime": (ORCHESTRATION, "what the daemon knows of one instance's current process"),
-    "snapshot": (ORCHESTRATION, "what the daemon publishes each pass: runtimes -> status types, the status line"),
-    "supervise": (ORCHESTRATION, "probe results and exits -> lifecycle transitions: restart, drain, hold, backoff"),
-    "tuner": (ORCHESTRATION, "tune's measuring servers and fleet holds"),
+    "frontdoor_exec": (ORCHESTRATION, "HAProxy's unit's entry point (`python3 -m numad_infer.frontdoor_exec`), kept "
+                                      "for the units rendered so far; the code is `frontdoor/handover`"),
 }
 
 README_BEGIN = "<!-- layout: generated by tools/layout_reference.py from numad_infer/layers.py; do not edit -->"
@@ -127,19 +200,39 @@ class Module:
     def rank(self) -> int:
         return ORDER.index(self.layer)
 
+    @property
+    def package(self) -> str:
+        return self.name.rpartition("/")[0]
+
+    @property
+    def package_rank(self) -> int:
+        """Its package's place in `PACKAGES`; the entry points come after every package."""
+        if self.name in ENTRY_POINTS:
+            return len(PACKAGES)
+        return [name for name, _ in PACKAGES].index(self.package)
+
 
 def modules() -> list[Module]:
     return [Module(name, layer, job) for name, (layer, job) in MODULES.items()]
 
 
 def markdown() -> str:
-    """The README's module table: layer by layer, lowest first, modules in alphabetical order."""
+    """The README's layout: one table per package, in import order, its modules by layer."""
     lines = [README_BEGIN,
-             "A module imports only from its own layer or a lower one: core (pure, no I/O) < edge (talks to one "
-             "thing outside the process) < orchestration (decides what to do and when). `tests/test_layers.py` "
-             "checks every import, also those inside functions and under `TYPE_CHECKING`.", "",
-             "| layer | module (`numad_infer/`) | job |", "|---|---|---|"]
-    for module in sorted(modules(), key=lambda m: (m.rank, m.name)):
-        lines.append(f"| {module.layer} | `{module.name}.py` | {module.job} |")
+             "One folder per feature. A module imports only from its own package or an earlier one in this "
+             "list, and only from its own layer or a lower one: core (pure, no I/O) < edge (talks to one thing "
+             "outside the process) < orchestration (decides what to do and when). No two modules import each "
+             "other, directly or around a circle. `tests/test_layers.py` checks every import, also those inside "
+             "functions and under `TYPE_CHECKING`.", ""]
+    every = modules()
+    for package, job in PACKAGES:
+        inside = [m for m in every if m.package == package and m.job != PACKAGE_INIT and m.name not in ENTRY_POINTS]
+        lines += [f"**`numad_infer/{package + '/' if package else ''}`**: {job}", "",
+                  "| module | layer | job |", "|---|---|---|"]
+        lines += [f"| `{m.name.rpartition('/')[2]}.py` | {m.layer} | {m.job} |"
+                  for m in sorted(inside, key=lambda m: (m.rank, m.name))]
+        lines.append("")
+    lines += ["**Entry points** (run by name):", "", "| module | layer | job |", "|---|---|---|"]
+    lines += [f"| `{m.name}.py` | {m.layer} | {m.job} |" for m in every if m.name in ENTRY_POINTS]
     lines.append(README_END)
     return "\n".join(lines)

@@ -10,8 +10,8 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from tests import fakesys

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from numad_infer.cpuset import format_list
+from numad_infer.util.cpuset import format_list
 
 
 @dataclass(frozen=True)

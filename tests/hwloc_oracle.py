@@ -1,4 +1,4 @@
-"""hwloc's reading of a sysfs root: the independent oracle for numad_infer.topology.
+"""hwloc's reading of a sysfs root: the independent oracle for numad_infer.topology.model.
 
 Runs `lstopo-no-graphics --disallowed --of xml` with HWLOC_FSROOT pointed at the root
 and reduces its answer to what numa-infer also computes: node -> online CPUs and the
@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
-
 
 LSTOPO = shutil.which("lstopo-no-graphics")
 

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.allowed import Allowed, left_out, within
-from numad_infer.cgroups import CgroupReader
-from numad_infer.config import ConfigError, parse_config
-from numad_infer.planner import make_plan
-from numad_infer.sysfs import read_topology
+from numad_infer.config.schema import ConfigError, parse_config
+from numad_infer.plan.placement import make_plan
+from numad_infer.topology.cgroup_limits import Allowed, left_out, within
+from numad_infer.topology.cgroups import CgroupReader
+from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,11 +145,11 @@ def test_plan_inside_a_real_cpuset_cgroup_uses_only_its_cpu(tmp_path: Path) -> N
 
 def test_an_instance_whose_cpuset_narrowed_under_it_is_drift_told_once_and_status_shows_only_what_it_can_use(
         tmp_path: Path, machine) -> None:
-    from numad_infer.config import MonitorSection
-    from numad_infer.driftchecks import AllowedSetCheck, CheckContext
-    from numad_infer.drift import EventKind
-    from numad_infer.procfs import ProcReader
-    from numad_infer.runtime import Runtime
+    from numad_infer.config.schema import MonitorSection
+    from numad_infer.host.procfs import ProcReader
+    from numad_infer.lifecycle.drift import EventKind
+    from numad_infer.supervision.drift_checks import AllowedSetCheck, CheckContext
+    from numad_infer.supervision.instance import Runtime
 
     instance = make_plan(cfg(), machine, allowed=Allowed(frozenset({0, 1}), None)).instances[0]
     assert instance.cpus == (0, 1)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests import fakesys
-from tests.daemon_harness import llama_server_binary, with_server_keys
 from tests.conftest import searchable_by_others
+from tests.daemon_harness import llama_server_binary, with_server_keys
 
 GGUF_HEADER = b"GGUF\x03\x00\x00\x00" + b"\x00" * 24
 

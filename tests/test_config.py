@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.config import ConfigError, load_config, parse_config
+from numad_infer.config.schema import ConfigError, load_config, parse_config
 
 SRC = "/etc/numa-infer.toml"
 BASE = '[model]\npath = "/m.gguf"\n'

@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from numad_infer import cli
-from numad_infer.config import ConfigError, parse_config
-from numad_infer.planner import make_plan
+from numad_infer.backends.units import render_units
+from numad_infer.cli import main as cli
+from numad_infer.config.schema import ConfigError, parse_config
 from numad_infer.engines import engine_of
-from numad_infer.render import render_units
-from numad_infer.sysfs import read_topology
+from numad_infer.plan.placement import make_plan
+from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
 from tests.test_render import directives, systemd_split, systemd_verify
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from numad_infer.defaults import stop_bound_s
+from numad_infer.config.defaults import stop_bound_s
 from tests.daemon_harness import ROOT, DaemonRun, daemons, engine_keys, generated_model, server_python, shared_dir
 
 DRAIN_TIMEOUT_S = 30.0
@@ -236,7 +236,7 @@ def test_a_bad_mount_is_one_line_naming_the_path_and_the_fix_and_a_non_zero_exit
 
 
 def test_forward_prefixes_every_line_and_splits_one_too_long_to_hold() -> None:
-    from numad_infer.childlog import MAX_LINE, forward
+    from numad_infer.backends.childlog import MAX_LINE, forward
 
     child_r, child_w = os.pipe()
     out_r, out_w = os.pipe()

@@ -1,4 +1,4 @@
-"""numad_infer.cpufeatures and Engine.cpu: which CPU kernels an engine runs, and the verdict
+"""numad_infer.host.cpufeatures and Engine.cpu: which CPU kernels an engine runs, and the verdict
 (`check`'s warning, `doctor`'s check) when it leaves AVX2/AVX-512/AMX idle (issue 20, item 2)."""
 
 from __future__ import annotations
@@ -7,8 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.cpufeatures import (VARIANT_FEATURES, EngineCpu, cpuinfo_flags, from_backend_log, from_system_info,
-                                     host_variants, idle_units)
+from numad_infer.host.cpufeatures import (
+    VARIANT_FEATURES,
+    EngineCpu,
+    cpuinfo_flags,
+    from_backend_log,
+    from_system_info,
+    host_variants,
+    idle_units,
+)
 
 # What llama-server (GGML_BACKEND_DL build) logs before anything else.
 LOG = """load_backend: loaded CPU backend from /opt/llama/libggml-cpu-icelake.so
@@ -51,9 +58,9 @@ def test_llama_cpp_python_reports_what_its_libggml_cpu_was_compiled_for() -> Non
     pytest.importorskip("llama_cpp")
     import sys
 
-    from numad_infer.config import parse_config
+    from numad_infer.config.schema import parse_config
     from numad_infer.engines import engine_of
-    from numad_infer.hostcheck import InstanceHost
+    from numad_infer.validate.host_check import InstanceHost
 
     config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-cpp-python"\npython = "{sys.executable}"\n', "/etc/x.toml")
     report = engine_of(config).cpu(config, InstanceHost(None))
@@ -64,9 +71,9 @@ def test_llama_cpp_python_reports_what_its_libggml_cpu_was_compiled_for() -> Non
 
 def test_an_engine_that_cannot_tell_says_why(tmp_path: Path) -> None:
     """doctor shows the reason; `check` stays silent rather than guess."""
-    from numad_infer.config import parse_config
+    from numad_infer.config.schema import parse_config
     from numad_infer.engines import engine_of
-    from numad_infer.hostcheck import InstanceHost
+    from numad_infer.validate.host_check import InstanceHost
 
     static = tmp_path / "llama-server"  # a static build: --list-devices names no variant
     static.write_text("#!/bin/sh\necho 'Available devices:'\n")
@@ -84,9 +91,9 @@ def test_an_engine_that_cannot_tell_says_why(tmp_path: Path) -> None:
 def test_llama_server_names_the_variant_it_loaded_on_this_host() -> None:
     # scripts/build-llama-server's build on this machine: a variant this CPU and OS can run
     # (cpuid and XCR0 both), never one that would die with SIGILL.
-    from numad_infer.config import parse_config
+    from numad_infer.config.schema import parse_config
     from numad_infer.engines import engine_of
-    from numad_infer.hostcheck import InstanceHost
+    from numad_infer.validate.host_check import InstanceHost
     from tests.daemon_harness import llama_server_binary
 
     binary = llama_server_binary()
@@ -120,7 +127,7 @@ def test_a_wider_variant_built_but_not_loaded_is_declined_by_the_host_not_idle()
     """A Xeon whose hypervisor lists AMX and faults at the first tile instruction: ggml
     (patched) loads zen4 although sapphirerapids sits beside it. AMX is then not the
     engine's to use, and no rebuild would help: no idle-unit warning."""
-    from numad_infer.cpufeatures import declined_by
+    from numad_infer.host.cpufeatures import declined_by
 
     host = frozenset("sse4_2 avx f16c fma avx2 bmi2 avx512f avx512vbmi avx512_vnni avx512_bf16 amx_tile amx_int8".split())
     loaded = EngineCpu("zen4", VARIANT_FEATURES["zen4"])

@@ -237,7 +237,7 @@ def test_cpu_going_offline_changes_the_plan(daemon) -> None:
 
 
 def test_an_api_key_guards_the_instances_and_the_probe_still_passes(daemon, tmp_path: Path) -> None:
-    from numad_infer.health import KeyCheck, check_key
+    from numad_infer.supervision.health import KeyCheck, check_key
 
     key = tmp_path / "api-key"
     key.write_text("k-123\n")
@@ -335,8 +335,8 @@ def test_health_says_live_and_ready_for_probes_and_3_once_the_daemon_is_gone(dae
 def test_health_verdicts_from_a_status() -> None:
     import dataclasses
 
-    from numad_infer.states import State
-    from numad_infer.status import DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, Status
+    from numad_infer.lifecycle.states import State
+    from numad_infer.status.records import DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, Status
 
     now = 1000.0
     inst = InstanceStatus(name="infer@0", node=0, cpus=(0,), mems=(0,), threads=1, port=1, pid=2, state=State.HEALTHY,

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from numad_infer import configref
-from numad_infer.config import Config
+from numad_infer.config import reference as configref
+from numad_infer.config.schema import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.doctor import Check, Level, Neighbour, check_neighbours
-from numad_infer.doctor import Plan as DoctorPlan
-from numad_infer.checkup import checkup
-from numad_infer.hostfacts import HostReader
-from numad_infer.identity import BackendKind
-from numad_infer.loading import load
+from numad_infer.doctor.host_facts import HostReader
+from numad_infer.doctor.pipeline import checkup
+from numad_infer.doctor.verdicts import Check, Level, Neighbour, check_neighbours
+from numad_infer.doctor.verdicts import Plan as DoctorPlan
+from numad_infer.host.identity import BackendKind
+from numad_infer.validate.pipeline import load
 from tests import fakesys
 from tests.conftest import searchable_by_others
 
@@ -289,8 +289,8 @@ def test_real_busy_process_is_seen_on_its_cpu() -> None:
 
 
 def _facts_with(neighbours: tuple[Neighbour, ...]):
-    from numad_infer.cpufeatures import EngineCpuReport
-    from numad_infer.doctor import HostFacts
+    from numad_infer.doctor.verdicts import HostFacts
+    from numad_infer.host.cpufeatures import EngineCpuReport
 
     return HostFacts(0, "always", "madvise", {}, 0, 0, 10, {}, (), False, neighbours, 0.5, (), frozenset(),
                      EngineCpuReport(None, "", ""), {})
@@ -385,9 +385,9 @@ def test_a_running_instance_is_no_neighbour_and_its_memory_counts_as_its_own(tmp
     """This host's own /proc and /sys: a process standing in for a running instance (busy on
     CPU 0, 64 MiB of anonymous memory touched) is left out of the neighbours, and its
     memory is added back to what its node has for it."""
-    from numad_infer.checkup import read_facts
-    from numad_infer.states import State
-    from numad_infer.status import DaemonState, DaemonStatus, InstanceStatus, Status
+    from numad_infer.doctor.pipeline import read_facts
+    from numad_infer.lifecycle.states import State
+    from numad_infer.status.records import DaemonState, DaemonStatus, InstanceStatus, Status
 
     config, _ = setup(tmp_path)
     loaded = load(str(config), BackendKind.PROCESS, "/")

@@ -6,20 +6,19 @@ from dataclasses import dataclass, field
 
 import pytest
 
-
-from numad_infer.backends import Observation
-from numad_infer.config import MonitorSection, parse_config
-from numad_infer.drift import EventKind, check_affinity, check_memory
-from numad_infer.haproxy import AdminState
-from numad_infer.planner import Plan, make_plan
-from numad_infer.observed import NodeUsage, ThreadInfo
-from numad_infer.procfs import parse_numa_maps, parse_numa_stat
-from numad_infer.portowner import Holder, PortOwner
-from numad_infer import reconcile
-from numad_infer.health import ProbeResult
-from numad_infer.reconcile import Reconciler
-from numad_infer.states import RestartDecision, State, Supervision
-from numad_infer.topology import RawCpu, RawNode, SysfsSnapshot, build_topology
+from numad_infer.backends.base import Observation
+from numad_infer.config.schema import MonitorSection, parse_config
+from numad_infer.frontdoor.haproxy import AdminState
+from numad_infer.host.portowner import Holder, PortOwner
+from numad_infer.host.proc_types import NodeUsage, ThreadInfo
+from numad_infer.host.procfs import parse_numa_maps, parse_numa_stat
+from numad_infer.lifecycle.drift import EventKind, check_affinity, check_memory
+from numad_infer.lifecycle.states import RestartDecision, State, Supervision
+from numad_infer.plan.placement import Plan, make_plan
+from numad_infer.supervision import reconcile
+from numad_infer.supervision.health import ProbeResult
+from numad_infer.supervision.reconcile import Reconciler
+from numad_infer.topology.model import RawCpu, RawNode, SysfsSnapshot, build_topology
 
 CPUS = frozenset({4, 5, 6, 7})
 
@@ -424,7 +423,7 @@ def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definit
 def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(probes_answer, monkeypatch) -> None:
     # A fake /proc/PID/numa_maps with most anonymous pages on the wrong node (this CI host
     # has one node, where memory is always local), and migrate_pages recorded, not called.
-    from numad_infer import pinning
+    from numad_infer.host import pinning
 
     backend, proc = RecordingBackend(), FakeProc()
     usage: dict[int, NodeUsage] = {}
@@ -459,7 +458,7 @@ def test_memory_drift_under_a_profile_that_refuses_migrate_pages_is_reported_not
     # podman's and Kubernetes' default seccomp profiles refuse migrate_pages (tests/test_seccomp.py
     # shows the probe with a real filter): the drift is shown, no call is made, and the log
     # says why, rather than an ERROR for a call that can only fail again.
-    from numad_infer import pinning
+    from numad_infer.host import pinning
 
     backend, proc = RecordingBackend(), FakeProc()
     proc.numa_maps = lambda pid: NodeUsage(anon={0: 200 << 20, 2: 800 << 20}, source="numa_maps")
@@ -476,7 +475,7 @@ def test_memory_drift_under_a_profile_that_refuses_migrate_pages_is_reported_not
 
 
 def test_interleaved_instances_are_never_migrated(probes_answer, monkeypatch) -> None:
-    from numad_infer import pinning
+    from numad_infer.host import pinning
 
     backend, proc = RecordingBackend(), FakeProc()
     proc.numa_maps = lambda pid: NodeUsage(anon={0: 1 << 20, 1: 1 << 20, 2: 1 << 20}, source="numa_maps")
@@ -525,7 +524,7 @@ def test_a_hold_whose_holder_died_is_dropped(tmp_path) -> None:
     import os
     import subprocess
 
-    from numad_infer import holds
+    from numad_infer.supervision import holds
 
     mine = holds.acquire(tmp_path, "infer@0", "test")
     gone = subprocess.Popen(["true"])
@@ -542,8 +541,8 @@ def test_a_hold_whose_holder_died_is_dropped(tmp_path) -> None:
 # -- the split: drift checks registered once, per process; monitor says what it found -------------
 
 def test_every_drift_check_kind_is_registered_once_and_a_new_process_gets_fresh_ones() -> None:
-    from numad_infer.driftchecks import CHECKS, MemoryCheck
-    from numad_infer.reconcile import Runtime
+    from numad_infer.supervision.drift_checks import CHECKS, MemoryCheck
+    from numad_infer.supervision.reconcile import Runtime
 
     kinds = [check.kind for check in CHECKS]
     assert len(kinds) == len(set(kinds))
@@ -557,7 +556,7 @@ def test_every_drift_check_kind_is_registered_once_and_a_new_process_gets_fresh_
 
 
 def test_every_drift_check_runs_even_when_an_earlier_one_drifts() -> None:
-    from numad_infer.driftchecks import DriftCheck, run_checks
+    from numad_infer.supervision.drift_checks import DriftCheck, run_checks
 
     ran: list[EventKind] = []
 
@@ -580,7 +579,7 @@ def test_every_drift_check_runs_even_when_an_earlier_one_drifts() -> None:
 
 
 def test_a_probe_that_answers_while_requests_stall_for_30s_counts_as_failed() -> None:
-    from numad_infer.supervise import STALL_AFTER_S, judge_probe
+    from numad_infer.supervision.supervisor import STALL_AFTER_S, judge_probe
 
     answered = ProbeResult(True, 0.002)
     assert judge_probe(answered, None, 100.0) is answered
@@ -605,7 +604,7 @@ def test_monitor_returns_each_instance_state_and_nothing_when_states_cannot_be_r
 def test_a_crash_is_logged_as_transitions_once_each(probes_answer, caplog) -> None:
     import logging
 
-    caplog.set_level(logging.INFO, logger="numad_infer.states")
+    caplog.set_level(logging.INFO, logger="numad_infer.lifecycle.states")
     backend = RecordingBackend()
     rec = Reconciler(backend, FakeProc())
     rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
@@ -613,7 +612,7 @@ def test_a_crash_is_logged_as_transitions_once_each(probes_answer, caplog) -> No
     caplog.clear()
     backend.running.pop("infer@0")
     rec.monitor(2.0)
-    moves = [r.getMessage() for r in caplog.records if r.name == "numad_infer.states"]
+    moves = [r.getMessage() for r in caplog.records if r.name == "numad_infer.lifecycle.states"]
     assert moves == ["infer@0: healthy -> exited (main process gone)",
                      "infer@0: exited -> restarting (not running (inactive))"]
 

@@ -16,20 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_harness import free_port_block
-
 from numad_infer import engines
-from numad_infer.config import ConfigError, parse_config
+from numad_infer.backends.units import render_units
+from numad_infer.config.schema import ConfigError, parse_config
 from numad_infer.engines import Engine, EngineCounters, engine_of
-from numad_infer.haproxycfg import Paths, render_haproxy
-from numad_infer.health import probe, read_engine_metrics
-from numad_infer.loading import validate
-from numad_infer.identity import BackendKind
-from numad_infer.planner import make_plan
-from numad_infer.render import render_units
-from numad_infer.sysfs import read_topology
+from numad_infer.engines.keys import check_engine_keys
+from numad_infer.frontdoor.haproxy_config import Paths, render_haproxy
+from numad_infer.host.identity import BackendKind
+from numad_infer.plan.placement import make_plan
+from numad_infer.supervision.health import probe, read_engine_metrics
+from numad_infer.topology.sysfs import read_topology
+from numad_infer.validate.pipeline import validate
 from tests import fakesys
 from tests.conftest import searchable_by_others
+from tests.daemon_harness import free_port_block
 from tests.test_render import directives, systemd_split
 
 TOY_SERVER = """
@@ -85,8 +85,11 @@ def free_port() -> int:
 
 
 def toy_config(model: Path, port: int = 8080, extra: str = ""):
-    return parse_config(f'[model]\npath = "{model}"\n[server]\nengine = "toy"\nbase_port = {port}\n{extra}'
-                        '[frontend]\nlisten = ""\n', "/etc/numa-infer.toml")
+    """Parsed, and its engine keys checked as the validation pipeline checks them first."""
+    cfg = parse_config(f'[model]\npath = "{model}"\n[server]\nengine = "toy"\nbase_port = {port}\n{extra}'
+                       '[frontend]\nlisten = ""\n', "/etc/numa-infer.toml")
+    check_engine_keys(cfg, "/etc/numa-infer.toml")
+    return cfg
 
 
 def test_an_unregistered_engine_is_refused_and_a_registered_one_accepted(tmp_path: Path) -> None:

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.config import ConfigError, parse_config
+from numad_infer.backends.units import render_units
+from numad_infer.config.schema import ConfigError, parse_config
 from numad_infer.engines import EngineCounters, LlamaServer, engine_of
-from numad_infer.haproxycfg import SPARE_CONNECTIONS, Paths, render_haproxy
-from numad_infer.hostcheck import InstanceHost
-from numad_infer.planner import make_plan
-from numad_infer.reconcile import Runtime
-from numad_infer.render import render_units
-from numad_infer.sysfs import read_topology
+from numad_infer.engines.keys import check_engine_keys
+from numad_infer.frontdoor.haproxy_config import SPARE_CONNECTIONS, Paths, render_haproxy
+from numad_infer.plan.placement import make_plan
+from numad_infer.supervision.reconcile import Runtime
+from numad_infer.topology.sysfs import read_topology
+from numad_infer.validate.host_check import InstanceHost
 from tests import fakesys
 from tests.test_render import directives, systemd_split, systemd_verify
 
@@ -26,7 +27,10 @@ SERVER = '[server]\nengine = "llama-server"\nllama_server = "/usr/local/bin/llam
 
 
 def config(server: str = SERVER, extra: str = "", model: str = "/m.gguf"):
-    return parse_config(f'[model]\npath = "{model}"\ncontext_size = 1024\n{server}{extra}', "/etc/numa-infer.toml")
+    """Parsed, and its engine keys checked as the validation pipeline checks them first."""
+    cfg = parse_config(f'[model]\npath = "{model}"\ncontext_size = 1024\n{server}{extra}', "/etc/numa-infer.toml")
+    check_engine_keys(cfg, "/etc/numa-infer.toml")
+    return cfg
 
 
 def plan_for(tmp_path: Path, cfg):
@@ -86,7 +90,7 @@ def test_the_api_key_reaches_llama_server_as_a_credential_file_not_argv(tmp_path
 
 @pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
 def test_llama_server_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
-    from numad_infer.unitdir import write_units
+    from numad_infer.systemd.unitdir import write_units
 
     binary = tmp_path / "llama-server"
     binary.write_text("#!/bin/sh\n")
@@ -163,7 +167,7 @@ def test_the_binary_must_be_there_executable_and_llama_server(tmp_path: Path) ->
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root drops privileges")
 def test_the_binary_check_runs_unprivileged_and_accepts_the_real_llama_server() -> None:
-    from numad_infer.identity import lookup
+    from numad_infer.host.identity import lookup
     from tests.daemon_harness import llama_server_binary
 
     binary = llama_server_binary()
@@ -186,7 +190,7 @@ def test_a_configuration_that_names_its_engine_keeps_it(tmp_path: Path) -> None:
 
 
 def test_check_names_the_engine_its_binary_and_the_key_to_set(tmp_path: Path) -> None:
-    from numad_infer.cli import format_engine
+    from numad_infer.cli.main import format_engine
 
     absent = tmp_path / "absent"
     default = config(f'[server]\nllama_server = "{absent}"\n')

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.daemon_harness import ENGINES, generated_model, ROOT, DaemonRun, daemons
+from tests.daemon_harness import ENGINES, ROOT, DaemonRun, daemons, generated_model
 
 REQUEST_TIMEOUT_S = 120.0
 

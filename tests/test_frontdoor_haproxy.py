@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.config import Config, parse_config
+from numad_infer.config.schema import Config, parse_config
 from numad_infer.errors import ConfigError
-from numad_infer.haproxy import RuntimeAPI
-from numad_infer.haproxycfg import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy
+from numad_infer.frontdoor.haproxy import RuntimeAPI
+from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy
 from tests.daemon_harness import free_port_block
 from tests.test_engines import plan_for
 

@@ -23,17 +23,25 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.backends import SOCKET_DIR_NAME, ProcessBackend
-from numad_infer.config import parse_config
+from numad_infer.backends.base import SOCKET_DIR_NAME, ProcessBackend
+from numad_infer.backends.units import render_frontdoor_unit, render_units
+from numad_infer.config.schema import parse_config
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor import Frontdoor
-from numad_infer.haproxy import HaproxyError
-from numad_infer.haproxycfg import render_haproxy
-from numad_infer.hostcheck import host_warnings
-from numad_infer.identity import (FALLBACK_USER, FRONTDOOR_USER, INSTANCE_USER, BackendKind, frontdoor_runs_as,
-                                  instances_run_as, lookup_packaged, systemd_frontdoor_user)
-from numad_infer.procfs import ProcReader
-from numad_infer.render import render_frontdoor_unit, render_units
+from numad_infer.frontdoor.control import Frontdoor
+from numad_infer.frontdoor.haproxy import HaproxyError
+from numad_infer.frontdoor.haproxy_config import render_haproxy
+from numad_infer.host.identity import (
+    FALLBACK_USER,
+    FRONTDOOR_USER,
+    INSTANCE_USER,
+    BackendKind,
+    frontdoor_runs_as,
+    instances_run_as,
+    lookup_packaged,
+    systemd_frontdoor_user,
+)
+from numad_infer.host.procfs import ProcReader
+from numad_infer.validate.host_check import host_warnings
 from tests.daemon_harness import free_port_block, run_dir
 from tests.test_engines import plan_for
 from tests.test_hardening import score
@@ -196,7 +204,7 @@ def test_the_admin_socket_lies_in_a_directory_only_haproxy_and_the_daemon_reach(
 @as_root
 @with_haproxy
 def test_a_port_below_1024_is_served_with_no_capability_the_daemon_holds_the_socket(doors) -> None:
-    # Before the daemon held the listening socket (numad_infer/listener.py), HAProxy bound
+    # Before the daemon held the listening socket (numad_infer/frontdoor/listener.py), HAProxy bound
     # it and kept CAP_NET_BIND_SERVICE for that; it is handed the bound socket now.
     door = doors(listen_port=free_privileged_port())
     door.start()

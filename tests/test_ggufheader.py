@@ -1,4 +1,4 @@
-"""numad_infer.ggufheader: the bytes a decoded token reads, counted from the GGUF tensor
+"""numad_infer.model.gguf: the bytes a decoded token reads, counted from the GGUF tensor
 table, against a hand count; and the table read the same as gguf-py reads it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.ggufheader import BLOCK, GgufError, decode_bytes, read_header
+from numad_infer.model.gguf import BLOCK, GgufError, decode_bytes, read_header
 
 gguf = pytest.importorskip("gguf")
 np = pytest.importorskip("numpy")

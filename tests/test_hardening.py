@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.config import ConfigError
-from numad_infer.modelfile import model_size
+from numad_infer.config.schema import ConfigError
+from numad_infer.model.file import model_size
 
 GGUF = b"GGUF" + b"\0" * 60
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,14 +22,14 @@ def test_a_fifo_as_model_is_refused_at_once(tmp_path: Path) -> None:
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
     # Before: open() blocked forever waiting for a writer.
-    proc = subprocess.run([sys.executable, "-c", "from numad_infer.modelfile import model_size; "
+    proc = subprocess.run([sys.executable, "-c", "from numad_infer.model.file import model_size; "
                            f"model_size({str(fifo)!r}, 'cfg')"], capture_output=True, text=True, timeout=10, cwd=ROOT)
     assert proc.returncode == 1 and "is not a regular file" in proc.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="root reads every file: only then is the check needed")
 def test_as_root_the_model_must_be_readable_by_the_unprivileged_instances(tmp_path: Path) -> None:
-    from numad_infer.identity import DYNAMIC_USER, lookup
+    from numad_infer.host.identity import DYNAMIC_USER, lookup
 
     tmp_path.chmod(0o755)
     for parent in tmp_path.parents:  # pytest's own temporary directories are private
@@ -62,8 +62,8 @@ def test_as_root_the_model_must_be_readable_by_the_unprivileged_instances(tmp_pa
 
 
 def test_server_user_must_exist_and_be_a_user_name() -> None:
-    from numad_infer.config import parse_config
-    from numad_infer.identity import lookup
+    from numad_infer.config.schema import parse_config
+    from numad_infer.host.identity import lookup
 
     with pytest.raises(ConfigError, match=r"server.user = .*no such user on this host; create it"):
         lookup("numa-infer-no-such-user", "cfg")
@@ -104,7 +104,7 @@ def test_reload_never_signals_a_process_that_is_not_the_daemon(tmp_path: Path) -
     ("getty", "names a unit systemd or another package ships"),
 ])
 def test_template_names_that_are_options_or_other_units_are_refused(template: str, fragment: str) -> None:
-    from numad_infer.config import parse_config
+    from numad_infer.config.schema import parse_config
 
     with pytest.raises(ConfigError, match=fragment) as caught:
         parse_config(f'[model]\npath = "/m.gguf"\n[systemd]\ntemplate = "{template}"\n', "/etc/numa-infer.toml")
@@ -112,7 +112,7 @@ def test_template_names_that_are_options_or_other_units_are_refused(template: st
 
 
 def test_every_systemctl_call_ends_its_options_before_unit_names(tmp_path: Path) -> None:
-    from numad_infer.systemctl import Systemctl
+    from numad_infer.systemd.systemctl import Systemctl
 
     log = tmp_path / "calls"
     fake = tmp_path / "systemctl"
@@ -130,7 +130,7 @@ def test_every_systemctl_call_ends_its_options_before_unit_names(tmp_path: Path)
 
 
 def test_environment_values_keep_a_dollar_as_it_is() -> None:
-    from numad_infer.render import quote_arg
+    from numad_infer.backends.units import quote_arg
 
     # In Environment= systemd expands nothing: "$$" would reach the process as two dollars.
     assert quote_arg("A=x$y", command_line=False) == '"A=x$y"'
@@ -142,7 +142,7 @@ def test_the_metrics_endpoint_answers_only_metrics() -> None:
     import urllib.error
     import urllib.request
 
-    from numad_infer import metrics
+    from numad_infer.status import metrics
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -161,9 +161,9 @@ def test_the_metrics_endpoint_answers_only_metrics() -> None:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the ownership checks apply to a root daemon")
 def test_as_root_no_write_through_a_planted_link_or_into_another_users_directory(tmp_path: Path) -> None:
-    from numad_infer.childlog import open_log
+    from numad_infer.backends.childlog import open_log
     from numad_infer.errors import NumaInferError
-    from numad_infer.unitdir import write_units
+    from numad_infer.systemd.unitdir import write_units
 
     secret = tmp_path / "root-only"
     secret.write_text("untouched\n")
@@ -199,10 +199,10 @@ def test_as_root_no_write_through_a_planted_link_or_into_another_users_directory
 def test_the_llama_cpp_check_runs_the_configured_python_unprivileged() -> None:
     import tempfile
 
-    from numad_infer.config import parse_config
+    from numad_infer.config.schema import parse_config
     from numad_infer.engines import LlamaCppPython
-    from numad_infer.hostcheck import InstanceHost, run_as
-    from numad_infer.identity import lookup
+    from numad_infer.host.identity import lookup
+    from numad_infer.validate.host_check import InstanceHost, run_as
 
     def _python_has_llama_cpp(python: str, runs_as) -> bool:
         cfg = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-cpp-python"\npython = "{python}"\n', "cfg")
@@ -231,8 +231,8 @@ def test_the_llama_cpp_check_runs_the_configured_python_unprivileged() -> None:
 
 def test_a_failed_unit_write_leaves_the_running_instances_alone() -> None:
     from numad_infer.errors import NumaInferError
-    from numad_infer.planner import make_plan
-    from numad_infer.reconcile import Reconciler
+    from numad_infer.plan.placement import make_plan
+    from numad_infer.supervision.reconcile import Reconciler
     from tests.test_drift_and_supervision import RecordingBackend, cfg, three_nodes
 
     backend = RecordingBackend()
@@ -252,8 +252,8 @@ def test_a_failed_unit_write_leaves_the_running_instances_alone() -> None:
 
 
 def test_a_new_process_forgets_a_pending_memory_repair_measurement() -> None:
-    from numad_infer.planner import make_plan
-    from numad_infer.reconcile import Runtime
+    from numad_infer.plan.placement import make_plan
+    from numad_infer.supervision.reconcile import Runtime
     from tests.test_drift_and_supervision import cfg, three_nodes
 
     rt = Runtime(make_plan(cfg(), three_nodes()).instances[0], pid=10)
@@ -289,9 +289,9 @@ def score(tmp_path: Path, files: dict[str, str], unit: str, threshold: float) ->
     ("127.0.0.1", "127.0.0.1:8000", 'engine = "llama-server"\nparallel = 4\napi_key_file = "/etc/numa-infer/key"\n'),
 ])
 def test_rendered_units_are_hardened(tmp_path: Path, host: str, listen: str, engine: str) -> None:
-    from numad_infer.config import parse_config
-    from numad_infer.planner import Instance, Plan, Policy
-    from numad_infer.render import render_units
+    from numad_infer.backends.units import render_units
+    from numad_infer.config.schema import parse_config
+    from numad_infer.plan.placement import Instance, Plan, Policy
 
     config = parse_config(f'[model]\npath = "/m.gguf"\nmlock = true\n[server]\nhost = "{host}"\n{engine}'
                           f'[frontend]\nlisten = "{listen}"\n')
@@ -314,8 +314,8 @@ def test_the_shipped_daemon_unit_is_hardened(tmp_path: Path) -> None:
 
 
 def test_a_template_that_another_package_ships_is_refused(tmp_path: Path) -> None:
-    from numad_infer.config import parse_config
-    from numad_infer.unitdir import check_unit_names
+    from numad_infer.config.schema import parse_config
+    from numad_infer.systemd.unitdir import check_unit_names
 
     vendor = tmp_path / "lib"
     vendor.mkdir()
@@ -342,9 +342,17 @@ def test_status_on_a_state_file_of_another_shape_is_one_line(tmp_path: Path, tex
 
 
 def test_the_status_model_round_trips_through_its_json() -> None:
-    from numad_infer.states import State
-    from numad_infer.status import (DaemonState, DaemonStatus, Event, FrontdoorStatus, InstanceStatus, MemoryStatus,
-                                    ReloadResult, Status)
+    from numad_infer.lifecycle.states import State
+    from numad_infer.status.records import (
+        DaemonState,
+        DaemonStatus,
+        Event,
+        FrontdoorStatus,
+        InstanceStatus,
+        MemoryStatus,
+        ReloadResult,
+        Status,
+    )
 
     status = Status(
         DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml", pid=42, generation=3, warnings=("w",),
@@ -368,11 +376,12 @@ def test_every_spelling_of_the_key_flag_is_refused_for_every_engine_without_echo
                                                                                               args: list[str]) -> None:
     import json
 
-    from numad_infer.config import parse_config
+    from numad_infer.config.schema import parse_config
+    from numad_infer.engines.keys import check_engine_keys
 
     text = f'[model]\npath = "/m.gguf"\n[server]\nengine = "{engine}"\nextra_args = {json.dumps(args)}\n'
     with pytest.raises(ConfigError) as refused:
-        parse_config(text, "/etc/numa-infer.toml")
+        check_engine_keys(parse_config(text, "/etc/numa-infer.toml"), "/etc/numa-infer.toml")
     message = str(refused.value)
     index = next(i for i, a in enumerate(args) if a.startswith("--api"))
     flag = args[index].partition("=")[0]
@@ -382,7 +391,7 @@ def test_every_spelling_of_the_key_flag_is_refused_for_every_engine_without_echo
 
 
 def test_an_error_on_an_extra_args_item_never_shows_the_value() -> None:
-    from numad_infer.config import parse_config
+    from numad_infer.config.schema import parse_config
 
     with pytest.raises(ConfigError) as refused:
         parse_config('[model]\npath = "/m.gguf"\n[server]\nextra_args = ["--x", "sk-SECRET\\n"]\n', "cfg")
@@ -391,18 +400,20 @@ def test_an_error_on_an_extra_args_item_never_shows_the_value() -> None:
 
 
 def test_other_options_that_begin_like_the_key_flag_are_accepted() -> None:
-    from numad_infer.config import parse_config
+    from numad_infer.config.schema import parse_config
+    from numad_infer.engines.keys import check_engine_keys
 
     config = parse_config('[model]\npath = "/m.gguf"\n[server]\nengine = "llama-server"\n'
                           'extra_args = ["--api-prefix", "/v2", "--a", "1"]\n', "cfg")
+    check_engine_keys(config, "cfg")
     assert config.server.extra_args == ["--api-prefix", "/v2", "--a", "1"]
 
 
 def test_the_api_key_file_must_be_root_only_and_never_reaches_argv_or_a_unit(tmp_path: Path) -> None:
-    from numad_infer.apikey import read_api_key
-    from numad_infer.config import parse_config
-    from numad_infer.planner import Instance, Plan, Policy
-    from numad_infer.render import render_units
+    from numad_infer.backends.units import render_units
+    from numad_infer.config.apikey import read_api_key
+    from numad_infer.config.schema import parse_config
+    from numad_infer.plan.placement import Instance, Plan, Policy
 
     key = tmp_path / "api-key"
     key.write_text("s3cr3t-key\n")
@@ -422,7 +433,7 @@ def test_the_api_key_file_must_be_root_only_and_never_reaches_argv_or_a_unit(tmp
 
 
 def _key_config(path: Path):
-    from numad_infer.config import parse_config
+    from numad_infer.config.schema import parse_config
 
     return parse_config(f'[model]\npath = "/m.gguf"\n[server]\napi_key_file = "{path}"\n', "cfg")
 
@@ -441,7 +452,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user
 
 @needs_root
 def test_a_key_file_owned_by_another_user_is_refused_even_mode_600(tmp_path: Path) -> None:
-    from numad_infer.apikey import read_api_key
+    from numad_infer.config.apikey import read_api_key
 
     key = _private_key(tmp_path / "keys")
     os.chown(key, 65534, 65534)  # nobody: mode 600, but nobody can write any key into it
@@ -453,7 +464,7 @@ def test_a_key_file_owned_by_another_user_is_refused_even_mode_600(tmp_path: Pat
 
 @pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770, 0o775])
 def test_a_key_file_in_a_directory_that_group_or_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
-    from numad_infer.apikey import read_api_key
+    from numad_infer.config.apikey import read_api_key
 
     key = _private_key(tmp_path / "shared")
     key.parent.chmod(mode)  # sticky (like /tmp) too: another user could have created the name first
@@ -463,7 +474,7 @@ def test_a_key_file_in_a_directory_that_group_or_others_can_write_is_refused(tmp
 
 
 def test_a_key_file_below_a_directory_others_can_write_and_rename_in_is_refused(tmp_path: Path) -> None:
-    from numad_infer.apikey import read_api_key
+    from numad_infer.config.apikey import read_api_key
 
     (tmp_path / "open").mkdir()
     key = _private_key(tmp_path / "open" / "keys")
@@ -475,7 +486,7 @@ def test_a_key_file_below_a_directory_others_can_write_and_rename_in_is_refused(
 
 
 def test_a_key_file_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
-    from numad_infer.apikey import read_api_key
+    from numad_infer.config.apikey import read_api_key
 
     real = _private_key(tmp_path / "keys")
     link = tmp_path / "keys" / "link"
@@ -488,7 +499,7 @@ def test_a_key_file_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
 def test_a_fifo_in_place_of_the_key_file_is_refused_at_once(tmp_path: Path) -> None:
     import time
 
-    from numad_infer.apikey import read_api_key
+    from numad_infer.config.apikey import read_api_key
 
     directory = _private_key(tmp_path / "keys").parent
     fifo = directory / "fifo"
@@ -506,8 +517,8 @@ def test_a_reload_made_of_slow_systemctl_calls_keeps_feeding_the_watchdog(tmp_pa
     systemctl call now gives the notifier a chance to ping, as the daemon wires it."""
     import socket
 
-    from numad_infer.cli import _make_backend
-    from numad_infer.notify import Notifier
+    from numad_infer.cli.main import _make_backend
+    from numad_infer.systemd.notify import Notifier
 
     sock_path = tmp_path / "notify"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -17,7 +17,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 import yaml  # a dependency of kubernetes-validate (and of gguf)
 
 # Not skipped when missing: a schema check that silently does not run protects nothing.
@@ -28,9 +27,9 @@ try:
 except ImportError:  # pragma: no cover - the project's test dependencies carry it
     kubernetes_validate = None
 
-from numad_infer.cli import build_parser
-from numad_infer.config import Config, parse_config, parse_listen
-from numad_infer.defaults import stop_bound_s
+from numad_infer.cli.main import build_parser
+from numad_infer.config.defaults import stop_bound_s
+from numad_infer.config.schema import Config, parse_config, parse_listen
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ROOT / "deploy" / "kubernetes"
@@ -201,7 +200,7 @@ def test_grace_period_covers_the_drain_timeout_and_stopping_every_instance(rende
     pre_stop = container(rendered).get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
     pre_stop_s = int(pre_stop[1]) if pre_stop[:1] == ["sleep"] else 0
     assert not pre_stop or pre_stop_s, f"a preStop hook the test cannot time: {pre_stop}"
-    # What the daemon takes from SIGTERM to exit (numad_infer/defaults.py), whatever the
+    # What the daemon takes from SIGTERM to exit (numad_infer/config/defaults.py), whatever the
     # number of instances: they stop all at once.
     assert grace >= pre_stop_s + stop_bound_s(config.frontend.drain_timeout_s)
 

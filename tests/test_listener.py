@@ -1,4 +1,4 @@
-"""The front door's listening socket, held by the daemon (numad_infer/listener.py; issue 19).
+"""The front door's listening socket, held by the daemon (numad_infer/frontdoor/listener.py; issue 19).
 
 In the chaos soaks most failures before a first byte came while HAProxy was dead: the port
 was HAProxy's alone, so every connection was refused until it was back. These tests run
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer import frontdoor_exec
-from numad_infer.frontdoor import Frontdoor
-from numad_infer.listener import STORE_NAME, Handout, HeldListener, receive
-from numad_infer.notify import Notifier, inherited_fds
-from numad_infer.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, render_frontdoor_unit
+from numad_infer.backends.units import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, render_frontdoor_unit
+from numad_infer.frontdoor import handover as frontdoor_exec
+from numad_infer.frontdoor.control import Frontdoor
+from numad_infer.frontdoor.listener import STORE_NAME, Handout, HeldListener, receive
+from numad_infer.systemd.notify import Notifier, inherited_fds
 from tests.conftest import searchable_by_others
 from tests.test_frontdoor_haproxy import SLOW_MARKER, STUB, _accepts
 from tests.test_frontdoor_user import HAPROXY, Door, as_root, doors, wait_for, with_haproxy  # noqa: F401 (doors: a fixture)

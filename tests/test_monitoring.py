@@ -17,7 +17,6 @@ fake 2-node sysfs (these hosts have one node); everything else is real.
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
 import json
 import os
 import re
@@ -28,6 +27,7 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -35,10 +35,10 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry, generate_latest
 
-from numad_infer import bandwidthfile
-from numad_infer.metrics import SnapshotCollector
-from numad_infer.states import State
-from numad_infer.status import DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, Status
+from numad_infer.lifecycle.states import State
+from numad_infer.status.metrics import SnapshotCollector
+from numad_infer.status.records import DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, Status
+from numad_infer.tune import bandwidth_file as bandwidthfile
 from tests.daemon_harness import ROOT, DaemonRun, daemons, free_port_block, generated_model
 
 RULES = ROOT / "packaging/prometheus/numa-infer-rules.yml"

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.config import ConfigError, parse_config
-from numad_infer.planner import diff_plans, make_plan
-from numad_infer.sysfs import read_topology
-from numad_infer.topology import Topology
+from numad_infer.config.schema import ConfigError, parse_config
+from numad_infer.plan.placement import diff_plans, make_plan
+from numad_infer.topology.model import Topology
+from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
 
 

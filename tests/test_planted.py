@@ -19,16 +19,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-
-from numad_infer.listener import HeldListener
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from numad_infer import holds
-from numad_infer.config import ConfigError, parse_config
-from numad_infer.configedit import Edit, apply_edits
+from numad_infer.config.schema import ConfigError, parse_config
 from numad_infer.errors import NumaInferError
-from numad_infer.status import Status, StatusError
+from numad_infer.frontdoor.listener import HeldListener
+from numad_infer.status.records import Status, StatusError
+from numad_infer.supervision import holds
+from numad_infer.tune.config_edit import Edit, apply_edits
 
 ROOT = Path(__file__).resolve().parents[1]
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="ownership and privilege checks need root")
@@ -208,7 +207,7 @@ def test_any_hold_file_is_a_hold_or_ignored(tmp_path_factory: pytest.TempPathFac
 # -- directories and files the daemon writes ---------------------------------------------------------
 @AS_ROOT
 def test_a_sticky_world_writable_directory_is_refused_for_the_daemons_files(tmp_path: Path) -> None:
-    from numad_infer.unitdir import check_private_dir
+    from numad_infer.systemd.unitdir import check_private_dir
 
     run = tmp_path / "run"
     run.mkdir()
@@ -238,9 +237,9 @@ class IdleRunner:
 
 @pytest.mark.skipif(not Path("/usr/sbin/haproxy").exists(), reason="needs haproxy (apt-get install haproxy)")
 def test_the_candidate_haproxy_cfg_replaces_a_planted_link_instead_of_writing_through_it(tmp_path: Path) -> None:
-    from numad_infer.frontdoor import Frontdoor
-    from numad_infer.planner import make_plan
-    from numad_infer.sysfs import read_topology
+    from numad_infer.frontdoor.control import Frontdoor
+    from numad_infer.plan.placement import make_plan
+    from numad_infer.topology.sysfs import read_topology
     from tests import fakesys
 
     secret = tmp_path / "root-only"

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not seccomp.available(), reason="needs libseccom
 
 def probe_under(refused: tuple[str, ...]) -> str:
     code = ("from tests import seccomp; seccomp.refuse(%r)\n"
-            "from numad_infer import pinning; c = pinning.memory_calls(); print(c.bind_refused, c.migrate_refused)"
+            "from numad_infer.host import pinning; c = pinning.memory_calls(); print(c.bind_refused, c.migrate_refused)"
             % (refused,))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     return done.stdout.strip()
@@ -78,9 +78,9 @@ def test_under_podmans_default_the_memory_bind_is_kept_and_only_repair_is_named(
 
 
 def test_the_warnings_name_the_call_what_it_costs_and_where_the_fix_is() -> None:
-    from numad_infer.hostcheck import memory_call_warnings
-    from numad_infer.identity import BackendKind
-    from numad_infer.pinning import MemoryCalls
+    from numad_infer.host.identity import BackendKind
+    from numad_infer.host.pinning import MemoryCalls
+    from numad_infer.validate.host_check import memory_call_warnings
 
     assert memory_call_warnings(MemoryCalls(None, None), BackendKind.PROCESS) == []
     both = memory_call_warnings(MemoryCalls("Operation not permitted", "Operation not permitted"), BackendKind.PROCESS)

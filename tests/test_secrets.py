@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from numad_infer.backends.base import INHERITED_VARIABLES, ProcessBackend
+from numad_infer.config.schema import parse_config
+from numad_infer.plan.placement import Instance, Plan, Policy
 from tests.daemon_harness import free_port_block
-
-from numad_infer.backends import INHERITED_VARIABLES, ProcessBackend
-from numad_infer.config import parse_config
-from numad_infer.planner import Instance, Plan, Policy
 
 
 def private_key(directory: Path, key: str) -> Path:
@@ -107,9 +106,9 @@ def squatter(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Pat
 
 
 def test_a_squatter_on_an_instance_port_gets_no_key_and_is_never_marked_healthy(tmp_path: Path, squatter) -> None:
-    from numad_infer.planner import make_plan
-    from numad_infer.reconcile import Reconciler
-    from numad_infer.states import State
+    from numad_infer.lifecycle.states import State
+    from numad_infer.plan.placement import make_plan
+    from numad_infer.supervision.reconcile import Reconciler
     from tests.test_drift_and_supervision import RecordingBackend, cfg, three_nodes
 
     process, port, seen = squatter
@@ -142,12 +141,12 @@ def test_a_squatter_on_an_instance_port_gets_no_key_and_is_never_marked_healthy(
 
 
 def test_the_key_check_sends_no_key_to_a_port_the_instance_does_not_hold(tmp_path: Path, squatter) -> None:
-    from numad_infer.health import KeyCheck
-    from numad_infer.keycheck import check_api_key
-    from numad_infer.planner import make_plan
-    from numad_infer.procfs import ProcReader
-    from numad_infer.runtime import Runtime
-    from numad_infer.states import State
+    from numad_infer.host.procfs import ProcReader
+    from numad_infer.lifecycle.states import State
+    from numad_infer.plan.placement import make_plan
+    from numad_infer.supervision.health import KeyCheck
+    from numad_infer.supervision.instance import Runtime
+    from numad_infer.supervision.keycheck import check_api_key
     from tests.test_drift_and_supervision import cfg, three_nodes
 
     process, port, seen = squatter
@@ -190,7 +189,7 @@ def tcp_table(*rows: tuple[str, str]) -> str:
 ])
 def test_every_socket_a_client_of_the_port_may_reach_must_be_the_instances(tmp_path: Path, host: str, tcp, tcp6,
                                                                             owned: str) -> None:
-    from numad_infer.procfs import ProcReader
+    from numad_infer.host.procfs import ProcReader
 
     proc = tmp_path / "proc"
     (proc / "net").mkdir(parents=True)
@@ -203,7 +202,7 @@ def test_every_socket_a_client_of_the_port_may_reach_must_be_the_instances(tmp_p
 
 
 def test_a_socket_held_by_a_child_of_the_instance_process_is_the_instances(squatter) -> None:
-    from numad_infer.procfs import ProcReader
+    from numad_infer.host.procfs import ProcReader
 
     process, port, _ = squatter
     # The squatter is a child of this test's process: seen from here, it is one of ours.
@@ -217,8 +216,8 @@ def test_a_socket_held_by_a_child_of_the_instance_process_is_the_instances(squat
 
 
 def test_tune_refuses_a_measuring_port_another_process_holds_before_any_request(tmp_path: Path, squatter) -> None:
-    from numad_infer.planner import make_plan
-    from numad_infer.tuner import Measurer, Settings, TuneError
+    from numad_infer.plan.placement import make_plan
+    from numad_infer.tune.run import Measurer, Settings, TuneError
     from tests.test_drift_and_supervision import cfg, three_nodes
 
     process, port, seen = squatter
@@ -252,7 +251,7 @@ def listen_as(uid: int) -> tuple[subprocess.Popen, int]:
 
 def owner_as(uid: int, port: int, pid: int) -> str:
     """port_owner as seen by a process of user `uid` (which may not read `pid`'s descriptors)."""
-    from numad_infer.procfs import ProcReader
+    from numad_infer.host.procfs import ProcReader
 
     read, write = os.pipe()
     child = os.fork()

@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.config import MonitorSection
-from numad_infer.states import Drain, Seen, State, Step, Supervision, drain_first, drain_over, next_step
+from numad_infer.config.schema import MonitorSection
+from numad_infer.lifecycle.states import Drain, Seen, State, Step, Supervision, drain_first, drain_over, next_step
 
 MON = MonitorSection(startup_grace_s=10, unhealthy_after=3, max_restarts=3, restart_window_s=100, restart_backoff_s=2)
 PACKAGE = Path(__file__).resolve().parent.parent / "numad_infer"
 
 
 def transitions(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "numad_infer.states"]
+    return [r.getMessage() for r in caplog.records if r.name == "numad_infer.lifecycle.states"]
 
 
 def test_every_state_change_is_logged_once_with_instance_from_to_and_why(caplog) -> None:
-    caplog.set_level(logging.INFO, logger="numad_infer.states")
+    caplog.set_level(logging.INFO, logger="numad_infer.lifecycle.states")
     sup = Supervision(name="infer@3")
     sup.on_started(0.0)
     sup.on_probe(True, 1.0, MON)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.backends import SystemdBackend
-from numad_infer.systemctl import Systemctl
+from numad_infer.backends.base import SystemdBackend
+from numad_infer.systemd.systemctl import Systemctl
 
 SHOW = """Id=infer@0.service
 MainPID=4242
@@ -54,7 +54,7 @@ def test_restart_job_of_the_daemon_keeps_instances(tmp_path: Path) -> None:
 
 
 def test_a_failed_systemctl_show_is_an_error_not_stopped_instances(tmp_path: Path) -> None:
-    from numad_infer.systemctl import SystemctlError
+    from numad_infer.systemd.systemctl import SystemctlError
 
     script = tmp_path / "systemctl"
     script.write_text("#!/bin/sh\necho 'Failed to get properties: Connection reset by peer' >&2\nexit 1\n")
@@ -109,7 +109,7 @@ def test_no_job_at_all_is_a_stop_from_outside_systemd(tmp_path: Path) -> None:
 
 
 def test_systemctl_failing_every_time_is_an_error(tmp_path: Path) -> None:
-    from numad_infer.systemctl import SystemctlError
+    from numad_infer.systemd.systemctl import SystemctlError
 
     with pytest.raises(SystemctlError, match="list-jobs"):
         SystemdBackend(sequenced_systemctl(tmp_path, [(1, "")])).stop_all_on_exit(looks=2, pause_s=0)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from numad_infer.errors import TopologyError
-from numad_infer.sysfs import read_topology
+from numad_infer.topology.sysfs import read_topology
 from tests import hwloc_oracle
 from tests.conftest import capture_names
 

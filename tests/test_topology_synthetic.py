@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from numad_infer.errors import TopologyError
-from numad_infer.sysfs import read_topology
-from numad_infer.topology import RawCpu, RawNode, SysfsSnapshot, build_topology
+from numad_infer.topology.model import RawCpu, RawNode, SysfsSnapshot, build_topology
+from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
 
 CASES = {

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.config import ConfigError, parse_config
-from numad_infer.configedit import Edit, apply_edits, edited_text
-from numad_infer.planner import make_plan
-from numad_infer.sysfs import read_topology
-from numad_infer.tune import Candidate, Figure, Report, Result, Verdict, choose, format_report, thread_grid
+from numad_infer.config.schema import ConfigError, parse_config
+from numad_infer.plan.placement import make_plan
+from numad_infer.topology.sysfs import read_topology
+from numad_infer.tune.choice import Candidate, Figure, Report, Result, Verdict, choose, format_report, thread_grid
+from numad_infer.tune.config_edit import Edit, apply_edits, edited_text
 from tests import fakesys
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def test_thread_keys_are_checked_against_the_plan(tmp_path: Path) -> None:
 
 
 def test_layouts_and_their_choice() -> None:
-    from numad_infer.tune import Layout, LayoutResult, choose_layout, layouts, percentile
+    from numad_infer.tune.choice import Layout, LayoutResult, choose_layout, layouts, percentile
 
     assert [lay.name for lay in layouts(4, 16)] == ["per-node x1", "per-node x4", "interleave"]
     assert [lay.name for lay in layouts(1, 8)] == ["per-node x1", "per-node x2", "interleave"]
@@ -168,8 +168,8 @@ def _numa_infer(*args: str) -> subprocess.CompletedProcess[str]:
     ([Edit("systemd", "template", "e2scrub")], "systemd.template = \"e2scrub\": /"),
 ])
 def test_tune_apply_refuses_exactly_what_check_refuses_and_writes_nothing(tmp_path: Path, edits, refusal) -> None:
-    from numad_infer.identity import BackendKind
-    from numad_infer.tuner import write_tuned
+    from numad_infer.host.identity import BackendKind
+    from numad_infer.tune.run import write_tuned
 
     if edits[0].key == "template" and not Path("/lib/systemd/system/e2scrub@.service").exists():
         pytest.skip("no e2scrub@.service on this host to shadow")
@@ -223,7 +223,7 @@ def test_tune_measures_every_candidate_it_lists_and_applies_the_winner(daemon) -
     assert [(b["cpus_node"], b["memory_node"]) for b in report["bandwidth_gbs"]] == [(0, 0)]
     assert report["bandwidth_gbs"][0]["median"] > 0.5
     # Efficiency counts the bytes a decoded token reads (tensor table), not the file size.
-    from numad_infer.ggufheader import read_header
+    from numad_infer.model.gguf import read_header
     assert report["engine_cpu"] and "AVX2" in report["engine_cpu"]  # the wheel's kernels, as check sees them
     assert report["decode_bytes"] == read_header(str(run.model)).decode_bytes() < report["weight_bytes"]
     for c in report["candidates"]:
@@ -329,7 +329,7 @@ def test_tune_refuses_a_running_fleet_without_a_front_door(daemon) -> None:
 
 
 def test_the_bandwidth_tune_measured_is_kept_for_the_daemon(tmp_path: Path) -> None:
-    from numad_infer import bandwidthfile
+    from numad_infer.tune import bandwidth_file as bandwidthfile
 
     path = tmp_path / bandwidthfile.RESULTS_NAME
     results = bandwidthfile.Results(path)
@@ -346,7 +346,7 @@ def test_status_shows_llama_server_decode_as_a_share_of_the_measured_bandwidth(d
     import threading
     import urllib.request
 
-    from numad_infer import bandwidthfile
+    from numad_infer.tune import bandwidth_file as bandwidthfile
 
     run = daemon(engine="llama-server")
     run.all_healthy(2)
@@ -371,7 +371,7 @@ def test_status_shows_llama_server_decode_as_a_share_of_the_measured_bandwidth(d
         client.join(30)
     inst = run.instance(state, "infer@0")
     # Bytes a decoded token reads (the tensor table), not the file: tiny's token_embd is 1/8 of it.
-    from numad_infer.ggufheader import read_header
+    from numad_infer.model.gguf import read_header
     read = read_header(str(run.model)).decode_bytes()
     assert read < 0.95 * run.model.stat().st_size
     expected = inst["decode_tokens_per_s"] * read / 10e9

@@ -16,9 +16,16 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.cpufeatures import EngineCpuReport
-from numad_infer.doctor import HostFacts, Level, Plan, check_numa_balancing, check_swap, check_thp
-from numad_infer.doctor import check_zone_reclaim
+from numad_infer.doctor.verdicts import (
+    HostFacts,
+    Level,
+    Plan,
+    check_numa_balancing,
+    check_swap,
+    check_thp,
+    check_zone_reclaim,
+)
+from numad_infer.host.cpufeatures import EngineCpuReport
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT / "packaging/tuned"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Regenerate the configuration key reference in README.md and numa-infer.toml(5) from the
-schema (numad_infer/config.py); `--check` only says whether they are up to date (exit 1
+schema (numad_infer/config/schema.py); `--check` only says whether they are up to date (exit 1
 when not). tests/test_docs.py runs the check."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from numad_infer import configref  # noqa: E402
+from numad_infer.config import reference as configref  # noqa: E402
 
 TARGETS = {
     ROOT / "README.md": (configref.README_BEGIN, configref.README_END, configref.markdown_table),

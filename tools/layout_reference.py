@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from numad_infer import layers  # noqa: E402
-from numad_infer.configref import replace_between  # noqa: E402
+from numad_infer.config.reference import replace_between  # noqa: E402
 
 README = ROOT / "README.md"
 

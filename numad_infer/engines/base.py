@@ -18,11 +18,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
-from numad_infer.cpufeatures import EngineCpuReport
+from numad_infer.host.cpufeatures import EngineCpuReport
 
 if TYPE_CHECKING:
-    from numad_infer.config import Config
-    from numad_infer.planner import Instance
+    from numad_infer.config.schema import Config
+    from numad_infer.plan.placement import Instance
 
 # Where systemd puts the API key (LoadCredential=KEY_CREDENTIAL:server.api_key_file).
 KEY_CREDENTIAL = "api-key"

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from numad_infer.cpufeatures import EngineCpuReport, from_system_info
 from numad_infer.engines.base import KEY_CREDENTIAL, Engine, HostAccess
+from numad_infer.host.cpufeatures import EngineCpuReport, from_system_info
 
 if TYPE_CHECKING:
-    from numad_infer.config import Config
-    from numad_infer.planner import Instance
+    from numad_infer.config.schema import Config
+    from numad_infer.plan.placement import Instance
 
 # llama_cpp.server reads its settings from the environment (pydantic-settings): under
 # systemd a small bootstrap copies the credential into API_KEY and runs the server.

@@ -7,13 +7,13 @@ import os
 import stat
 from typing import TYPE_CHECKING, ClassVar
 
-from numad_infer.cpufeatures import VARIANT_FEATURES, EngineCpuReport, declined_by, from_backend_log
 from numad_infer.engines.base import KEY_CREDENTIAL, Engine, EngineCounters, HostAccess
 from numad_infer.errors import ConfigError
+from numad_infer.host.cpufeatures import VARIANT_FEATURES, EngineCpuReport, declined_by, from_backend_log
 
 if TYPE_CHECKING:
-    from numad_infer.config import Config
-    from numad_infer.planner import Instance
+    from numad_infer.config.schema import Config
+    from numad_infer.plan.placement import Instance
 
 # Its --metrics counters that status and the decode efficiency read.
 _COUNTERS = {"llamacpp:tokens_predicted_total": "tokens_predicted", "llamacpp:requests_processing": "busy_slots"}

@@ -1,0 +1,4 @@
+"""Where the instances run: systemd units or child processes.
+
+numad_infer/layers.py lists its modules, their layers and jobs, and where it stands in
+the import order."""

@@ -1,0 +1,241 @@
+"""Plan -> systemd unit text. Pure: one template plus one drop-in per instance.
+
+Every value that reaches a unit file goes through `quote_arg`/`escape_value`, which
+apply systemd's rules (systemd.syntax(7), systemd.service(5) "Command lines",
+systemd.unit(5) "Specifiers"): `%` -> `%%`, `$` -> `$$` in command lines, and each
+argument double-quoted with `\\` and `"` escaped. Control characters never get here:
+the config rejects them, and `quote_arg` refuses them again as a last line of defence.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import sys
+
+from numad_infer.config.defaults import FRONTDOOR_USER
+from numad_infer.config.schema import Config
+from numad_infer.engines import KEY_CREDENTIAL, engine_of
+from numad_infer.errors import NumaInferError
+from numad_infer.frontdoor.haproxy_config import CONFIG_NAME
+from numad_infer.plan.placement import Instance, Plan
+from numad_infer.systemd.unitnames import FRONTDOOR_UNIT, UNIT_MARKER, dropin, template_unit
+from numad_infer.util.addresses import connect_host
+from numad_infer.util.cpuset import format_list
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class RenderError(NumaInferError, ValueError):
+    """A value no unit file may hold (the config refuses it first; this is the last line of defence)."""
+
+
+def escape_value(text: str) -> str:
+    """A value in a directive other than a command line: only specifiers are special."""
+    if _CONTROL.search(text):
+        raise RenderError(f"control character in unit value {text!r}")
+    return text.replace("%", "%%")
+
+
+def quote_arg(arg: str, command_line: bool = True) -> str:
+    """One argument, double-quoted so spaces, quotes and `;` stay inside it.
+
+    `$` is special only in command lines (variable expansion, `$$` for a literal one);
+    in `Environment=` systemd keeps `$$` as two characters.
+    """
+    if _CONTROL.search(arg):
+        raise RenderError(f"control character in command argument {arg!r}")
+    inner = arg.replace("\\", "\\\\").replace('"', '\\"').replace("%", "%%")
+    if command_line:
+        inner = inner.replace("$", "$$")
+    return f'"{inner}"'
+
+
+def omp_places(instance: Instance) -> str:
+    return ",".join("{" + ",".join(str(c) for c in place) + "}" for place in instance.places)
+
+
+def instance_environment(instance: Instance) -> dict[str, str]:
+    return {
+        "OMP_NUM_THREADS": str(instance.threads),
+        "OMP_PROC_BIND": "close",
+        "OMP_PLACES": omp_places(instance),
+        # Lets the daemon recognise its own servers among processes (process backend, adoption).
+        "NUMA_INFER_INSTANCE": instance.name,
+    }
+
+
+# The sandbox every unit numa-infer renders shares (instances and the front door): no
+# capabilities, nothing writable but a private /tmp, no view of other users' processes.
+SANDBOX = (
+    "CapabilityBoundingSet=",
+    "AmbientCapabilities=",
+    "NoNewPrivileges=yes",
+    "ProtectSystem=strict",
+    "PrivateTmp=yes",
+    "PrivateDevices=yes",
+    "PrivateMounts=yes",
+    "PrivateUsers=yes",
+    "ProtectKernelTunables=yes",
+    "ProtectKernelModules=yes",
+    "ProtectKernelLogs=yes",
+    "ProtectControlGroups=yes",
+    "ProtectClock=yes",
+    "ProtectHostname=yes",
+    "ProtectProc=invisible",
+    "RestrictNamespaces=yes",
+    "RestrictSUIDSGID=yes",
+    "LockPersonality=yes",
+    "RestrictRealtime=yes",
+    "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX",
+    "SystemCallArchitectures=native",
+    "UMask=0077",
+)
+
+
+def ip_allow_list(host: str) -> list[str]:
+    """Loopback only while the listen address is loopback (the default): the server then
+    cannot talk to, or be reached from, anything else."""
+    if ipaddress.ip_address(host).is_loopback:
+        return ["IPAddressDeny=any", "IPAddressAllow=localhost"]
+    return []
+
+
+def frontdoor_ip_allow_list(config: Config) -> list[str]:
+    """A loopback front door talks to its clients on loopback, and to the instances where
+    they listen: `server.host` may be another address of this machine (10.1.2.3), and
+    without it in the allow list every server went DOWN and every request got a 503."""
+    rules = ip_allow_list(config.frontend.address[0])
+    instances = connect_host(config.server.host)
+    if rules and not ipaddress.ip_address(instances).is_loopback:
+        rules[-1] += f" {instances}"
+    return rules
+
+
+def render_template(config: Config) -> str:
+    lines = [
+        UNIT_MARKER,
+        "[Unit]",
+        "Description=numa-infer llama.cpp server %i",
+        # No PartOf=numa-infer.service: systemd would pass a daemon restart (an upgrade)
+        # on to every instance; the daemon stops them itself on a real stop.
+        "After=network.target",
+        "",
+        "[Service]",
+        "Type=exec",
+        "Restart=on-failure",
+        "RestartSec=2",
+        "TimeoutStopSec=30",
+        # Unprivileged and read-only: the server only reads the model and listens.
+        "DynamicUser=yes",
+        *SANDBOX,
+        "ProtectHome=read-only",
+        # OpenMP pins its threads (sched_setaffinity, in @resources): @system-service keeps it.
+        "SystemCallFilter=@system-service",
+        "SystemCallErrorNumber=EPERM",
+        *ip_allow_list(config.server.host),
+        "Environment=HOME=/tmp",
+        "Environment=PYTHONUNBUFFERED=1",
+    ]
+    if config.model.mlock:
+        lines.append("LimitMEMLOCK=infinity")
+    if config.server.api_key_file:
+        lines.append(f"LoadCredential={KEY_CREDENTIAL}:{escape_value(config.server.api_key_file)}")
+        # %d: the service's credentials directory (a specifier, so not escaped).
+        lines += [f"Environment={name}={value}" for name, value in engine_of(config).credential_environment().items()]
+    return "\n".join(lines) + "\n"
+
+
+def render_dropin(config: Config, instance: Instance) -> str:
+    env = " ".join(quote_arg(f"{k}={v}", command_line=False) for k, v in instance_environment(instance).items())
+    lines = [
+        UNIT_MARKER,
+        f"# {instance.name}: node {instance.node if instance.node is not None else 'interleave'}, "
+        f"CPUs {format_list(instance.cpus)}, memory {format_list(instance.mems)}, port {instance.port}",
+        "[Service]",
+        f"CPUAffinity={' '.join(str(c) for c in instance.cpus)}",
+        f"NUMAPolicy={instance.policy.value}",
+        f"NUMAMask={format_list(instance.mems)}",
+        f"Environment={env}",
+        "ExecStart=" + " ".join(quote_arg(a)
+                                for a in engine_of(config).argv(config, instance, key_from_credential=True)),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# Where the front door's unit finds its files (the daemon writes the config into
+# its own RuntimeDirectory, kept across daemon restarts; HAProxy owns the socket's).
+FRONTDOOR_RUN_DIR = "/run/numa-infer"
+FRONTDOOR_SOCKET = "/run/numa-infer-frontdoor/admin.sock"
+# Where the daemon hands its listening socket to HAProxy's unit (listener.Handout); in its
+# own RuntimeDirectory, group numa-infer-frontdoor, mode 0660.
+FRONTDOOR_HANDOUT = "/run/numa-infer/listener.sock"
+
+
+def frontdoor_identity(user: str | None) -> list[str]:
+    """Who HAProxy runs as under systemd, and its admin socket's directory (mode 0750).
+
+    `user` (identity.FRONTDOOR_USER, made by the package): its own user and group. The
+    socket (mode 660) is then the group's too, and the daemon, which has no DAC override,
+    reaches it as a member (SupplementaryGroups= in numa-infer.service). No one else is.
+    Not a DynamicUser: the daemon could not be in its group.
+    None (the user is missing, a source install): root with no capability at all, as
+    before the user existed; the socket is then root's, which the daemon is.
+    """
+    directory = ["RuntimeDirectory=numa-infer-frontdoor", "RuntimeDirectoryMode=0750"]
+    if user is None:
+        return directory
+    return [f"User={escape_value(user)}", f"Group={escape_value(user)}", *directory]
+
+
+def render_frontdoor_unit(config: Config, user: str | None = FRONTDOOR_USER, python: str | None = None) -> str:
+    """`python`: the interpreter that runs frontdoor_exec (default: the daemon's own, which
+    can import numad_infer wherever it was installed)."""
+    binary = config.frontend.haproxy
+    cfg = f"{FRONTDOOR_RUN_DIR}/{CONFIG_NAME}"
+    # HAProxy, and its check, start on the socket the daemon holds (listener.py says why):
+    # frontdoor_exec asks the daemon for it, then executes HAProxy in its own place.
+    on_socket = (python or sys.executable, "-m", "numad_infer.frontdoor_exec", FRONTDOOR_HANDOUT, "--", binary)
+    check = " ".join(quote_arg(a) for a in (*on_socket, "-c", "-q", "-f", cfg))
+    lines = [
+        UNIT_MARKER,
+        "[Unit]",
+        "Description=numa-infer front door: one OpenAI endpoint over the llama.cpp instances (HAProxy)",
+        "Documentation=man:numa-infer(8) man:haproxy(1)",
+        # Not PartOf=numa-infer.service: a daemon restart or upgrade must not drop a connection.
+        "After=network.target",
+        "",
+        "[Service]",
+        # -Ws: master-worker with sd_notify; SIGUSR2 to the master reloads without
+        # dropping a connection (the new workers take over the listening socket).
+        "Type=notify",
+        "ExecStartPre=" + check,
+        "ExecStart=" + " ".join(quote_arg(a) for a in (*on_socket, "-Ws", "-f", cfg)),
+        "ExecReload=" + check,
+        "ExecReload=/bin/kill -USR2 $MAINPID",
+        "KillMode=mixed",
+        "Restart=on-failure",
+        "RestartSec=2",
+        *frontdoor_identity(user),
+        *SANDBOX,
+        "ProtectHome=yes",
+        "SystemCallFilter=@system-service",
+        "SystemCallErrorNumber=EPERM",
+        *frontdoor_ip_allow_list(config),
+    ]
+    # No capability even for a port below 1024: the daemon binds it (CAP_NET_BIND_SERVICE
+    # in numa-infer.service), HAProxy only accepts on it.
+    return "\n".join(lines) + "\n"
+
+
+def render_units(config: Config, plan: Plan, frontdoor_user: str | None = FRONTDOOR_USER,
+                 python: str | None = None) -> dict[str, str]:
+    """Relative path under the unit directory -> file content. `frontdoor_user`: see
+    `frontdoor_identity` (identity.systemd_frontdoor_user says which this host has)."""
+    template = config.systemd.template
+    files = {template_unit(template): render_template(config)}
+    if config.frontend.enabled:
+        files[FRONTDOOR_UNIT] = render_frontdoor_unit(config, frontdoor_user, python)
+    for instance in plan.instances:
+        files[dropin(instance.name)] = render_dropin(config, instance)
+    return files

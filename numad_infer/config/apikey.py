@@ -1,0 +1,108 @@
+"""`server.api_key_file`: the key the instances require, read by root only.
+
+The key never reaches argv or a unit file: under systemd it is a credential
+(LoadCredential=, see render.py), under the process backend the child's environment.
+
+The file is trusted only if no one but the daemon's user could have written it or put
+it there: owned by that user, no access for group or others, in a directory group and
+others cannot write (a sticky /tmp included: anyone may create a name there first). It
+is opened once, without following a symlink, and every check is made on that open
+descriptor, so nothing can be swapped in between the check and the read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+from numad_infer.config.schema import Config
+from numad_infer.errors import ConfigError
+
+# More than any key: a file this large is not one.
+_MAX_BYTES = 64 * 1024
+
+
+def read_api_key(config: Config, source: str) -> str | None:
+    """The key, or None when none is configured; a ConfigError on `server.api_key_file` otherwise."""
+    path = config.server.api_key_file
+    if not path:
+        return None
+
+    def refuse(problem: str) -> ConfigError:
+        return ConfigError(source, "server.api_key_file", problem, path, True)
+
+    _check_directory(path, refuse)
+    try:
+        # O_NONBLOCK: a FIFO planted in its place must not hang the daemon in open().
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except FileNotFoundError:
+        raise refuse("file not found; write the key into it (umask 077; e.g. openssl rand -hex 32 > FILE)") from None
+    except PermissionError:
+        raise refuse("cannot be read by this user; run as root") from None
+    except OSError as exc:
+        if Path(path).is_symlink():
+            raise refuse("is a symbolic link; name the file itself (whoever owns a link can re-point it)") from None
+        raise refuse(f"cannot be read: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as handle:
+        _check_file(os.fstat(fd), path, refuse)
+        data = handle.read(_MAX_BYTES + 1)
+    try:
+        key = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise refuse("is not UTF-8 text") from None
+    if len(data) > _MAX_BYTES or not key or any(c.isspace() or not c.isprintable() for c in key):
+        raise refuse("must hold one key: printable characters without spaces, on one line")
+    return key
+
+
+def _owner() -> tuple[int, str]:
+    """The user the key file must belong to: the daemon's own (root when run as root)."""
+    euid = os.geteuid()
+    return euid, "root" if euid == 0 else f"uid {euid}"
+
+
+def _check_file(info: os.stat_result, path: str, refuse: Callable[[str], ConfigError]) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise refuse("is not a regular file; put the key in a file")
+    uid, who = _owner()
+    if info.st_uid != uid:
+        raise refuse(f"is owned by uid {info.st_uid}, not by {who}, who runs the daemon: whoever owns it can change "
+                     f"the key; chown {uid} {path}")
+    if info.st_mode & 0o077:
+        raise refuse(f"can be read or written by others (mode {stat.S_IMODE(info.st_mode):04o}); chmod 600 {path}")
+
+
+def _check_directory(path: str, refuse: Callable[[str], ConfigError]) -> None:
+    """Whoever can write the file's directory can replace the file; whoever can write a
+    directory above it can rename the one below away. So: the directory writable by the
+    daemon's user (or root) alone, even sticky (under a sticky bit another user can still
+    create the name before the operator does); each directory above it owned by root or
+    that user and, when group or others may write it, sticky (they cannot rename what is
+    not theirs)."""
+    parent = os.path.realpath(os.path.dirname(path) or "/")
+    uid, who = _owner()
+    directory, first = parent, True
+    while True:
+        try:
+            info = os.stat(directory)
+        except OSError as exc:
+            raise refuse(f"its directory {directory} cannot be read: {exc.strerror}") from None
+        mode = stat.S_IMODE(info.st_mode)
+        if info.st_uid not in (0, uid):
+            raise refuse(f"is under {directory}, owned by uid {info.st_uid}, who could replace it; move the file to "
+                         f"a directory owned by {who}, e.g. /etc/numa-infer")
+        if mode & 0o022 and (first or not mode & stat.S_ISVTX):
+            raise refuse(f"is under {directory}, which group or others can write (mode {mode:04o}): another user "
+                         f"could put their own key there; move the file to a directory only {who} can write, e.g. "
+                         f"/etc/numa-infer (mode 755 or 700)")
+        if directory == "/":
+            return
+        directory, first = os.path.dirname(directory), False
+
+
+def fingerprint(key: str | None) -> str:
+    """Stands for the key in what is compared or logged (a changed key restarts the instances)."""
+    return "" if key is None else hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -1,0 +1,4 @@
+"""The daemon's loop: the desired plan, reloads, publishing.
+
+numad_infer/layers.py lists its modules, their layers and jobs, and where it stands in
+the import order."""

@@ -1,0 +1,125 @@
+"""The plan the daemon runs, and how it got there: load it through the one pipeline, apply
+it, reload it on SIGHUP, re-plan when the machine changes; and the bookkeeping that status
+reports (generation, the last reload's result, warnings)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+from numad_infer.backends.base import Backend
+from numad_infer.config.schema import Config
+from numad_infer.errors import NumaInferError
+from numad_infer.frontdoor.control import Frontdoor
+from numad_infer.status import metrics
+from numad_infer.status.records import ReloadResult
+from numad_infer.supervision import holds
+from numad_infer.supervision.reconcile import Reconciler
+from numad_infer.topology.cgroup_limits import Allowed
+from numad_infer.topology.sysfs import SysfsReader
+from numad_infer.util.cpuset import format_list
+from numad_infer.validate import pipeline as loading
+
+log = logging.getLogger(__name__)
+
+
+class PlanState:
+    def __init__(self, config_path: str, sysfs: SysfsReader, backend: Backend, reconciler: Reconciler,
+                 frontdoor: Frontdoor, endpoint: metrics.Endpoint, state_file: Path) -> None:
+        self.config_path, self.sysfs, self.backend = config_path, sysfs, backend
+        self.reconciler, self.frontdoor, self.endpoint, self.state_file = reconciler, frontdoor, endpoint, state_file
+        self.loaded: loading.Loaded | None = None  # the configuration running now (applied)
+        self.online: frozenset[int] | None = None  # the CPUs it was planned on
+        self.allowed: Allowed | None = None  # what the instances' cgroup allowed then
+        self.generation = 0  # bumped by every start and reload, done or refused (`numa-infer reload` waits on it)
+        self.last_reload: ReloadResult | None = None
+        self.warnings: tuple[str, ...] = ()
+
+    @property
+    def config(self) -> Config | None:
+        return None if self.loaded is None else self.loaded.config
+
+    def load(self) -> loading.Loaded:
+        """The pipeline every command uses (loading.py); refused there, nothing changes here."""
+        return loading.load(self.config_path, self.backend.kind, self.sysfs)
+
+    def apply(self, loaded: loading.Loaded, why: str) -> bool:
+        """Bring everything to the plan; False (reported like a refused reload) if the unit
+        definitions could not be written, with the running instances left alone."""
+        self.online, self.allowed = loaded.topology.online_cpus, loaded.allowed
+        try:
+            self.read_holds()
+            result = self.reconciler.apply(loaded.config, loaded.plan, time.monotonic())
+        except (NumaInferError, OSError) as exc:
+            log.error("%s failed, still running the previous configuration: cannot apply the plan: %s", why, exc)
+            self.last_reload = ReloadResult(time.time(), False, why, f"cannot apply the plan: {exc}")
+            return False
+        self.loaded = loaded
+        try:
+            self.frontdoor.apply(loaded.config, loaded.plan)
+        except NumaInferError as exc:
+            self.frontdoor.error = str(exc)
+            log.error("front door: %s", exc)
+        self.endpoint.listen_on(loaded.config.metrics.listen)
+        self.warnings = loaded.warnings
+        for warning in self.warnings:
+            log.warning("%s", warning)
+        log.info("%s: %d instance(s): added %s, changed %s, removed %s, unchanged %s", why, len(loaded.plan.instances),
+                 _names(result.added), _names(result.changed), _names(result.removed), _names(result.unchanged))
+        self.last_reload = ReloadResult(time.time(), True, why, None, result.added, result.changed, result.removed,
+                                        result.unchanged)
+        return True
+
+    def read_holds(self) -> None:
+        self.reconciler.holds = {h.instance: f"{h.by} (pid {h.pid})"
+                                 for h in holds.active(holds.hold_dir(self.state_file)).values()}
+
+    def reload(self) -> None:
+        log.info("reloading %s", self.config_path)
+        try:
+            loaded = self.load()
+        except NumaInferError as exc:
+            # Keep running the old plan untouched; say why everywhere an operator looks.
+            log.error("reload failed, still running the previous configuration: %s", exc)
+            self.last_reload = ReloadResult(time.time(), False, "reload", str(exc))
+        except Exception as exc:  # deliberately broad: a bug in loading must not end a running fleet
+            log.exception("reload failed on an internal error, still running the previous configuration")
+            self.last_reload = ReloadResult(time.time(), False, "reload",
+                                            f"internal error: {type(exc).__name__}: {exc}")
+        else:
+            self.apply(loaded, "reload")
+        self.generation += 1
+
+    def check_machine(self) -> None:
+        """CPUs went on or offline, or the instances' cgroup now allows other CPUs, memory
+        nodes or CPU time (the kubelet, an NRI plugin, `podman update`, `systemctl
+        set-property`): a new plan, never drift to fight. Only the instances whose placement
+        changed restart, drained first."""
+        online = self.sysfs.online_cpus()
+        allowed = loading.read_allowed(self.backend.kind)
+        hotplug = online is not None and self.online is not None and online != self.online
+        narrowed = self.allowed is not None and allowed != self.allowed
+        if not hotplug and not narrowed:
+            return
+        if hotplug:
+            assert online is not None and self.online is not None
+            gone, came = self.online - online, online - self.online
+            log.warning("CPUs changed: %s%s; re-planning", f"offline {format_list(gone)} " if gone else "",
+                        f"online {format_list(came)}" if came else "")
+        if narrowed:
+            assert self.allowed is not None
+            log.warning("what the instances may use changed: %s, was %s; a new plan (not drift): re-planning",
+                        allowed.describe(), self.allowed.describe())
+        why = "cpu hotplug" if hotplug else "allowed set change"
+        try:
+            loaded = self.load()
+        except NumaInferError as exc:
+            log.error("the machine changed and the configuration no longer fits: %s", exc)
+            self.online, self.allowed = online, allowed  # said once, not at every pass
+            self.last_reload = ReloadResult(time.time(), False, why, str(exc))
+            return
+        self.apply(loaded, why)
+
+def _names(names: tuple[str, ...]) -> str:
+    return ", ".join(names) if names else "none"

@@ -1,0 +1,97 @@
+"""What the daemon publishes each pass (the state file, metrics, sd_notify's STATUS=):
+the instances' runtimes and the front door's counters projected into `status` types."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from numad_infer.frontdoor.control import Frontdoor
+from numad_infer.frontdoor.haproxy_config import server_name
+from numad_infer.lifecycle.states import State
+from numad_infer.status.records import FrontdoorStatus, InstanceStatus, MemoryStatus, ReloadResult
+from numad_infer.supervision.health import KeyCheck
+from numad_infer.supervision.instance import Runtime
+from numad_infer.topology.cgroup_limits import left_out
+from numad_infer.tune.bandwidth_file import Results
+from numad_infer.util.cpuset import format_list
+from numad_infer.validate.pipeline import Loaded
+
+
+def status_line(runtimes: list[Runtime], last_reload: ReloadResult | None) -> str:
+    """One line: `2/2 instances healthy (1 starting, 1 drifting); config error ...`."""
+    healthy = sum(rt.supervision.state == State.HEALTHY for rt in runtimes)
+    text = f"{healthy}/{len(runtimes)} instances healthy"
+    by_state: dict[str, int] = {}
+    for rt in runtimes:
+        if rt.supervision.state != State.HEALTHY:
+            by_state[rt.supervision.state.value] = by_state.get(rt.supervision.state.value, 0) + 1
+    drifting = sum(rt.drifting for rt in runtimes)
+    extras = [f"{n} {s}" for s, n in sorted(by_state.items())] + ([f"{drifting} drifting"] if drifting else [])
+    if extras:
+        text += " (" + ", ".join(extras) + ")"
+    if last_reload is not None and not last_reload.ok:
+        text += f"; config error, running previous plan: {last_reload.error}"
+    return text
+
+
+def instances(runtimes: list[Runtime], now: float, frontdoor: Frontdoor, loaded: Loaded | None,
+              tuned: Results) -> tuple[InstanceStatus, ...]:
+    # The slots column only for an engine that reports its busy slots.
+    slots = (loaded.engine.slots(loaded.config) if loaded is not None and loaded.engine.metrics_path else None)
+    weights = 0 if loaded is None else loaded.decode_bytes
+    cpu = None if loaded is None or loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe()
+    return tuple(replace(_instance_status(rt, now, frontdoor, slots, _efficiency(rt, weights, tuned)), cpu_backend=cpu)
+                 for rt in runtimes)
+
+
+def allowed_line(loaded: Loaded | None) -> str | None:
+    """What the instances may use, and what that leaves out of the machine."""
+    if loaded is None:
+        return None
+    out = left_out(loaded.topology, loaded.allowed)
+    return loaded.allowed.describe() + (f"; left out: CPUs {format_list(out)}" if out else "")
+
+
+def frontdoor_status(fd: Frontdoor) -> FrontdoorStatus | None:
+    if not fd.listen:
+        return None
+    stats = fd.stats
+    return FrontdoorStatus(fd.listen, stats is not None, None if stats is None else stats.queued,
+                           None if stats is None else stats.in_flight, fd.error or None, fd.queue_size or None,
+                           {} if fd.answers is None else dict(fd.answers.responses))
+
+
+def _efficiency(rt: Runtime, weights: int, tuned: Results) -> float | None:
+    """Decode tokens/s x bytes a decoded token reads (ggufheader) / the node's measured bandwidth."""
+    if rt.decode_tokens_per_s is None or rt.instance.node is None or not weights:
+        return None
+    gbs = tuned.local_gbs(rt.instance.node)
+    return None if not gbs else rt.decode_tokens_per_s * weights / (gbs * 1e9)
+
+
+def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int | None,
+                     efficiency: float | None) -> InstanceStatus:
+    """`slots`: requests an instance works on at once, where its engine reports them."""
+    sup, inst, mem = rt.supervision, rt.instance, rt.memory
+    stat = None if frontdoor.stats is None else frontdoor.stats.servers.get(server_name(inst.name))
+    status = InstanceStatus.planned(
+        inst, rt.pid, sup.state,
+        uptime_s=round(now - sup.started_at, 1) if sup.started_at is not None and rt.pid else None,
+        restarts=sup.restarts, consecutive_failures=sup.failures,
+        error=("refuses the API key of server.api_key_file: restart it to give it the current key"
+               if rt.key_check == KeyCheck.REJECTED else sup.last_error or None), drifting=rt.drifting,
+        local_memory_fraction=None if mem is None or mem.local_fraction is None else round(mem.local_fraction, 4),
+        memory=None if mem is None else MemoryStatus(
+            mem.anon_bytes, mem.remote_bytes, mem.file_bytes,
+            None if mem.file_local_fraction is None else round(mem.file_local_fraction, 4), mem.source),
+        probe_latency_ms=(None if rt.last_probe is None or not rt.last_probe.ok
+                          else round(rt.last_probe.latency_s * 1000, 1)),
+        last_drift=rt.last_drift, last_repair=rt.last_repair,
+        drift_events=dict(rt.drift_counts), repairs=dict(rt.repair_counts),
+        rotation=None if stat is None else stat.status, in_flight=None if stat is None else stat.in_flight,
+        queued=None if stat is None else stat.queued, served=None if stat is None else stat.served,
+        slots=slots, busy_slots=None if rt.counters is None else rt.counters.busy_slots,
+        decode_tokens_per_s=None if rt.decode_tokens_per_s is None else round(rt.decode_tokens_per_s, 1),
+        decode_efficiency=None if efficiency is None else round(efficiency, 4))
+    # Never a CPU the instance cannot run on: its cgroup may have been narrowed under it.
+    return replace(status, cpus=rt.runnable_cpus)

@@ -1,0 +1,4 @@
+"""`numa-infer doctor`: host facts, verdicts, the pipeline.
+
+numad_infer/layers.py lists its modules, their layers and jobs, and where it stands in
+the import order."""

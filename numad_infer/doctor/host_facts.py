@@ -1,0 +1,188 @@
+"""Read what `doctor` judges from a filesystem root (/ or a fake tree under --fsroot):
+sysctls, transparent huge pages, cpufreq, node memory, IRQs, swap, processes. Thin edge:
+missing files become None (an older kernel, a VM without cpufreq); the verdicts are
+doctor.py's. It only reads.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from numad_infer.doctor.verdicts import NUMA_MANAGERS, CpuFreq, Irq, Neighbour, NodeMemory
+from numad_infer.host.cpufeatures import cpuinfo_flags
+from numad_infer.util.cpuset import CpuListError, parse_list
+
+# (pid, comm, tid) -> (CPU ticks used so far, the CPU it last ran on)
+TickTable = dict[tuple[int, str, int], tuple[int, int]]
+Sampler = Callable[[float], tuple[Neighbour, ...]]
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class HostReader:
+    def __init__(self, fsroot: str | os.PathLike[str] = "/") -> None:
+        self.root = Path(fsroot)
+        self.proc = self.root / "proc"
+        self.sys = self.root / "sys"
+
+    def _text(self, path: Path) -> str | None:
+        try:
+            return path.read_text(errors="replace").strip()
+        except OSError:
+            return None  # absent on this kernel, or a process that exited meanwhile
+
+    def _int(self, path: Path) -> int | None:
+        text = self._text(path)
+        return int(text) if text is not None and text.lstrip("-").isdigit() else None
+
+    def sysctl(self, name: str) -> int | None:
+        return self._int(self.proc / "sys" / name.replace(".", "/"))
+
+    def thp(self, name: str) -> str | None:
+        """The bracketed choice of /sys/kernel/mm/transparent_hugepage/NAME ("always [madvise] never")."""
+        text = self._text(self.sys / "kernel/mm/transparent_hugepage" / name)
+        match = re.search(r"\[([^\]]+)\]", text or "")
+        return match.group(1) if match else None
+
+    def cpufreq(self, cpus: frozenset[int]) -> dict[int, CpuFreq]:
+        base = self.sys / "devices/system/cpu"
+        return {c: CpuFreq(self._text(base / f"cpu{c}/cpufreq/scaling_governor"),
+                           self._text(base / f"cpu{c}/cpufreq/energy_performance_preference")) for c in sorted(cpus)}
+
+    def meminfo_kb(self, text: str | None, key: str) -> int | None:
+        match = re.search(rf"\b{re.escape(key)}:\s*(\d+)\s*kB", text or "")
+        return int(match.group(1)) if match else None
+
+    def swap_total_bytes(self) -> int:
+        return (self.meminfo_kb(self._text(self.proc / "meminfo"), "SwapTotal") or 0) * 1024
+
+    def node_memory(self, node: int, instance_bytes: int) -> NodeMemory | None:
+        text = self._text(self.sys / f"devices/system/node/node{node}/meminfo")
+        free = self.meminfo_kb(text, "MemFree")
+        if free is None:
+            return None
+        return NodeMemory(free * 1024, (self.meminfo_kb(text, "FilePages") or 0) * 1024, instance_bytes)
+
+    def irqs(self) -> tuple[Irq, ...]:
+        counts: dict[int, int] = {}
+        for line in (self._text(self.proc / "interrupts") or "").splitlines():
+            label, _, rest = line.partition(":")
+            if label.strip().isdigit():
+                counts[int(label)] = sum(int(v) for v in rest.split() if v.isdigit())
+        found = []
+        try:
+            entries = sorted(int(e.name) for e in (self.proc / "irq").iterdir() if e.name.isdigit())
+        except OSError:
+            return ()
+        for number in entries:
+            d = self.proc / "irq" / str(number)
+            # The CPU the interrupt really goes to; kernels before 4.15 show only the allowed set.
+            text = self._text(d / "effective_affinity_list") or self._text(d / "smp_affinity_list")
+            try:
+                cpus = parse_list(text) if text else frozenset()
+            except CpuListError:
+                continue
+            try:
+                names = tuple(sorted(e.name for e in d.iterdir() if e.is_dir()))
+            except OSError:
+                names = ()
+            found.append(Irq(number, cpus, names, counts.get(number, 0)))
+        return tuple(found)
+
+    def processes(self) -> list[tuple[int, str, list[str]]]:
+        """(pid, comm, argv) of every process."""
+        found: list[tuple[int, str, list[str]]] = []
+        try:
+            pids = [int(e) for e in os.listdir(self.proc) if e.isdigit()]
+        except OSError:
+            return found
+        for pid in pids:
+            comm = self._text(self.proc / str(pid) / "comm")
+            if comm is None:
+                continue
+            try:
+                argv = (self.proc / str(pid) / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                argv = []
+            found.append((pid, comm, [a.decode(errors="replace") for a in argv if a]))
+        return found
+
+    def running(self, names: tuple[str, ...]) -> list[tuple[str, int]]:
+        """(name, pid) of processes whose comm or program name is one of `names` (comm is cut at 15 characters)."""
+        hits = []
+        for pid, comm, argv in self.processes():
+            program = Path(argv[0]).name if argv else ""
+            for name in names:
+                if comm == name or program == name:
+                    hits.append((name, pid))
+                    break
+        return sorted(hits, key=lambda hit: (hit[0], hit[1]))
+
+    def managers(self) -> tuple[str, ...]:
+        return tuple(f"{name} (pid {pid})" for name, pid in self.running(NUMA_MANAGERS))
+
+    def cpu_flags(self) -> frozenset[str]:
+        return cpuinfo_flags(self._text(self.proc / "cpuinfo") or "")
+
+    def nodes_per_package(self, node_cpus: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+        """Package (socket) id -> its nodes that have CPUs; empty when the kernel does not say."""
+        found: dict[int, set[int]] = {}
+        for node, cpus in node_cpus.items():
+            for cpu in cpus:
+                package = self._int(self.sys / f"devices/system/cpu/cpu{cpu}/topology/physical_package_id")
+                if package is not None:
+                    found.setdefault(package, set()).add(node)
+        return {p: tuple(sorted(nodes)) for p, nodes in sorted(found.items())}
+
+    # -- noisy neighbours -------------------------------------------------------------
+    def ticks(self, skip: frozenset[int]) -> TickTable:
+        """CPU ticks of every user-space thread and the CPU it last ran on; kernel threads and `skip` left out."""
+        table: TickTable = {}
+        for pid, comm, argv in self.processes():
+            # A kernel thread has no argv: its work (kworkers, ksoftirqd) follows the CPU, not a choice to undo.
+            if pid in skip or not argv:
+                continue
+            try:
+                tids = [int(t) for t in os.listdir(self.proc / str(pid) / "task")]
+            except OSError:
+                continue
+            for tid in tids:
+                stat = self._text(self.proc / str(pid) / "task" / str(tid) / "stat")
+                if stat is None:
+                    continue
+                fields = stat[stat.rfind(")") + 2:].split()
+                # After the comm: utime and stime are fields 12 and 13 (index 11, 12), processor 37 (index 36).
+                if len(fields) > 36 and fields[11].isdigit() and fields[12].isdigit() and fields[36].isdigit():
+                    table[(pid, comm, tid)] = (int(fields[11]) + int(fields[12]), int(fields[36]))
+        return table
+
+    def sampler(self, skip: frozenset[int]) -> Sampler:
+        """Two readings `seconds` apart: each process's use of each CPU its threads ran on."""
+
+        def sample(seconds: float) -> tuple[Neighbour, ...]:
+            before = self.ticks(skip)
+            start = time.monotonic()
+            time.sleep(seconds)
+            after = self.ticks(skip)
+            return neighbours(before, after, time.monotonic() - start)
+
+        return sample
+
+
+def neighbours(before: TickTable, after: TickTable, seconds: float) -> tuple[Neighbour, ...]:
+    """Per (process, CPU): the share of that CPU its threads used between two readings.
+    A thread that moved is counted on the CPU it ran on last: a sample of ~1 s is short."""
+    used: dict[tuple[int, str, int], float] = {}
+    for (pid, comm, tid), (ticks, cpu) in after.items():
+        start = before.get((pid, comm, tid))
+        if start is None:
+            continue  # started during the sample: too young to judge
+        key = (pid, comm, cpu)
+        used[key] = used.get(key, 0.0) + (ticks - start[0]) / _CLK_TCK
+    return tuple(Neighbour(pid, comm, cpu, 100.0 * s / seconds)
+                 for (pid, comm, cpu), s in sorted(used.items()) if s > 0 and seconds > 0)
+

@@ -1,0 +1,223 @@
+"""The front door at run time: the daemon's handle on the running HAProxy.
+
+`Frontdoor` applies a plan (render with `haproxycfg`, validate with `haproxy -c`, then
+start or reload seamlessly), reads the live counters once a pass, and moves servers in
+and out of rotation through the runtime API. How HAProxy runs (a systemd unit, or a
+child process) is a `FrontdoorRunner` from the backend. Why the configuration says what
+it says: `haproxycfg`.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Protocol
+
+from numad_infer.config.schema import Config
+from numad_infer.frontdoor import haproxy
+from numad_infer.frontdoor.haproxy import AdminState, BackendStat, FrontendStat, HaproxyError, RuntimeAPI
+from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
+from numad_infer.frontdoor.listener import HeldListener
+from numad_infer.plan.placement import Instance, Plan
+from numad_infer.util.atomicfile import write_atomic
+
+log = logging.getLogger(__name__)
+
+_STATUS_OF = {AdminState.READY: "UP", AdminState.DRAIN: "DRAIN", AdminState.MAINT: "MAINT"}
+
+
+class FrontdoorRunner(Protocol):
+    """How HAProxy runs: a systemd unit, or a child of the daemon (process backend)."""
+
+    socket_path: Path
+    run_dir: Path  # where the daemon writes haproxy.cfg and the saved server states
+    # Something else (systemd's Restart=) brings HAProxy back if it dies; otherwise the daemon does.
+    restarted_by_manager: bool
+    # The listening socket the daemon holds, and HAProxy accepts on (listener.py says why).
+    listener: HeldListener
+
+    def running(self) -> bool: ...
+    def start(self, binary: str, config_path: Path) -> None: ...
+    def reload(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+class Frontdoor:
+    def __init__(self, runner: FrontdoorRunner) -> None:
+        self.runner = runner
+        run_dir = runner.run_dir
+        self.paths = paths_in(run_dir, runner.socket_path)
+        self.api = RuntimeAPI(str(runner.socket_path))
+        self.listen = ""
+        self.binary = ""
+        self.stats: BackendStat | None = None  # last pass's counters, None when unreadable
+        self.answers: FrontendStat | None = None  # the listener's answers by class, read with `stats`
+        self.queue_size = 0  # frontend.queue_size of the applied config: a full queue answers 503
+        self.error = ""  # why the last apply or read failed, for status
+
+    def _hold(self, config: Config) -> bool:
+        """Hold the listening socket at the configured address. True when it is a new
+        socket: a HAProxy running on the old one must be restarted."""
+        listener = self.runner.listener
+        address = config.frontend.address
+        if listener.address == address:
+            return False
+        try:
+            listener.hold(*address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE and self.runner.running():
+                # A HAProxy started by an older numa-infer binds the port itself: once, it
+                # is restarted on the daemon's socket (its open connections are cut).
+                log.warning("front door: haproxy holds %s itself: restarting it on the daemon's socket",
+                            config.frontend.listen)
+                self.runner.stop()
+                return self._hold(config)
+            raise HaproxyError(f"cannot listen on frontend.listen = \"{config.frontend.listen}\": {exc.strerror}; "
+                               "free the port or choose another") from None
+        return True
+
+    def _candidate(self, config: Config, plan: Plan) -> Path:
+        candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
+        # Renamed into place, never written through: a link planted under this name is
+        # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
+        write_atomic(candidate, render_haproxy(config, plan, self.paths, held=True), durable=False)
+        try:
+            haproxy.validate(config.frontend.haproxy, str(candidate), listener_fd=self.runner.listener.fd)
+        except HaproxyError:
+            candidate.unlink(missing_ok=True)
+            raise
+        return candidate
+
+    def apply(self, config: Config, plan: Plan) -> bool:
+        """Bring HAProxy to this plan. HaproxyError leaves the running front door untouched.
+
+        True when HAProxy was started or reloaded.
+        """
+        if not config.frontend.enabled:
+            if self.runner.running():
+                log.info("front door off (frontend.listen = \"\"): stopping haproxy")
+                self.runner.stop()
+            self.runner.listener.refuse()
+            self.listen, self.stats, self.answers = "", None, None
+            return False
+        running = self.runner.running()
+        if self._hold(config) and running:
+            # A new address is a new socket: HAProxy cannot take it on a reload.
+            log.info("front door: listening on %s now: restarting haproxy", config.frontend.listen)
+            self.runner.stop()
+            running = False
+        text = render_haproxy(config, plan, self.paths, held=True)
+        try:
+            current = self.paths.config.read_text(encoding="utf-8")
+        except OSError:
+            current = ""
+        self.binary = config.frontend.haproxy
+        self.queue_size = config.frontend.queue_size
+        if running and current == text:
+            self.listen = config.frontend.listen
+            return False
+        candidate = self._candidate(config, plan)
+        if running:
+            self._save_server_states()
+        elif not self.paths.state.exists():
+            # An empty state file (version line only): HAProxy warns about a missing one.
+            write_atomic(self.paths.state, "1\n", durable=False)
+        os.replace(candidate, self.paths.config)
+        if running:
+            log.info("front door: plan changed: reloading haproxy seamlessly")
+            self.runner.reload()
+        else:
+            log.info("front door: starting haproxy on %s over %d instance(s)", config.frontend.listen,
+                     len(plan.instances))
+            self.runner.start(config.frontend.haproxy, self.paths.config)
+        self.listen = config.frontend.listen
+        self.error = ""
+        return True
+
+    def _save_server_states(self) -> None:
+        # Read back by `load-server-state-from-file`: drain/maint survive the reload.
+        try:
+            write_atomic(self.paths.state, self.api.servers_state(), durable=False)
+        except (HaproxyError, OSError) as exc:
+            log.warning("front door: cannot save server states before the reload: %s", exc)
+
+    def observe(self) -> BackendStat | None:
+        """Read the counters once for this pass (None while HAProxy is not answering)."""
+        if not self.listen:
+            self.stats = self.answers = None
+            return None
+        if not self.runner.restarted_by_manager and not self.runner.running():
+            log.error("front door: haproxy exited: starting it again")
+            try:
+                # On the held socket: what clients sent while it was dead waits there for it.
+                self.runner.start(self.binary, self.paths.config)
+            except HaproxyError as exc:
+                self.stats, self.error = None, str(exc)
+                log.error("front door: %s", exc)
+                return None
+        try:
+            self.stats, self.answers = self.api.counters(BACKEND, FRONTEND)
+            self.error = ""
+        except HaproxyError as exc:
+            self.stats = self.answers = None
+            self.error = str(exc)
+        return self.stats
+
+    def in_flight(self, instance: Instance) -> int | None:
+        if self.stats is None:
+            return None
+        stat = self.stats.servers.get(server_name(instance.name))
+        return None if stat is None else stat.in_flight
+
+    def set_state(self, instance: Instance, state: AdminState) -> None:
+        """Move one server in or out of rotation, if it is not there already."""
+        if self.stats is None:
+            return
+        name = server_name(instance.name)
+        stat = self.stats.servers.get(name)
+        if stat is None or stat.admin == state:
+            return
+        try:
+            self.api.set_state(BACKEND, name, state)
+        except HaproxyError as exc:
+            log.error("front door: %s", exc)
+            return
+        log.info("front door: %s -> %s", name, state.value)
+        # Until the next pass reads HAProxy again, this pass's view shows the new state.
+        self.stats.servers[name] = replace(stat, status=_STATUS_OF[state])
+
+    def close(self) -> bool:
+        """Stop taking connections, keep serving the ones open: the port is closed, so a
+        client (or a Service) is refused at once and tries elsewhere. True when it closed."""
+        if not self.listen or not self.runner.running():
+            return False
+        try:
+            answer = self.api.command(f"disable frontend {FRONTEND}").strip()
+        except HaproxyError as exc:
+            log.error("front door: cannot close the listener: %s", exc)
+            answer = str(exc)
+        if answer:  # HAProxy answers nothing on success
+            log.error("front door: disable frontend %s: %s", FRONTEND, answer)
+        # HAProxy's pause alone would leave the inherited socket queueing connections that
+        # no one accepts; shut down, it refuses them in every process holding it.
+        self.runner.listener.refuse()
+        log.info("front door: listener on %s closed: new connections are refused", self.listen)
+        return True
+
+    def requests_left(self) -> int | None:
+        """Requests queued or in flight through HAProxy now (None: it does not answer)."""
+        try:
+            stat = self.api.backend(BACKEND)
+        except HaproxyError:
+            return None
+        return stat.queued + stat.in_flight
+
+    def stop(self) -> None:
+        if self.runner.running():
+            log.info("front door: stopping haproxy")
+            self.runner.stop()
+        self.runner.listener.refuse()
+

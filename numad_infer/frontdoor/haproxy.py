@@ -1,0 +1,208 @@
+"""HAProxy as a thin edge: the binary (version, `-c` validation, the `frontend.haproxy`
+check) and the runtime API socket.
+
+Everything numa-infer asks of a running HAProxy goes through `RuntimeAPI`: one text
+command per connection on the admin socket (HAProxy's management guide, "Unix Socket
+commands"). Parsing is kept to the few columns the front door uses.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from numad_infer.errors import ConfigError, NumaInferError
+from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
+
+if TYPE_CHECKING:
+    from numad_infer.config.schema import Config
+
+# json_query (affinity on the OpenAI "user" field), http-error and L7 retries are all in
+# 2.6, the oldest HAProxy of a supported Debian release (12).
+MIN_VERSION = (2, 6)
+
+
+class HaproxyError(NumaInferError):
+    pass
+
+
+def version(binary: str, timeout_s: float = 30.0) -> tuple[int, int]:
+    """(major, minor) of the haproxy at `binary`; HaproxyError when it is missing or is not haproxy.
+
+    The limit only stops a hung binary, as `validate`'s does: a reload on a loaded machine
+    (seen: a TCG guest beside another) once took over 10 s to run `haproxy -v`, and a
+    reload refused for that would be a false alarm."""
+    try:
+        proc = subprocess.run([binary, "-v"], capture_output=True, text=True, timeout=timeout_s)
+    except FileNotFoundError:
+        raise HaproxyError("not found") from None
+    except PermissionError:
+        raise HaproxyError("is not executable") from None
+    except OSError as exc:
+        raise HaproxyError(f"cannot run: {exc.strerror}") from None
+    except subprocess.TimeoutExpired:
+        raise HaproxyError(f"`{binary} -v` gave no answer within {timeout_s:g}s") from None
+    found = re.search(r"HAProxy version (\d+)\.(\d+)", proc.stdout)
+    if proc.returncode != 0 or found is None:
+        raise HaproxyError("is not haproxy (`-v` does not print \"HAProxy version\")")
+    return int(found.group(1)), int(found.group(2))
+
+
+def validate(binary: str, config_path: str, timeout_s: float = 30.0, listener_fd: int | None = None) -> None:
+    """`haproxy -c`: HaproxyError with HAProxy's own words when the file is refused.
+    `listener_fd`: the held socket the file binds ("fd@${NUMA_INFER_FRONTDOOR_FD}"); the
+    check refuses a descriptor it lacks."""
+    env = None if listener_fd is None else {**os.environ, FD_VARIABLE: str(listener_fd)}
+    try:
+        proc = subprocess.run([binary, "-c", "-q", "-f", config_path], capture_output=True, text=True,
+                              timeout=timeout_s, pass_fds=() if listener_fd is None else (listener_fd,), env=env)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HaproxyError(f"cannot run {binary} -c: {exc}") from None
+    if proc.returncode != 0:
+        lines = [line.strip() for line in (proc.stderr + proc.stdout).splitlines()
+                 if "ALERT" in line or "error" in line.lower()]
+        raise HaproxyError(f"haproxy -c refused {config_path}: " + ("; ".join(lines[:3]) or f"exit {proc.returncode}"))
+
+
+class AdminState(str, Enum):
+    """What the daemon wants HAProxy to do with one server (`set server ... state`)."""
+
+    READY = "ready"  # in rotation
+    DRAIN = "drain"  # finish what it has, take nothing new (a restart is coming)
+    MAINT = "maint"  # out of rotation: unhealthy, failed, stopped or restarting
+
+
+@dataclass(frozen=True)
+class ServerStat:
+    name: str
+    status: str  # HAProxy's words: UP, DOWN, MAINT, DRAIN, "UP 1/2"...
+    in_flight: int  # scur: requests being served
+    queued: int  # qcur: requests waiting for this server
+    served: int  # stot: requests sent to it since HAProxy (re)started
+
+    @property
+    def admin(self) -> AdminState:
+        # MAINT (also "MAINT (via ...)") wins over DRAIN; a drained server shows DRAIN.
+        if self.status.startswith("MAINT"):
+            return AdminState.MAINT
+        if self.status.startswith("DRAIN"):
+            return AdminState.DRAIN
+        return AdminState.READY
+
+
+@dataclass(frozen=True)
+class BackendStat:
+    queued: int
+    in_flight: int
+    servers: dict[str, ServerStat]
+
+
+# HAProxy counts a frontend's answers by class only (hrsp_1xx ... hrsp_other): its own
+# 503 "queue full" answer is in 5xx with the instances' 500s and its 502/504s.
+RESPONSE_CLASSES = ("1xx", "2xx", "3xx", "4xx", "5xx", "other")
+
+
+@dataclass(frozen=True)
+class FrontendStat:
+    responses: dict[str, int]  # class (RESPONSE_CLASSES) -> answers sent since HAProxy (re)started
+
+
+class RuntimeAPI:
+    def __init__(self, socket_path: str, timeout_s: float = 2.0) -> None:
+        self.socket_path = socket_path
+        self.timeout_s = timeout_s
+
+    def command(self, line: str) -> str:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout_s)
+        try:
+            sock.connect(self.socket_path)
+            sock.sendall(line.encode() + b"\n")
+            chunks = []
+            while True:
+                data = sock.recv(65536)
+                if not data:
+                    break
+                chunks.append(data)
+        except OSError as exc:
+            raise HaproxyError(f"runtime API {self.socket_path}: {exc.strerror or exc}") from None
+        finally:
+            sock.close()
+        return b"".join(chunks).decode(errors="replace")
+
+    def backend(self, name: str) -> BackendStat:
+        return _backend(self._show_stat(), name)
+
+    def counters(self, backend: str, frontend: str) -> tuple[BackendStat, FrontendStat]:
+        """The backend's servers and the frontend's answers, from one `show stat`."""
+        rows = self._show_stat()
+        return _backend(rows, backend), _frontend(rows, frontend)
+
+    def _show_stat(self) -> list[dict[str, str]]:
+        text = self.command("show stat")
+        if not text.startswith("# "):
+            raise HaproxyError(f"runtime API: unexpected answer to show stat: {text[:120]!r}")
+        return list(csv.DictReader(io.StringIO(text[2:])))
+
+    def set_state(self, backend: str, server: str, state: AdminState) -> None:
+        answer = self.command(f"set server {backend}/{server} state {state.value}").strip()
+        if answer:  # HAProxy answers nothing on success
+            raise HaproxyError(f"set server {backend}/{server} state {state.value}: {answer}")
+
+    def servers_state(self) -> str:
+        """`show servers state`: the file format `load-server-state-from-file` reads back."""
+        return self.command("show servers state")
+
+
+def _backend(rows: list[dict[str, str]], name: str) -> BackendStat:
+    servers: dict[str, ServerStat] = {}
+    queued = in_flight = 0
+    found = False
+    for row in rows:
+        if row.get("pxname") != name:
+            continue
+        kind = row.get("svname", "")
+        if kind == "BACKEND":
+            found = True
+            queued, in_flight = _int(row.get("qcur")), _int(row.get("scur"))
+        elif kind != "FRONTEND":
+            servers[kind] = ServerStat(kind, row.get("status", ""), _int(row.get("scur")), _int(row.get("qcur")),
+                                       _int(row.get("stot")))
+    if not found:
+        raise HaproxyError(f"runtime API: no backend {name!r} in show stat")
+    return BackendStat(queued, in_flight, servers)
+
+
+def _frontend(rows: list[dict[str, str]], name: str) -> FrontendStat:
+    for row in rows:
+        if row.get("pxname") == name and row.get("svname") == "FRONTEND":
+            return FrontendStat({cls: _int(row.get(f"hrsp_{cls}")) for cls in RESPONSE_CLASSES})
+    raise HaproxyError(f"runtime API: no frontend {name!r} in show stat")
+
+
+def _int(value: str | None) -> int:
+    return int(value) if value and value.isdigit() else 0
+
+
+def check_haproxy(config: Config, source: str) -> None:
+    """The configured haproxy exists and is recent enough (a ConfigError naming the key otherwise)."""
+    if not config.frontend.enabled:
+        return
+    binary = config.frontend.haproxy
+    off = 'or set frontend.listen = "" to run without a front door'
+    try:
+        found = version(binary)
+    except HaproxyError as exc:
+        raise ConfigError(source, "frontend.haproxy", f"{exc}; install it (apt-get install haproxy) {off}",
+                          binary, True) from None
+    if found < MIN_VERSION:
+        need = ".".join(map(str, MIN_VERSION))
+        raise ConfigError(source, "frontend.haproxy", f"is HAProxy {found[0]}.{found[1]}, older than {need}; "
+                          f"install {need} or newer {off}", binary, True)

@@ -1,0 +1,230 @@
+"""haproxy.cfg from the plan: pure (config + plan -> text). The daemon's `frontdoor.Frontdoor`
+writes it and drives the running HAProxy; `numa-infer check` validates it.
+
+Why these HAProxy settings (each one is a finding, see issue 9):
+- `maxconn` per server = what the engine serves at once (`Engine.slots`: 1 for
+  llama-cpp-python, `server.parallel` for llama-server): one more request would wait
+  inside the server, where no other instance can take it. HAProxy queues it instead and
+  gives it to whichever instance frees up first (`balance leastconn`).
+- `observe layer4 ... on-error mark-down`: with least connections a dead server has the
+  fewest connections, so retries would go straight back to it; a refused connection
+  takes it out of rotation at once.
+- `retry-on conn-failure empty-response` + `option redispatch 1` +
+  `http-request disable-l7-retry` for all but GET/HEAD (nginx's default for
+  non-idempotent requests): a request that never reached a server (connection refused)
+  is sent again, to another server every time; a POST that reached one is never replayed,
+  so a prompt that crashes llama.cpp crashes one instance, not every instance in turn
+  (issue 19). Its client gets a JSON 502.
+- every answer HAProxy makes itself (400, 408, 429, 500, 501, 502, 503, 504) is JSON in
+  OpenAI's error shape: an OpenAI client parses the body of a failure, and HAProxy's
+  default pages are HTML.
+- affinity on the `user` field: HAProxy reads the body from its buffer only, so the
+  buffer is sized for the longest prompt an instance accepts (`_body_buffer`).
+- health checks on the engine's path that never waits on the model
+  (`Engine.liveness_path`): a busy server is not a down server.
+- `load-server-state-from-file`: a reload keeps the drain/maint states the daemon set.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from numad_infer.config.schema import Affinity, Config, FrontendSection
+from numad_infer.engines import engine_of
+from numad_infer.errors import ConfigError
+from numad_infer.plan.placement import Plan
+from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
+from numad_infer.util.addresses import connect_host, host_port
+
+BACKEND = "instances"
+FRONTEND = "openai"  # the one listener; the daemon closes it first on stop (Frontdoor.close)
+MARKER = "# Managed by numa-infer: rewritten by the daemon on every plan change; do not edit."
+# llama-cpp-python runs one request at a time (it serialises on its model lock).
+# Connections a client may hold open beyond the instances and the queue (idle keep-alives).
+SPARE_CONNECTIONS = 256
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """An answer HAProxy makes itself, in OpenAI's error shape."""
+
+    status: int
+    kind: str  # OpenAI's error "type"
+    message: str  # no ' (the body is a single-quoted HAProxy string)
+    retry_after: bool = False
+
+    def __post_init__(self) -> None:
+        if "'" in self.message:
+            raise ValueError(f"a ' would end HAProxy's string early: {self.message}")
+
+    def body(self) -> str:
+        return json.dumps({"error": {"message": f"numa-infer: {self.message}", "type": self.kind, "code": self.status}},
+                          separators=(",", ":"))
+
+
+_BUSY = _Answer(503, "server_busy", "no instance can take the request: every instance is busy, starting or down, and "
+                "the queue is full or the wait ran out; retry later", retry_after=True)
+# Every status HAProxy 2.6 answers on its own (http-error accepts these). Its HTTP parser's
+# 400 (malformed request, headers too large) and 408 (headers too slow) come before any
+# stream and stay HTML: neither http-error nor errorfile reaches them; no OpenAI client
+# provokes them. The 400 and 408 here are the stream's (a body sent too slowly).
+_ANSWERS = (
+    _Answer(400, "invalid_request_error", "the request is not valid"),
+    _Answer(408, "timeout", "the request did not arrive in full in time"),
+    _Answer(429, "rate_limit_exceeded", "too many requests; retry later", retry_after=True),
+    _Answer(500, "server_error", "the front door failed on this request"),
+    _Answer(501, "invalid_request_error", "the front door does not support this request (transfer encoding)"),
+    _Answer(502, "server_error", "the instance serving this request failed before it answered in full (did the "
+            "request crash it?); a request that reached an instance is not sent to another"),
+    _BUSY,
+    _Answer(504, "timeout", "the instance did not answer within frontend.request_timeout_s"),
+)
+
+# affinity = "user": HAProxy's json_query sees only the body in its buffer (16 KiB by
+# default), and OpenAI clients send `user` after `messages`. The buffer holds the longest
+# prompt an instance accepts: context_size tokens at 8 bytes each (JSON escapes, non-Latin
+# scripts), plus room for the headers. A longer body is served, by the least busy instance.
+_BYTES_PER_TOKEN = 8
+_HEADER_ROOM = 16 * 1024
+_MIN_BUFFER = 64 * 1024
+# Conversations remembered at once: entries are made as keys arrive, each about 50 bytes
+# of HAProxy's own plus the 128-byte key, so the table stays under ~20 MiB.
+STICK_ENTRIES = 100_000
+
+
+def server_name(instance_name: str) -> str:
+    # HAProxy names allow letters, digits, - _ . : (not the "@" of a unit instance name).
+    return instance_name.replace("@", "-")
+
+
+CONFIG_NAME = "haproxy.cfg"
+STATE_NAME = "haproxy.state"
+
+
+@dataclass(frozen=True)
+class Paths:
+    config: Path  # haproxy.cfg
+    state: Path  # server states kept across reloads
+    socket: Path  # runtime API (admin level)
+
+
+def paths_in(run_dir: Path, socket: Path) -> Paths:
+    """The files in the directory the daemon (or `check`, in a scratch one) writes them to."""
+    return Paths(run_dir / CONFIG_NAME, run_dir / STATE_NAME, socket)
+
+
+# HAProxy expands the variable in a quoted word: its copy of the daemon's socket.
+HELD_BIND = '"fd@${' + FD_VARIABLE + '}"'
+
+
+def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False) -> str:
+    """haproxy.cfg for this plan. `held`: the daemon holds the listening socket and HAProxy
+    takes it as the inherited descriptor that NUMA_INFER_FRONTDOOR_FD names (listener.py
+    says why), instead of binding the address itself (`check`'s scratch copy does)."""
+    front: FrontendSection = config.frontend
+    host, port = front.address
+    target = connect_host(config.server.host)
+    engine = engine_of(config)
+    per_server = engine.slots(config)
+    maxconn = len(plan.instances) * per_server + front.queue_size + SPARE_CONNECTIONS
+    lines = [MARKER, *_global(config, paths, maxconn), "", *_defaults(front), "",
+             f"frontend {FRONTEND}",
+             f"    bind {HELD_BIND if held else host_port(host, port)}",
+             f"    default_backend {BACKEND}",
+             "",
+             f"backend {BACKEND}",
+             "    balance leastconn",
+             # Needed for retries (the request is replayed from the buffer) and for json_query.
+             "    option http-buffer-request",
+             "    retries 3",
+             "    option redispatch 1",
+             "    retry-on conn-failure empty-response",
+             # A POST that reached a server is not replayed: it may be what killed it.
+             "    http-request disable-l7-retry if !METH_GET",
+             f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
+             f"hdr Retry-After 1 if {{ queue({BACKEND}) ge {front.queue_size} }}",
+             f"    option httpchk GET {engine.liveness_path}",
+             "    http-check expect status 200",
+             f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {per_server} "
+             "observe layer4 error-limit 1 on-error mark-down"]
+    lines += _affinity(front)
+    for instance in plan.instances:
+        lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
+    return "\n".join(lines) + "\n"
+
+
+def _global(config: Config, paths: Paths, maxconn: int) -> list[str]:
+    lines = ["global",
+             f"    maxconn {maxconn}",
+             # 660: HAProxy runs as its own user; the daemon reaches the socket as root (process
+             # backend) or through HAProxy's group (systemd, where it has no DAC override).
+             # Either way the directory around it is HAProxy's, closed to everyone else.
+             f"    stats socket {_socket_address(paths.socket)} mode 660 level admin",
+             f"    server-state-file {quoted(paths.state)}",
+             # Server up/down changes reach the journal (or the process backend's log file).
+             "    log stderr format short local0 notice"]
+    if config.frontend.affinity == Affinity.USER:
+        lines.append(f"    tune.bufsize {body_buffer(config)}")
+    return lines
+
+
+def _defaults(front: FrontendSection) -> list[str]:
+    lines = ["defaults",
+             "    mode http",
+             "    log global",
+             "    option dontlognull",
+             "    timeout connect 2s",
+             f"    timeout client {_ms(front.request_timeout_s)}",
+             f"    timeout server {_ms(front.request_timeout_s)}",
+             f"    timeout queue {_ms(front.queue_timeout_s)}",
+             "    timeout http-request 30s",
+             "    timeout http-keep-alive 10s",
+             "    timeout check 2s",
+             "    load-server-state-from-file global"]
+    for answer in _ANSWERS:
+        retry = " hdr Retry-After 1" if answer.retry_after else ""
+        lines.append(f"    http-error status {answer.status} content-type application/json "
+                     f"string '{answer.body()}'{retry}")
+    return lines
+
+
+def body_buffer(config: Config) -> int:
+    """HAProxy's tune.bufsize for affinity = "user": the longest prompt an instance accepts fits."""
+    wanted = config.model.context_size * _BYTES_PER_TOKEN + _HEADER_ROOM
+    return max(_MIN_BUFFER, -(-wanted // 1024) * 1024)
+
+
+def quoted(path: Path) -> str:
+    """A path as one HAProxy word: double quotes, with \\ " $ escaped (a space, a # or a $
+    in the state directory would otherwise split the line, end it, or expand a variable)."""
+    text = str(path)
+    if any(ord(c) < 0x20 or c == "\x7f" for c in text):
+        raise ConfigError(text, None, "contains a control character, which haproxy.cfg cannot hold; "
+                          "choose a --state-file in a directory whose path has none")
+    return '"' + "".join("\\" + c if c in '\\"$' else c for c in text) + '"'
+
+
+def _socket_address(path: Path) -> str:
+    # HAProxy expands environment variables in a socket address after unquoting it,
+    # escaped or not: a "$" cannot be written there.
+    if "$" in str(path):
+        raise ConfigError(str(path), None, "contains a $, which HAProxy would expand in its admin socket's path; "
+                          "choose a --state-file in a directory whose path has none")
+    return quoted(path)
+
+
+def _affinity(front: FrontendSection) -> list[str]:
+    """The first turn goes where leastconn sends it; later turns follow it (stick table),
+    to the instance whose KV cache already holds the conversation's prompt prefix."""
+    if front.affinity == Affinity.NONE:
+        return []
+    key = (f"req.hdr({front.affinity_header})" if front.affinity == Affinity.HEADER
+           else "req.body,json_query('$.user')")
+    return [f"    stick-table type string len 128 size {STICK_ENTRIES} expire {_ms(front.affinity_expire_s)}",
+            f"    stick on {key}"]
+
+
+def _ms(seconds: float) -> str:
+    return f"{max(int(seconds * 1000), 1)}ms"

@@ -1,0 +1,214 @@
+"""Who listens on an instance's port: the instance's own process, or another one.
+
+The daemon sends the API key to an instance's port (the key check, llama-server's
+/metrics) and puts a port that answers its probe into rotation, where clients' prompts
+and keys go. While an instance restarts or loads its model, any local user can listen on
+that port first. So before either, every socket that listens where a client of the port
+connects must be the instance's: its inode, from /proc/net/tcp and tcp6, among the file
+descriptors of the instance's process or of its children.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+import psutil
+
+from numad_infer.util.addresses import connect_host, host_port
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
+
+
+class Holder(Enum):
+    INSTANCE = "instance"  # every socket listening there belongs to the instance's process (or its children)
+    NOBODY = "nobody"  # nothing listens there (yet): the server is still starting, or gone
+    OTHER = "other"  # another process listens there, or whose it is cannot be told
+
+
+@dataclass(frozen=True)
+class PortOwner:
+    holder: Holder
+    detail: str = ""  # why the port is not the instance's, for the probe's error and status
+
+    @property
+    def ours(self) -> bool:
+        return self.holder == Holder.INSTANCE
+
+
+def port_owner(proc: Path, host: str, port: int, pid: int) -> PortOwner:
+    """Does process `pid` (the instance's main process) hold the port its clients reach?"""
+    target = ipaddress.ip_address(connect_host(host))
+    where = host_port(str(target), port)
+    listening = _listening(proc, target, port)
+    if not listening:
+        return PortOwner(Holder.NOBODY, f"nothing listens on {where}")
+    try:
+        # The main process first: one directory read in the usual case (it holds the socket).
+        missing = listening - _socket_inodes(proc, pid)
+        family = {pid, *(_descendants(proc, pid) if missing else [])}
+        for child in family - {pid}:
+            missing -= _socket_inodes(proc, child, gone_ok=True)
+    except (FileNotFoundError, ProcessLookupError):
+        return PortOwner(Holder.OTHER, f"{where} is held by another process: the instance's process {pid} is gone")
+    except PermissionError:
+        return _by_user(proc, target, port, pid, where)
+    except OSError as exc:
+        return PortOwner(Holder.OTHER, f"cannot tell who holds {where}: the sockets of process {pid} cannot be read "
+                                       f"({exc.strerror}); run the daemon as root")
+    if not missing:
+        return PortOwner(Holder.INSTANCE)
+    return PortOwner(Holder.OTHER, f"port {port} is held by {_holder(proc, port, family)}, not by the instance "
+                                   f"(pid {pid}): no API key and no requests go to it")
+
+
+_ESTABLISHED = "01"  # TCP_ESTABLISHED
+
+
+def open_connections(proc: Path, port: int) -> int:
+    """Connections clients hold open to local `port` (requests in flight, kept-alive ones):
+    once the instance's port is known to be its own, these are all the instance's."""
+    return sum(1 for fields in _sockets(proc) if fields[3] == _ESTABLISHED and _port(fields[1]) == port)
+
+
+def _sockets(proc: Path) -> Iterator[list[str]]:
+    """The rows of /proc/net/tcp and tcp6, split in their columns: sl, local and remote
+    address, state, queues, timers, retransmits, uid, timeout, inode."""
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (proc / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue  # no IPv6 on this host
+        for line in lines:
+            fields = line.split()
+            if len(fields) >= 10:
+                yield fields
+
+
+def _port(address: str) -> int:
+    return int(address.rpartition(":")[2], 16)
+
+
+def _by_user(proc: Path, target: IPAddress, port: int, pid: int, where: str) -> PortOwner:
+    """When the instance's descriptors cannot be read: under systemd each instance runs as a
+    DynamicUser of its own, and the daemon (root, with no capability but CAP_SYS_NICE) may
+    not look into another user's process. Each instance's user is then its own, so a socket
+    created by that user is the instance's; anyone else's is not. Root's never is."""
+    try:
+        uid = _real_uid(proc, pid)
+    except (OSError, ValueError):
+        return PortOwner(Holder.OTHER, f"{where} is held by another process: the instance's process {pid} is gone")
+    owners = _listening_uids(proc, target, port)
+    if uid != 0 and owners and owners <= {uid}:
+        return PortOwner(Holder.INSTANCE)
+    others = ", ".join(str(u) for u in sorted(owners - {uid}))
+    return PortOwner(Holder.OTHER, f"port {port} is held by uid {others or uid}, not by the instance's user "
+                                   f"(uid {uid}, pid {pid}): no API key and no requests go to it")
+
+
+def _real_uid(proc: Path, pid: int) -> int:
+    for line in (proc / str(pid) / "status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[1])
+    raise ValueError(f"no Uid line for process {pid}")
+
+
+def _descendants(proc: Path, pid: int) -> list[int]:
+    """The process's children, theirs, and so on (a server that forks workers)."""
+    found, parents = [], [pid]
+    while parents:
+        parent = parents.pop()
+        try:
+            tasks = os.listdir(proc / str(parent) / "task")
+        except FileNotFoundError:
+            continue  # exited meanwhile
+        for tid in tasks:
+            try:
+                children = [int(c) for c in (proc / str(parent) / "task" / tid / "children").read_text().split()]
+            except FileNotFoundError:
+                continue  # the thread exited, or a kernel without CONFIG_PROC_CHILDREN: the main process only
+            found += children
+            parents += children
+    return found
+
+
+def _socket_inodes(proc: Path, pid: int, gone_ok: bool = False) -> set[int]:
+    """Inodes of the sockets among the process's file descriptors (`socket:[INODE]` links).
+    `gone_ok`: a process that exited has none (a child may exit while it is looked at)."""
+    fds = proc / str(pid) / "fd"
+    inodes: set[int] = set()
+    try:
+        names = os.listdir(fds)
+    except FileNotFoundError:
+        if gone_ok:
+            return inodes
+        raise
+    for fd in names:
+        try:
+            target = os.readlink(fds / fd)
+        except FileNotFoundError:
+            continue  # closed between the listing and the read
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:["):-1]))
+    return inodes
+
+
+def _listening(proc: Path, target: IPAddress, port: int) -> set[int]:
+    """Inodes of the TCP sockets listening on `port` that a connection to `target` may reach."""
+    return {inode for inode, _ in _listeners(proc, target, port)}
+
+
+def _listening_uids(proc: Path, target: IPAddress, port: int) -> set[int]:
+    """The users who created those sockets (/proc/net/tcp's uid column)."""
+    return {uid for _, uid in _listeners(proc, target, port)}
+
+
+def _listeners(proc: Path, target: IPAddress, port: int) -> set[tuple[int, int]]:
+    """(inode, uid) of each TCP socket listening on `port` that a connection to `target` may reach."""
+    return {(int(fields[9]), int(fields[7])) for fields in _sockets(proc)
+            if fields[3] == _LISTEN and _port(fields[1]) == port
+            and _reaches(_address(fields[1].partition(":")[0]), target)}
+
+
+def _address(hex_address: str) -> IPAddress:
+    # The kernel prints the address as 32-bit words, each in the host's byte order.
+    raw = bytes.fromhex(hex_address)
+    words = [raw[i:i + 4] for i in range(0, len(raw), 4)]
+    if sys.byteorder == "little":
+        words = [word[::-1] for word in words]
+    return ipaddress.ip_address(b"".join(words))
+
+
+def _reaches(listen: IPAddress, target: IPAddress) -> bool:
+    """Would a connection to `target` reach a socket listening on `listen`? A wildcard takes
+    its family's connections, and `::` IPv4's too (unless IPV6_V6ONLY: counted all the same)."""
+    if listen == target:
+        return True
+    if listen.is_unspecified:
+        return listen.version == target.version or listen.version == 6
+    return isinstance(listen, ipaddress.IPv6Address) and listen.ipv4_mapped == target
+
+
+def _holder(proc: Path, port: int, family: set[int]) -> str:
+    """The other process listening on the port, in words (only asked when there is one)."""
+    if proc != Path("/proc"):
+        return "another process"
+    try:
+        found = [c.pid for c in psutil.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                 and c.pid is not None and c.pid not in family]
+    except (psutil.AccessDenied, OSError):
+        found = []
+    if not found:
+        return "another process"
+    try:
+        return f"pid {found[0]} ({psutil.Process(found[0]).name()})"
+    except psutil.Error:
+        return f"pid {found[0]}"

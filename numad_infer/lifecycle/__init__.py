@@ -1,0 +1,4 @@
+"""An instance's lifecycle: states, transitions, drift verdicts.
+
+numad_infer/layers.py lists its modules, their layers and jobs, and where it stands in
+the import order."""

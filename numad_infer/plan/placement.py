@@ -1,0 +1,426 @@
+"""Config + topology -> the placement plan: which instances, on which CPUs and memory.
+
+Pure. Every refusal is a `ConfigError` naming the key an operator must change.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+from numad_infer.config.schema import Config, parse_listen
+from numad_infer.errors import ConfigError
+from numad_infer.systemd import unitnames
+from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed, within
+from numad_infer.topology.model import Node, Topology
+from numad_infer.util.cpuset import format_list
+
+# Weights are private per instance (mmap off); leave room for KV cache, the OS and Python.
+MODEL_FRACTION_OF_NODE = 0.9
+
+
+class Policy(str, Enum):
+    """The instance's memory policy (systemd's NUMAPolicy=, the kernel's set_mempolicy)."""
+
+    BIND = "bind"  # its own node(s) only
+    INTERLEAVE = "interleave"  # pages spread over several nodes (a model bigger than one node)
+
+
+@dataclass(frozen=True)
+class Instance:
+    name: str  # unit instance name: <template>@<id>
+    node: int | None  # None: interleaved over `mems`
+    cpus: tuple[int, ...]
+    places: tuple[tuple[int, ...], ...]  # one OpenMP place per thread, in pinning order
+    mems: tuple[int, ...]
+    policy: Policy
+    threads: int  # generation threads (OMP_NUM_THREADS)
+    port: int
+    threads_batch: int = 0  # prompt-processing threads; set by the planner's thread step
+
+    @property
+    def unit(self) -> str:
+        return unitnames.unit(self.name)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["places"] = [list(p) for p in self.places]
+        data["policy"] = self.policy.value
+        for key in ("cpus", "mems"):
+            data[key] = list(data[key])
+        return data
+
+
+@dataclass(frozen=True)
+class Plan:
+    instances: tuple[Instance, ...]
+    warnings: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"instances": [i.to_dict() for i in self.instances], "warnings": list(self.warnings)}
+
+
+@dataclass(frozen=True)
+class PlanDiff:
+    added: tuple[str, ...]
+    changed: tuple[str, ...]
+    removed: tuple[str, ...]
+    unchanged: tuple[str, ...]
+
+
+def diff_plans(old: Mapping[str, object], new: Mapping[str, object]) -> PlanDiff:
+    """Diff two {instance name: anything comparable} maps (instances, or their rendered units)."""
+    return PlanDiff(
+        added=tuple(sorted(new.keys() - old.keys())),
+        changed=tuple(sorted(n for n in new.keys() & old.keys() if new[n] != old[n])),
+        removed=tuple(sorted(old.keys() - new.keys())),
+        unchanged=tuple(sorted(n for n in new.keys() & old.keys() if new[n] == old[n])),
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def _memory_nodes(node: Node, topo: Topology, warnings: list[str]) -> tuple[int, ...]:
+    if node.has_memory:
+        return (node.id,)
+    with_memory = [n for n in topo.nodes if n.has_memory]
+    if not with_memory:
+        return (node.id,)
+    nearest = min(node.distances.get(n.id, 255) for n in with_memory)
+    chosen = tuple(sorted(n.id for n in with_memory if node.distances.get(n.id, 255) == nearest))
+    if node.memory_total_bytes > 0:  # it has memory, but the instances' cgroup may not use it
+        warnings.append(f"node {node.id}'s memory is not allowed to the instances (cpuset.mems): its instance "
+                        f"allocates on node(s) {format_list(chosen)}, the nearest allowed (distance {nearest})")
+    else:
+        warnings.append(f"node {node.id} has CPUs but no memory: its instance allocates on node(s) "
+                        f"{format_list(chosen)}, the nearest with memory (distance {nearest})")
+    return chosen
+
+
+def _split(node: Node, cores: list[tuple[int, ...]], k: int) -> list[list[tuple[int, ...]]]:
+    """k disjoint groups of near-equal size, along shared-L3 boundaries where they divide evenly."""
+    usable = set(cores)
+    l3 = [[c for c in group if c in usable] for group in node.l3_groups]
+    l3 = [g for g in l3 if g]
+    if len(l3) >= k and len(l3) % k == 0 and len({len(g) for g in l3}) == 1:
+        per = len(l3) // k
+        return [[c for g in l3[i * per:(i + 1) * per] for c in g] for i in range(k)]
+    base, extra = divmod(len(cores), k)
+    groups, start = [], 0
+    for i in range(k):
+        size = base + (1 if i < extra else 0)
+        groups.append(cores[start:start + size])
+        start += size
+    return groups
+
+
+def _threads_of(cores: list[tuple[int, ...]], smt: bool) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+    """(cpus, places): smt=false keeps the lowest sibling of each core."""
+    if smt:
+        cpus = tuple(sorted(c for core in cores for c in core))
+        return cpus, tuple(core for core in cores)
+    firsts = tuple(sorted(core[0] for core in cores))
+    return firsts, tuple((c,) for c in firsts)
+
+
+def make_plan(config: Config, topo: Topology, model_size: int | None = None, source: str = "config",
+              allowed: Allowed = UNRESTRICTED) -> Plan:
+    """The plan, in the order the kubelet's CPU allocator reads: within what the cgroup
+    allows, which nodes, which of their cores, how the cores become instances, then ports
+    and threads. Each step refuses what it cannot do."""
+    warnings: list[str] = list(topo.warnings)
+    view = within(topo, allowed)  # step 0: only the CPUs and memory the instances may use
+    selected = _select_nodes(config, topo, view, allowed, warnings, source)
+    reserved = _reserved_cores(config, topo, warnings, source)
+    usable = _usable_cores(config, view, selected, reserved, warnings, source)
+    if config.placement.mode == "interleave":
+        instances = _interleaved_instance(config, selected, usable)
+    else:
+        instances = _per_node_instances(config, view, usable, model_size, warnings, source)
+    instances = _assign_ports(config, instances, source, _machine_ports(config, topo, model_size, source, allowed))
+    instances = _thread_counts(config, instances, source)
+    instances = _quota_cap(config, instances, allowed, warnings)
+    _check_ports(config, instances, source)
+    warnings += _exposure_warnings(config)
+    return Plan(instances=tuple(instances), warnings=tuple(warnings))
+
+
+def _select_nodes(config: Config, topo: Topology, view: Topology, allowed: Allowed, warnings: list[str],
+                  source: str) -> list[Node]:
+    """Step 1: the nodes `placement.nodes` names (memory-only nodes only to interleave over),
+    as the instances may use them (`view`). A node none of whose CPUs is allowed hosts no
+    instance: said with nodes = "all", refused when named."""
+    placement = config.placement
+    known = {n.id: n for n in view.nodes}
+    shut_out = [n.id for n in topo.nodes if n.has_cpus and not known[n.id].has_cpus]
+    if placement.nodes == "all":
+        if shut_out:
+            warnings.append(f"node {format_list(shut_out)}: none of its CPUs is allowed to the instances "
+                            f"({allowed.describe()}): no instance there")
+        return [n for n in view.nodes if n.has_cpus or placement.mode == "interleave"]
+    missing = [n for n in placement.nodes if n not in known]
+    if missing:
+        raise ConfigError(
+            source, "placement.nodes",
+            f"node {format_list(missing)} does not exist on this machine (nodes: {format_list(known)})",
+            placement.nodes, True,
+        )
+    selected = [known[n] for n in sorted(placement.nodes)]
+    denied = [n.id for n in selected if n.id in shut_out]
+    if denied and placement.mode == "per-node":
+        raise ConfigError(
+            source, "placement.nodes",
+            f"node {format_list(denied)}: none of its CPUs is allowed to the instances ({allowed.describe()}); drop "
+            "it from placement.nodes, or give the instances its CPUs (the container's --cpuset-cpus, the pod's "
+            "CPUs, the slice's AllowedCPUs=)", placement.nodes, True,
+        )
+    cpuless = [n.id for n in selected if not n.has_cpus]
+    if cpuless and placement.mode == "per-node":
+        raise ConfigError(
+            source, "placement.nodes",
+            f"node {format_list(cpuless)} has no CPUs (memory-only) and cannot host an instance; "
+            "remove it, or use mode = \"interleave\" to spread memory over it",
+            placement.nodes, True,
+        )
+    return selected
+
+
+def _reserved_cores(config: Config, topo: Topology, warnings: list[str], source: str) -> set[tuple[int, ...]]:
+    """Step 2: `reserve_cpus`, widened to whole cores (a sibling would share its pipeline)."""
+    reserved = config.placement.reserved
+    online = topo.online_cpus
+    absent = reserved - online
+    if absent:
+        raise ConfigError(
+            source, "placement.reserve_cpus",
+            f"CPU {format_list(absent)} is not an online CPU of this machine (online: {format_list(online)})",
+            config.placement.reserve_cpus, True,
+        )
+    cores = reserved_cores(topo, reserved)
+    expanded = {c for core in cores for c in core}
+    if expanded - reserved:
+        warnings.append(
+            f"reserve_cpus {format_list(reserved)} covers whole cores: CPUs {format_list(expanded)} are reserved"
+        )
+    return cores
+
+
+def reserved_cores(topo: Topology, reserved: Iterable[int]) -> set[tuple[int, ...]]:
+    """The rule: reserving a CPU reserves its whole core (a sibling would share its pipeline)."""
+    return {core for core in map(topo.sibling_core, reserved) if core}
+
+
+def unreserved_cores(node: Node, reserved: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The node's cores an instance may use: all but the `reserved_cores` (a core that the
+    cgroup allows only some siblings of is reserved if any of its CPUs is)."""
+    taken = {c for core in reserved for c in core}
+    return [core for core in node.cores if not taken.intersection(core)]
+
+
+def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved: set[tuple[int, ...]],
+                  warnings: list[str], source: str) -> dict[int, list[tuple[int, ...]]]:
+    """Step 3: per selected node, its cores minus the reserved ones. Rule 1: only nodes with
+    cores left host an instance (with nodes = "all"; a node named by id must keep one)."""
+    placement = config.placement
+    known = {n.id: n for n in topo.nodes}
+    usable: dict[int, list[tuple[int, ...]]] = {}
+    fully_reserved: list[int] = []
+    for node in selected:
+        if not node.has_cpus:
+            continue
+        cores = unreserved_cores(node, reserved)
+        if cores:
+            usable[node.id] = cores
+        else:
+            fully_reserved.append(node.id)
+    if fully_reserved and placement.nodes != "all":
+        # The operator asked for this node by id: silently dropping it would surprise.
+        raise ConfigError(
+            source, "placement.reserve_cpus",
+            f"reserves every CPU of node {format_list(fully_reserved)} "
+            f"({format_list(c for n in fully_reserved for c in known[n].cpus)}); leave it at least one core "
+            "or drop it from placement.nodes",
+            placement.reserve_cpus, True,
+        )
+    if fully_reserved:
+        if not usable:
+            raise ConfigError(
+                source, "placement.reserve_cpus",
+                "reserves every CPU of every node: no instance could run; leave at least one core",
+                placement.reserve_cpus, True,
+            )
+        warnings.append(f"reserve_cpus takes every CPU of node {format_list(fully_reserved)}: no instance there")
+    if not usable:
+        raise ConfigError(source, "placement.nodes", "selects no node with CPUs", placement.nodes, True)
+    return usable
+
+
+def _interleaved_instance(config: Config, selected: list[Node],
+                          usable: dict[int, list[tuple[int, ...]]]) -> list[Instance]:
+    """Step 4a (mode = "interleave"): one instance over every usable core, memory over every selected node."""
+    cores = [c for nid in sorted(usable) for c in usable[nid]]
+    cpus, places = _threads_of(cores, config.placement.smt)
+    mems = tuple(sorted(n.id for n in selected if n.has_memory)) or tuple(sorted(usable))
+    return [Instance(unitnames.instance_name(config.systemd.template, "interleave"), None, cpus, places, mems,
+                     Policy.INTERLEAVE, len(cpus), 0)]
+
+
+def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[tuple[int, ...]]],
+                        model_size: int | None, warnings: list[str], source: str) -> list[Instance]:
+    """Step 4b (mode = "per-node"): `instances_per_node` instances per node, split along L3,
+    each bound to the node's memory (or the nearest memory), the model fitting in it."""
+    k = config.placement.instances_per_node
+    known = {n.id: n for n in topo.nodes}
+    instances: list[Instance] = []
+    for node_id in sorted(usable):
+        node = known[node_id]
+        cores = usable[node_id]
+        if k > len(cores):
+            raise ConfigError(
+                source, "placement.instances_per_node",
+                f"node {node_id} has {len(cores)} usable core(s), fewer than {k} instances",
+                k, True,
+            )
+        mems = _memory_nodes(node, topo, warnings)
+        if model_size is not None:
+            capacity = sum(known[m].memory_total_bytes for m in mems)
+            if capacity and model_size * k > MODEL_FRACTION_OF_NODE * capacity:
+                raise ConfigError(
+                    source, "placement.mode",
+                    f"the model ({_gib(model_size)}) x {k} instance(s) needs more than "
+                    f"{MODEL_FRACTION_OF_NODE:.0%} of node {node_id}'s memory ({_gib(capacity)}); "
+                    "set mode = \"interleave\" to spread one instance over several nodes",
+                    config.placement.mode, True,
+                )
+        for j, group in enumerate(_split(node, cores, k)):
+            cpus, places = _threads_of(group, config.placement.smt)
+            ident = str(node_id) if k == 1 else f"{node_id}.{j}"
+            instances.append(Instance(unitnames.instance_name(config.systemd.template, ident), node_id, cpus, places,
+                                      mems, Policy.BIND, len(cpus), 0))
+    return instances
+
+
+def _machine_ports(config: Config, topo: Topology, model_size: int | None, source: str,
+                   allowed: Allowed) -> dict[str, int]:
+    """The ports the instances have on the whole machine: when a cgroup takes some nodes
+    away, the others keep their ports (and their processes: nothing of theirs changed)."""
+    if allowed.cpus is None and allowed.mems is None:
+        return {}
+    try:
+        return {i.name: i.port for i in make_plan(config, topo, model_size, source).instances}
+    except ConfigError:
+        return {}
+
+
+def _assign_ports(config: Config, instances: list[Instance], source: str, kept: dict[str, int]) -> list[Instance]:
+    """Step 5: the k-th instance listens on base_port + k (k counted on the whole machine,
+    `kept`, where every instance has a port there)."""
+    if kept and all(i.name in kept for i in instances):
+        return [replace(i, port=kept[i.name]) for i in instances]
+    base = config.server.base_port
+    last = base + len(instances) - 1
+    if last > 65535:
+        raise ConfigError(
+            source, "server.base_port",
+            f"{len(instances)} instances need ports {base}-{last}, past 65535; use at most {65536 - len(instances)}",
+            base, True,
+        )
+    return [replace(i, port=base + k) for k, i in enumerate(instances)]
+
+
+def _thread_counts(config: Config, instances: list[Instance], source: str) -> list[Instance]:
+    """Step 6: threads (generation) and threads_batch (prompt): one per CPU of the instance
+    ("auto"), or the configured count, which no instance may have more of than CPUs."""
+    placement = config.placement
+    for key, wanted in (("placement.threads", placement.threads), ("placement.threads_batch", placement.threads_batch)):
+        if wanted == "auto":
+            continue
+        short = min(instances, key=lambda i: len(i.cpus))
+        if wanted > len(short.cpus):
+            smt = ("with smt = true" if placement.smt else "one per physical core with smt = false; smt = true counts "
+                   "SMT siblings too")
+            raise ConfigError(source, key, f"{short.name} has only {len(short.cpus)} CPUs ({smt}); use at most "
+                              f"{len(short.cpus)} or \"auto\"", wanted, True)
+    result = []
+    for i in instances:
+        threads = len(i.cpus) if placement.threads == "auto" else placement.threads
+        batch = threads if placement.threads_batch == "auto" else placement.threads_batch
+        result.append(replace(i, threads=threads, threads_batch=batch))
+    return result
+
+
+def _quota_cap(config: Config, instances: list[Instance], allowed: Allowed, warnings: list[str]) -> list[Instance]:
+    """Step 7: a CPU quota (cpu.max) is CPU time, not CPUs: more threads than it holds take
+    turns, and llama.cpp's threads wait on each other at every step. With "auto", the
+    instances' threads together fit in floor(quota); an explicit count above it is said."""
+    budget = allowed.thread_budget
+    placement = config.placement
+    if budget is None:
+        return instances
+    total = sum(i.threads for i in instances)
+    if total <= budget:
+        return instances
+    advice = ("a cpuset gives whole CPUs instead of a share of their time: a Guaranteed pod with integer CPUs, or "
+              "`--cpuset-cpus` for a container")
+    if placement.threads != "auto":
+        warnings.append(f"placement.threads = {placement.threads} x {len(instances)} instance(s) is {total} threads, "
+                        f"more than the CPU quota of {allowed.quota_cpus:g} ({allowed.source}): they will be "
+                        f"throttled; use \"auto\", or {advice}")
+        return instances
+    kept = instances
+    if budget < len(instances):
+        # One thread each is the least an instance can run on: more instances than the
+        # quota holds would take turns on it. Keep those with the most CPUs (then node order).
+        ranked = sorted(range(len(instances)), key=lambda k: (-len(instances[k].cpus), k))[:budget]
+        kept = [instances[k] for k in sorted(ranked)]
+        dropped = [i for i in instances if i not in kept]
+        warnings.append(f"the CPU quota of {allowed.quota_cpus:g} ({allowed.source}) holds {budget} thread(s): "
+                        f"{len(kept)} instance(s) of {len(instances)} planned, "
+                        f"{', '.join(f'{i.name} (CPUs {format_list(i.cpus)})' for i in dropped)} left out; {advice}")
+    share, extra = divmod(budget, len(kept))
+    capped = []
+    for k, i in enumerate(kept):
+        threads = max(1, min(len(i.cpus), share + (1 if k < extra else 0)))
+        batch = threads if placement.threads_batch == "auto" else i.threads_batch
+        capped.append(replace(i, threads=threads, threads_batch=batch))
+    warnings.append(f"the CPU quota of {allowed.quota_cpus:g} ({allowed.source}) caps the threads at "
+                    f"{sum(i.threads for i in capped)} in all (the CPUs would take {total}); {advice}")
+    return capped
+
+
+def _exposure_warnings(config: Config) -> list[str]:
+    """Anything that listens beyond loopback is said out loud (check, journal, status)."""
+    found = []
+    listening = [("server.host", config.server.host, "the instances (no authentication)")]
+    if config.frontend.enabled:
+        listening.append(("frontend.listen", config.frontend.address[0], "the front door (no authentication)"))
+    if config.metrics.listen:
+        listening.append(("metrics.listen", parse_listen(config.metrics.listen)[0], "the metrics endpoint"))
+    for key, host, what in listening:
+        if not ipaddress.ip_address(host).is_loopback:
+            found.append(f"{key} = {host}: {what} can be reached from other hosts; "
+                         "use 127.0.0.1 unless that is intended, and firewall it")
+    return found
+
+
+def _check_ports(config: Config, instances: list[Instance], source: str) -> None:
+    """The front door and the metrics endpoint may not take a port an instance listens on, or each other's."""
+    ports = {i.port: i.name for i in instances}
+    span = f"{instances[0].port}-{instances[-1].port}" if len(instances) > 1 else str(instances[0].port)
+    metrics = parse_listen(config.metrics.listen)[1] if config.metrics.listen else None
+    if config.frontend.enabled:
+        port = config.frontend.address[1]
+        if port in ports:
+            raise ConfigError(source, "frontend.listen", f"port {port} is {ports[port]}'s (instances use {span}); "
+                              "pick a port outside that range or move server.base_port", config.frontend.listen, True)
+        if port == metrics:
+            raise ConfigError(source, "frontend.listen", f"port {port} is also metrics.listen's; give each its own",
+                              config.frontend.listen, True)
+    if metrics in ports:
+        raise ConfigError(source, "metrics.listen", f"port {metrics} is {ports[metrics]}'s (instances use {span}); "
+                          "pick a port outside that range", config.metrics.listen, True)

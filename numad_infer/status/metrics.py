@@ -1,0 +1,195 @@
+"""Prometheus endpoint (`[metrics] listen`): the daemon's published snapshot, as metrics.
+
+Read at scrape time from the last snapshot the loop published (an immutable Status
+swapped in whole), so the HTTP thread never touches state the loop is changing.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+from wsgiref.simple_server import make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
+from prometheus_client.registry import Collector
+
+from numad_infer.config.schema import parse_listen
+from numad_infer.lifecycle.drift import EventKind
+from numad_infer.lifecycle.states import State
+from numad_infer.status.records import InstanceStatus, Status, in_rotation
+
+if TYPE_CHECKING:
+    from wsgiref.types import StartResponse, WSGIEnvironment
+
+    from prometheus_client.metrics_core import Metric
+
+log = logging.getLogger(__name__)
+
+
+class SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], Status | None]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        if snap is None:
+            return
+        yield from _instance_metrics(snap.instances)
+        yield from _daemon_metrics(snap)
+
+
+_LABELS = ["instance", "node"]
+
+# Per-instance gauges: (name, help, the value, None when the instance has none).
+_GAUGES: tuple[tuple[str, str, Callable[[InstanceStatus], float | None]], ...] = (
+    ("numa_infer_instance_healthy", "1 if the instance answers its health probe",
+     lambda i: 1.0 if i.state == State.HEALTHY else 0.0),
+    ("numa_infer_probe_latency_seconds", "Latency of the last successful health probe",
+     lambda i: None if i.probe_latency_ms is None else i.probe_latency_ms / 1000),
+    ("numa_infer_local_memory_fraction", "Share of anonymous memory on the instance's own nodes",
+     lambda i: i.local_memory_fraction),
+    ("numa_infer_instance_threads", "Threads (OpenMP) the instance runs with", lambda i: i.threads),
+    # An alert on "a node without an instance in rotation" needs HAProxy's view, not only
+    # the daemon's: a healthy instance can still be DOWN or in MAINT at the front door.
+    ("numa_infer_instance_in_rotation", "1 while the front door sends the instance requests (HAProxy UP)",
+     lambda i: None if i.rotation is None else 1.0 if in_rotation(i.rotation) else 0.0),
+    ("numa_infer_instance_requests_in_flight", "Requests the front door has sent to the instance and not finished",
+     lambda i: i.in_flight),
+    ("numa_infer_instance_requests_queued", "Requests waiting at the front door for this instance",
+     lambda i: None if i.in_flight is None else i.queued or 0),
+    ("numa_infer_instance_decode_tokens_per_second",
+     "Tokens the instance generated per second over the last pass (engines that count them)",
+     lambda i: i.decode_tokens_per_s),
+    ("numa_infer_instance_decode_efficiency",
+     "Decode tokens/s x bytes a decoded token reads / the node's read bandwidth (numa-infer tune)",
+     lambda i: i.decode_efficiency),
+    ("numa_infer_instance_busy_slots", "Requests the instance works on now (engines that report it)",
+     lambda i: i.busy_slots),
+    ("numa_infer_instance_slots", "Requests the instance can work on at once (engines that report it)",
+     lambda i: i.slots),
+)
+
+
+def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator[Metric]:
+    gauges = [(GaugeMetricFamily(name, text, labels=_LABELS), value) for name, text, value in _GAUGES]
+    state = GaugeMetricFamily("numa_infer_instance_state", "1 for the instance's current state",
+                              labels=[*_LABELS, "state"])
+    restarts = CounterMetricFamily("numa_infer_instance_restarts",
+                                   "Restarts of the instance (by numa-infer or systemd)", labels=_LABELS)
+    drifts = CounterMetricFamily("numa_infer_drift_events", "Drift found, by kind", labels=[*_LABELS, "kind"])
+    repairs = CounterMetricFamily("numa_infer_repairs", "Repairs done, by kind", labels=[*_LABELS, "kind"])
+    # An info metric (value 1): the label says which CPU kernels the engine runs.
+    cpu = GaugeMetricFamily("numa_infer_instance_cpu_backend_info",
+                            "The engine's CPU kernels: ggml's variant and its wide units",
+                            labels=[*_LABELS, "cpu_backend"])
+    for inst in instances:
+        key = [inst.name, "" if inst.node is None else str(inst.node)]
+        for family, value in gauges:
+            found = value(inst)
+            if found is not None:
+                family.add_metric(key, found)
+        for name in State:
+            state.add_metric([*key, name.value], 1.0 if inst.state == name else 0.0)
+        restarts.add_metric(key, inst.restarts)
+        if inst.cpu_backend is not None:
+            cpu.add_metric([*key, inst.cpu_backend], 1.0)
+        for kind in EventKind:
+            drifts.add_metric([*key, kind.value], inst.drift_events.get(kind.value, 0))
+            repairs.add_metric([*key, kind.value], inst.repairs.get(kind.value, 0))
+    yield from (family for family, _ in gauges)
+    yield from (state, restarts, drifts, repairs, cpu)
+
+
+def _daemon_metrics(snap: Status) -> Iterator[Metric]:
+    front = snap.frontdoor
+    if front is not None:
+        up = GaugeMetricFamily("numa_infer_frontdoor_up", "1 while the front door (HAProxy) answers its runtime API")
+        up.add_metric([], 1.0 if front.up else 0.0)
+        yield up
+        if front.queued is not None:
+            waiting = GaugeMetricFamily("numa_infer_frontdoor_requests_queued",
+                                        "Requests waiting at the front door for any instance")
+            waiting.add_metric([], front.queued)
+            yield waiting
+        if front.in_flight is not None:
+            serving = GaugeMetricFamily("numa_infer_frontdoor_requests_in_flight",
+                                        "Requests the front door has sent to instances and not finished")
+            serving.add_metric([], front.in_flight)
+            yield serving
+        if front.queue_size is not None:
+            # Published so that "queue full" is an expression, not a copy of the config in the rules.
+            size = GaugeMetricFamily("numa_infer_frontdoor_queue_size",
+                                     "frontend.queue_size: requests that may wait; one more is answered 503")
+            size.add_metric([], front.queue_size)
+            yield size
+        if front.responses:
+            answers = CounterMetricFamily("numa_infer_frontdoor_responses",
+                                          "Answers the front door sent to clients, by HTTP class (HAProxy counts "
+                                          "no finer: its own 503 for a full queue is in 5xx); reset when HAProxy "
+                                          "restarts", labels=["code"])
+            for code, count in sorted(front.responses.items()):
+                answers.add_metric([code], count)
+            yield answers
+    passes = GaugeMetricFamily("numa_infer_pass_duration_seconds", "Duration of the last monitoring pass")
+    passes.add_metric([], snap.daemon.pass_duration_s or 0.0)
+    yield passes
+    if snap.daemon.min_local_fraction is not None:
+        floor = GaugeMetricFamily("numa_infer_min_local_fraction",
+                                  "monitor.min_local_fraction: local memory below it is memory drift")
+        floor.add_metric([], snap.daemon.min_local_fraction)
+        yield floor
+    ok = GaugeMetricFamily("numa_infer_config_ok", "0 while the last reload was refused (old plan still running)")
+    ok.add_metric([], 0.0 if snap.daemon.last_reload is not None and not snap.daemon.last_reload.ok else 1.0)
+    yield ok
+
+
+def serve(listen: str, snapshot: Callable[[], Status | None]) -> ThreadingWSGIServer:
+    host, port = parse_listen(listen)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot))
+    metrics_app = make_wsgi_app(registry)
+
+    def only_metrics(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        # prometheus_client answers every path; an endpoint should answer only its own.
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"numa-infer: metrics are at /metrics\n"]
+        answer: Iterable[bytes] = metrics_app(environ, start_response)
+        return answer
+
+    class Server(ThreadingWSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = make_server(host, port, only_metrics, Server, handler_class=_SilentHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    log.info("metrics on http://%s/metrics", listen)
+    return server
+
+
+class Endpoint:
+    """The metrics HTTP server, (re)started when `[metrics] listen` changes."""
+
+    def __init__(self, snapshot: Callable[[], Status | None]) -> None:
+        self.snapshot = snapshot
+        self.listen = ""
+        self._server: ThreadingWSGIServer | None = None
+
+    def listen_on(self, listen: str) -> None:
+        if listen == self.listen:
+            return
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        self.listen = ""
+        if listen:
+            try:
+                self._server = serve(listen, self.snapshot)
+                self.listen = listen
+            except OSError as exc:
+                log.error("metrics.listen = %s: cannot listen: %s", listen, exc.strerror)

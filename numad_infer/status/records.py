@@ -1,0 +1,210 @@
+"""What `numa-infer status` shows, as one typed model: written by the daemon (the state
+file, every pass, through `statefile`), read by the CLI and the Prometheus endpoint.
+
+Adding a column is three edits: a field here; its value, filled in by the daemon
+(`daemon._instance_status`, or `InstanceStatus.planned` when the plan already says it);
+and its cell in `cli.format_status`. A field nobody fills stays at its default.
+Plain dataclasses, no pydantic: `numa-infer status` with the daemon running reads only
+this file and `statefile` and should start fast. The JSON shape is the state file's (schema `SCHEMA`);
+a file of another schema is refused with one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from numad_infer.errors import NumaInferError
+from numad_infer.lifecycle.states import State
+from numad_infer.util.typedjson import DecodeError, decode
+
+if TYPE_CHECKING:  # the planner needs pydantic (the config): `status` must start without it
+    from numad_infer.plan.placement import Instance
+
+SCHEMA = 2
+
+
+class StatusError(NumaInferError):
+    pass
+
+
+class DaemonState(str, Enum):
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    NOT_RUNNING = "not running"  # no daemon: what `status` shows from the plan and the units
+
+    @property
+    def live(self) -> bool:
+        return self in (DaemonState.STARTING, DaemonState.RUNNING)
+
+
+@dataclass(frozen=True)
+class Event:
+    at: float  # wall-clock time
+    kind: str  # a drift.EventKind value
+    detail: str
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    at: float
+    ok: bool
+    why: str  # "start", "reload", "cpu hotplug"
+    error: str | None = None
+    added: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    unchanged: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class MemoryStatus:
+    anon_bytes: int
+    remote_bytes: int
+    file_bytes: int
+    file_local_fraction: float | None
+    source: str
+
+
+@dataclass(frozen=True)
+class InstanceStatus:
+    name: str
+    node: int | None
+    cpus: tuple[int, ...]
+    mems: tuple[int, ...]
+    threads: int
+    port: int
+    pid: int | None
+    state: State
+    unit_state: str | None = None  # what systemd says, when no daemon supervises
+    uptime_s: float | None = None
+    restarts: int = 0
+    consecutive_failures: int = 0
+    error: str | None = None
+    drifting: bool = False
+    local_memory_fraction: float | None = None
+    memory: MemoryStatus | None = None
+    probe_latency_ms: float | None = None
+    last_drift: Event | None = None
+    last_repair: Event | None = None
+    drift_events: dict[str, int] = field(default_factory=dict)
+    repairs: dict[str, int] = field(default_factory=dict)
+    # From the front door (None without one): its view of this instance.
+    rotation: str | None = None  # HAProxy's words: UP, DOWN, DRAIN, MAINT
+    in_flight: int | None = None
+    queued: int | None = None
+    served: int | None = None
+    # From the engine's own counters (llama-server; None for llama-cpp-python).
+    slots: int | None = None  # requests it works on at once (server.parallel)
+    busy_slots: int | None = None
+    decode_tokens_per_s: float | None = None  # generated tokens per second over the last pass
+    # decode_tokens_per_s x bytes a decoded token reads (every layer, the output
+    # projection, one embedding row) / the node's read bandwidth as `numa-infer tune` measured it
+    decode_efficiency: float | None = None
+    # The CPU kernels the engine runs: ggml's variant and its wide units, e.g. "haswell (AVX2)"
+    cpu_backend: str | None = None
+
+    @classmethod
+    def planned(cls, instance: Instance, pid: int | None, state: State, **observed: Any) -> InstanceStatus:
+        """What the plan says of `instance` (its place and port) plus what was observed of it:
+        the one projection of a planned instance, for the daemon and for `status` without one."""
+        return cls(name=instance.name, node=instance.node, cpus=instance.cpus, mems=instance.mems,
+                   threads=instance.threads, port=instance.port, pid=pid, state=state, **observed)
+
+
+@dataclass(frozen=True)
+class FrontdoorStatus:
+    listen: str
+    up: bool
+    queued: int | None = None
+    in_flight: int | None = None
+    error: str | None = None
+    queue_size: int | None = None  # frontend.queue_size: one more waiting request gets a 503
+    # Answers sent to clients by class ("2xx", "5xx"...) since HAProxy (re)started.
+    responses: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DaemonStatus:
+    state: DaemonState
+    config: str
+    pid: int | None = None
+    version: str | None = None
+    backend: str | None = None
+    started_at: float | None = None
+    updated_at: float | None = None
+    interval_s: float | None = None
+    generation: int = 0
+    last_reload: ReloadResult | None = None
+    warnings: tuple[str, ...] = ()
+    status: str | None = None  # the one line also sent as STATUS= to systemd
+    pass_duration_s: float | None = None
+    metrics: str | None = None
+    # What the instances' cgroup lets them use, and what of the machine that leaves out.
+    allowed: str | None = None
+    min_local_fraction: float | None = None  # monitor.min_local_fraction: below it is memory drift
+
+
+def in_rotation(rotation: str | None) -> bool:
+    """HAProxy sends a server requests while it is UP, also "UP 1/2" (one failed check of
+    the `fall` it takes to go DOWN); "DOWN 1/2" is on its way up, not there yet."""
+    return rotation is not None and rotation.split(" ")[0] == "UP"
+
+
+@dataclass(frozen=True)
+class Status:
+    daemon: DaemonStatus
+    instances: tuple[InstanceStatus, ...]
+    frontdoor: FrontdoorStatus | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """Every instance healthy and undrifted, and the front door (if any) up: `status` exits 0."""
+        instances_ok = bool(self.instances) and all(i.state == State.HEALTHY and not i.drifting for i in self.instances)
+        return instances_ok and (self.frontdoor is None or self.frontdoor.up)
+
+    def live(self, now: float) -> bool:
+        """The daemon's loop is turning: it published within three monitoring intervals
+        (at least 10 s: a pass can take a while on a busy machine)."""
+        d = self.daemon
+        if not d.state.live or d.updated_at is None:
+            return False
+        return now - d.updated_at <= max(3 * (d.interval_s or 5.0), 10.0)
+
+    @property
+    def ready(self) -> bool:
+        """Requests can be served: at least one healthy instance in rotation behind the
+        front door (with no front door, at least one healthy instance)."""
+        healthy = [i for i in self.instances if i.state == State.HEALTHY]
+        if self.frontdoor is None:
+            return bool(healthy)
+        return self.frontdoor.up and any(in_rotation(i.rotation) for i in healthy)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema": SCHEMA, **_plain(asdict(self))}
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = "state file") -> Status:
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            found = data.get("schema") if isinstance(data, dict) else None
+            raise StatusError(f"{source}: schema {found!r}, this numa-infer reads schema {SCHEMA}; "
+                              "restart the daemon (systemctl restart numa-infer) so both are the same version")
+        body = {k: v for k, v in data.items() if k != "schema"}
+        try:
+            return decode(cls, body, "state")
+        except DecodeError as exc:
+            raise StatusError(f"{source}: not a numa-infer state file ({exc})") from None
+
+
+def _plain(value: Any) -> Any:
+    """asdict() output -> JSON types (enums by value, tuples as lists)."""
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

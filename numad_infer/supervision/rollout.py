@@ -1,0 +1,154 @@
+"""Bringing the running set to a plan: stop what went, start what came, adopt what runs,
+and restart what changed, one at a time behind a front door."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+from numad_infer.backends.base import Backend
+from numad_infer.config.schema import Config
+from numad_infer.frontdoor.control import Frontdoor
+from numad_infer.host.procfs import ProcReader
+from numad_infer.lifecycle.states import IN_TRANSITION, State, Supervision
+from numad_infer.plan.placement import Instance, Plan, PlanDiff, diff_plans
+from numad_infer.supervision.instance import Runtime
+from numad_infer.supervision.supervisor import Supervisor, isolated
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Retiring:
+    """An instance no longer planned that still finishes the requests it has."""
+    runtime: Runtime
+    since: float
+    timeout_s: float
+
+
+class Rollout:
+    def __init__(self, backend: Backend, frontdoor: Frontdoor | None, supervisor: Supervisor) -> None:
+        self.backend, self.frontdoor, self.supervisor = backend, frontdoor, supervisor
+        self.plan: Plan | None = None
+        self.specs: dict[str, str] = {}
+        self.rolling: list[str] = []  # definition changed, restart still to come (one at a time)
+        self.rolled: list[str] = []  # restarted by the current rollout: must be healthy before the next
+        self._stopped_said = False  # the rollout's stop was said in the journal once
+        self.retiring: dict[str, Retiring] = {}
+
+    def sync(self, config: Config, plan: Plan) -> tuple[PlanDiff, dict[str, str]]:
+        """The difference to the plan, with the definitions written: if they cannot be (or
+        systemd cannot reload them), this raises before anything running was touched."""
+        new_specs = self.backend.specs(config, plan)
+        old_specs = self.specs if self.plan is not None else self.backend.current_specs(config)
+        diff = diff_plans(old_specs, new_specs)
+        self.backend.sync(config, plan)
+        return diff, new_specs
+
+    def apply(self, plan: Plan, diff: PlanDiff, specs: dict[str, str], runtimes: dict[str, Runtime],
+              holds: dict[str, str], now: float, drain_timeout_s: float = 0.0) -> None:
+        for name in [n for n in self.retiring if n in {i.name for i in plan.instances}]:
+            # Planned again while it still finished its requests: the new one needs its port.
+            isolated(name, "stop", functools.partial(self.backend.stop, name))
+            del self.retiring[name]
+        for name in diff.removed:
+            self._remove(name, runtimes.pop(name, None), now, drain_timeout_s)
+        self.plan, self.specs = plan, specs
+        try:
+            running = {name: seen.pid for name, seen in self.backend.observe([i.name for i in plan.instances]).items()}
+        except Exception as exc:  # unknown: start (a no-op on a running unit); monitoring adopts the PID later
+            log.error("cannot read instance states before starting them: %s", exc)
+            running = {}
+        for instance in plan.instances:
+            self._bring_up(instance, runtimes, instance.name in diff.changed, instance.name in holds,
+                           running.get(instance.name), now)
+        self.rolling = [name for name in self.rolling if name in runtimes]
+        if diff.changed:  # a new rollout; one still under way continues with the new definition
+            self.rolled, self._stopped_said = [], False
+        self.roll(runtimes, holds, now)
+
+    def _bring_up(self, instance: Instance, runtimes: dict[str, Runtime], changed: bool, held: bool,
+                  already: int | None, now: float) -> None:
+        """Start (or adopt) one instance of the plan; a changed one waits for its turn to restart."""
+        runtime = runtimes.get(instance.name)
+        if runtime is None or changed:
+            # Same process until the restart (or the drain before it) replaces it.
+            runtime = runtimes[instance.name] = Runtime(
+                instance, supervision=runtime.supervision if runtime else Supervision(name=instance.name),
+                pid=runtime.pid if runtime else None)
+        runtime.instance = instance
+        runtime.supervision.on_reload()
+        if changed:
+            if instance.name not in self.rolling:
+                self.rolling.append(instance.name)
+            return
+        if held:
+            return  # stays stopped until released (monitor starts it then)
+        isolated(instance.name, "start", lambda: self.backend.start(instance))
+        sup = runtime.supervision
+        if already is not None:
+            if runtime.pid is None:
+                log.info("%s: adopted running pid %d", instance.name, already)
+            runtime.pid = already
+            if sup.state == State.STOPPED:
+                # Adopted: give it the grace period, the first good probe makes it healthy.
+                sup.on_started(now, f"adopted running pid {already}")  # STOPPED -> STARTING
+        elif sup.state == State.STOPPED:
+            sup.on_started(now)  # STOPPED -> STARTING
+
+    def _remove(self, name: str, runtime: Runtime | None, now: float, drain_timeout_s: float) -> None:
+        """An instance the new plan drops (a reload, a CPU or cpuset change). Behind a front
+        door it leaves the rotation with this pass's HAProxy reload and is stopped once the
+        requests it has are answered (`retire`): a dropped node loses no request in flight."""
+        serving = runtime is not None and runtime.pid is not None and runtime.supervision.state == State.HEALTHY
+        if self.frontdoor is None or not self.frontdoor.listen or not serving or drain_timeout_s <= 0:
+            isolated(name, "stop", lambda: self.backend.stop(name))
+            return
+        assert runtime is not None
+        log.info("%s: no longer planned: out of rotation; stopping it once its requests are answered (at most %gs)",
+                 name, drain_timeout_s)
+        self.retiring[name] = Retiring(runtime, now, drain_timeout_s)
+
+    def retire(self, proc: ProcReader, now: float) -> None:
+        """Stop the instances no longer planned whose clients are gone, or whose time is up."""
+        for name, leaving in list(self.retiring.items()):
+            open_now = proc.open_connections(leaving.runtime.instance.port)
+            if open_now and now - leaving.since < leaving.timeout_s:
+                continue
+            if open_now:
+                log.warning("%s: %d connection(s) still open after %gs: stopping it anyway", name, open_now,
+                            leaving.timeout_s)
+            else:
+                log.info("%s: its requests are answered: stopping it", name)
+            isolated(name, "stop", functools.partial(self.backend.stop, name))
+            del self.retiring[name]
+
+    def roll(self, runtimes: dict[str, Runtime], holds: dict[str, str], now: float) -> None:
+        """Restart instances whose definition changed: behind a front door one at a time, so
+        the others keep serving; without one, all at once (nothing routes around them).
+
+        The next one goes only once every instance restarted so far is healthy on the new
+        definition: one that does not come up (a bad extra_args, a model the engine cannot
+        load) stops the rollout there, with the others still serving on the old one.
+        """
+        while self.rolling:
+            if self.frontdoor is not None and self.frontdoor.listen and not self._may_go_on(runtimes):
+                return
+            if self.rolling[0] in holds:
+                return  # held: its restart waits for the release (it starts on the new definition then)
+            name = self.rolling.pop(0)
+            self.rolled.append(name)
+            log.info("%s: definition changed: restarting", name)
+            self.supervisor.restart(runtimes[name], now, "definition changed", counted=False)
+
+    def _may_go_on(self, runtimes: dict[str, Runtime]) -> bool:
+        if any(rt.supervision.state in IN_TRANSITION for rt in runtimes.values()):
+            return False
+        stuck = [n for n in self.rolled if n in runtimes and runtimes[n].supervision.state != State.HEALTHY]
+        if stuck and not self._stopped_said:
+            log.error("rolling restart stopped: %s not healthy on the new definition; %s keep the old one "
+                      "until it is (or until a reload fixes the configuration)",
+                      ", ".join(stuck), ", ".join(self.rolling))
+            self._stopped_said = True
+        return not stuck

@@ -1,0 +1,4 @@
+"""The one validation pipeline: config, host, model, engine, key, plan.
+
+numad_infer/layers.py lists its modules, their layers and jobs, and where it stands in
+the import order."""

@@ -1,0 +1,125 @@
+"""The one loading and validation pipeline: configuration, topology, who the instances run
+as, model, engine, front door, key file and plan, checked together and in one order.
+
+The daemon (start, reload, CPU hotplug), `check`, `plan`, `render`, offline `status`,
+`tune` and `tune --apply` all go through `load` (a file) or `validate` (a parsed
+configuration, e.g. the text `tune --apply` is about to write): what one of them
+refuses, all of them refuse, and nothing is written or changed before it passes.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from numad_infer.config.apikey import read_api_key
+from numad_infer.config.schema import Config, load_config
+from numad_infer.engines import Engine, engine_of
+from numad_infer.engines.keys import check_engine_keys
+from numad_infer.frontdoor import haproxy
+from numad_infer.frontdoor.haproxy import check_haproxy
+from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy
+from numad_infer.host.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_units
+from numad_infer.host.identity import BackendKind, RunAs, instances_run_as
+from numad_infer.host.pinning import memory_calls
+from numad_infer.host.procfs import ProcReader
+from numad_infer.model.file import model_size
+from numad_infer.model.gguf import decode_bytes
+from numad_infer.plan.placement import Plan, make_plan
+from numad_infer.systemd.unitdir import SYSTEM_UNIT_DIRS, check_unit_names
+from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed
+from numad_infer.topology.cgroups import CgroupReader
+from numad_infer.topology.model import Topology
+from numad_infer.topology.sysfs import SysfsReader
+from numad_infer.validate.host_check import InstanceHost, host_warnings, memory_call_warnings
+
+
+@dataclass(frozen=True)
+class Loaded:
+    source: str  # the configuration file, as errors name it
+    config: Config
+    topology: Topology
+    plan: Plan
+    kind: BackendKind  # where the instances run
+    runs_as: RunAs | None  # who they run as (None: the daemon's own user)
+    engine: Engine
+    model_bytes: int  # the file: what the planner fits in memory
+    decode_bytes: int  # what one decoded token reads (decode efficiency's numerator)
+    allowed: Allowed  # what the instances' cgroup lets them use (planned within it)
+    engine_cpu: EngineCpuReport  # the CPU kernels the engine runs here, or why it cannot tell
+    # What does not stop the plan but undoes its work or may stop an instance: the
+    # plan's, the engine's and the host's, in that order.
+    warnings: tuple[str, ...]
+
+
+def load(source: str, kind: BackendKind, sysfs: SysfsReader | str = "/",
+         unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS) -> Loaded:
+    """Read the file at `source` and validate it on this machine (ConfigError otherwise)."""
+    reader = sysfs if isinstance(sysfs, SysfsReader) else SysfsReader(sysfs)
+    return validate(load_config(source), source, reader.topology(), kind, unit_dirs, read_allowed(kind))
+
+
+def read_allowed(kind: BackendKind) -> Allowed:
+    """What the instances' cgroup allows: the daemon's own (its children inherit it), or
+    under systemd the slice the instance units run in. Always this host's (the instances
+    are its processes, even with --fsroot); a set holding all of the host restricts nothing."""
+    reader = CgroupReader("/")
+    return reader.for_slice() if kind == BackendKind.SYSTEMD else reader.for_process()
+
+
+def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
+             unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS, allowed: Allowed = UNRESTRICTED) -> Loaded:
+    """Every check a configuration must pass before anything runs it; changes nothing.
+
+    The order is the order an operator fixes things in: the engine's keys and the names, then what the instances
+    need (a readable model, a working engine), then the plan, then the front door and key.
+    """
+    check_engine_keys(config, source)
+    check_unit_names(config, source, unit_dirs)
+    runs_as = instances_run_as(config.server.user, source, kind)
+    size = model_size(config.model.path, source, runs_as)
+    engine = engine_of(config)
+    engine_warnings = engine.check_host(config, source, InstanceHost(runs_as))
+    engine_cpu = engine.cpu(config, InstanceHost(runs_as))
+    engine_warnings += _idle_unit_warnings(engine_cpu)
+    plan = make_plan(config, topology, size, source=source, allowed=allowed)
+    check_haproxy(config, source)
+    read_api_key(config, source)
+    _check_frontdoor_config(config, plan)
+    # Processes are always this machine's, even with --fsroot.
+    warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as),
+                *memory_call_warnings(memory_calls(), kind))
+    return Loaded(source, config, topology, plan, kind, runs_as, engine, size, decode_bytes(config.model.path),
+                  allowed, engine_cpu, warnings)
+
+
+def _idle_unit_warnings(report: EngineCpuReport) -> list[str]:
+    """The wide units this CPU and OS offer and the engine's kernels leave idle (prompt
+    processing is where they pay: up to 1.76x on Q4_K_M, issue 20): `idle_units`, doctor's
+    verdict too. Silent when the engine cannot tell (doctor says why). /proc/cpuinfo is
+    always this machine's, even with --fsroot: the engine runs here."""
+    if report.cpu is None:
+        return []
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = cpuinfo_flags(f.read())
+    except OSError:
+        return []
+    idle = idle_units(flags, report.cpu)
+    if not idle:
+        return []
+    return [f"this CPU has {' and '.join(idle)} that the engine does not use (it runs {report.cpu.describe()})"
+            f"{'; ' + report.fix if report.fix else ''}"]
+
+
+def _check_frontdoor_config(config: Config, plan: Plan) -> None:
+    """`haproxy -c` on what the daemon would write (HaproxyError when refused), in a
+    scratch directory: the running front door's files are not touched."""
+    if not config.frontend.enabled:
+        return
+    with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
+        base = Path(scratch)
+        paths = paths_in(base, base / "admin.sock")
+        paths.config.write_text(render_haproxy(config, plan, paths), encoding="utf-8")
+        haproxy.validate(config.frontend.haproxy, str(paths.config))
