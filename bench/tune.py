@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.serving import bandwidth_gbs, host_machine  # noqa: E402
 from numad_infer.tune import bandwidth  # noqa: E402
-from numad_infer.config.schema import load_config  # noqa: E402
+from numad_infer.config.load import load_config  # noqa: E402
 from numad_infer.topology.sysfs import read_topology  # noqa: E402
 from numad_infer.tune.choice import Candidate  # noqa: E402
 from numad_infer.tune.run import Measurer, Settings, _free_port  # noqa: E402

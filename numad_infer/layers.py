@@ -74,7 +74,12 @@ MODULES: dict[str, tuple[str, str]] = {
     "config/__init__": (CORE, PACKAGE_INIT),
     "config/defaults": (CORE, "default paths, apart so `status` need not import the schema"),
     "config/reference": (CORE, "the key reference (README, man page) generated from the schema"),
-    "config/schema": (CORE, "the schema of /etc/numa-infer.toml, parsing and validation"),
+    "config/frontend": (CORE, "the [frontend] table: the front door's address, queue, timeouts, affinity, limits"),
+    "config/load": (CORE, "TOML text -> a validated `Config`, each error one line naming the file, key and fix"),
+    "config/schema": (CORE, "the schema of /etc/numa-infer.toml, table by table, and `Config`"),
+    "config/server": (CORE, "the [server] table: engine, program, ports, slots, user, key file, extra arguments"),
+    "config/values": (CORE, "the value types the tables share (safe text, nodes, threads, paths, addresses) "
+                            "and the base of every table"),
     "config/apikey": (EDGE, "the API key file"),
     # -- systemd -----------------------------------------------------------------------------------
     "systemd/__init__": (CORE, PACKAGE_INIT),

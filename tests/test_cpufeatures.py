@@ -58,7 +58,7 @@ def test_llama_cpp_python_reports_what_its_libggml_cpu_was_compiled_for() -> Non
     pytest.importorskip("llama_cpp")
     import sys
 
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
     from numad_infer.engines import engine_of
     from numad_infer.validate.host_check import InstanceHost
 
@@ -71,7 +71,7 @@ def test_llama_cpp_python_reports_what_its_libggml_cpu_was_compiled_for() -> Non
 
 def test_an_engine_that_cannot_tell_says_why(tmp_path: Path) -> None:
     """doctor shows the reason; `check` stays silent rather than guess."""
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
     from numad_infer.engines import engine_of
     from numad_infer.validate.host_check import InstanceHost
 
@@ -91,7 +91,7 @@ def test_an_engine_that_cannot_tell_says_why(tmp_path: Path) -> None:
 def test_llama_server_names_the_variant_it_loaded_on_this_host() -> None:
     # scripts/build-llama-server's build on this machine: a variant this CPU and OS can run
     # (cpuid and XCR0 both), never one that would die with SIGILL.
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
     from numad_infer.engines import engine_of
     from numad_infer.validate.host_check import InstanceHost
     from tests.daemon_harness import llama_server_binary

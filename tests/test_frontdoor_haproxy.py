@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.config.schema import Config, parse_config
+from numad_infer.config.schema import Config
+from numad_infer.config.load import parse_config
 from numad_infer.errors import ConfigError
 from numad_infer.frontdoor.haproxy import RuntimeAPI
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy

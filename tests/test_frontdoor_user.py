@@ -25,7 +25,7 @@ import pytest
 
 from numad_infer.backends.base import SOCKET_DIR_NAME, ProcessBackend
 from numad_infer.backends.units import render_frontdoor_unit, render_units
-from numad_infer.config.schema import parse_config
+from numad_infer.config.load import parse_config
 from numad_infer.errors import ConfigError
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import HaproxyError

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.config.schema import ConfigError
+from numad_infer.errors import ConfigError
 from numad_infer.model.file import model_size
 
 GGUF = b"GGUF" + b"\0" * 60
@@ -62,7 +62,7 @@ def test_as_root_the_model_must_be_readable_by_the_unprivileged_instances(tmp_pa
 
 
 def test_server_user_must_exist_and_be_a_user_name() -> None:
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
     from numad_infer.host.identity import lookup
 
     with pytest.raises(ConfigError, match=r"server.user = .*no such user on this host; create it"):
@@ -104,7 +104,7 @@ def test_reload_never_signals_a_process_that_is_not_the_daemon(tmp_path: Path) -
     ("getty", "names a unit systemd or another package ships"),
 ])
 def test_template_names_that_are_options_or_other_units_are_refused(template: str, fragment: str) -> None:
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
 
     with pytest.raises(ConfigError, match=fragment) as caught:
         parse_config(f'[model]\npath = "/m.gguf"\n[systemd]\ntemplate = "{template}"\n', "/etc/numa-infer.toml")
@@ -199,7 +199,7 @@ def test_as_root_no_write_through_a_planted_link_or_into_another_users_directory
 def test_the_llama_cpp_check_runs_the_configured_python_unprivileged() -> None:
     import tempfile
 
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
     from numad_infer.engines import LlamaCppPython
     from numad_infer.host.identity import lookup
     from numad_infer.validate.host_check import InstanceHost, run_as
@@ -290,7 +290,7 @@ def score(tmp_path: Path, files: dict[str, str], unit: str, threshold: float) ->
 ])
 def test_rendered_units_are_hardened(tmp_path: Path, host: str, listen: str, engine: str) -> None:
     from numad_infer.backends.units import render_units
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
     from numad_infer.plan.placement import Instance, Plan, Policy
 
     config = parse_config(f'[model]\npath = "/m.gguf"\nmlock = true\n[server]\nhost = "{host}"\n{engine}'
@@ -314,7 +314,7 @@ def test_the_shipped_daemon_unit_is_hardened(tmp_path: Path) -> None:
 
 
 def test_a_template_that_another_package_ships_is_refused(tmp_path: Path) -> None:
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
     from numad_infer.systemd.unitdir import check_unit_names
 
     vendor = tmp_path / "lib"
@@ -376,7 +376,7 @@ def test_every_spelling_of_the_key_flag_is_refused_for_every_engine_without_echo
                                                                                               args: list[str]) -> None:
     import json
 
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
     from numad_infer.engines.keys import check_engine_keys
 
     text = f'[model]\npath = "/m.gguf"\n[server]\nengine = "{engine}"\nextra_args = {json.dumps(args)}\n'
@@ -391,7 +391,7 @@ def test_every_spelling_of_the_key_flag_is_refused_for_every_engine_without_echo
 
 
 def test_an_error_on_an_extra_args_item_never_shows_the_value() -> None:
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
 
     with pytest.raises(ConfigError) as refused:
         parse_config('[model]\npath = "/m.gguf"\n[server]\nextra_args = ["--x", "sk-SECRET\\n"]\n', "cfg")
@@ -400,7 +400,7 @@ def test_an_error_on_an_extra_args_item_never_shows_the_value() -> None:
 
 
 def test_other_options_that_begin_like_the_key_flag_are_accepted() -> None:
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
     from numad_infer.engines.keys import check_engine_keys
 
     config = parse_config('[model]\npath = "/m.gguf"\n[server]\nengine = "llama-server"\n'
@@ -412,7 +412,7 @@ def test_other_options_that_begin_like_the_key_flag_are_accepted() -> None:
 def test_the_api_key_file_must_be_root_only_and_never_reaches_argv_or_a_unit(tmp_path: Path) -> None:
     from numad_infer.backends.units import render_units
     from numad_infer.config.apikey import read_api_key
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
     from numad_infer.plan.placement import Instance, Plan, Policy
 
     key = tmp_path / "api-key"
@@ -433,7 +433,7 @@ def test_the_api_key_file_must_be_root_only_and_never_reaches_argv_or_a_unit(tmp
 
 
 def _key_config(path: Path):
-    from numad_infer.config.schema import parse_config
+    from numad_infer.config.load import parse_config
 
     return parse_config(f'[model]\npath = "/m.gguf"\n[server]\napi_key_file = "{path}"\n', "cfg")
 

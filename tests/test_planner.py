@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.config.schema import ConfigError, parse_config
+from numad_infer.errors import ConfigError
+from numad_infer.config.load import parse_config
 from numad_infer.plan.placement import diff_plans, make_plan
 from numad_infer.topology.model import Topology
 from numad_infer.topology.sysfs import read_topology

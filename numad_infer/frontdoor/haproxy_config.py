@@ -31,7 +31,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from numad_infer.config.schema import Affinity, Config, FrontendSection
+from numad_infer.config.frontend import Affinity, FrontendSection
+from numad_infer.config.schema import Config
 from numad_infer.engines import engine_of
 from numad_infer.errors import ConfigError
 from numad_infer.plan.placement import Plan

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from numad_infer.config.schema import Config, parse_listen
+from numad_infer.config.schema import Config
+from numad_infer.config.values import parse_listen
 from numad_infer.errors import ConfigError
 from numad_infer.systemd import unitnames
 from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed, within

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
-from numad_infer.config.schema import parse_listen
+from numad_infer.config.values import parse_listen
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import State
 from numad_infer.status.records import InstanceStatus, Status, in_rotation

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from numad_infer.config.schema import Config, parse_config
+from numad_infer.config.load import parse_config
+from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError, NumaInferError
 from numad_infer.util.atomicfile import write_atomic
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.config.apikey import read_api_key
-from numad_infer.config.schema import Config, load_config
+from numad_infer.config.load import load_config
+from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.engines.keys import check_engine_keys
 from numad_infer.frontdoor import haproxy

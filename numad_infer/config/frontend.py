@@ -1,0 +1,116 @@
+"""The `[frontend]` table: the front door (HAProxy over every instance): its address,
+queue, timeouts, affinity and body limits."""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+from pydantic import Field, field_validator
+
+from numad_infer.config.values import (
+    SafeStr,
+    Section,
+    executable_path,
+    parse_listen,
+)
+
+
+class Affinity(str, Enum):
+    """Which instance a request goes to when it belongs to a conversation."""
+
+    NONE = "none"  # least connections only
+    HEADER = "header"  # a request header (frontend.affinity_header) names the conversation
+    USER = "user"  # the OpenAI "user" field of the JSON body names it
+
+
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+
+
+class FrontendSection(Section):
+    """The front door: one HAProxy endpoint over every instance (see numad_infer.frontdoor.control)."""
+
+    # "" turns the front door off: clients then talk to the instances' own ports.
+    listen: SafeStr = Field(
+        "127.0.0.1:8000",
+        description=(
+            "the front door: one OpenAI endpoint (HAProxy) over every instance; `\"\"` turns it off (clients "
+            "then use the instances' ports)"
+        ),
+        json_schema_extra={"kind": "`\"ADDRESS:PORT\"` or `\"\"`"},
+    )
+    haproxy: SafeStr = Field(
+        "/usr/sbin/haproxy",
+        description="the HAProxy binary (2.6 or newer; Debian's `haproxy` package)",
+        json_schema_extra={"kind": "absolute path"},
+    )
+    queue_size: int = Field(
+        64, ge=1, le=100_000,
+        description=(
+            "requests that may wait for a free instance; one more gets `503` (JSON body, `Retry-After: 1`) at"
+            " once"
+        ),
+    )
+    queue_timeout_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="longest wait in that queue before a `503`",
+    )
+    # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
+    affinity: Affinity = Field(
+        Affinity.NONE, strict=False,
+        description=(
+            "keep the turns of a conversation on the instance that holds its prompt prefix: by a request "
+            "header, or by the OpenAI `user` field of the JSON body (read from bodies up to "
+            "`model.context_size` x 8 bytes, which sizes HAProxy's buffers); the first turn goes to the least "
+            "busy instance"
+        ),
+    )
+    affinity_header: SafeStr = Field(
+        "X-Session-Id",
+        description="the header `affinity = \"header\"` reads",
+        json_schema_extra={"kind": "header name"},
+    )
+    affinity_expire_s: float = Field(
+        1800.0, gt=0, le=86400 * 7,
+        description="a conversation idle this long may land elsewhere",
+    )
+    drain_timeout_s: float = Field(
+        120.0, ge=0, le=3600,
+        description=(
+            "before a restart the daemon makes, how long it waits for the instance's requests to finish; on a "
+            "stop (SIGTERM), how long the closed front door waits for the requests it carries (0: no wait)"
+        ),
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, le=86400,
+        description="longest silence from a client or an instance in the middle of a request",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        if value:
+            parse_listen(value, example="127.0.0.1:8000")
+        return value
+
+    @field_validator("haproxy")
+    @classmethod
+    def _binary(cls, value: str) -> str:
+        return executable_path(value, "/usr/sbin/haproxy")
+
+    @field_validator("affinity_header")
+    @classmethod
+    def _header(cls, value: str) -> str:
+        if not _HEADER_NAME.match(value):
+            raise ValueError("must be an HTTP header name: 1-64 of a-z A-Z 0-9 -, e.g. X-Session-Id")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.listen)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return parse_listen(self.listen)
+
+
