@@ -96,7 +96,9 @@ MODULES: dict[str, tuple[str, str]] = {
     "topology/sysfs": (EDGE, "/sys reader rooted at a directory"),
     # -- plan --------------------------------------------------------------------------------------
     "plan/__init__": (CORE, PACKAGE_INIT),
-    "plan/placement": (CORE, "config + topology -> the plan; plan diffs; the reserved-core rule"),
+    "plan/model": (CORE, "the plan's data: instances (CPUs, memory, policy, port, threads), the plan, plan diffs"),
+    "plan/placement": (CORE, "config + topology -> the plan: nodes, cores, instances, threads; the reserved-core rule"),
+    "plan/ports": (CORE, "the plan's ports: base_port + k, the front door's and metrics' apart, exposure warnings"),
     # -- host --------------------------------------------------------------------------------------
     "host/__init__": (CORE, PACKAGE_INIT),
     "host/cpufeatures": (CORE, "which CPU kernels an engine runs (ggml variant, system_info) and the wide units it "

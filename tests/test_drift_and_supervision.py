@@ -15,7 +15,8 @@ from numad_infer.host.proc_types import NodeUsage, ThreadInfo
 from numad_infer.host.procfs import parse_numa_maps, parse_numa_stat
 from numad_infer.lifecycle.drift import EventKind, check_affinity, check_memory
 from numad_infer.lifecycle.states import RestartDecision, State, Supervision
-from numad_infer.plan.placement import Plan, make_plan
+from numad_infer.plan.model import Plan
+from numad_infer.plan.placement import make_plan
 from numad_infer.supervision import reconcile
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.reconcile import Reconciler

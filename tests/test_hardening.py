@@ -291,7 +291,7 @@ def score(tmp_path: Path, files: dict[str, str], unit: str, threshold: float) ->
 def test_rendered_units_are_hardened(tmp_path: Path, host: str, listen: str, engine: str) -> None:
     from numad_infer.backends.units import render_units
     from numad_infer.config.load import parse_config
-    from numad_infer.plan.placement import Instance, Plan, Policy
+    from numad_infer.plan.model import Instance, Plan, Policy
 
     config = parse_config(f'[model]\npath = "/m.gguf"\nmlock = true\n[server]\nhost = "{host}"\n{engine}'
                           f'[frontend]\nlisten = "{listen}"\n')
@@ -413,7 +413,7 @@ def test_the_api_key_file_must_be_root_only_and_never_reaches_argv_or_a_unit(tmp
     from numad_infer.backends.units import render_units
     from numad_infer.config.apikey import read_api_key
     from numad_infer.config.load import parse_config
-    from numad_infer.plan.placement import Instance, Plan, Policy
+    from numad_infer.plan.model import Instance, Plan, Policy
 
     key = tmp_path / "api-key"
     key.write_text("s3cr3t-key\n")

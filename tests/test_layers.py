@@ -154,11 +154,11 @@ def test_the_import_reader_sees_imports_in_functions_and_type_checking_blocks() 
         from numad_infer import __version__
         from numad_infer.supervision import holds
         if TYPE_CHECKING:
-            from numad_infer.plan.placement import Plan
+            from numad_infer.plan.model import Plan
         def f():
             from numad_infer.daemon.loop import Daemon
     """)
-    assert imported_modules(source) == {"topology/sysfs", "__init__", "supervision/holds", "plan/placement",
+    assert imported_modules(source) == {"topology/sysfs", "__init__", "supervision/holds", "plan/model",
                                         "daemon/loop"}
 
 

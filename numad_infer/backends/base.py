@@ -48,7 +48,7 @@ from numad_infer.host.identity import (
     unreadable_reason,
 )
 from numad_infer.host.privdrop import switch_user
-from numad_infer.plan.placement import Instance, Plan
+from numad_infer.plan.model import Instance, Plan
 from numad_infer.systemd.systemctl import Systemctl, SystemctlError
 from numad_infer.systemd.unitdir import managed_files, write_units
 from numad_infer.systemd.unitnames import (

@@ -18,7 +18,7 @@ from numad_infer.config.schema import Config
 from numad_infer.engines import KEY_CREDENTIAL, engine_of
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor.haproxy_config import CONFIG_NAME
-from numad_infer.plan.placement import Instance, Plan
+from numad_infer.plan.model import Instance, Plan
 from numad_infer.systemd.unitnames import FRONTDOOR_UNIT, UNIT_MARKER, dropin, template_unit
 from numad_infer.util.addresses import connect_host
 from numad_infer.util.cpuset import format_list

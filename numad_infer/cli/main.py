@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from numad_infer.backends.base import Backend
     from numad_infer.config.schema import Config
     from numad_infer.engines import Engine
-    from numad_infer.plan.placement import Plan
+    from numad_infer.plan.model import Plan
     from numad_infer.status.records import Status
     from numad_infer.systemd.notify import Notifier
     from numad_infer.topology.cgroup_limits import Allowed

@@ -22,7 +22,7 @@ from numad_infer.host.cpufeatures import EngineCpuReport
 
 if TYPE_CHECKING:
     from numad_infer.config.schema import Config
-    from numad_infer.plan.placement import Instance
+    from numad_infer.plan.model import Instance
 
 # Where systemd puts the API key (LoadCredential=KEY_CREDENTIAL:server.api_key_file).
 KEY_CREDENTIAL = "api-key"

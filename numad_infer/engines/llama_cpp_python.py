@@ -10,7 +10,7 @@ from numad_infer.host.cpufeatures import EngineCpuReport, from_system_info
 
 if TYPE_CHECKING:
     from numad_infer.config.schema import Config
-    from numad_infer.plan.placement import Instance
+    from numad_infer.plan.model import Instance
 
 # llama_cpp.server reads its settings from the environment (pydantic-settings): under
 # systemd a small bootstrap copies the credential into API_KEY and runs the server.

@@ -13,7 +13,7 @@ from numad_infer.host.cpufeatures import VARIANT_FEATURES, EngineCpuReport, decl
 
 if TYPE_CHECKING:
     from numad_infer.config.schema import Config
-    from numad_infer.plan.placement import Instance
+    from numad_infer.plan.model import Instance
 
 # Its --metrics counters that status and the decode efficiency read.
 _COUNTERS = {"llamacpp:tokens_predicted_total": "tokens_predicted", "llamacpp:requests_processing": "busy_slots"}

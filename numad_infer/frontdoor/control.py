@@ -21,7 +21,7 @@ from numad_infer.frontdoor import haproxy
 from numad_infer.frontdoor.haproxy import AdminState, BackendStat, FrontendStat, HaproxyError, RuntimeAPI
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
 from numad_infer.frontdoor.listener import HeldListener
-from numad_infer.plan.placement import Instance, Plan
+from numad_infer.plan.model import Instance, Plan
 from numad_infer.util.atomicfile import write_atomic
 
 log = logging.getLogger(__name__)

@@ -35,7 +35,7 @@ from numad_infer.config.frontend import Affinity, FrontendSection
 from numad_infer.config.schema import Config
 from numad_infer.engines import engine_of
 from numad_infer.errors import ConfigError
-from numad_infer.plan.placement import Plan
+from numad_infer.plan.model import Plan
 from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
 from numad_infer.util.addresses import connect_host, host_port
 

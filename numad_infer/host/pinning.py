@@ -14,7 +14,7 @@ import platform
 import threading
 from dataclasses import dataclass
 
-from numad_infer.plan.placement import Policy
+from numad_infer.plan.model import Policy
 
 MPOL_DEFAULT = 0
 MPOL_BIND = 2

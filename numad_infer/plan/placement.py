@@ -5,15 +5,13 @@ Pure. Every refusal is a `ConfigError` naming the key an operator must change.
 
 from __future__ import annotations
 
-import ipaddress
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, replace
-from enum import Enum
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import replace
 
 from numad_infer.config.schema import Config
-from numad_infer.config.values import parse_listen
 from numad_infer.errors import ConfigError
+from numad_infer.plan.model import Instance, Plan, Policy
+from numad_infer.plan.ports import assign_ports, check_ports, exposure_warnings
 from numad_infer.systemd import unitnames
 from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed, within
 from numad_infer.topology.model import Node, Topology
@@ -23,63 +21,6 @@ from numad_infer.util.cpuset import format_list
 MODEL_FRACTION_OF_NODE = 0.9
 
 
-class Policy(str, Enum):
-    """The instance's memory policy (systemd's NUMAPolicy=, the kernel's set_mempolicy)."""
-
-    BIND = "bind"  # its own node(s) only
-    INTERLEAVE = "interleave"  # pages spread over several nodes (a model bigger than one node)
-
-
-@dataclass(frozen=True)
-class Instance:
-    name: str  # unit instance name: <template>@<id>
-    node: int | None  # None: interleaved over `mems`
-    cpus: tuple[int, ...]
-    places: tuple[tuple[int, ...], ...]  # one OpenMP place per thread, in pinning order
-    mems: tuple[int, ...]
-    policy: Policy
-    threads: int  # generation threads (OMP_NUM_THREADS)
-    port: int
-    threads_batch: int = 0  # prompt-processing threads; set by the planner's thread step
-
-    @property
-    def unit(self) -> str:
-        return unitnames.unit(self.name)
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["places"] = [list(p) for p in self.places]
-        data["policy"] = self.policy.value
-        for key in ("cpus", "mems"):
-            data[key] = list(data[key])
-        return data
-
-
-@dataclass(frozen=True)
-class Plan:
-    instances: tuple[Instance, ...]
-    warnings: tuple[str, ...] = field(default=())
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"instances": [i.to_dict() for i in self.instances], "warnings": list(self.warnings)}
-
-
-@dataclass(frozen=True)
-class PlanDiff:
-    added: tuple[str, ...]
-    changed: tuple[str, ...]
-    removed: tuple[str, ...]
-    unchanged: tuple[str, ...]
-
-
-def diff_plans(old: Mapping[str, object], new: Mapping[str, object]) -> PlanDiff:
-    """Diff two {instance name: anything comparable} maps (instances, or their rendered units)."""
-    return PlanDiff(
-        added=tuple(sorted(new.keys() - old.keys())),
-        changed=tuple(sorted(n for n in new.keys() & old.keys() if new[n] != old[n])),
-        removed=tuple(sorted(old.keys() - new.keys())),
-        unchanged=tuple(sorted(n for n in new.keys() & old.keys() if new[n] == old[n])),
-    )
 
 
 def _gib(n: int) -> str:
@@ -143,11 +84,11 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
         instances = _interleaved_instance(config, selected, usable)
     else:
         instances = _per_node_instances(config, view, usable, model_size, warnings, source)
-    instances = _assign_ports(config, instances, source, _machine_ports(config, topo, model_size, source, allowed))
+    instances = assign_ports(config, instances, source, _machine_ports(config, topo, model_size, source, allowed))
     instances = _thread_counts(config, instances, source)
     instances = _quota_cap(config, instances, allowed, warnings)
-    _check_ports(config, instances, source)
-    warnings += _exposure_warnings(config)
+    check_ports(config, instances, source)
+    warnings += exposure_warnings(config)
     return Plan(instances=tuple(instances), warnings=tuple(warnings))
 
 
@@ -318,20 +259,6 @@ def _machine_ports(config: Config, topo: Topology, model_size: int | None, sourc
         return {}
 
 
-def _assign_ports(config: Config, instances: list[Instance], source: str, kept: dict[str, int]) -> list[Instance]:
-    """Step 5: the k-th instance listens on base_port + k (k counted on the whole machine,
-    `kept`, where every instance has a port there)."""
-    if kept and all(i.name in kept for i in instances):
-        return [replace(i, port=kept[i.name]) for i in instances]
-    base = config.server.base_port
-    last = base + len(instances) - 1
-    if last > 65535:
-        raise ConfigError(
-            source, "server.base_port",
-            f"{len(instances)} instances need ports {base}-{last}, past 65535; use at most {65536 - len(instances)}",
-            base, True,
-        )
-    return [replace(i, port=base + k) for k, i in enumerate(instances)]
 
 
 def _thread_counts(config: Config, instances: list[Instance], source: str) -> list[Instance]:
@@ -392,36 +319,3 @@ def _quota_cap(config: Config, instances: list[Instance], allowed: Allowed, warn
     warnings.append(f"the CPU quota of {allowed.quota_cpus:g} ({allowed.source}) caps the threads at "
                     f"{sum(i.threads for i in capped)} in all (the CPUs would take {total}); {advice}")
     return capped
-
-
-def _exposure_warnings(config: Config) -> list[str]:
-    """Anything that listens beyond loopback is said out loud (check, journal, status)."""
-    found = []
-    listening = [("server.host", config.server.host, "the instances (no authentication)")]
-    if config.frontend.enabled:
-        listening.append(("frontend.listen", config.frontend.address[0], "the front door (no authentication)"))
-    if config.metrics.listen:
-        listening.append(("metrics.listen", parse_listen(config.metrics.listen)[0], "the metrics endpoint"))
-    for key, host, what in listening:
-        if not ipaddress.ip_address(host).is_loopback:
-            found.append(f"{key} = {host}: {what} can be reached from other hosts; "
-                         "use 127.0.0.1 unless that is intended, and firewall it")
-    return found
-
-
-def _check_ports(config: Config, instances: list[Instance], source: str) -> None:
-    """The front door and the metrics endpoint may not take a port an instance listens on, or each other's."""
-    ports = {i.port: i.name for i in instances}
-    span = f"{instances[0].port}-{instances[-1].port}" if len(instances) > 1 else str(instances[0].port)
-    metrics = parse_listen(config.metrics.listen)[1] if config.metrics.listen else None
-    if config.frontend.enabled:
-        port = config.frontend.address[1]
-        if port in ports:
-            raise ConfigError(source, "frontend.listen", f"port {port} is {ports[port]}'s (instances use {span}); "
-                              "pick a port outside that range or move server.base_port", config.frontend.listen, True)
-        if port == metrics:
-            raise ConfigError(source, "frontend.listen", f"port {port} is also metrics.listen's; give each its own",
-                              config.frontend.listen, True)
-    if metrics in ports:
-        raise ConfigError(source, "metrics.listen", f"port {metrics} is {ports[metrics]}'s (instances use {span}); "
-                          "pick a port outside that range", config.metrics.listen, True)

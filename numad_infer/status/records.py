@@ -20,7 +20,7 @@ from numad_infer.lifecycle.states import State
 from numad_infer.util.typedjson import DecodeError, decode
 
 if TYPE_CHECKING:  # the planner needs pydantic (the config): `status` must start without it
-    from numad_infer.plan.placement import Instance
+    from numad_infer.plan.model import Instance
 
 SCHEMA = 2
 

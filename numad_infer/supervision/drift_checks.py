@@ -19,7 +19,7 @@ from numad_infer.host import pinning
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle import drift
 from numad_infer.lifecycle.drift import EventKind
-from numad_infer.plan.placement import Instance, Policy
+from numad_infer.plan.model import Instance, Policy
 from numad_infer.topology.cgroups import CgroupReader
 from numad_infer.util.cpuset import format_list
 

@@ -13,7 +13,7 @@ from numad_infer.engines import EngineCounters
 from numad_infer.lifecycle import drift
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import Supervision
-from numad_infer.plan.placement import Instance
+from numad_infer.plan.model import Instance
 from numad_infer.status.records import Event
 from numad_infer.supervision.drift_checks import AllowedSetCheck, DriftCheck, MemoryCheck, fresh_checks
 from numad_infer.supervision.health import KeyCheck, ProbeResult

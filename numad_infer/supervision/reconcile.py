@@ -26,7 +26,7 @@ from numad_infer.engines import EngineCounters, engine_of
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import State
-from numad_infer.plan.placement import Plan, PlanDiff
+from numad_infer.plan.model import Plan, PlanDiff
 from numad_infer.supervision.drift_checks import CheckContext, run_checks
 from numad_infer.supervision.health import ProbeResult, probe, read_engine_metrics
 from numad_infer.supervision.instance import Runtime

@@ -12,7 +12,7 @@ from numad_infer.config.schema import Config
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import IN_TRANSITION, State, Supervision
-from numad_infer.plan.placement import Instance, Plan, PlanDiff, diff_plans
+from numad_infer.plan.model import Instance, Plan, PlanDiff, diff_plans
 from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.supervisor import Supervisor, isolated
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from numad_infer.host import pinning
-from numad_infer.plan.placement import Policy
+from numad_infer.plan.model import Policy
 
 # Per reader: well past its share of any L3 cache, so the scan reads DRAM.
 BYTES_PER_READER = 64 << 20

@@ -31,7 +31,8 @@ from numad_infer.host.identity import BackendKind
 from numad_infer.host.portowner import Holder
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.gguf import stop_token_ids
-from numad_infer.plan.placement import Instance, make_plan, reserved_cores, unreserved_cores
+from numad_infer.plan.model import Instance
+from numad_infer.plan.placement import make_plan, reserved_cores, unreserved_cores
 from numad_infer.supervision.health import probe
 from numad_infer.topology.cgroup_limits import within
 from numad_infer.topology.model import Topology

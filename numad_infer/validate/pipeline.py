@@ -27,7 +27,8 @@ from numad_infer.host.pinning import memory_calls
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.file import model_size
 from numad_infer.model.gguf import decode_bytes
-from numad_infer.plan.placement import Plan, make_plan
+from numad_infer.plan.model import Plan
+from numad_infer.plan.placement import make_plan
 from numad_infer.systemd.unitdir import SYSTEM_UNIT_DIRS, check_unit_names
 from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed
 from numad_infer.topology.cgroups import CgroupReader
