@@ -39,7 +39,7 @@ from bench.serving import PROMPT, bandwidth_gbs, host_machine  # noqa: E402
 from numad_infer.tune import bandwidth  # noqa: E402
 from numad_infer.engines import get as engine_named  # noqa: E402
 from numad_infer.model.gguf import decode_bytes, stop_token_ids  # noqa: E402
-from numad_infer.tune.run import Client  # noqa: E402
+from numad_infer.tune.client import Client  # noqa: E402
 from tests.daemon_harness import DaemonRun, generated_model  # noqa: E402
 
 

@@ -35,7 +35,8 @@ from numad_infer.tune import bandwidth  # noqa: E402
 from numad_infer.config.load import load_config  # noqa: E402
 from numad_infer.topology.sysfs import read_topology  # noqa: E402
 from numad_infer.tune.choice import Candidate  # noqa: E402
-from numad_infer.tune.run import Measurer, Settings, _free_port  # noqa: E402
+from numad_infer.tune.measure import Measurer, Settings  # noqa: E402
+from numad_infer.tune.run import _free_port  # noqa: E402
 from tests import fakesys  # noqa: E402
 from tests.daemon_harness import engine_keys, generated_model  # noqa: E402
 

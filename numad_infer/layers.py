@@ -177,7 +177,11 @@ MODULES: dict[str, tuple[str, str]] = {
     "tune/bandwidth": (EDGE, "the memory read-bandwidth measurement"),
     "tune/bandwidth_file": (EDGE, "the bandwidth tune measured, kept for the daemon"),
     "tune/config_edit": (EDGE, "`tune --apply`'s round-trip edit of the TOML file"),
-    "tune/run": (ORCHESTRATION, "tune's measuring servers and fleet holds"),
+    "tune/errors": (CORE, "tune's one error: a measurement that could not be made"),
+    "tune/client": (EDGE, "the HTTP client that times completions against one measuring server"),
+    "tune/measure": (ORCHESTRATION, "the measurer: tune's measuring servers, timed, and the bandwidth matrix"),
+    "tune/fleet": (ORCHESTRATION, "holding the daemon's instances while tune measures, and releasing them"),
+    "tune/run": (ORCHESTRATION, "the flow of `numa-infer tune` and `--apply`"),
     # -- daemon ------------------------------------------------------------------------------------
     "daemon/__init__": (CORE, PACKAGE_INIT),
     "daemon/desired": (ORCHESTRATION, "the plan the daemon runs: load, apply, reload, re-plan on hotplug; the reload "

@@ -217,7 +217,8 @@ def test_a_socket_held_by_a_child_of_the_instance_process_is_the_instances(squat
 
 def test_tune_refuses_a_measuring_port_another_process_holds_before_any_request(tmp_path: Path, squatter) -> None:
     from numad_infer.plan.placement import make_plan
-    from numad_infer.tune.run import Measurer, Settings, TuneError
+    from numad_infer.tune.errors import TuneError
+    from numad_infer.tune.measure import Measurer, Settings
     from tests.test_drift_and_supervision import cfg, three_nodes
 
     process, port, seen = squatter

@@ -1,6 +1,7 @@
 """`numa-infer tune`, the pure part: which settings to try, how repeated measurements
 are summarised, which candidate wins and whether its margin is more than noise, and the
-report. The measuring itself (servers, bandwidth, the fleet) is `numad_infer.tune.run`.
+report. The measuring itself (servers, bandwidth) is `numad_infer.tune.measure`, holding
+the fleet `numad_infer.tune.fleet`.
 
 Decode (generation) is memory-bound and prompt processing compute-bound, so the two
 thread counts are chosen apart: `placement.threads` by decode tokens/s, and
