@@ -10,7 +10,19 @@ from pathlib import Path
 import pytest
 
 from numad_infer.config.schema import MonitorSection
-from numad_infer.lifecycle.states import Drain, Seen, State, Step, Supervision, drain_first, drain_over, next_step
+from numad_infer.lifecycle.states import (
+    ENTERED_FROM,
+    Drain,
+    Seen,
+    State,
+    Step,
+    Supervision,
+    TransitionError,
+    drain_first,
+    drain_over,
+    is_legal,
+    next_step,
+)
 
 MON = MonitorSection(startup_grace_s=10, unhealthy_after=3, max_restarts=3, restart_window_s=100, restart_backoff_s=2)
 PACKAGE = Path(__file__).resolve().parent.parent / "numad_infer"
@@ -36,8 +48,10 @@ def test_every_state_change_is_logged_once_with_instance_from_to_and_why(caplog)
 
 def test_the_lifecycle_state_is_assigned_only_in_change_state() -> None:
     # The choke point holds only if nothing else writes `.state` of a Supervision: every
-    # module of the reconcile loop, and every method of states.py but change_state.
-    loop = ["reconcile.py", "rollout.py", "supervise.py", "runtime.py", "driftchecks.py", "keycheck.py", "states.py"]
+    # module of the reconcile loop (supervision/), and every method of states.py but change_state.
+    loop = [*sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "supervision").glob("*.py")),
+            "lifecycle/states.py"]
+    assert "supervision/reconcile.py" in loop
     writers = []
     for name in loop:
         tree = ast.parse((PACKAGE / name).read_text())
@@ -49,7 +63,7 @@ def test_the_lifecycle_state_is_assigned_only_in_change_state() -> None:
                     elts = target.elts if isinstance(target, ast.Tuple) else [target]
                     if any(isinstance(e, ast.Attribute) and e.attr == "state" for e in elts):
                         writers.append(f"{name}:{func.name}")
-    assert writers == ["states.py:change_state"]
+    assert writers == ["lifecycle/states.py:change_state"]
 
 
 def test_a_hold_drain_carries_its_holder_as_a_field_and_ends_in_held() -> None:
@@ -138,3 +152,58 @@ def test_a_drain_ends_when_drained_at_its_deadline_or_when_a_repair_stalls() -> 
     assert drain_over(change, 2, 10.0, True) == "2 request(s) still running at the drain deadline"
     assert drain_over(change, 2, 5.0, False) is None  # a definition change waits out a slow request
     assert drain_over(repair, 2, 5.0, False) == "2 request(s) in flight but no progress"
+
+
+# -- the table of moves --------------------------------------------------------------------------------
+
+SUPERVISED = [s for s in State if s != State.UNSUPERVISED]
+
+
+@pytest.mark.parametrize("current", list(State))
+@pytest.mark.parametrize("to", list(State))
+def test_change_state_makes_every_move_the_table_lists_and_refuses_every_other(current: State, to: State) -> None:
+    sup = Supervision(name="infer@0")
+    sup.state = current  # set up directly: the move under test is the one below
+    if is_legal(current, to):
+        sup.change_state(to, "test")
+        assert sup.state == to
+    else:
+        with pytest.raises(TransitionError, match=rf"infer@0: {current.value} -> {to.value} is not a legal move"):
+            sup.change_state(to, "test")
+        assert sup.state == current  # nothing half-done
+
+
+def test_the_table_names_every_state_and_refuses_what_no_caller_may_do() -> None:
+    assert set(ENTERED_FROM) == set(State)
+    assert all(is_legal(s, s) for s in SUPERVISED)  # staying is always allowed
+    assert not any(is_legal(s, State.UNSUPERVISED) for s in State)  # status's word only
+    assert not is_legal(State.FAILED, State.STARTING)  # only a reload clears FAILED
+    assert is_legal(State.FAILED, State.STOPPED)
+    assert not any(is_legal(s, State.HEALTHY) for s in (State.STOPPED, State.EXITED, State.HELD, State.FAILED,
+                                                        State.DRAINING))
+    assert not is_legal(State.HELD, State.DRAINING) and not is_legal(State.RESTARTING, State.EXITED)
+
+
+@pytest.mark.parametrize("current", SUPERVISED)
+def test_every_event_from_every_state_keeps_to_the_table(current: State) -> None:
+    """The methods' own guards never ask for a move the table refuses, except three that no
+    caller makes: a start of a FAILED instance (a reload goes through STOPPED first), and a
+    drain or a restart decision for a HELD one (`next_step` keeps or releases it first)."""
+    events = {
+        "started": lambda s: s.on_started(10.0), "stopped": lambda s: s.on_stopped(), "reload": lambda s: s.on_reload(),
+        "exit": lambda s: s.on_exit(), "new pid": lambda s: s.on_new_pid(True, 10.0),
+        "probe ok": lambda s: s.on_probe(True, 100.0, MON), "probe failed": lambda s: s.on_probe(False, 100.0, MON),
+        "restart decision": lambda s: s.restart_decision(10.0, MON),
+        "restart": lambda s: s.on_restart(10.0, MON), "drain": lambda s: s.on_drain(10.0, 5.0, "test", True),
+        "held": lambda s: s.on_held("tune"), "failed": lambda s: s.on_failed("test"),
+    }
+    refused = []
+    for name, event in events.items():
+        sup = Supervision(name="infer@0", started_at=0.0, next_restart_at=50.0)
+        sup.state = current
+        try:
+            event(sup)
+        except TransitionError:
+            refused.append(name)
+    expected = {State.FAILED: ["started"], State.HELD: ["restart decision", "drain"]}.get(current, [])
+    assert refused == expected

@@ -1,9 +1,10 @@
-"""Instance states, the one transition that moves between them, and the supervision rules.
+"""Instance states, the moves between them, and the supervision rules.
 
 Pure: time is passed in, and what the monitor saw arrives as a `Seen` record. Every
-state change goes through `Supervision.change_state`, which logs it once (instance,
-from, to, why); each call site names its move in a `# FROM -> TO` comment, after
-supervisor's `change_state`. What to do with an instance in a pass, given its state and
+state change goes through `Supervision.change_state`, which refuses a move that
+`ENTERED_FROM` does not list (supervisor's `_assertInState`, as one table) and logs the
+others once (instance, from, to, why); each call site names its move in a `# FROM -> TO`
+comment. What to do with an instance in a pass, given its state and
 what was seen, is `next_step`: the priority rules (held, released, failed, not running,
 draining, probe), testable without a backend.
 """
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # `numa-infer status` reads states without loading pydantic
     from numad_infer.config.schema import MonitorSection
+
+from numad_infer.errors import NumaInferError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,43 @@ class State(str, Enum):
     HELD = "held"  # stopped on request (holds.py: `numa-infer tune` measures its node)
     STOPPED = "stopped"
     UNSUPERVISED = "unsupervised"  # running, but no daemon watches it (status with the daemon down)
+
+
+_SUPERVISED = frozenset(State) - {State.UNSUPERVISED}  # UNSUPERVISED is status's word, never a move's
+
+# Each state and the states it may be entered from; staying in a state is always allowed.
+# "Any" is any supervised state: the asker (a restart, a hold, a stop, the budget) decides
+# whatever the instance was doing. The guards in `Supervision`'s methods keep to this table,
+# and tests/test_states.py walks it.
+ENTERED_FROM: dict[State, frozenset[State]] = {
+    # a start, an adoption, a new main PID, a release, a hold dropped mid-drain; never out
+    # of FAILED (only a reload clears it, through STOPPED)
+    State.STARTING: _SUPERVISED - {State.FAILED},
+    # a probe answered: only a process that is up and not being drained or held
+    State.HEALTHY: frozenset({State.STARTING, State.RESTARTING, State.UNHEALTHY, State.BACKOFF}),
+    # a probe failed after the grace period (in BACKOFF the instance stays there)
+    State.UNHEALTHY: frozenset({State.STARTING, State.RESTARTING, State.HEALTHY}),
+    # out of the front door before a restart or a hold; a held instance is stopped already
+    State.DRAINING: _SUPERVISED - {State.HELD},
+    State.RESTARTING: _SUPERVISED,
+    # the main process went away on its own: not while stopped, held, failed or restarting
+    State.EXITED: frozenset({State.STARTING, State.HEALTHY, State.UNHEALTHY, State.DRAINING, State.BACKOFF}),
+    # a restart is due but backed off: not for a held or failed instance
+    State.BACKOFF: _SUPERVISED - {State.FAILED, State.HELD},
+    State.FAILED: _SUPERVISED,
+    State.HELD: _SUPERVISED,
+    State.STOPPED: _SUPERVISED,
+    State.UNSUPERVISED: frozenset(),
+}
+
+
+class TransitionError(NumaInferError):
+    """A move `ENTERED_FROM` does not list: a bug in the caller, refused before it happens.
+    The reconcile pass logs it for that instance and goes on with the others."""
+
+
+def is_legal(current: State, to: State) -> bool:
+    return (current == to and current != State.UNSUPERVISED) or current in ENTERED_FROM[to]
 
 
 # States in which an instance is being (re)started: a rolling restart waits for them.
@@ -80,7 +120,11 @@ class Supervision:
     held_by: str | None = None  # only while HELD
 
     def change_state(self, to: State, why: str) -> None:
-        """The one place a state changes: logged once, with the reason."""
+        """The one place a state changes: refused when the table forbids it (TransitionError,
+        nothing changed), else logged once, with the reason."""
+        if not is_legal(self.state, to):
+            raise TransitionError(f"{self.name or 'instance'}: {self.state.value} -> {to.value} is not a legal move "
+                                  f"({why}); left {self.state.value}")
         if to != self.state:
             log.info("%s: %s -> %s (%s)", self.name or "instance", self.state.value, to.value, why)
         self.state = to
