@@ -51,7 +51,7 @@ PROMPT_WORDS = 200
 
 
 class TuneError(NumaInferError):
-    """A measurement that could not be made; `cli.cmd_tune` says so as `numa-infer tune: ...`."""
+    """A measurement that could not be made; `cli.commands.cmd_tune` says so as `numa-infer tune: ...`."""
 
 
 @dataclass(frozen=True)
