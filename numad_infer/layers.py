@@ -190,7 +190,13 @@ MODULES: dict[str, tuple[str, str]] = {
     "daemon/publish": (ORCHESTRATION, "what the daemon publishes each pass: runtimes -> status types, the status line"),
     # -- cli ---------------------------------------------------------------------------------------
     "cli/__init__": (CORE, PACKAGE_INIT),
-    "cli/main": (ORCHESTRATION, "argument parsing and presentation"),
+    "cli/present": (CORE, "what the commands print: topology, plan, engine line, cgroup limits, the status table"),
+    "cli/wiring": (ORCHESTRATION, "what a command runs on: the loaded configuration, the backend (fd store, uids)"),
+    "cli/offline_status": (ORCHESTRATION, "`status` with the daemon down: the plan and what its units are doing"),
+    "cli/daemon_client": (ORCHESTRATION, "the running daemon: alive and ours, its status, the reload protocol (SIGHUP, "
+                                         "wait for the generation)"),
+    "cli/commands": (ORCHESTRATION, "the `cmd_*` of every sub-command but `reload`"),
+    "cli/main": (ORCHESTRATION, "argument parsing and dispatch (`main`, the entry point)"),
     # -- entry points (may import any package) -------------------------------------------------
     "__main__": (ORCHESTRATION, "`python -m numad_infer`"),
     "frontdoor_exec": (ORCHESTRATION, "HAProxy's unit's entry point (`python3 -m numad_infer.frontdoor_exec`), kept "

@@ -191,7 +191,7 @@ def test_a_configuration_that_names_its_engine_keeps_it(tmp_path: Path) -> None:
 
 
 def test_check_names_the_engine_its_binary_and_the_key_to_set(tmp_path: Path) -> None:
-    from numad_infer.cli.main import format_engine
+    from numad_infer.cli.present import format_engine
 
     absent = tmp_path / "absent"
     default = config(f'[server]\nllama_server = "{absent}"\n')

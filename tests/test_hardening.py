@@ -517,7 +517,7 @@ def test_a_reload_made_of_slow_systemctl_calls_keeps_feeding_the_watchdog(tmp_pa
     systemctl call now gives the notifier a chance to ping, as the daemon wires it."""
     import socket
 
-    from numad_infer.cli.main import _make_backend
+    from numad_infer.cli.wiring import _make_backend
     from numad_infer.systemd.notify import Notifier
 
     sock_path = tmp_path / "notify"

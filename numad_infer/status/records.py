@@ -3,7 +3,7 @@ file, every pass, through `statefile`), read by the CLI and the Prometheus endpo
 
 Adding a column is three edits: a field here; its value, filled in by the daemon
 (`daemon._instance_status`, or `InstanceStatus.planned` when the plan already says it);
-and its cell in `cli.format_status`. A field nobody fills stays at its default.
+and its cell in `cli.present.format_status`. A field nobody fills stays at its default.
 Plain dataclasses, no pydantic: `numa-infer status` with the daemon running reads only
 this file and `statefile` and should start fast. The JSON shape is the state file's (schema `SCHEMA`);
 a file of another schema is refused with one line, never a traceback.

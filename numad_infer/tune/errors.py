@@ -6,4 +6,4 @@ from numad_infer.errors import NumaInferError
 
 
 class TuneError(NumaInferError):
-    """A measurement that could not be made; `cli.cmd_tune` says so as `numa-infer tune: ...`."""
+    """A measurement that could not be made; `cli.commands.cmd_tune` says so as `numa-infer tune: ...`."""

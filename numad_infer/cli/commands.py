@@ -1,0 +1,181 @@
+"""The commands: one `cmd_*` per sub-command but `reload` (daemon_client.py), each taking
+the parsed arguments and returning the exit status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from numad_infer.cli.daemon_client import _running_daemon, cmd_reload
+from numad_infer.cli.offline_status import _offline_status
+from numad_infer.cli.present import format_allowed, format_engine, format_plan, format_status, format_topology
+from numad_infer.cli.wiring import _make_backend, load_all
+from numad_infer.status.statefile import read_status
+
+# The config schema (pydantic), planner and renderer are imported by the commands that
+# need them: `numa-infer status` with the daemon running reads only a JSON file, and an
+# operator's status check (or a monitoring script) should not pay ~100 ms for pydantic.
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    from numad_infer.host.identity import backend_kind
+    from numad_infer.topology.sysfs import read_topology
+    from numad_infer.validate.pipeline import read_allowed
+
+    topo = read_topology(args.fsroot)
+    allowed = read_allowed(backend_kind(args.backend))
+    if args.json:
+        print(json.dumps({**topo.to_dict(), "allowed": allowed.to_dict()}, indent=2))
+    else:
+        print("\n".join([format_topology(topo), *format_allowed(topo, allowed)]))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    loaded = load_all(args)
+    if args.json:
+        print(json.dumps({**loaded.plan.to_dict(), "allowed": loaded.allowed.to_dict()}, indent=2))
+    else:
+        print("\n".join([format_plan(loaded.plan), *format_allowed(loaded.topology, loaded.allowed)]))
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from numad_infer.backends.units import render_units
+    from numad_infer.host.identity import systemd_frontdoor_user
+    from numad_infer.systemd.unitdir import write_units
+
+    loaded = load_all(args)
+    unit_dir = Path(args.output or loaded.config.systemd.unit_dir)
+    result = write_units(unit_dir, render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
+    for rel in result.written:
+        print(f"wrote {unit_dir / rel}")
+    for rel in result.removed:
+        print(f"removed {unit_dir / rel}")
+    if not result.changed:
+        print(f"{unit_dir}: up to date ({len(result.unchanged)} files)")
+    elif unit_dir == Path("/run/systemd/system") or unit_dir == Path("/etc/systemd/system"):
+        print("run `systemctl daemon-reload` to load the changes (the daemon does it itself)")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from numad_infer.backends.units import render_units
+    from numad_infer.host.identity import systemd_frontdoor_user
+    from numad_infer.systemd.unitdir import plan_write
+
+    loaded = load_all(args)
+    print(f"{args.config}: valid for this machine")
+    print(format_engine(loaded.config, loaded.engine))
+    print(format_plan(loaded.plan, loaded.warnings))
+    pending = plan_write(Path(loaded.config.systemd.unit_dir),
+                         render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
+    if pending.changed:
+        print(f"units in {loaded.config.systemd.unit_dir} differ from this plan: "
+              f"{len(pending.written)} to write, {len(pending.removed)} to remove")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from numad_infer.daemon.loop import Daemon
+    from numad_infer.systemd.notify import Notifier
+
+    under_journal = bool(os.environ.get("JOURNAL_STREAM"))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format=("%(levelname)s: %(message)s" if under_journal
+                                else "%(asctime)s %(levelname)s: %(message)s"))
+    notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
+    state_file = Path(args.state_file)
+    backend = _make_backend(args.backend, state_file, args.instance_logs, notifier)
+    daemon = Daemon(args.config, args.fsroot, backend, state_file, notifier)
+    return daemon.run()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = _running_daemon(Path(args.state_file))
+    running = status is not None
+    if status is None:
+        status = _offline_status(args)
+    print(json.dumps(status.to_json(), indent=2) if args.json else format_status(status))
+    if not running:
+        return 3
+    return 0 if status.healthy else 1
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """For liveness and readiness probes (a container's HEALTHCHECK, Kubernetes): one line,
+    exit 0 yes, 1 no, 3 no daemon. Reads only the state file: cheap and never blocks."""
+    status = _running_daemon(Path(args.state_file))
+    if status is None:
+        print("not live: the daemon is not running")
+        return 3
+    live = status.live(time.time())
+    if args.ready:
+        ok = live and status.ready
+        from numad_infer.status.records import in_rotation
+
+        serving = sum(in_rotation(i.rotation) for i in status.instances)
+        print(f"{'ready' if ok else 'not ready'}: {serving}/{len(status.instances)} instance(s) in rotation"
+              + ("" if live else "; the daemon's loop is not turning"))
+        return 0 if ok else 1
+    age = time.time() - (status.daemon.updated_at or 0)
+    print(f"{'live' if live else 'not live'}: last pass {age:.0f}s ago")
+    return 0 if live else 1
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Measure thread counts (and the memory bandwidth) on this machine with this model;
+    print the table and the choice; with --apply, write it into the file and reload."""
+    from numad_infer.tune import run as tuner
+    from numad_infer.tune.choice import format_report
+
+    def progress(text: str) -> None:
+        if not args.json:
+            print(f"tune: {text}", file=sys.stderr, flush=True)
+
+    from numad_infer.host.identity import backend_kind
+
+    request = tuner.TuneRequest(args.config, args.fsroot, Path(args.state_file), args.nodes, args.quick, args.apply,
+                                args.stop_instances, args.samples, args.tokens, args.layouts,
+                                backend_kind(args.backend))
+    try:
+        report, edits = tuner.run(request, progress)
+    except tuner.TuneError as exc:
+        print(f"numa-infer tune: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("numa-infer tune: interrupted; nothing was changed (held instances were released)", file=sys.stderr)
+        return 130
+    print(json.dumps(report.to_json(), indent=1) if args.json else format_report(report))
+    if not args.apply:
+        return 0
+    if not edits:
+        print(f"{args.config}: unchanged (the current settings are the fastest measured, or within the noise)")
+        return 0
+    backup = tuner.write_tuned(args.config, args.fsroot, request.kind, edits)
+    print(f"{args.config}: " + ", ".join(f"{e.section}.{e.key} = {json.dumps(e.value)}" for e in edits)
+          + f" (previous file kept as {backup})")
+    status = read_status(Path(args.state_file))
+    if status is not None and status.daemon.state.live:
+        args.pid, args.timeout = None, 300.0
+        return cmd_reload(args)
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Check the host settings around the instances; exit 0 all well, 1 a warning, 2 a failure."""
+    from numad_infer.doctor.pipeline import checkup
+    from numad_infer.doctor.verdicts import exit_status, format_checks, worst
+
+    loaded = load_all(args)
+    checks = checkup(loaded, args.fsroot, _running_daemon(Path(args.state_file)), args.sample)
+    if args.json:
+        print(json.dumps({"checks": [c.to_json() for c in checks], "worst": worst(checks).value}, indent=2))
+    else:
+        print(format_checks(checks))
+    return exit_status(checks)

@@ -1,0 +1,143 @@
+"""What the commands print: the topology, the plan, the engine line, what the cgroup
+allows, the status table. Values in, text out; no I/O."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from numad_infer.util.cpuset import format_list
+from numad_infer.util.tables import format_table
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from numad_infer.config.schema import Config
+    from numad_infer.engines import Engine
+    from numad_infer.plan.model import Plan
+    from numad_infer.status.records import Status
+    from numad_infer.topology.cgroup_limits import Allowed
+    from numad_infer.topology.model import Topology
+
+
+def format_topology(topo: Topology) -> str:
+    ids = topo.node_ids
+    out = [f"available: {len(ids)} nodes ({format_list(ids)})"]
+    for node in topo.nodes:
+        out.append(f"node {node.id} cpus: {' '.join(map(str, node.cpus))}")
+        threads = {len(c) for c in node.cores}
+        smt = f" ({'/'.join(map(str, sorted(threads)))} thread(s) per core)" if node.cores else ""
+        out.append(f"node {node.id} cores: {len(node.cores)}{smt}: "
+                   + " ".join("[" + ",".join(map(str, c)) + "]" for c in node.cores))
+        out.append(f"node {node.id} size: {node.memory_total_bytes // 2**20} MB")
+    out.append("node distances:")
+    out.append("node " + "".join(f"{i:>4}" for i in ids))
+    for node in topo.nodes:
+        out.append(f"{node.id:>4}:" + "".join(f"{node.distances.get(i, 0):>4}" for i in ids))
+    out += [f"warning: {w}" for w in topo.warnings]
+    return "\n".join(out)
+
+
+def format_plan(plan: Plan, warnings: tuple[str, ...] | None = None) -> str:
+    """The plan as a table, then `warnings` (default: the plan's own)."""
+    rows = [("INSTANCE", "NODE", "CPUS", "MEMS", "POLICY", "THREADS", "PORT")]
+    for i in plan.instances:
+        rows.append((i.name, "-" if i.node is None else str(i.node), format_list(i.cpus), format_list(i.mems),
+                     i.policy.value, str(i.threads), str(i.port)))
+    lines = format_table(rows)
+    lines += [f"warning: {w}" for w in (plan.warnings if warnings is None else warnings)]
+    return "\n".join(lines)
+
+
+def format_engine(config: Config, engine: Engine) -> str:
+    """Which server every instance runs, and the key that chose it (or that it is the default)."""
+    chosen = "server.engine" if "engine" in config.server.model_fields_set else "the default; server.engine"
+    return (f"engine: {engine.name} ({chosen}), every instance runs {engine.program(config)} "
+            f"(server.{engine.program_key})")
+
+
+def format_allowed(topo: Topology, allowed: Allowed) -> list[str]:
+    """What the instances' cgroup allows, and what of the machine that leaves out (nothing
+    when it restricts nothing)."""
+    from numad_infer.topology.cgroup_limits import left_out
+
+    if allowed.cpus is None and allowed.mems is None and allowed.quota_cpus is None:
+        return []
+    lines = [f"allowed to the instances: {allowed.describe()}"]
+    cpus = left_out(topo, allowed)
+    mems = {n.id for n in topo.nodes if n.memory_total_bytes > 0} - set(allowed.mems or {n.id for n in topo.nodes})
+    if cpus or mems:
+        lines.append("left out: " + ", ".join(([f"CPUs {format_list(cpus)}"] if cpus else [])
+                                             + ([f"memory of node(s) {format_list(mems)}"] if mems else [])))
+    return lines
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def format_status(status: Status) -> str:
+    d = status.daemon
+    lines = [f"numa-infer: {d.state.value}" + (f" (pid {d.pid}, backend {d.backend})" if d.pid else "")
+             + f", config {d.config}"]
+    if d.status:
+        lines.append(f"status: {d.status}")
+    reload = d.last_reload
+    if reload is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(reload.at))
+        if reload.ok:
+            lines.append(f"last {reload.why}: {when} ok (added {len(reload.added)}, changed {len(reload.changed)}, "
+                         f"removed {len(reload.removed)})")
+        else:
+            lines.append(f"last {reload.why}: {when} FAILED: {reload.error}")
+    if d.allowed:
+        lines.append(f"allowed: {d.allowed}")
+    lines += [f"warning: {w}" for w in d.warnings]
+    front = status.frontdoor
+    if front is not None:
+        if front.up:
+            lines.append(f"front door: http://{front.listen} up, {front.in_flight} in flight, {front.queued} queued")
+        else:
+            lines.append(f"front door: http://{front.listen} DOWN" + (f": {front.error}" if front.error else ""))
+    # The engine's own columns only where an instance has them (llama-server).
+    engine = any(i.slots is not None for i in status.instances)
+    rows = [("INSTANCE", "NODE", "CPUS", "PORT", "PID", "STATE", "UPTIME", "RESTARTS", "LOCAL-MEM", "PROBE",
+             "ROTATION", "INFLIGHT", "QUEUED") + (("SLOTS", "TOK/S", "BW-EFF") if engine else ())]
+    for i in status.instances:
+        frac = i.local_memory_fraction
+        row: tuple[str, ...] = (i.name, _dash(i.node), format_list(i.cpus), str(i.port), _dash(i.pid),
+               i.state.value + (" drifting" if i.drifting else ""), _age(i.uptime_s), str(i.restarts),
+               "-" if frac is None else f"{frac:.1%}",
+               "-" if i.probe_latency_ms is None else f"{i.probe_latency_ms:.0f}ms",
+               _dash(i.rotation), _dash(i.in_flight), _dash(i.queued))
+        if engine:
+            row += ("-" if i.slots is None else f"{_dash(i.busy_slots)}/{i.slots} busy",
+                    "-" if i.decode_tokens_per_s is None else f"{i.decode_tokens_per_s:.1f}",
+                    "-" if i.decode_efficiency is None else f"{i.decode_efficiency:.0%}")
+        rows.append(row)
+    lines += format_table(rows)
+    for i in status.instances:
+        for label, event in (("last drift", i.last_drift), ("last repair", i.last_repair)):
+            if event is not None:
+                when = time.strftime("%H:%M:%S", time.localtime(event.at))
+                lines.append(f"  {i.name}: {label} {when} [{event.kind}] {event.detail}")
+        if i.error:
+            lines.append(f"  {i.name}: error: {i.error}")
+        if i.unit_state:
+            lines.append(f"  {i.name}: unit {i.unit_state}")
+    return "\n".join(lines)
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _join(names: Sequence[str]) -> str:
+    return ", ".join(names) if names else "none"
