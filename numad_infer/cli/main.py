@@ -164,8 +164,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def _make_backend(choice: str, state_file: Path, instance_logs: str = "file",
                   notifier: Notifier | None = None) -> Backend:
-    from numad_infer.backends.base import FrontdoorHandout, ProcessBackend, SystemdBackend
     from numad_infer.backends.childlog import InstanceLogs
+    from numad_infer.backends.process import ProcessBackend
+    from numad_infer.backends.systemd import FrontdoorHandout, SystemdBackend
     from numad_infer.frontdoor.listener import STORE_NAME
     from numad_infer.host.identity import BackendKind, backend_kind, frontdoor_runs_as
     from numad_infer.systemd.notify import inherited_fds
@@ -281,7 +282,8 @@ def _offline_status(args: argparse.Namespace) -> Status:
         loaded = load_all(args)
     except NumaInferError as exc:
         return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=(str(exc),)), ())
-    from numad_infer.backends.base import Observation, SystemdBackend
+    from numad_infer.backends.base import Observation
+    from numad_infer.backends.systemd import SystemdBackend
     from numad_infer.host.identity import BackendKind
 
     warnings: list[str] = []

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from numad_infer.backends.base import ProcessBackend
+from numad_infer.backends.process import ProcessBackend
 from numad_infer.config.apikey import read_api_key
 from numad_infer.config.schema import Config
 from numad_infer.engines import engine_of
