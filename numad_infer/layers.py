@@ -139,7 +139,12 @@ MODULES: dict[str, tuple[str, str]] = {
     # -- backends ----------------------------------------------------------------------------------
     "backends/__init__": (CORE, PACKAGE_INIT),
     "backends/units": (CORE, "the plan -> systemd unit text"),
-    "backends/base": (EDGE, "where instances run: systemd units or child processes, behind one `Backend`"),
+    "backends/base": (EDGE, "the `Backend` interface the reconcile loop drives, and `Observation`, what it reads "
+                            "back"),
+    "backends/systemd": (EDGE, "the systemd backend: instances as units through systemctl; HAProxy's unit, the "
+                               "daemon holding and handing out its socket"),
+    "backends/process": (EDGE, "the process backend: instances as the daemon's children, pinned between fork and "
+                               "exec, with their environment; HAProxy as a child in master-worker mode"),
     "backends/childlog": (EDGE, "a child's output (process backend): a log file, or stdout prefixed with its name"),
     # -- lifecycle ---------------------------------------------------------------------------------
     "lifecycle/__init__": (CORE, PACKAGE_INIT),

@@ -188,3 +188,20 @@ def test_every_error_class_is_a_numa_infer_error() -> None:
                     and not issubclass(obj, errors.NumaInferError) and obj.__name__ != "CpuListError"):
                 outside.append(f"{module.__name__}.{obj.__name__}")
     assert outside == []
+
+
+MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 400, 200, 60
+
+
+@pytest.mark.parametrize("name", package_modules())
+def test_no_module_class_or_function_outgrows_what_a_reader_takes_in_at_once(name: str) -> None:
+    """At most 400 lines a module, 200 a class, 60 a function: past that a module has more
+    than one job, and the next reader cannot find the one they came for."""
+    source = (PACKAGE / f"{name}.py").read_text()
+    too_big = [f"the module: {source.count(chr(10))} lines"] if source.count("\n") > MAX_MODULE_LINES else []
+    for node in ast.walk(ast.parse(source)):
+        limit = (MAX_CLASS_LINES if isinstance(node, ast.ClassDef)
+                 else MAX_FUNCTION_LINES if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else None)
+        if limit is not None and node.end_lineno is not None and node.end_lineno - node.lineno + 1 > limit:
+            too_big.append(f"{node.name}: {node.end_lineno - node.lineno + 1} lines (at most {limit})")
+    assert too_big == [], f"numad_infer/{name}.py: split it by job"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.backends.base import INHERITED_VARIABLES, ProcessBackend
+from numad_infer.backends.process import INHERITED_VARIABLES, ProcessBackend
 from numad_infer.config.load import parse_config
 from numad_infer.plan.model import Instance, Plan, Policy
 from tests.daemon_harness import free_port_block

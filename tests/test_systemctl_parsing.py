@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.backends.base import SystemdBackend
+from numad_infer.backends.systemd import SystemdBackend
 from numad_infer.systemd.systemctl import Systemctl
 
 SHOW = """Id=infer@0.service

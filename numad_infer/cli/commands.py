@@ -133,6 +133,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print the table and the choice; with --apply, write it into the file and reload."""
     from numad_infer.tune import run as tuner
     from numad_infer.tune.choice import format_report
+    from numad_infer.tune.errors import TuneError
 
     def progress(text: str) -> None:
         if not args.json:
@@ -145,7 +146,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                 backend_kind(args.backend))
     try:
         report, edits = tuner.run(request, progress)
-    except tuner.TuneError as exc:
+    except TuneError as exc:
         print(f"numa-infer tune: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

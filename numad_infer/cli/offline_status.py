@@ -22,7 +22,8 @@ def _offline_status(args: argparse.Namespace) -> Status:
         loaded = load_all(args)
     except NumaInferError as exc:
         return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=(str(exc),)), ())
-    from numad_infer.backends.base import Observation, SystemdBackend
+    from numad_infer.backends.base import Observation
+    from numad_infer.backends.systemd import SystemdBackend
     from numad_infer.host.identity import BackendKind
 
     warnings: list[str] = []

@@ -24,8 +24,9 @@ def load_all(args: argparse.Namespace) -> Loaded:
 
 def _make_backend(choice: str, state_file: Path, instance_logs: str = "file",
                   notifier: Notifier | None = None) -> Backend:
-    from numad_infer.backends.base import FrontdoorHandout, ProcessBackend, SystemdBackend
     from numad_infer.backends.childlog import InstanceLogs
+    from numad_infer.backends.process import ProcessBackend
+    from numad_infer.backends.systemd import FrontdoorHandout, SystemdBackend
     from numad_infer.frontdoor.listener import STORE_NAME
     from numad_infer.host.identity import BackendKind, backend_kind, frontdoor_runs_as
     from numad_infer.systemd.notify import inherited_fds

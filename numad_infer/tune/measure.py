@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from numad_infer.backends.base import ProcessBackend
+from numad_infer.backends.process import ProcessBackend
 from numad_infer.config.apikey import read_api_key
 from numad_infer.config.schema import Config
 from numad_infer.engines import engine_of

@@ -1,0 +1,195 @@
+"""The systemd backend: instances as template units driven through systemctl, and HAProxy
+as numa-infer-frontdoor.service, whose listening socket the daemon holds and hands out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from numad_infer.backends.base import Observation
+from numad_infer.backends.units import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, render_units
+from numad_infer.config.apikey import fingerprint, read_api_key
+from numad_infer.config.defaults import FRONTDOOR_USER
+from numad_infer.config.schema import Config
+from numad_infer.errors import NumaInferError
+from numad_infer.frontdoor.control import FrontdoorRunner
+from numad_infer.frontdoor.listener import Handout, HeldListener, Store
+from numad_infer.host.identity import CREATE_USERS, BackendKind, systemd_frontdoor_user
+from numad_infer.plan.model import Instance, Plan
+from numad_infer.systemd.systemctl import Systemctl, SystemctlError
+from numad_infer.systemd.unitdir import managed_files, write_units
+from numad_infer.systemd.unitnames import (
+    DAEMON_UNIT,
+    DROPIN_NAME,
+    FRONTDOOR_UNIT,
+    dropin,
+    name_of_dropin,
+    template_of,
+    template_unit,
+    unit,
+)
+
+log = logging.getLogger(__name__)
+
+# Job types that bring the daemon back (systemctl restart, try-restart, reload-or-restart).
+RESTART_JOBS = ("restart", "try-restart", "reload-or-restart")
+
+
+class SystemdBackend:
+    name = "systemd"
+    kind = BackendKind.SYSTEMD
+    instance_cgroups = True
+
+    def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = DAEMON_UNIT,
+                 handout: FrontdoorHandout | None = None) -> None:
+        self.systemctl = systemctl or Systemctl()
+        self.daemon_unit = daemon_unit
+        self.handout = handout  # None: no front door socket to hand out (a command, a test)
+
+    def specs(self, config: Config, plan: Plan) -> dict[str, str]:
+        files = render_units(config, plan)
+        template = files[template_unit(config.systemd.template)]
+        # A template change (mlock, hardening) changes every instance; so does a new API key,
+        # which is not in the unit text (a credential is read at start).
+        key = fingerprint(read_api_key(config, "server.api_key_file"))
+        return {i.name: template + files[dropin(i.name)] + key for i in plan.instances}
+
+    def current_specs(self, config: Config) -> dict[str, str]:
+        """Specs of the units on disk: what a previous daemon left running (adoption)."""
+        unit_dir = Path(config.systemd.unit_dir)
+        specs: dict[str, str] = {}
+        for rel in managed_files(unit_dir):
+            if rel.endswith(DROPIN_NAME):
+                name = name_of_dropin(rel)
+                template_path = unit_dir / template_unit(template_of(name))
+                try:
+                    key = fingerprint(read_api_key(config, "server.api_key_file"))
+                    specs[name] = template_path.read_text() + (unit_dir / rel).read_text() + key
+                except (OSError, NumaInferError):
+                    specs[name] = ""
+        return specs
+
+    def sync(self, config: Config, plan: Plan) -> bool:
+        frontdoor_user = systemd_frontdoor_user()
+        if config.frontend.enabled and frontdoor_user is None:
+            log.warning("front door: user %s does not exist on this host: haproxy runs as root with no capability; %s",
+                        FRONTDOOR_USER, CREATE_USERS)
+        result = write_units(Path(config.systemd.unit_dir), render_units(config, plan, frontdoor_user))
+        if result.changed:
+            log.info("units: wrote %s, removed %s; systemctl daemon-reload",
+                     ", ".join(result.written) or "nothing", ", ".join(result.removed) or "nothing")
+            self.systemctl.daemon_reload()
+        return result.changed
+
+    def start(self, instance: Instance) -> None:
+        self.systemctl.start(instance.unit)
+
+    def stop(self, name: str) -> None:
+        self.systemctl.stop(unit(name))
+
+    def restart(self, instance: Instance) -> None:
+        self.systemctl.restart(instance.unit)
+
+    def observe(self, names: list[str]) -> dict[str, Observation]:
+        shown = self.systemctl.show_many([unit(n) for n in names], "MainPID", "ActiveState", "SubState")
+        result = {}
+        for name in names:
+            props = shown.get(unit(name), {})
+            if "ActiveState" not in props or not props.get("MainPID", "").isdigit():
+                raise SystemctlError(f"systemctl show gave no state for {unit(name)}")
+            pid = int(props["MainPID"]) or None
+            active, sub = props.get("ActiveState", "unknown"), props.get("SubState", "?")
+            # "activating": a start job runs, or Restart= will bring it back after a crash.
+            result[name] = Observation(pid, active == "activating", f"{active} ({sub})")
+        return result
+
+    def forget(self, config: Config) -> None:
+        """After a real stop: remove the units we rendered, so a stop (or a package purge) leaves nothing."""
+        result = write_units(Path(config.systemd.unit_dir), {})
+        if result.removed:
+            log.info("units: removed %s; systemctl daemon-reload", ", ".join(result.removed))
+            self.systemctl.daemon_reload()
+
+    def stop_all_on_exit(self, looks: int = 5, pause_s: float = 0.2) -> bool:
+        # `systemctl restart numa-infer` (an upgrade, an operator) stops us too: only a
+        # real stop takes the instances down, so a restarted daemon can adopt them.
+        # systemd holds a running job for us while it delivers SIGTERM, but it sends SIGTERM
+        # to every process in our cgroup and re-reads the cgroup until no new process shows
+        # up: a systemctl forked in that window is killed too (seen in the VM suite as a
+        # restart read as a stop). So a failed or empty answer is looked at again.
+        seen, failed = "", False
+        for look in range(looks):
+            if look:
+                log.info("%s: looking again for the job that stops the daemon", seen)
+                time.sleep(pause_s)
+            try:
+                jobs = self.systemctl.jobs()
+            except SystemctlError as exc:
+                seen, failed = str(exc), True
+                continue
+            kind = next((kind for _, unit, kind, _ in jobs if unit == self.daemon_unit), None)
+            if kind in RESTART_JOBS:
+                log.info("daemon restart in progress (job %s): leaving instances running for the next daemon to adopt",
+                         kind)
+                return False
+            if kind is not None:
+                log.info("%s job %s: stopping the instances", self.daemon_unit, kind)
+                return True
+            seen, failed = f"no job for {self.daemon_unit} among {len(jobs)} job(s)", False
+        if not failed:
+            log.info("%s: a stop from outside systemd: stopping the instances", seen)
+            return True
+        raise SystemctlError(seen)
+
+
+    def frontdoor_runner(self, run_dir: Path) -> FrontdoorRunner:
+        # The unit (render.render_frontdoor_unit) fixes where its files are.
+        return SystemdFrontdoorRunner(self.systemctl, self.handout)
+
+
+@dataclass(frozen=True)
+class FrontdoorHandout:
+    """What the daemon under systemd needs to hold the front door's socket for HAProxy's
+    unit: where to keep it (the unit's file descriptor store), the descriptor a previous
+    daemon kept there, and who may take it (listener.Handout)."""
+
+    store: Store
+    kept_fd: int | None
+    uids: frozenset[int]
+    gid: int | None
+    path: Path = Path(FRONTDOOR_HANDOUT)
+
+
+class SystemdFrontdoorRunner:
+    """HAProxy as numa-infer-frontdoor.service (rendered into the unit directory by `sync`).
+
+    The daemon holds the listening socket (listener.py says why); the unit starts HAProxy
+    through `frontdoor_exec`, which asks the daemon for it."""
+
+    socket_path = Path(FRONTDOOR_SOCKET)
+    run_dir = Path(FRONTDOOR_RUN_DIR)
+    restarted_by_manager = True  # Restart=on-failure in its unit
+
+    def __init__(self, systemctl: Systemctl, handout: FrontdoorHandout | None = None) -> None:
+        self.systemctl = systemctl
+        self.listener = HeldListener(None if handout is None else handout.store)
+        if handout is not None:
+            if handout.kept_fd is not None:
+                self.listener.adopt(handout.kept_fd)
+            Handout(self.listener, handout.path, handout.uids, handout.gid).start()
+
+    def running(self) -> bool:
+        props = self.systemctl.show_many([FRONTDOOR_UNIT], "ActiveState").get(FRONTDOOR_UNIT, {})
+        return props.get("ActiveState") in ("active", "reloading", "activating")
+
+    def start(self, binary: str, config_path: Path) -> None:
+        self.systemctl.start(FRONTDOOR_UNIT)  # the unit holds the user; HAProxy asks for the socket
+
+    def reload(self) -> None:
+        self.systemctl.reload(FRONTDOOR_UNIT)
+
+    def stop(self) -> None:
+        self.systemctl.stop(FRONTDOOR_UNIT)
+
