@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.errors import ConfigError
 from numad_infer.config.load import parse_config
+from numad_infer.errors import ConfigError
 from numad_infer.plan.placement import make_plan
 from numad_infer.topology.cgroup_limits import Allowed, left_out, within
 from numad_infer.topology.cgroups import CgroupReader

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.errors import ConfigError
 from numad_infer.config.load import load_config, parse_config
+from numad_infer.errors import ConfigError
 
 SRC = "/etc/numa-infer.toml"
 BASE = '[model]\npath = "/m.gguf"\n'

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from numad_infer.backends.units import render_units
 from numad_infer.cli import main as cli
-from numad_infer.errors import ConfigError
 from numad_infer.config.load import parse_config
 from numad_infer.engines import engine_of
+from numad_infer.errors import ConfigError
 from numad_infer.plan.placement import make_plan
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys

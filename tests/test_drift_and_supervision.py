@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from numad_infer.backends.base import Observation
-from numad_infer.config.schema import MonitorSection
 from numad_infer.config.load import parse_config
+from numad_infer.config.schema import MonitorSection
 from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.host.portowner import Holder, PortOwner
 from numad_infer.host.proc_types import NodeUsage, ThreadInfo

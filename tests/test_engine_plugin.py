@@ -18,10 +18,10 @@ import pytest
 
 from numad_infer import engines
 from numad_infer.backends.units import render_units
-from numad_infer.errors import ConfigError
 from numad_infer.config.load import parse_config
 from numad_infer.engines import Engine, EngineCounters, engine_of
 from numad_infer.engines.keys import check_engine_keys
+from numad_infer.errors import ConfigError
 from numad_infer.frontdoor.haproxy_config import Paths, render_haproxy
 from numad_infer.host.identity import BackendKind
 from numad_infer.plan.placement import make_plan

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from numad_infer.backends.units import render_units
-from numad_infer.errors import ConfigError
 from numad_infer.config.load import parse_config
 from numad_infer.engines import EngineCounters, LlamaServer, engine_of
 from numad_infer.engines.keys import check_engine_keys
+from numad_infer.errors import ConfigError
 from numad_infer.frontdoor.haproxy_config import SPARE_CONNECTIONS, Paths, render_haproxy
 from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.reconcile import Runtime

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.config.schema import Config
 from numad_infer.config.load import parse_config
+from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor.haproxy import RuntimeAPI
+from numad_infer.frontdoor.haproxy import HaproxyError, RuntimeAPI
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy
 from tests.daemon_harness import free_port_block
 from tests.test_engines import plan_for
@@ -168,8 +168,8 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) 
         try:
             if condition():
                 return
-        except OSError:
-            pass
+        except (OSError, HaproxyError):
+            pass  # not up yet: HAProxy may accept on its port a moment before its admin socket exists
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
 

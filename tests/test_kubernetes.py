@@ -29,8 +29,8 @@ except ImportError:  # pragma: no cover - the project's test dependencies carry 
 
 from numad_infer.cli.main import build_parser
 from numad_infer.config.defaults import stop_bound_s
-from numad_infer.config.schema import Config
 from numad_infer.config.load import parse_config
+from numad_infer.config.schema import Config
 from numad_infer.config.values import parse_listen
 
 ROOT = Path(__file__).resolve().parent.parent

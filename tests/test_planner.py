@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.errors import ConfigError
 from numad_infer.config.load import parse_config
+from numad_infer.errors import ConfigError
 from numad_infer.plan.model import diff_plans
 from numad_infer.plan.placement import make_plan
 from numad_infer.topology.model import Topology

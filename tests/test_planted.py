@@ -22,9 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from numad_infer.errors import ConfigError
 from numad_infer.config.load import parse_config
-from numad_infer.errors import NumaInferError
+from numad_infer.errors import ConfigError, NumaInferError
 from numad_infer.frontdoor.listener import HeldListener
 from numad_infer.status.records import Status, StatusError
 from numad_infer.supervision import holds

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from numad_infer.backends.units import RenderError, quote_arg, render_units
-from numad_infer.systemd.unitnames import UNIT_MARKER as MARKER
-from numad_infer.errors import ConfigError
 from numad_infer.config.load import parse_config
+from numad_infer.errors import ConfigError
 from numad_infer.plan.placement import make_plan
 from numad_infer.systemd.unitdir import write_units
+from numad_infer.systemd.unitnames import UNIT_MARKER as MARKER
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
 

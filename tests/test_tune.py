@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.errors import ConfigError
 from numad_infer.config.load import parse_config
+from numad_infer.errors import ConfigError
 from numad_infer.plan.placement import make_plan
 from numad_infer.topology.sysfs import read_topology
 from numad_infer.tune.choice import Candidate, Figure, Report, Result, Verdict, choose, format_report, thread_grid
