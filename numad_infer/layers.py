@@ -44,6 +44,7 @@ PACKAGES: tuple[tuple[str, str], ...] = (
     ("model", "the model file: readable, GGUF, its header"),
     ("engines", "the inference servers numa-infer runs: one `Engine` per program"),
     ("frontdoor", "HAProxy in front of the instances: its config, binary, runtime API, listening socket"),
+    ("units", "the plan rendered as systemd unit text: the instances' template and drop-ins, the front door's unit"),
     ("validate", "the one validation pipeline: config, host, model, engine, key, plan"),
     ("backends", "where the instances run: systemd units or child processes"),
     ("lifecycle", "an instance's lifecycle: states, transitions, drift verdicts"),
@@ -130,6 +131,9 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/haproxy": (EDGE, "the HAProxy binary (version, `-c`) and its runtime API socket"),
     "frontdoor/listener": (EDGE, "the front door's listening socket, held by the daemon across HAProxy's death and "
                                  "reloads, handed to HAProxy's unit, kept in the daemon's file descriptor store"),
+    # -- units --------------------------------------------------------------------------------------
+    "units/__init__": (CORE, PACKAGE_INIT),
+    "units/render": (CORE, "the plan -> systemd unit text"),
     # -- validate ----------------------------------------------------------------------------------
     "validate/__init__": (CORE, PACKAGE_INIT),
     "validate/host_check": (EDGE, "the host as the instances meet it: programs run with their privilege (an engine's "
@@ -138,7 +142,6 @@ MODULES: dict[str, tuple[str, str]] = {
                                          "engine, front door, key, plan"),
     # -- backends ----------------------------------------------------------------------------------
     "backends/__init__": (CORE, PACKAGE_INIT),
-    "backends/units": (CORE, "the plan -> systemd unit text"),
     "backends/base": (EDGE, "the `Backend` interface the reconcile loop drives, and `Observation`, what it reads "
                             "back"),
     "backends/systemd": (EDGE, "the systemd backend: instances as units through systemctl; HAProxy's unit, the "

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from numad_infer.backends.units import render_units
+from numad_infer.units.render import render_units
 from numad_infer.cli import main as cli
 from numad_infer.config.load import parse_config
 from numad_infer.engines import engine_of

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from numad_infer import engines
-from numad_infer.backends.units import render_units
+from numad_infer.units.render import render_units
 from numad_infer.config.load import parse_config
 from numad_infer.engines import Engine, EngineCounters, engine_of
 from numad_infer.engines.keys import check_engine_keys

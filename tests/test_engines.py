@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.backends.units import render_units
+from numad_infer.units.render import render_units
 from numad_infer.config.load import parse_config
 from numad_infer.engines import EngineCounters, LlamaServer, engine_of
 from numad_infer.engines.keys import check_engine_keys

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from numad_infer.backends.process import SOCKET_DIR_NAME, ProcessBackend
-from numad_infer.backends.units import render_frontdoor_unit, render_units
+from numad_infer.units.render import render_frontdoor_unit, render_units
 from numad_infer.config.load import parse_config
 from numad_infer.errors import ConfigError
 from numad_infer.frontdoor.control import Frontdoor

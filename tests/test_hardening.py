@@ -130,7 +130,7 @@ def test_every_systemctl_call_ends_its_options_before_unit_names(tmp_path: Path)
 
 
 def test_environment_values_keep_a_dollar_as_it_is() -> None:
-    from numad_infer.backends.units import quote_arg
+    from numad_infer.units.render import quote_arg
 
     # In Environment= systemd expands nothing: "$$" would reach the process as two dollars.
     assert quote_arg("A=x$y", command_line=False) == '"A=x$y"'
@@ -289,7 +289,7 @@ def score(tmp_path: Path, files: dict[str, str], unit: str, threshold: float) ->
     ("127.0.0.1", "127.0.0.1:8000", 'engine = "llama-server"\nparallel = 4\napi_key_file = "/etc/numa-infer/key"\n'),
 ])
 def test_rendered_units_are_hardened(tmp_path: Path, host: str, listen: str, engine: str) -> None:
-    from numad_infer.backends.units import render_units
+    from numad_infer.units.render import render_units
     from numad_infer.config.load import parse_config
     from numad_infer.plan.model import Instance, Plan, Policy
 
@@ -410,7 +410,7 @@ def test_other_options_that_begin_like_the_key_flag_are_accepted() -> None:
 
 
 def test_the_api_key_file_must_be_root_only_and_never_reaches_argv_or_a_unit(tmp_path: Path) -> None:
-    from numad_infer.backends.units import render_units
+    from numad_infer.units.render import render_units
     from numad_infer.config.apikey import read_api_key
     from numad_infer.config.load import parse_config
     from numad_infer.plan.model import Instance, Plan, Policy

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.backends.units import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, render_frontdoor_unit
+from numad_infer.units.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, render_frontdoor_unit
 from numad_infer.frontdoor import handover as frontdoor_exec
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.listener import STORE_NAME, Handout, HeldListener, receive

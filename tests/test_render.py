@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.backends.units import RenderError, quote_arg, render_units
+from numad_infer.units.render import RenderError, quote_arg, render_units
 from numad_infer.config.load import parse_config
 from numad_infer.errors import ConfigError
 from numad_infer.plan.placement import make_plan
@@ -215,7 +215,7 @@ def test_shipped_daemon_unit_passes_systemd_analyze_verify(tmp_path: Path) -> No
 def test_a_loopback_front_door_may_reach_instances_on_another_address_of_this_machine(host: str, allowed: str) -> None:
     # Before: IPAddressAllow=localhost alone, so with server.host = "10.1.2.3" every server
     # went DOWN behind the front door and every request got a 503 (issue 19, item 2).
-    from numad_infer.backends.units import render_frontdoor_unit
+    from numad_infer.units.render import render_frontdoor_unit
 
     config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nhost = "{host}"\n[frontend]\nlisten = "127.0.0.1:8000"\n')
     lines = render_frontdoor_unit(config).splitlines()

@@ -16,7 +16,6 @@ from pathlib import Path
 
 from numad_infer.backends.base import Observation
 from numad_infer.backends.childlog import ChildOutput, InstanceLogs
-from numad_infer.backends.units import instance_environment
 from numad_infer.config.apikey import fingerprint, read_api_key
 from numad_infer.config.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
 from numad_infer.config.schema import Config
@@ -28,6 +27,7 @@ from numad_infer.host import pinning
 from numad_infer.host.identity import BackendKind, RunAs, frontdoor_runs_as, instances_run_as, unreadable_reason
 from numad_infer.host.privdrop import switch_user
 from numad_infer.plan.model import Instance, Plan
+from numad_infer.units.render import instance_environment
 from numad_infer.util.cpuset import format_list
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.backends.base import Observation
-from numad_infer.backends.units import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, render_units
 from numad_infer.config.apikey import fingerprint, read_api_key
 from numad_infer.config.defaults import FRONTDOOR_USER
 from numad_infer.config.schema import Config
@@ -30,6 +29,7 @@ from numad_infer.systemd.unitnames import (
     template_unit,
     unit,
 )
+from numad_infer.units.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, render_units
 
 log = logging.getLogger(__name__)
 

@@ -46,9 +46,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from numad_infer.backends.units import render_units
     from numad_infer.host.identity import systemd_frontdoor_user
     from numad_infer.systemd.unitdir import write_units
+    from numad_infer.units.render import render_units
 
     loaded = load_all(args)
     unit_dir = Path(args.output or loaded.config.systemd.unit_dir)
@@ -65,9 +65,9 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from numad_infer.backends.units import render_units
     from numad_infer.host.identity import systemd_frontdoor_user
     from numad_infer.systemd.unitdir import plan_write
+    from numad_infer.units.render import render_units
 
     loaded = load_all(args)
     print(f"{args.config}: valid for this machine")
