@@ -31,12 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.serving import bandwidth_gbs, host_machine  # noqa: E402
-from numad_infer.tune import bandwidth  # noqa: E402
-from numad_infer.config.load import load_config  # noqa: E402
+from numad_infer.host.identity import BackendKind  # noqa: E402
 from numad_infer.topology.sysfs import read_topology  # noqa: E402
+from numad_infer.tune import bandwidth  # noqa: E402
 from numad_infer.tune.choice import Candidate  # noqa: E402
 from numad_infer.tune.measure import Measurer, Settings  # noqa: E402
 from numad_infer.tune.run import _free_port  # noqa: E402
+from numad_infer.validate.pipeline import load  # noqa: E402
 from tests import fakesys  # noqa: E402
 from tests.daemon_harness import engine_keys, generated_model  # noqa: E402
 
@@ -93,9 +94,8 @@ def main() -> None:
     print("tune: " + "  ".join(f"{c['threads']} threads {c['decode_tokens_per_s']['median']:.1f} tok/s"
                                for c in report["candidates"]) + f"; pick {pick['value']} ({pick['verdict']})")
 
-    config = load_config(config_path)
-    measurer = Measurer(config, topo, model.stat().st_size, tmp, Settings(args.samples, args.tokens, 300.0),
-                        progress=lambda text: None)
+    loaded = load(str(config_path), BackendKind.PROCESS)  # checked as the daemon checks it: key, engine, user
+    measurer = Measurer(loaded, topo, tmp, Settings(args.samples, args.tokens, 300.0), progress=lambda text: None)
     port = _free_port()
     sweep = {n: measurer.measure(0, Candidate(n, "sweep"), port) for n in range(1, logical + 1)}
     best = max(sweep, key=lambda n: sweep[n].decode.median)

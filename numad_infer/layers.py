@@ -136,6 +136,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "units/render": (CORE, "the plan -> systemd unit text"),
     # -- validate ----------------------------------------------------------------------------------
     "validate/__init__": (CORE, PACKAGE_INIT),
+    "validate/loaded": (EDGE, "`Loaded`: the one validated value (config, plan, engine, users, key, units) that "
+                              "the rollout, backends and tune take (pure data; edge for identity's types)"),
     "validate/host_check": (EDGE, "the host as the instances meet it: programs run with their privilege (an engine's "
                                   "check), host warnings"),
     "validate/pipeline": (ORCHESTRATION, "the one loading and validation pipeline: config, topology, runs-as, model, "

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
+
 from numad_infer.backends.base import Observation
 from numad_infer.config.load import parse_config
 from numad_infer.config.schema import MonitorSection
@@ -20,7 +22,6 @@ from numad_infer.plan.placement import make_plan
 from numad_infer.supervision import reconcile
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.reconcile import Reconciler
-from numad_infer.topology.model import RawCpu, RawNode, SysfsSnapshot, build_topology
 
 CPUS = frozenset({4, 5, 6, 7})
 
@@ -105,67 +106,15 @@ def test_restart_after_consecutive_failures_then_backoff_then_failed() -> None:
     assert sup.restart_decision(200, MON) == RestartDecision.RESTART  # the window moved on
 
 
-@dataclass
-class RecordingBackend:
-    """Records calls; stands in for systemd/processes to test the reconcile logic alone."""
-
-    name: str = "recording"
-    instance_cgroups: bool = False
-    calls: list[tuple[str, str]] = field(default_factory=list)
-    running: dict[str, int] = field(default_factory=dict)
-    next_pid: int = 100
-
-    def specs(self, config, plan: Plan) -> dict[str, str]:
-        return {i.name: repr(i) for i in plan.instances}
-
-    def current_specs(self, config) -> dict[str, str]:
-        return {}
-
-    def sync(self, config, plan) -> bool:
-        return False
-
-    def start(self, instance) -> None:
-        if instance.name not in self.running:
-            self.calls.append(("start", instance.name))
-            self.running[instance.name] = self.next_pid = self.next_pid + 1
-
-    def stop(self, name: str) -> None:
-        self.calls.append(("stop", name))
-        self.running.pop(name, None)
-
-    def restart(self, instance) -> None:
-        self.calls.append(("restart", instance.name))
-        self.running[instance.name] = self.next_pid = self.next_pid + 1
-
-    def observe(self, names):
-        return {n: Observation(self.running.get(n), False, "active" if n in self.running else "inactive") for n in names}
-
-    def stop_all_on_exit(self) -> bool:
-        return True
-
-    def forget(self, config) -> None:
-        self.calls.append(("forget", ""))
-
-
-def three_nodes():
-    return build_topology(SysfsSnapshot(
-        online_cpus=frozenset(range(3)), cpus={c: RawCpu() for c in range(3)},
-        nodes={n: RawNode(frozenset({n}), 1 << 30, tuple(10 if m == n else 20 for m in range(3))) for n in range(3)}))
-
-
-def cfg(extra: str = ""):
-    return parse_config(f'[model]\npath = "/m.gguf"\n{extra}', "/etc/numa-infer.toml")
-
-
 def test_reload_restarts_only_the_instance_whose_port_changed() -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend)
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     backend.calls.clear()
     pids = dict(backend.running)
     # Dropping node 1 moves infer@2 from port 8082 to 8081; infer@0 stays as it was.
     new = cfg("[placement]\nnodes = [0, 2]")
-    result = rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    result = rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
     assert (result.changed, result.removed, result.unchanged) == (("infer@2",), ("infer@1",), ("infer@0",))
     assert backend.calls == [("stop", "infer@1"), ("restart", "infer@2")]
     assert backend.running["infer@0"] == pids["infer@0"]
@@ -175,7 +124,7 @@ def test_adoption_keeps_running_instances_whose_definition_is_unchanged() -> Non
     backend = RecordingBackend(running={"infer@0": 42})
     backend.current_specs = lambda config: {"infer@0": repr(make_plan(cfg(), three_nodes()).instances[0])}
     rec = Reconciler(backend)
-    result = rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    result = rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     assert result.unchanged == ("infer@0",) and result.added == ("infer@1", "infer@2")
     assert ("restart", "infer@0") not in backend.calls and backend.running["infer@0"] == 42
     assert rec.runtimes["infer@0"].pid == 42
@@ -184,7 +133,7 @@ def test_adoption_keeps_running_instances_whose_definition_is_unchanged() -> Non
 def test_unknown_instance_states_never_cause_a_restart() -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend)
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     backend.calls.clear()
 
     def broken(names):
@@ -193,47 +142,6 @@ def test_unknown_instance_states_never_cause_a_restart() -> None:
     backend.observe = broken
     rec.monitor(1.0)
     assert backend.calls == []
-
-
-class FakeFrontdoor:
-    """Stands in for HAProxy's runtime API: requests in flight per instance, admin states set."""
-
-    listen = "127.0.0.1:8000"
-
-    def __init__(self) -> None:
-        self.in_flight_by: dict[str, int] = {}
-        self.states: list[tuple[str, AdminState]] = []
-
-    def observe(self):
-        return None
-
-    def in_flight(self, instance) -> int | None:
-        return self.in_flight_by.get(instance.name, 0)
-
-    def set_state(self, instance, state: AdminState) -> None:
-        self.states.append((instance.name, state))
-
-
-class FakeProc:
-    """CPU seconds per pid, advanced by the test (the real reader is psutil on /proc)."""
-
-    def __init__(self) -> None:
-        self.cpu: dict[int, float] = {}
-
-    def cpu_seconds(self, pid: int) -> float | None:
-        return self.cpu.get(pid)
-
-    def threads(self, pid: int):
-        return []
-
-    def numa_maps(self, pid: int):
-        return None
-
-    def port_owner(self, host: str, port: int, pid: int) -> PortOwner:
-        return PortOwner(Holder.INSTANCE)  # no server listens in these tests: the probe stands in for one
-
-    def open_connections(self, port: int) -> int:
-        return getattr(self, "connections", {}).get(port, 0)
 
 
 @pytest.fixture
@@ -245,13 +153,13 @@ def probes_answer(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart(probes_answer) -> None:
     backend, front = RecordingBackend(), FakeFrontdoor()
     rec = Reconciler(backend, FakeProc(), frontdoor=front)
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     front.states.clear()
     backend.calls.clear()
     front.in_flight_by["infer@2"] = 2
     new = cfg("[placement]\nnodes = [0, 2]")
-    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
     # Two requests still run on infer@2: no restart yet, only taken out of rotation. infer@1,
     # no longer planned, goes at the next pass, once its requests are answered.
     assert backend.calls == []
@@ -271,11 +179,11 @@ def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart(
 def test_the_drain_is_bounded_by_drain_timeout_s(probes_answer) -> None:
     backend, front = RecordingBackend(), FakeFrontdoor()
     rec = Reconciler(backend, FakeProc(), frontdoor=front)
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     front.in_flight_by["infer@2"] = 1
     new = cfg("[placement]\nnodes = [0, 2]\n[frontend]\ndrain_timeout_s = 10")
-    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
     rec.monitor(10.9)
     assert ("restart", "infer@2") not in backend.calls
     rec.monitor(11.0)
@@ -287,7 +195,7 @@ def test_an_unhealthy_instance_that_makes_no_progress_is_restarted_without_waiti
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front)
     config = cfg("[monitor]\nunhealthy_after = 1\nstartup_grace_s = 0\nprobe_timeout_s = 0.2")
-    rec.apply(config, make_plan(config, three_nodes()), 0.0)
+    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     backend.calls.clear()
     pid = backend.running["infer@0"]
     proc.cpu[pid] = 5.0
@@ -303,12 +211,13 @@ def test_behind_the_front_door_changed_instances_restart_one_at_a_time(probes_an
     # A reload that changes every instance must leave some in rotation at every moment.
     backend, front = RecordingBackend(), FakeFrontdoor()
     rec = Reconciler(backend, FakeProc(), frontdoor=front)
-    backend.specs = lambda config, plan: {i.name: repr(i) + repr(config.server.extra_args) for i in plan.instances}
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
+                                    for i in loaded.plan.instances}
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
     new = cfg('[server]\nextra_args = ["--n_batch", "64"]')
-    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
     assert backend.calls == [("restart", "infer@0")]
     rec.monitor(2.0)  # infer@0 answers: healthy again, so the next one goes
     assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1")]
@@ -328,7 +237,7 @@ def lifecycle(rec: Reconciler, name: str = "infer@0") -> tuple[State, int]:
 def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off(probes_answer) -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend, FakeProc())
-    rec.apply(cfg("[monitor]\nrestart_backoff_s = 5"), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg("[monitor]\nrestart_backoff_s = 5"), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(1.0)
     assert lifecycle(rec) == (State.HEALTHY, 0)
     backend.calls.clear()
@@ -352,7 +261,7 @@ def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off(prob
 def test_a_process_the_service_manager_replaced_counts_as_a_crash_and_is_not_restarted_again(probes_answer) -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend, FakeProc())
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(1.0)
     backend.calls.clear()
     old = backend.running["infer@1"]
@@ -376,7 +285,7 @@ def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_cr
                                                     "activating") for n in names}
     rec = Reconciler(backend, FakeProc())
     config = cfg("[monitor]\nunhealthy_after = 1\nstartup_grace_s = 30")
-    rec.apply(config, make_plan(config, three_nodes()), 0.0)
+    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     rec.monitor(0.5)
     assert lifecycle(rec) == (State.HEALTHY, 0)
     answer[0] = False  # from now on every probe fails
@@ -400,14 +309,15 @@ def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definit
     rec = Reconciler(backend, FakeProc(), frontdoor=front)
     broken: set[int] = set()
     monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout, path: ProbeResult(port not in broken, 0.0, "refused"))
-    backend.specs = lambda config, plan: {i.name: repr(i) + repr(config.server.extra_args) for i in plan.instances}
+    backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
+                                    for i in loaded.plan.instances}
     base = "[monitor]\nstartup_grace_s = 0\nunhealthy_after = 1\nrestart_backoff_s = 1\n"
-    rec.apply(cfg(base), make_plan(cfg(base), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(base), make_plan(cfg(base), three_nodes())), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
     new = cfg(base + '[server]\nextra_args = ["--bogus"]')
     broken.add(8080)  # infer@0, once restarted on the new definition, never answers
-    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
     for t in range(2, 30):
         rec.monitor(float(t))
     restarted = {name for call, name in backend.calls if call == "restart"}
@@ -416,7 +326,7 @@ def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definit
     assert rec.runtimes["infer@1"].supervision.state == State.HEALTHY
     broken.clear()  # a reload that fixes it: the rollout goes on
     fixed = cfg(base + '[server]\nextra_args = ["--good"]')
-    rec.apply(fixed, make_plan(fixed, three_nodes()), 40.0)
+    rec.apply(loaded_for(fixed, make_plan(fixed, three_nodes())), 40.0)
     for t in range(41, 50):
         rec.monitor(float(t))
     assert {name for call, name in backend.calls if call == "restart"} == {"infer@0", "infer@1", "infer@2"}
@@ -440,7 +350,7 @@ def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(probes_a
 
     monkeypatch.setattr(pinning, "migrate_pages", migrate)
     rec = Reconciler(backend, proc)
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(1.0)
     pid0 = backend.running["infer@0"]
     # Every instance read 20 % local: each is moved back from node 2 (and 0) to its own node.
@@ -467,7 +377,7 @@ def test_memory_drift_under_a_profile_that_refuses_migrate_pages_is_reported_not
     monkeypatch.setattr(pinning, "memory_calls", lambda: pinning.MemoryCalls(None, "Operation not permitted"))
     monkeypatch.setattr(pinning, "migrate_pages", lambda *a: pytest.fail("migrate_pages called"))
     rec = Reconciler(backend, proc)
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     with caplog.at_level("WARNING"):
         rec.monitor(1.0)
     rt = rec.runtimes["infer@0"]
@@ -484,7 +394,7 @@ def test_interleaved_instances_are_never_migrated(probes_answer, monkeypatch) ->
     monkeypatch.setattr(pinning, "migrate_pages", lambda *a: pytest.fail("migrate_pages called"))
     config = cfg('[placement]\nmode = "interleave"')
     rec = Reconciler(backend, proc)
-    rec.apply(config, make_plan(config, three_nodes()), 0.0)
+    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     rec.monitor(1.0)
     (rt,) = rec.runtimes.values()
     assert rt.memory is not None and not rt.memory.drifted
@@ -493,7 +403,7 @@ def test_interleaved_instances_are_never_migrated(probes_answer, monkeypatch) ->
 def test_a_hold_drains_then_stops_the_instance_and_its_release_starts_it_again(probes_answer) -> None:
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front)
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
     pid = backend.running["infer@1"]
@@ -513,7 +423,7 @@ def test_a_hold_drains_then_stops_the_instance_and_its_release_starts_it_again(p
     assert [state for name, state in front.states[-3:] if name == "infer@1"] == [AdminState.MAINT]
     assert lifecycle(rec, "infer@0") == (State.HEALTHY, 0)  # the other nodes serve throughout
     # A reload meanwhile does not start it either.
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 5.5)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 5.5)
     assert "infer@1" not in backend.running
     rec.holds = {}
     rec.monitor(6.0)
@@ -593,7 +503,7 @@ def test_a_probe_that_answers_while_requests_stall_for_30s_counts_as_failed() ->
 def test_monitor_returns_each_instance_state_and_nothing_when_states_cannot_be_read(probes_answer) -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend, FakeProc())
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     assert rec.monitor(1.0) == {"infer@0": State.HEALTHY, "infer@1": State.HEALTHY, "infer@2": State.HEALTHY}
 
     def broken(names):
@@ -609,7 +519,7 @@ def test_a_crash_is_logged_as_transitions_once_each(probes_answer, caplog) -> No
     caplog.set_level(logging.INFO, logger="numad_infer.lifecycle.states")
     backend = RecordingBackend()
     rec = Reconciler(backend, FakeProc())
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(1.0)
     caplog.clear()
     backend.running.pop("infer@0")
@@ -624,13 +534,13 @@ def test_an_instance_no_longer_planned_finishes_its_requests_before_it_stops(pro
     # was answering through the front door failed.
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front)
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
     leaving = rec.runtimes["infer@2"].instance.port
     proc.connections = {leaving: 2}
     new = cfg("[placement]\nnodes = [0, 1]")
-    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
     assert "infer@2" not in rec.runtimes and backend.calls == []
     rec.monitor(2.0)
     assert ("stop", "infer@2") not in backend.calls  # two clients still wait for their answers
@@ -644,11 +554,11 @@ def test_an_instance_no_longer_planned_finishes_its_requests_before_it_stops(pro
 def test_an_instance_no_longer_planned_is_stopped_after_the_drain_timeout(probes_answer) -> None:
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front)
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     proc.connections = {rec.runtimes["infer@2"].instance.port: 1}  # a client that never hangs up
     new = cfg("[placement]\nnodes = [0, 1]\n[frontend]\ndrain_timeout_s = 30")
-    rec.apply(new, make_plan(new, three_nodes()), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
     rec.monitor(30.0)
     assert ("stop", "infer@2") not in backend.calls
     rec.monitor(31.5)
@@ -658,12 +568,12 @@ def test_an_instance_no_longer_planned_is_stopped_after_the_drain_timeout(probes
 def test_an_instance_planned_again_while_it_leaves_is_stopped_before_the_new_one_starts(probes_answer) -> None:
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front)
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     proc.connections = {rec.runtimes["infer@2"].instance.port: 1}
     fewer = cfg("[placement]\nnodes = [0, 1]")
-    rec.apply(fewer, make_plan(fewer, three_nodes()), 1.0)
+    rec.apply(loaded_for(fewer, make_plan(fewer, three_nodes())), 1.0)
     backend.calls.clear()
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 2.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 2.0)
     # The leaving one holds the port the new one needs: it goes first.
     assert backend.calls.index(("stop", "infer@2")) < backend.calls.index(("start", "infer@2"))

@@ -233,20 +233,20 @@ def test_a_failed_unit_write_leaves_the_running_instances_alone() -> None:
     from numad_infer.errors import NumaInferError
     from numad_infer.plan.placement import make_plan
     from numad_infer.supervision.reconcile import Reconciler
-    from tests.test_drift_and_supervision import RecordingBackend, cfg, three_nodes
+    from tests.fakes import RecordingBackend, cfg, loaded_for, three_nodes
 
     backend = RecordingBackend()
     rec = Reconciler(backend)
-    rec.apply(cfg(), make_plan(cfg(), three_nodes()), 0.0)
+    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     backend.calls.clear()
 
-    def refuse(config, plan):
+    def refuse(loaded):
         raise NumaInferError("systemctl daemon-reload failed (1): Access denied")
 
     backend.sync = refuse
     new = cfg("[placement]\nnodes = [0, 2]")
     with pytest.raises(NumaInferError):
-        rec.apply(new, make_plan(new, three_nodes()), 1.0)
+        rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
     # Before: infer@1 was stopped first, then the write failed and the daemon exited.
     assert backend.calls == [] and set(rec.runtimes) == {"infer@0", "infer@1", "infer@2"}
 
@@ -254,7 +254,7 @@ def test_a_failed_unit_write_leaves_the_running_instances_alone() -> None:
 def test_a_new_process_forgets_a_pending_memory_repair_measurement() -> None:
     from numad_infer.plan.placement import make_plan
     from numad_infer.supervision.reconcile import Runtime
-    from tests.test_drift_and_supervision import cfg, three_nodes
+    from tests.fakes import cfg, three_nodes
 
     rt = Runtime(make_plan(cfg(), three_nodes()).instances[0], pid=10)
     rt.migrated_from = 512 << 20

@@ -6,6 +6,7 @@ process that is not the instance's) listening on an instance's port.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -18,8 +19,10 @@ import pytest
 
 from numad_infer.backends.process import INHERITED_VARIABLES, ProcessBackend
 from numad_infer.config.load import parse_config
+from numad_infer.host.identity import BackendKind, instances_run_as
 from numad_infer.plan.model import Instance, Plan, Policy
 from tests.daemon_harness import free_port_block
+from tests.fakes import loaded_for
 
 
 def private_key(directory: Path, key: str) -> Path:
@@ -46,7 +49,8 @@ def test_a_server_started_by_the_process_backend_gets_a_minimal_environment(tmp_
     instance = Instance("infer@0", 0, (0,), ((0,),), (0,), Policy.BIND, 1, 8080)
     backend = ProcessBackend(tmp_path / "logs")
     (tmp_path / "logs").mkdir(mode=0o700)
-    backend.sync(config, Plan((instance,)))
+    backend.sync(loaded_for(config, Plan((instance,)), api_key="k-ENV-1",
+                            runs_as=instances_run_as("root", "cfg", BackendKind.PROCESS)))
     backend.start(instance)
     try:
         pid = backend.main_pid("infer@0")
@@ -109,7 +113,7 @@ def test_a_squatter_on_an_instance_port_gets_no_key_and_is_never_marked_healthy(
     from numad_infer.lifecycle.states import State
     from numad_infer.plan.placement import make_plan
     from numad_infer.supervision.reconcile import Reconciler
-    from tests.test_drift_and_supervision import RecordingBackend, cfg, three_nodes
+    from tests.fakes import RecordingBackend, cfg, loaded_for, three_nodes
 
     process, port, seen = squatter
     key = private_key(tmp_path / "keys", "k-SQUAT-1")
@@ -118,7 +122,7 @@ def test_a_squatter_on_an_instance_port_gets_no_key_and_is_never_marked_healthy(
                  f'api_key_file = "{key}"\n[monitor]\nstartup_grace_s = 0\nunhealthy_after = 100\n')
     backend = RecordingBackend()
     rec = Reconciler(backend)
-    rec.apply(config, make_plan(config, three_nodes()), 0.0)
+    rec.apply(loaded_for(config, make_plan(config, three_nodes()), api_key="k-SQUAT-1"), 0.0)
     instance = subprocess.Popen(["sleep", "60"])  # the instance's own process, which never got the port
     try:
         backend.running["infer@0"] = instance.pid
@@ -147,7 +151,7 @@ def test_the_key_check_sends_no_key_to_a_port_the_instance_does_not_hold(tmp_pat
     from numad_infer.supervision.health import KeyCheck
     from numad_infer.supervision.instance import Runtime
     from numad_infer.supervision.keycheck import check_api_key
-    from tests.test_drift_and_supervision import cfg, three_nodes
+    from tests.fakes import cfg, three_nodes
 
     process, port, seen = squatter
     config = cfg(f"[placement]\nnodes = [0]\n[server]\nbase_port = {port}\n")
@@ -155,6 +159,7 @@ def test_the_key_check_sends_no_key_to_a_port_the_instance_does_not_hold(tmp_pat
     try:
         # Healthy a moment ago; the port changed hands since (the key check runs after the probe).
         rt = Runtime(make_plan(config, three_nodes()).instances[0], pid=instance.pid)
+        rt.supervision.on_started(0.0)
         rt.supervision.change_state(State.HEALTHY, "probe answered")
         check_api_key(rt, config, "k-SQUAT-2", None, ProcReader())
         assert rt.key_check == KeyCheck.UNKNOWN and seen.read_text() == ""
@@ -219,7 +224,7 @@ def test_tune_refuses_a_measuring_port_another_process_holds_before_any_request(
     from numad_infer.plan.placement import make_plan
     from numad_infer.tune.errors import TuneError
     from numad_infer.tune.measure import Measurer, Settings
-    from tests.test_drift_and_supervision import cfg, three_nodes
+    from tests.fakes import cfg, loaded_for, three_nodes
 
     process, port, seen = squatter
     key = private_key(tmp_path / "keys", "k-TUNE-1")
@@ -231,7 +236,8 @@ def test_tune_refuses_a_measuring_port_another_process_holds_before_any_request(
             return server.pid
 
     try:
-        measurer = Measurer(config, three_nodes(), 1 << 20, tmp_path, Settings(1, 2, 10.0), lambda line: None)
+        measurer = Measurer(loaded_for(config, make_plan(config, three_nodes()), api_key="k-TUNE-1"), three_nodes(), tmp_path,
+                            Settings(1, 2, 10.0), lambda line: None)
         with pytest.raises(TuneError, match=rf"port {port} is held by pid {process.pid} "):
             measurer._wait_ready(Started(), config, make_plan(config, three_nodes()).instances[0])
     finally:
@@ -287,3 +293,34 @@ def test_under_systemd_an_instance_is_told_by_its_own_user_when_its_descriptors_
         for process in (instance, squatter):
             process.kill()
             process.wait()
+
+
+def test_a_key_file_changed_after_validation_is_never_half_used(tmp_path: Path) -> None:
+    """What the pipeline checked is what the instances get, the probes send and the specs
+    compare: a key file replaced between validation and start waits for the next reload,
+    whole, instead of reaching some consumers and not others."""
+    from numad_infer.backends.systemd import SystemdBackend
+    from numad_infer.config.apikey import fingerprint, read_api_key
+    from numad_infer.plan.placement import make_plan
+    from numad_infer.supervision.reconcile import Reconciler
+    from tests.fakes import RecordingBackend, cfg, three_nodes
+
+    key = private_key(tmp_path / "keys", "k-CHECKED")
+    config = cfg(f'[server]\napi_key_file = "{key}"\n')
+    plan = make_plan(config, three_nodes())
+    checked = loaded_for(config, plan, api_key=read_api_key(config, "/etc/numa-infer.toml"))
+    key.write_text("k-CHANGED\n")  # after validation, before the apply
+    process = ProcessBackend(tmp_path / "logs")
+    process.sync(checked)
+    assert process.api_key == "k-CHECKED"  # what a started instance gets in its environment
+    assert all(json.loads(spec)["key"] == fingerprint("k-CHECKED") for spec in process.specs(checked).values())
+    units = loaded_for(config, plan, api_key="k-CHECKED", kind=BackendKind.SYSTEMD)
+    assert all(spec.endswith(fingerprint("k-CHECKED")) for spec in SystemdBackend().specs(units).values())
+    rec = Reconciler(RecordingBackend())
+    rec.apply(checked, 0.0)
+    assert rec.api_key == "k-CHECKED"  # what the probes and the key check send
+    # The next reload reads the new file once, and every consumer moves to it together.
+    reloaded = loaded_for(config, plan, api_key=read_api_key(config, "/etc/numa-infer.toml"))
+    rec.apply(reloaded, 1.0)
+    process.sync(reloaded)
+    assert rec.api_key == process.api_key == "k-CHANGED"

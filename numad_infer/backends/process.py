@@ -16,19 +16,20 @@ from pathlib import Path
 
 from numad_infer.backends.base import Observation
 from numad_infer.backends.childlog import ChildOutput, InstanceLogs
-from numad_infer.config.apikey import fingerprint, read_api_key
+from numad_infer.config.apikey import fingerprint
 from numad_infer.config.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
 from numad_infer.config.schema import Config
-from numad_infer.engines import Engine, engine_of
+from numad_infer.engines import Engine
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.listener import FD_VARIABLE, HeldListener
 from numad_infer.host import pinning
-from numad_infer.host.identity import BackendKind, RunAs, frontdoor_runs_as, instances_run_as, unreadable_reason
+from numad_infer.host.identity import BackendKind, RunAs, frontdoor_runs_as, unreadable_reason
 from numad_infer.host.privdrop import switch_user
-from numad_infer.plan.model import Instance, Plan
+from numad_infer.plan.model import Instance
 from numad_infer.units.render import instance_environment
 from numad_infer.util.cpuset import format_list
+from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
 
@@ -87,31 +88,31 @@ class ProcessBackend:
         self.output = ChildOutput(logs, log_dir)  # instances' and HAProxy's output: files or stdout
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.config: Config | None = None
+        self.engine: Engine | None = None
         self.api_key: str | None = None
         self.runs_as: RunAs | None = None
 
-    def specs(self, config: Config, plan: Plan) -> dict[str, str]:
-        key = fingerprint(read_api_key(config, "server.api_key_file"))
-        user = instances_run_as(config.server.user, "server.user", self.kind)
-        return {i.name: json.dumps({"argv": engine_of(config).argv(config, i), "env": instance_environment(i),
+    def specs(self, loaded: Loaded) -> dict[str, str]:
+        key, user, config = fingerprint(loaded.api_key), loaded.runs_as, loaded.config
+        return {i.name: json.dumps({"argv": loaded.engine.argv(config, i), "env": instance_environment(i),
                                     "key": key, "cpus": i.cpus, "mems": i.mems, "policy": i.policy.value,
                                     "user": None if user is None else user.name}, sort_keys=True)
-                for i in plan.instances}
+                for i in loaded.plan.instances}
 
-    def current_specs(self, config: Config) -> dict[str, str]:
+    def current_specs(self, loaded: Loaded) -> dict[str, str]:
         return {}  # children never outlive the daemon (PDEATHSIG): nothing to adopt
 
-    def sync(self, config: Config, plan: Plan) -> bool:
-        self.config = config
-        self.api_key = read_api_key(config, "server.api_key_file")
-        self.runs_as = instances_run_as(config.server.user, "server.user", self.kind)
+    def sync(self, loaded: Loaded) -> bool:
+        # What the next starts use: the validated value, never the files read again.
+        self.config, self.engine = loaded.config, loaded.engine
+        self.api_key, self.runs_as = loaded.api_key, loaded.runs_as
         return False
 
     def start(self, instance: Instance) -> None:
         if self.main_pid(instance.name) is not None:
             return
-        assert self.config is not None
-        engine = engine_of(self.config)
+        assert self.config is not None and self.engine is not None
+        engine = self.engine
         argv = engine.argv(self.config, instance)
         env = server_environment(engine, instance, self.api_key, self.runs_as, os.environ)
         switch = self.runs_as.popen_kwargs() if self.runs_as is not None else {}

@@ -9,14 +9,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.backends.base import Observation
-from numad_infer.config.apikey import fingerprint, read_api_key
+from numad_infer.config.apikey import fingerprint
 from numad_infer.config.defaults import FRONTDOOR_USER
 from numad_infer.config.schema import Config
-from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.listener import Handout, HeldListener, Store
-from numad_infer.host.identity import CREATE_USERS, BackendKind, systemd_frontdoor_user
-from numad_infer.plan.model import Instance, Plan
+from numad_infer.host.identity import CREATE_USERS, BackendKind
+from numad_infer.plan.model import Instance
 from numad_infer.systemd.systemctl import Systemctl, SystemctlError
 from numad_infer.systemd.unitdir import managed_files, write_units
 from numad_infer.systemd.unitnames import (
@@ -29,7 +28,8 @@ from numad_infer.systemd.unitnames import (
     template_unit,
     unit,
 )
-from numad_infer.units.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, render_units
+from numad_infer.units.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET
+from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
 
@@ -48,35 +48,35 @@ class SystemdBackend:
         self.daemon_unit = daemon_unit
         self.handout = handout  # None: no front door socket to hand out (a command, a test)
 
-    def specs(self, config: Config, plan: Plan) -> dict[str, str]:
-        files = render_units(config, plan)
-        template = files[template_unit(config.systemd.template)]
+    def specs(self, loaded: Loaded) -> dict[str, str]:
+        files = loaded.units
+        template = files[template_unit(loaded.config.systemd.template)]
         # A template change (mlock, hardening) changes every instance; so does a new API key,
         # which is not in the unit text (a credential is read at start).
-        key = fingerprint(read_api_key(config, "server.api_key_file"))
-        return {i.name: template + files[dropin(i.name)] + key for i in plan.instances}
+        key = fingerprint(loaded.api_key)
+        return {i.name: template + files[dropin(i.name)] + key for i in loaded.plan.instances}
 
-    def current_specs(self, config: Config) -> dict[str, str]:
-        """Specs of the units on disk: what a previous daemon left running (adoption)."""
-        unit_dir = Path(config.systemd.unit_dir)
+    def current_specs(self, loaded: Loaded) -> dict[str, str]:
+        """Specs of the units on disk: what a previous daemon left running (adoption), with
+        the key as validated (the running instances read theirs from the same file)."""
+        unit_dir = Path(loaded.config.systemd.unit_dir)
+        key = fingerprint(loaded.api_key)
         specs: dict[str, str] = {}
         for rel in managed_files(unit_dir):
             if rel.endswith(DROPIN_NAME):
                 name = name_of_dropin(rel)
                 template_path = unit_dir / template_unit(template_of(name))
                 try:
-                    key = fingerprint(read_api_key(config, "server.api_key_file"))
                     specs[name] = template_path.read_text() + (unit_dir / rel).read_text() + key
-                except (OSError, NumaInferError):
+                except OSError:
                     specs[name] = ""
         return specs
 
-    def sync(self, config: Config, plan: Plan) -> bool:
-        frontdoor_user = systemd_frontdoor_user()
-        if config.frontend.enabled and frontdoor_user is None:
+    def sync(self, loaded: Loaded) -> bool:
+        if loaded.config.frontend.enabled and loaded.frontdoor_user is None:
             log.warning("front door: user %s does not exist on this host: haproxy runs as root with no capability; %s",
                         FRONTDOOR_USER, CREATE_USERS)
-        result = write_units(Path(config.systemd.unit_dir), render_units(config, plan, frontdoor_user))
+        result = write_units(Path(loaded.config.systemd.unit_dir), loaded.units)
         if result.changed:
             log.info("units: wrote %s, removed %s; systemctl daemon-reload",
                      ", ".join(result.written) or "nothing", ", ".join(result.removed) or "nothing")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from numad_infer.backends.base import Backend
     from numad_infer.systemd.notify import Notifier
-    from numad_infer.validate.pipeline import Loaded
+    from numad_infer.validate.loaded import Loaded
 
 
 def load_all(args: argparse.Namespace) -> Loaded:

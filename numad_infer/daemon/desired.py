@@ -20,6 +20,7 @@ from numad_infer.topology.cgroup_limits import Allowed
 from numad_infer.topology.sysfs import SysfsReader
 from numad_infer.util.cpuset import format_list
 from numad_infer.validate import pipeline as loading
+from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ class PlanState:
                  frontdoor: Frontdoor, endpoint: metrics.Endpoint, state_file: Path) -> None:
         self.config_path, self.sysfs, self.backend = config_path, sysfs, backend
         self.reconciler, self.frontdoor, self.endpoint, self.state_file = reconciler, frontdoor, endpoint, state_file
-        self.loaded: loading.Loaded | None = None  # the configuration running now (applied)
+        self.loaded: Loaded | None = None  # the configuration running now (applied)
         self.online: frozenset[int] | None = None  # the CPUs it was planned on
         self.allowed: Allowed | None = None  # what the instances' cgroup allowed then
         self.generation = 0  # bumped by every start and reload, done or refused (`numa-infer reload` waits on it)
@@ -40,17 +41,17 @@ class PlanState:
     def config(self) -> Config | None:
         return None if self.loaded is None else self.loaded.config
 
-    def load(self) -> loading.Loaded:
+    def load(self) -> Loaded:
         """The pipeline every command uses (loading.py); refused there, nothing changes here."""
         return loading.load(self.config_path, self.backend.kind, self.sysfs)
 
-    def apply(self, loaded: loading.Loaded, why: str) -> bool:
+    def apply(self, loaded: Loaded, why: str) -> bool:
         """Bring everything to the plan; False (reported like a refused reload) if the unit
         definitions could not be written, with the running instances left alone."""
         self.online, self.allowed = loaded.topology.online_cpus, loaded.allowed
         try:
             self.read_holds()
-            result = self.reconciler.apply(loaded.config, loaded.plan, time.monotonic())
+            result = self.reconciler.apply(loaded, time.monotonic())
         except (NumaInferError, OSError) as exc:
             log.error("%s failed, still running the previous configuration: cannot apply the plan: %s", why, exc)
             self.last_reload = ReloadResult(time.time(), False, why, f"cannot apply the plan: {exc}")

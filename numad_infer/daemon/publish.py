@@ -14,7 +14,7 @@ from numad_infer.supervision.instance import Runtime
 from numad_infer.topology.cgroup_limits import left_out
 from numad_infer.tune.bandwidth_file import Results
 from numad_infer.util.cpuset import format_list
-from numad_infer.validate.pipeline import Loaded
+from numad_infer.validate.loaded import Loaded
 
 
 def status_line(runtimes: list[Runtime], last_reload: ReloadResult | None) -> str:

@@ -14,7 +14,7 @@ from numad_infer.host.procfs import ProcReader
 
 if TYPE_CHECKING:
     from numad_infer.status.records import Status
-    from numad_infer.validate.pipeline import Loaded
+    from numad_infer.validate.loaded import Loaded
 
 
 def plan_needs(loaded: Loaded) -> DoctorPlan:

@@ -20,13 +20,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from numad_infer.backends.base import Backend, Observation
-from numad_infer.config.apikey import read_api_key
 from numad_infer.config.schema import Config
-from numad_infer.engines import EngineCounters, engine_of
+from numad_infer.engines import Engine, EngineCounters
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import State
-from numad_infer.plan.model import Plan, PlanDiff
+from numad_infer.plan.model import PlanDiff
 from numad_infer.supervision.drift_checks import CheckContext, run_checks
 from numad_infer.supervision.health import ProbeResult, probe, read_engine_metrics
 from numad_infer.supervision.instance import Runtime
@@ -35,6 +34,8 @@ from numad_infer.supervision.rollout import Rollout
 from numad_infer.supervision.supervisor import Supervisor, isolated
 
 __all__ = ["Reconciler", "Runtime"]
+
+from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
 
@@ -50,15 +51,19 @@ class Reconciler:
         self.runtimes: dict[str, Runtime] = {}
         self.holds: dict[str, str] = {}  # instance -> who holds it stopped (holds.py), from the daemon each pass
         self.api_key: str | None = None
+        self.engine: Engine | None = None  # the applied one's (with `config`)
         self.supervisor = Supervisor(backend, self.proc, frontdoor, wall)
         self.rollout = Rollout(backend, frontdoor, self.supervisor)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
 
-    def apply(self, config: Config, plan: Plan, now: float) -> PlanDiff:
-        diff, specs = self.rollout.sync(config, plan)
-        self.api_key = read_api_key(config, "server.api_key_file")
-        self.config = self.supervisor.config = config
-        self.rollout.apply(plan, diff, specs, self.runtimes, self.holds, now, config.frontend.drain_timeout_s)
+    def apply(self, loaded: Loaded, now: float) -> PlanDiff:
+        """Bring the instances to `loaded`, the pipeline's value: its key and engine are the
+        ones checked, not read or looked up again."""
+        diff, specs = self.rollout.sync(loaded)
+        self.api_key, self.engine = loaded.api_key, loaded.engine
+        self.config = self.supervisor.config = loaded.config
+        self.rollout.apply(loaded.plan, diff, specs, self.runtimes, self.holds, now,
+                           loaded.config.frontend.drain_timeout_s)
         return diff
 
     def stop_all(self) -> None:
@@ -100,8 +105,9 @@ class Reconciler:
         assert cfg is not None
         up = {name: (rt.instance.port, pid) for name, rt in self.runtimes.items() if (pid := observed[name].pid)}
         probes = {name: self._pool.submit(self._probe, port, pid) for name, (port, pid) in up.items()}
-        counters = {name: self._pool.submit(self._counters, port, pid)
-                    for name, (port, pid) in up.items() if engine_of(cfg).metrics_path is not None}
+        reads_counters = self.engine is not None and self.engine.metrics_path is not None
+        counters = {name: self._pool.submit(self._counters, port, pid) for name, (port, pid) in up.items()
+                    if reads_counters}
         return probes, counters
 
     # Both ask first whether the port is the instance's: a process that took it while the
@@ -113,14 +119,16 @@ class Reconciler:
         owner = self.proc.port_owner(cfg.server.host, port, pid)
         if not owner.ours:
             return ProbeResult(False, 0.0, owner.detail)
-        return probe(cfg.server.host, port, cfg.monitor.probe_timeout_s, engine_of(cfg).liveness_path)
+        assert self.engine is not None
+        return probe(cfg.server.host, port, cfg.monitor.probe_timeout_s, self.engine.liveness_path)
 
     def _counters(self, port: int, pid: int) -> EngineCounters | None:
         cfg = self.config
         assert cfg is not None
         if not self.proc.port_owner(cfg.server.host, port, pid).ours:
             return None
-        return read_engine_metrics(engine_of(cfg), cfg.server.host, port, self.api_key, cfg.monitor.probe_timeout_s)
+        assert self.engine is not None
+        return read_engine_metrics(self.engine, cfg.server.host, port, self.api_key, cfg.monitor.probe_timeout_s)
 
     def _monitor_one(self, rt: Runtime, seen: Observation, probed: Future[ProbeResult] | None, now: float) -> None:
         cfg = self.config

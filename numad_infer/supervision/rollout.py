@@ -8,13 +8,13 @@ import logging
 from dataclasses import dataclass
 
 from numad_infer.backends.base import Backend
-from numad_infer.config.schema import Config
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import IN_TRANSITION, State, Supervision
 from numad_infer.plan.model import Instance, Plan, PlanDiff, diff_plans
 from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.supervisor import Supervisor, isolated
+from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +37,13 @@ class Rollout:
         self._stopped_said = False  # the rollout's stop was said in the journal once
         self.retiring: dict[str, Retiring] = {}
 
-    def sync(self, config: Config, plan: Plan) -> tuple[PlanDiff, dict[str, str]]:
+    def sync(self, loaded: Loaded) -> tuple[PlanDiff, dict[str, str]]:
         """The difference to the plan, with the definitions written: if they cannot be (or
         systemd cannot reload them), this raises before anything running was touched."""
-        new_specs = self.backend.specs(config, plan)
-        old_specs = self.specs if self.plan is not None else self.backend.current_specs(config)
+        new_specs = self.backend.specs(loaded)
+        old_specs = self.specs if self.plan is not None else self.backend.current_specs(loaded)
         diff = diff_plans(old_specs, new_specs)
-        self.backend.sync(config, plan)
+        self.backend.sync(loaded)
         return diff, new_specs
 
     def apply(self, plan: Plan, diff: PlanDiff, specs: dict[str, str], runtimes: dict[str, Runtime],

@@ -5,20 +5,19 @@ daemon would run them (the process backend's start), and the bandwidth matrix.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.backends.process import ProcessBackend
-from numad_infer.config.apikey import read_api_key
 from numad_infer.config.schema import Config
-from numad_infer.engines import engine_of
 from numad_infer.host import pinning
 from numad_infer.host.portowner import Holder
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.gguf import stop_token_ids
-from numad_infer.plan.model import Instance
+from numad_infer.plan.model import Instance, Plan
 from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.health import probe
 from numad_infer.topology.model import Topology
@@ -26,6 +25,7 @@ from numad_infer.tune import bandwidth
 from numad_infer.tune.choice import Candidate, Figure, Layout, LayoutResult, Result, percentile
 from numad_infer.tune.client import Client
 from numad_infer.tune.errors import TuneError
+from numad_infer.validate.loaded import Loaded
 
 # Prompt processing is measured on this many words (~1.3 tokens each with the generated
 # models' vocabulary); decoding on --tokens generated tokens minus one.
@@ -51,13 +51,20 @@ def candidate_config(config: Config, node: int, threads: int, port: int, smt: bo
 
 
 class Measurer:
-    def __init__(self, config: Config, topology: Topology, model_size: int, log_dir: Path, settings: Settings,
+    def __init__(self, loaded: Loaded, topology: Topology, log_dir: Path, settings: Settings,
                  progress: Callable[[str], None]) -> None:
-        self.config, self.topology, self.model_size = config, topology, model_size
+        """`loaded`: the configuration as the pipeline checked it (its key and engine are the
+        ones used); `topology`: the part of the machine the instances may use."""
+        self.loaded, self.config, self.topology, self.model_size = loaded, loaded.config, topology, loaded.model_bytes
         self.log_dir, self.settings, self.progress = log_dir, settings, progress
-        self.key = read_api_key(config, "server.api_key_file")
+        self.key = loaded.api_key
         self.proc = ProcReader()
-        self.no_stop = engine_of(config).no_stop_fields(stop_token_ids(config.model.path))
+        self.no_stop = loaded.engine.no_stop_fields(stop_token_ids(self.config.model.path))
+
+    def _candidate(self, cfg: Config, plan: Plan) -> Loaded:
+        # A measuring server's configuration is the validated one with tune's own placement
+        # and port (candidate_config): the same key, engine and user.
+        return dataclasses.replace(self.loaded, config=cfg, plan=plan, units={})
 
     def instance_for(self, node: int, threads: int, port: int) -> tuple[Config, Instance]:
         physical = len(self._plan(candidate_config(self.config, node, 1, port, smt=False)).cpus)
@@ -71,7 +78,7 @@ class Measurer:
     def measure(self, node: int, candidate: Candidate, port: int) -> Result:
         cfg, instance = self.instance_for(node, candidate.threads, port)
         backend = ProcessBackend(self.log_dir)
-        backend.sync(cfg, make_plan(cfg, self.topology, self.model_size, source="tune"))
+        backend.sync(self._candidate(cfg, make_plan(cfg, self.topology, self.model_size, source="tune")))
         self.progress(f"node {node}, {candidate.threads} threads ({candidate.label}): starting the server")
         backend.start(instance)
         try:
@@ -91,7 +98,7 @@ class Measurer:
 
     def _wait_ready(self, backend: ProcessBackend, cfg: Config, instance: Instance) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout_s
-        path = engine_of(cfg).liveness_path
+        path = self.loaded.engine.liveness_path
         while time.monotonic() < deadline:
             pid = backend.main_pid(instance.name)
             if pid is None:
@@ -118,7 +125,7 @@ class Measurer:
             "frontend": self.config.frontend.model_copy(update={"listen": ""})})
         plan = make_plan(cfg, self.topology, self.model_size, source="tune")
         backend = ProcessBackend(self.log_dir)
-        backend.sync(cfg, plan)
+        backend.sync(self._candidate(cfg, plan))
         self.progress(f"layout {layout.name}: starting {len(plan.instances)} instance(s)")
         try:
             for instance in plan.instances:

@@ -63,7 +63,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
                         startup_timeout_s=config.monitor.startup_grace_s or 300.0)
     log_dir = Path(tempfile.mkdtemp(prefix="numa-infer-tune-"))
     log_dir.chmod(0o700)
-    measurer = Measurer(config, topology, size, log_dir, settings, progress)
+    measurer = Measurer(loaded, topology, log_dir, settings, progress)
     node = nodes[0]
     instance = planned[node]
     node_obj = next(n for n in topology.nodes if n.id == node)

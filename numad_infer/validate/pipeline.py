@@ -10,19 +10,18 @@ refuses, all of them refuse, and nothing is written or changed before it passes.
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.config.apikey import read_api_key
 from numad_infer.config.load import load_config
 from numad_infer.config.schema import Config
-from numad_infer.engines import Engine, engine_of
+from numad_infer.engines import engine_of
 from numad_infer.engines.keys import check_engine_keys
 from numad_infer.frontdoor import haproxy
 from numad_infer.frontdoor.haproxy import check_haproxy
 from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy
 from numad_infer.host.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_units
-from numad_infer.host.identity import BackendKind, RunAs, instances_run_as
+from numad_infer.host.identity import BackendKind, instances_run_as, systemd_frontdoor_user
 from numad_infer.host.pinning import memory_calls
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.file import model_size
@@ -34,25 +33,9 @@ from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed
 from numad_infer.topology.cgroups import CgroupReader
 from numad_infer.topology.model import Topology
 from numad_infer.topology.sysfs import SysfsReader
+from numad_infer.units.render import render_units
 from numad_infer.validate.host_check import InstanceHost, host_warnings, memory_call_warnings
-
-
-@dataclass(frozen=True)
-class Loaded:
-    source: str  # the configuration file, as errors name it
-    config: Config
-    topology: Topology
-    plan: Plan
-    kind: BackendKind  # where the instances run
-    runs_as: RunAs | None  # who they run as (None: the daemon's own user)
-    engine: Engine
-    model_bytes: int  # the file: what the planner fits in memory
-    decode_bytes: int  # what one decoded token reads (decode efficiency's numerator)
-    allowed: Allowed  # what the instances' cgroup lets them use (planned within it)
-    engine_cpu: EngineCpuReport  # the CPU kernels the engine runs here, or why it cannot tell
-    # What does not stop the plan but undoes its work or may stop an instance: the
-    # plan's, the engine's and the host's, in that order.
-    warnings: tuple[str, ...]
+from numad_infer.validate.loaded import Loaded
 
 
 def load(source: str, kind: BackendKind, sysfs: SysfsReader | str = "/",
@@ -87,13 +70,15 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     engine_warnings += _idle_unit_warnings(engine_cpu)
     plan = make_plan(config, topology, size, source=source, allowed=allowed)
     check_haproxy(config, source)
-    read_api_key(config, source)
+    api_key = read_api_key(config, source)
     _check_frontdoor_config(config, plan)
+    frontdoor_user = systemd_frontdoor_user() if kind == BackendKind.SYSTEMD else None
+    units = render_units(config, plan, frontdoor_user) if kind == BackendKind.SYSTEMD else {}
     # Processes are always this machine's, even with --fsroot.
     warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as),
                 *memory_call_warnings(memory_calls(), kind))
     return Loaded(source, config, topology, plan, kind, runs_as, engine, size, decode_bytes(config.model.path),
-                  allowed, engine_cpu, warnings)
+                  allowed, engine_cpu, warnings, api_key, frontdoor_user, units)
 
 
 def _idle_unit_warnings(report: EngineCpuReport) -> list[str]:

@@ -1,0 +1,125 @@
+"""The stand-ins the unit tests share, in one place: a backend that records calls, the
+front door's runtime API, a /proc reader, a small machine, and the pipeline's value built
+from a configuration and a plan without the machine checks (tests that need those run
+`validate/pipeline.validate`). Each stands in only for what the unit under test does not
+own; the end-to-end tests run the real thing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from numad_infer.backends.base import Observation
+from numad_infer.config.load import parse_config
+from numad_infer.config.schema import Config
+from numad_infer.engines import engine_of
+from numad_infer.frontdoor.haproxy import AdminState
+from numad_infer.host.cpufeatures import EngineCpuReport
+from numad_infer.host.identity import BackendKind, RunAs
+from numad_infer.host.portowner import Holder, PortOwner
+from numad_infer.plan.model import Plan
+from numad_infer.topology.cgroup_limits import UNRESTRICTED
+from numad_infer.topology.model import RawCpu, RawNode, SysfsSnapshot, Topology, build_topology
+from numad_infer.units.render import render_units
+from numad_infer.validate.loaded import Loaded
+
+
+def loaded_for(config: Config, plan: Plan, *, api_key: str | None = None, kind: BackendKind = BackendKind.PROCESS,
+               runs_as: RunAs | None = None, topology: Topology | None = None) -> Loaded:
+    """What `validate` would return for `config` and `plan`, without reading the host: the
+    key as given (not read from a file), units rendered as the systemd backend writes them."""
+    units = render_units(config, plan) if kind == BackendKind.SYSTEMD else {}
+    return Loaded("/etc/numa-infer.toml", config, topology or three_nodes(), plan, kind, runs_as, engine_of(config),
+                  0, 0, UNRESTRICTED, EngineCpuReport(None, "test", ""), (), api_key, None, units)
+
+
+@dataclass
+class RecordingBackend:
+    """Records calls; stands in for systemd/processes to test the reconcile logic alone."""
+
+    name: str = "recording"
+    instance_cgroups: bool = False
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    running: dict[str, int] = field(default_factory=dict)
+    next_pid: int = 100
+
+    def specs(self, loaded: Loaded) -> dict[str, str]:
+        return {i.name: repr(i) for i in loaded.plan.instances}
+
+    def current_specs(self, loaded: Loaded) -> dict[str, str]:
+        return {}
+
+    def sync(self, loaded: Loaded) -> bool:
+        return False
+
+    def start(self, instance) -> None:
+        if instance.name not in self.running:
+            self.calls.append(("start", instance.name))
+            self.running[instance.name] = self.next_pid = self.next_pid + 1
+
+    def stop(self, name: str) -> None:
+        self.calls.append(("stop", name))
+        self.running.pop(name, None)
+
+    def restart(self, instance) -> None:
+        self.calls.append(("restart", instance.name))
+        self.running[instance.name] = self.next_pid = self.next_pid + 1
+
+    def observe(self, names):
+        return {n: Observation(self.running.get(n), False, "active" if n in self.running else "inactive") for n in names}
+
+    def stop_all_on_exit(self) -> bool:
+        return True
+
+    def forget(self, config) -> None:
+        self.calls.append(("forget", ""))
+
+
+def three_nodes():
+    return build_topology(SysfsSnapshot(
+        online_cpus=frozenset(range(3)), cpus={c: RawCpu() for c in range(3)},
+        nodes={n: RawNode(frozenset({n}), 1 << 30, tuple(10 if m == n else 20 for m in range(3))) for n in range(3)}))
+
+
+def cfg(extra: str = ""):
+    return parse_config(f'[model]\npath = "/m.gguf"\n{extra}', "/etc/numa-infer.toml")
+
+
+class FakeFrontdoor:
+    """Stands in for HAProxy's runtime API: requests in flight per instance, admin states set."""
+
+    listen = "127.0.0.1:8000"
+
+    def __init__(self) -> None:
+        self.in_flight_by: dict[str, int] = {}
+        self.states: list[tuple[str, AdminState]] = []
+
+    def observe(self):
+        return None
+
+    def in_flight(self, instance) -> int | None:
+        return self.in_flight_by.get(instance.name, 0)
+
+    def set_state(self, instance, state: AdminState) -> None:
+        self.states.append((instance.name, state))
+
+
+class FakeProc:
+    """CPU seconds per pid, advanced by the test (the real reader is psutil on /proc)."""
+
+    def __init__(self) -> None:
+        self.cpu: dict[int, float] = {}
+
+    def cpu_seconds(self, pid: int) -> float | None:
+        return self.cpu.get(pid)
+
+    def threads(self, pid: int):
+        return []
+
+    def numa_maps(self, pid: int):
+        return None
+
+    def port_owner(self, host: str, port: int, pid: int) -> PortOwner:
+        return PortOwner(Holder.INSTANCE)  # no server listens in these tests: the probe stands in for one
+
+    def open_connections(self, port: int) -> int:
+        return getattr(self, "connections", {}).get(port, 0)
