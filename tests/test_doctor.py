@@ -22,8 +22,7 @@ import pytest
 
 from numad_infer.doctor.host_facts import HostReader
 from numad_infer.doctor.pipeline import checkup
-from numad_infer.doctor.verdicts import Check, Level, Neighbour, check_neighbours
-from numad_infer.doctor.verdicts import Plan as DoctorPlan
+from numad_infer.doctor.verdicts import Check, Level, Needs, Neighbour, check_neighbours
 from numad_infer.host.identity import BackendKind
 from numad_infer.validate.pipeline import load
 from tests import fakesys
@@ -277,10 +276,10 @@ def test_real_busy_process_is_seen_on_its_cpu() -> None:
         seen = HostReader("/").sampler(frozenset({os.getpid()}))(0.5)
         mine = [n for n in seen if n.pid == busy.pid]
         assert [n.cpu for n in mine] == [0] and mine[0].percent > 20, mine
-        plan = DoctorPlan(frozenset({0}), frozenset({0, 1}), {}, "m", False, "llama-server")
+        plan = Needs(frozenset({0}), frozenset({0, 1}), {}, "m", False, "llama-server")
         facts_level = check_neighbours(_facts_with(seen), plan).level
         assert facts_level == Level.WARN
-        other = DoctorPlan(frozenset({1}), frozenset({0, 1}), {}, "m", False, "llama-server")
+        other = Needs(frozenset({1}), frozenset({0, 1}), {}, "m", False, "llama-server")
         assert busy.pid not in {n.pid for n in seen if n.cpu == 1 and n.percent > 5}
         assert check_neighbours(_facts_with(tuple(n for n in seen if n.pid == busy.pid)), other).level == Level.OK
     finally:

@@ -19,7 +19,7 @@ import pytest
 from numad_infer.doctor.verdicts import (
     HostFacts,
     Level,
-    Plan,
+    Needs,
     check_numa_balancing,
     check_swap,
     check_thp,
@@ -82,7 +82,7 @@ def test_what_the_profile_sets_is_what_doctor_wants(profile: dict) -> None:
                       swap_total_bytes=2**33, swappiness=int(sysctl["vm.swappiness"]), nodes={}, irqs=(),
                       irqbalance=True, neighbours=(), sample_s=1.0, managers=(), cpu_flags=frozenset(),
                       engine_cpu=EngineCpuReport(None, "", ""), nodes_per_package={})
-    plan = Plan(frozenset({1}), frozenset({0, 1}), {}, "model.gguf", mlock=False, engine="llama-server")
+    plan = Needs(frozenset({1}), frozenset({0, 1}), {}, "model.gguf", mlock=False, engine="llama-server")
     checks = [check_numa_balancing(facts), *check_thp(facts), check_zone_reclaim(facts), check_swap(facts, plan)]
     assert [(c.name, c.level) for c in checks if c.level != Level.OK] == []
 

@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from numad_infer.doctor.host_facts import HostReader, Sampler
-from numad_infer.doctor.verdicts import Check, HostFacts, diagnose
-from numad_infer.doctor.verdicts import Plan as DoctorPlan
+from numad_infer.doctor.verdicts import Check, HostFacts, Needs, diagnose
 from numad_infer.host.procfs import ProcReader
 
 if TYPE_CHECKING:
@@ -17,21 +16,21 @@ if TYPE_CHECKING:
     from numad_infer.validate.loaded import Loaded
 
 
-def plan_needs(loaded: Loaded) -> DoctorPlan:
+def plan_needs(loaded: Loaded) -> Needs:
     """The inference CPUs and the weights each node must hold, from the validated plan."""
     need: dict[int, int] = {}
     for inst in loaded.plan.instances:
         # An interleaved instance spreads its weights evenly over its nodes.
         for node in inst.mems:
             need[node] = need.get(node, 0) + loaded.model_bytes // max(1, len(inst.mems))
-    return DoctorPlan(cpus=frozenset(c for i in loaded.plan.instances for c in i.cpus),
+    return Needs(cpus=frozenset(c for i in loaded.plan.instances for c in i.cpus),
                       online_cpus=frozenset(c for n in loaded.topology.nodes for c in n.cpus),
                       need_bytes=need, model_path=loaded.config.model.path, mlock=loaded.config.model.mlock,
                       engine=loaded.engine.name)
 
 
 def read_facts(loaded: Loaded, fsroot: str | os.PathLike[str], status: Status | None, sample_s: float,
-               sampler: Sampler | None = None) -> tuple[HostFacts, DoctorPlan]:
+               sampler: Sampler | None = None) -> tuple[HostFacts, Needs]:
     """Everything doctor judges. `status` (the running daemon's, or None) names the instances'
     processes: their memory is theirs to reuse, and their CPU use is no neighbour's."""
     reader = HostReader(fsroot)

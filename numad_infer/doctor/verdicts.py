@@ -85,7 +85,7 @@ class Neighbour:
 
 
 @dataclass(frozen=True)
-class Plan:
+class Needs:
     """What doctor needs of the plan: where the instances run and what they load."""
 
     cpus: frozenset[int]  # every inference CPU
@@ -158,7 +158,7 @@ def check_thp(f: HostFacts) -> list[Check]:
     return checks
 
 
-def check_cpufreq(f: HostFacts, plan: Plan) -> list[Check]:
+def check_cpufreq(f: HostFacts, plan: Needs) -> list[Check]:
     cpus = sorted(plan.cpus)
     if not any(c.governor for c in f.cpufreq.values()):
         return [Check("cpu governor", Level.INFO, "no cpufreq", "performance",
@@ -195,7 +195,7 @@ def check_zone_reclaim(f: HostFacts) -> Check:
                  f"{TUNED_FIX}, or: sysctl -w vm.zone_reclaim_mode=0")
 
 
-def check_swap(f: HostFacts, plan: Plan) -> Check:
+def check_swap(f: HostFacts, plan: Needs) -> Check:
     name = "swap"
     if f.swap_total_bytes == 0:
         return Check(name, Level.OK, "no swap", f"no swap, or vm.swappiness <= {MAX_SWAPPINESS}",
@@ -212,7 +212,7 @@ def check_swap(f: HostFacts, plan: Plan) -> Check:
                  f"{TUNED_FIX}, or: sysctl -w vm.swappiness={MAX_SWAPPINESS}; or set model.mlock = true")
 
 
-def check_node_memory(f: HostFacts, plan: Plan) -> list[Check]:
+def check_node_memory(f: HostFacts, plan: Needs) -> list[Check]:
     checks = []
     for node, need in sorted(plan.need_bytes.items()):
         mem = f.nodes.get(node)
@@ -239,7 +239,7 @@ def check_node_memory(f: HostFacts, plan: Plan) -> list[Check]:
     return checks
 
 
-def check_irqs(f: HostFacts, plan: Plan) -> Check:
+def check_irqs(f: HostFacts, plan: Needs) -> Check:
     name = "IRQs on inference CPUs"
     hit = sorted((irq for irq in f.irqs if irq.count and irq.cpus & plan.cpus), key=lambda i: (-i.count, i.number))
     running = "irqbalance running" if f.irqbalance else "irqbalance not running"
@@ -263,7 +263,7 @@ def check_irqs(f: HostFacts, plan: Plan) -> Check:
                  "each interrupt stops an inference thread that the others wait for", fix)
 
 
-def check_neighbours(f: HostFacts, plan: Plan) -> Check:
+def check_neighbours(f: HostFacts, plan: Needs) -> Check:
     name = "other processes on inference CPUs"
     busy = sorted((n for n in f.neighbours if n.cpu in plan.cpus and n.percent > NEIGHBOUR_PERCENT),
                   key=lambda n: (-n.percent, n.pid))
@@ -287,7 +287,7 @@ def check_managers(f: HostFacts) -> Check:
                  "systemctl disable --now numad (or remove the NRI resource policy from this node)")
 
 
-def check_isa(f: HostFacts, plan: Plan) -> Check:
+def check_isa(f: HostFacts, plan: Needs) -> Check:
     """`idle_units`, the verdict `check` warns with too, on the CPU flags doctor read."""
     name = "engine vector ISA"
     offered = offered_units(f.cpu_flags)
@@ -320,7 +320,7 @@ def check_nodes_per_socket(f: HostFacts) -> Check:
                  "SNC/NPS splits each socket: one instance per node, each with that node's share of bandwidth", "")
 
 
-def diagnose(facts: HostFacts, plan: Plan) -> list[Check]:
+def diagnose(facts: HostFacts, plan: Needs) -> list[Check]:
     """Every check, in the order an operator reads the host: kernel, CPUs, memory, neighbours, engine."""
     return [check_numa_balancing(facts), *check_thp(facts), *check_cpufreq(facts, plan), check_zone_reclaim(facts),
             check_swap(facts, plan), *check_node_memory(facts, plan), check_irqs(facts, plan),
