@@ -1,4 +1,6 @@
-"""Least privilege and bad input (issue 10): each test here failed before its fix."""
+"""Least privilege and bad input across the daemon: who the instances run as, what reaches
+argv, units and logs, and input that must be refused in one line. Each test here failed
+before its fix."""
 
 from __future__ import annotations
 

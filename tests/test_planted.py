@@ -1,4 +1,4 @@
-"""Bad input and planted files (issue 19, items 10, 11 and 13): one line, never a traceback,
+"""Bad input and planted files: one line, never a traceback,
 and nothing a local user leaves in a directory is trusted.
 
 Each test reproduces what a review did by hand: a hold naming a root PID, a FIFO where a

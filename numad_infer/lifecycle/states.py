@@ -52,7 +52,7 @@ _SUPERVISED = frozenset(State) - {State.UNSUPERVISED}  # UNSUPERVISED is status'
 # Each state and the states it may be entered from; staying in a state is always allowed.
 # "Any" is any supervised state: the asker (a restart, a hold, a stop, the budget) decides
 # whatever the instance was doing. The guards in `Supervision`'s methods keep to this table,
-# and tests/test_states.py walks it.
+# and tests/lifecycle/test_states.py walks it.
 ENTERED_FROM: dict[State, frozenset[State]] = {
     # a start, an adoption, a new main PID, a release, a hold dropped mid-drain; never out
     # of FAILED (only a reload clears it, through STOPPED)

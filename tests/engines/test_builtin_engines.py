@@ -1,0 +1,228 @@
+"""The second engine (llama.cpp's llama-server): config, units, front door, probe, counters
+and the binary check. The servers themselves run in test_daemon.py and test_frontdoor.py
+(every test there runs once per engine) and in the VM's "engine" group."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+
+from numad_infer.units.render import render_units
+from numad_infer.config.load import parse_config
+from numad_infer.engines import EngineCounters, LlamaServer, engine_of
+from numad_infer.engines.keys import check_engine_keys
+from numad_infer.errors import ConfigError
+from numad_infer.frontdoor.haproxy_config import SPARE_CONNECTIONS, Paths, render_haproxy
+from numad_infer.plan.placement import make_plan
+from numad_infer.supervision.reconcile import Runtime
+from numad_infer.topology.sysfs import read_topology
+from numad_infer.validate.host_check import InstanceHost
+from tests import fakesys
+from tests.units.test_render import directives, systemd_split, systemd_verify
+
+SERVER = '[server]\nengine = "llama-server"\nllama_server = "/usr/local/bin/llama-server"\n'
+
+
+def config(server: str = SERVER, extra: str = "", model: str = "/m.gguf"):
+    """Parsed, and its engine keys checked as the validation pipeline checks them first."""
+    cfg = parse_config(f'[model]\npath = "{model}"\ncontext_size = 1024\n{server}{extra}', "/etc/numa-infer.toml")
+    check_engine_keys(cfg, "/etc/numa-infer.toml")
+    return cfg
+
+
+def plan_for(tmp_path: Path, cfg):
+    return make_plan(cfg, read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())))
+
+
+@pytest.mark.parametrize("server, key", [
+    ('[server]\nengine = "llama-cpp-python"\nparallel = 4\n', "server.parallel"),
+    ('[server]\nengine = "llama-cpp-python"\nllama_server = "/usr/bin/llama-server"\n', "server.llama_server"),
+    ('[server]\nengine = "llama-server"\npython = "/usr/bin/python3"\n', "server.python"),
+    # No engine named: the default, llama-server, so llama-cpp-python's key is the mistake.
+    ('[server]\npython = "/usr/bin/python3"\n', "server.python"),
+])
+def test_a_key_of_the_other_engine_is_refused_by_name(server: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^/etc/numa-infer.toml: {key} = .*: applies to server.engine = "):
+        config(server)
+
+
+@pytest.mark.parametrize("server, problem", [
+    (SERVER + "parallel = 0\n", r"server.parallel = 0: must be at least 1"),
+    (SERVER + "parallel = 65\n", r"server.parallel = 65: must be at most 64"),
+    ('[server]\nengine = "vllm"\n', r"server.engine = \"vllm\": must be one of"),
+    ('[server]\nengine = "llama-server"\nllama_server = "bin/llama-server"\n', r"server.llama_server = .*absolute"),
+])
+def test_bad_engine_values_are_refused_with_one_line(server: str, problem: str) -> None:
+    with pytest.raises(ConfigError, match=problem):
+        config(server)
+
+
+def test_the_unit_runs_llama_server_with_the_instance_placement_and_no_mmap(tmp_path: Path) -> None:
+    cfg = config(SERVER + "parallel = 4\n")
+    plan = plan_for(tmp_path, cfg)
+    files = render_units(cfg, plan)
+    d = dict(directives(files["infer@1.service.d/50-numa-infer.conf"]))
+    assert d["CPUAffinity"] == " ".join(map(str, range(32, 64))) and d["NUMAPolicy"] == "bind"
+    assert "OMP_NUM_THREADS=32" in systemd_split(d["Environment"])
+    argv = systemd_split(d["ExecStart"])
+    assert argv[0] == "/usr/local/bin/llama-server"
+    for flag, value in (("--threads", "32"), ("--threads-batch", "32"), ("--port", "8081"), ("--parallel", "4"),
+                        ("--ctx-size", str(1024 * 4)), ("--load-mode", "none"), ("--host", "127.0.0.1")):
+        assert argv[argv.index(flag) + 1] == value, flag
+    assert "--metrics" in argv and "llama_cpp.server" not in d["ExecStart"]
+    mlocked = config(SERVER + "parallel = 4\n").model_copy(update={"model": config().model.model_copy(update={"mlock": True})})
+    argv = engine_of(mlocked).argv(mlocked, plan.instances[0])
+    assert argv[argv.index("--load-mode") + 1] == "mlock"
+
+
+def test_the_api_key_reaches_llama_server_as_a_credential_file_not_argv(tmp_path: Path) -> None:
+    cfg = config(SERVER + 'api_key_file = "/etc/numa-infer/api-key"\n')
+    files = render_units(cfg, plan_for(tmp_path, cfg))
+    template = files["infer@.service"]
+    assert "LoadCredential=api-key:/etc/numa-infer/api-key" in template
+    # %d is systemd's specifier for the service's credentials directory.
+    assert "Environment=LLAMA_ARG_API_KEY_FILE=%d/api-key" in template
+    assert "api-key" not in files["infer@0.service.d/50-numa-infer.conf"]
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze"), reason="systemd-analyze not installed")
+def test_llama_server_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    from numad_infer.systemd.unitdir import write_units
+
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    cfg = config(f'[server]\nengine = "llama-server"\nllama_server = "{binary}"\nparallel = 2\n'
+                 'api_key_file = "/etc/numa-infer/api-key"\n')
+    write_units(tmp_path / "units", render_units(cfg, plan_for(tmp_path, cfg)))
+    assert systemd_verify(tmp_path / "units", ["infer@0.service", "infer@1.service"]) == ""
+
+
+def test_the_front_door_sends_each_instance_as_many_requests_as_it_has_slots(tmp_path: Path) -> None:
+    for server, per_server, path in ((SERVER + "parallel = 4\n", 4, "/health"),
+                                     ('[server]\nengine = "llama-cpp-python"\n', 1, "/docs")):
+        cfg = config(server)
+        plan = plan_for(tmp_path / str(per_server), cfg)
+        text = render_haproxy(cfg, plan, Paths(Path("/c"), Path("/s"), Path("/k")))
+        assert engine_of(cfg).slots(cfg) == per_server
+        assert f" maxconn {per_server} " in text and f"option httpchk GET {path}" in text
+        assert f"    maxconn {len(plan.instances) * per_server + cfg.frontend.queue_size + SPARE_CONNECTIONS}\n" in text
+
+
+METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 120
+llamacpp:tokens_predicted_total 4096
+llamacpp:predicted_tokens_seconds 55.2
+llamacpp:requests_processing 3
+llamacpp:requests_deferred 0
+"""
+
+
+def test_llama_server_counters_are_read_and_turned_into_a_decode_rate() -> None:
+    parse_engine_metrics = LlamaServer().parse_metrics
+    assert parse_engine_metrics(METRICS) == EngineCounters(4096.0, 3)
+    assert parse_engine_metrics("llamacpp:requests_processing 1\n") is None  # a counter missing
+    assert parse_engine_metrics("llamacpp:tokens_predicted_total x\nllamacpp:requests_processing 1\n") is None
+    rt = Runtime(instance=None)  # type: ignore[arg-type]
+    rt.on_counters(EngineCounters(1000, 2), 10.0)
+    assert rt.decode_tokens_per_s is None  # one reading is no rate
+    rt.on_counters(EngineCounters(1500, 2), 15.0)
+    assert rt.decode_tokens_per_s == 100.0
+    rt.on_counters(EngineCounters(10, 0), 20.0)  # the server restarted: counters went back
+    assert rt.decode_tokens_per_s == 100.0
+    rt.new_process(42)
+    assert rt.counters is None and rt.decode_tokens_per_s is None
+
+
+def check_llama_server(cfg, source: str, runs_as) -> list[str]:
+    return engine_of(cfg).check_host(cfg, source, InstanceHost(runs_as))
+
+
+def test_the_binary_must_be_there_executable_and_llama_server(tmp_path: Path) -> None:
+    def cfg(path: Path):
+        return config(f'[server]\nengine = "llama-server"\nllama_server = "{path}"\n')
+
+    with pytest.raises(ConfigError, match=r"server.llama_server = .*: no such file; build it with scripts/build-llama"):
+        check_llama_server(cfg(tmp_path / "absent"), "cfg", None)
+    plain = tmp_path / "plain"
+    plain.write_text("#!/bin/sh\n")
+    plain.chmod(0o644)
+    with pytest.raises(ConfigError, match=r"is not an executable file \(chmod 755"):
+        check_llama_server(cfg(plain), "cfg", None)
+    other = tmp_path / "llama-cli"
+    other.write_text("#!/bin/sh\necho 'version: 1 (abc)' >&2\necho 'usage: llama-cli [options]'\n")
+    other.chmod(0o755)
+    with pytest.raises(ConfigError, match="is not llama.cpp's llama-server"):
+        check_llama_server(cfg(other), "cfg", None)
+    failing = tmp_path / "broken"
+    failing.write_text("#!/bin/sh\nexit 127\n")
+    failing.chmod(0o755)
+    with pytest.raises(ConfigError, match="does not run"):
+        check_llama_server(cfg(failing), "cfg", None)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root drops privileges")
+def test_the_binary_check_runs_unprivileged_and_accepts_the_real_llama_server() -> None:
+    from numad_infer.host.identity import lookup
+    from tests.daemon_harness import llama_server_binary
+
+    binary = llama_server_binary()
+    assert stat.S_IMODE(binary.stat().st_mode) & 0o001
+    cfg = config(f'[server]\nengine = "llama-server"\nllama_server = "{binary}"\n')
+    assert check_llama_server(cfg, "cfg", lookup("nobody", "cfg")) == []
+
+
+def test_a_configuration_that_names_no_engine_runs_llama_server(tmp_path: Path) -> None:
+    cfg = config("")
+    assert engine_of(cfg).name == "llama-server" and cfg.server.engine == "llama-server"
+    argv = engine_of(cfg).argv(cfg, plan_for(tmp_path, cfg).instances[0])
+    assert argv[0] == "/usr/bin/llama-server" and "--alias" not in argv
+
+
+def test_a_configuration_that_names_its_engine_keeps_it(tmp_path: Path) -> None:
+    cfg = config('[server]\nengine = "llama-cpp-python"\npython = "/opt/llm/bin/python3"\n')
+    argv = engine_of(cfg).argv(cfg, plan_for(tmp_path, cfg).instances[0])
+    assert engine_of(cfg).name == "llama-cpp-python" and argv[:3] == ["/opt/llm/bin/python3", "-m", "llama_cpp.server"]
+
+
+def test_check_names_the_engine_its_binary_and_the_key_to_set(tmp_path: Path) -> None:
+    from numad_infer.cli.present import format_engine
+
+    absent = tmp_path / "absent"
+    default = config(f'[server]\nllama_server = "{absent}"\n')
+    assert format_engine(default, engine_of(default)) == (
+        f"engine: llama-server (the default; server.engine), every instance runs {absent} (server.llama_server)")
+    # The binary missing, with no engine named: the key to set, and how to choose the other.
+    with pytest.raises(ConfigError, match=r"server.llama_server = .*: no such file; .*server.engine is not set, and the "
+                                          r"default engine is llama-server: set server.llama_server to its binary, or "
+                                          r"server.engine = \"llama-cpp-python\""):
+        check_llama_server(default, "cfg", None)
+    named = config(f'[server]\nengine = "llama-server"\nllama_server = "{absent}"\n')
+    with pytest.raises(ConfigError) as refused:
+        check_llama_server(named, "cfg", None)
+    assert "server.engine is not set" not in str(refused.value)
+    other = config('[server]\nengine = "llama-cpp-python"\npython = "/opt/llm/bin/python3"\n')
+    assert format_engine(other, engine_of(other)) == (
+        "engine: llama-cpp-python (server.engine), every instance runs /opt/llm/bin/python3 (server.python)")
+
+
+@pytest.mark.parametrize("server, flag", [(SERVER, "--alias"),
+                                          ('[server]\nengine = "llama-cpp-python"\n', "--model_alias")])
+def test_the_model_name_is_what_the_engine_reports_as_model(tmp_path: Path, server: str, flag: str) -> None:
+    named = parse_config(f'[model]\npath = "/m.gguf"\nname = "llama-3.1-8b:q4"\n{server}', "/etc/numa-infer.toml")
+    instance = plan_for(tmp_path, named).instances[0]
+    argv = engine_of(named).argv(named, instance)
+    assert argv[argv.index(flag) + 1] == "llama-3.1-8b:q4"
+    unnamed = config(server)
+    assert flag not in engine_of(unnamed).argv(unnamed, instance)
+
+
+@pytest.mark.parametrize("name", ["a b", "-alias", "x" * 65, "m/n", "é"])
+def test_an_unsafe_model_name_is_refused_with_the_rule(name: str) -> None:
+    with pytest.raises(ConfigError, match=r"model.name = .*: must be 1-64 letters, digits or \. _ : -"):
+        parse_config(f'[model]\npath = "/m.gguf"\nname = "{name}"\n', "/etc/numa-infer.toml")

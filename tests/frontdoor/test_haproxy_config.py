@@ -1,0 +1,301 @@
+"""The rendered haproxy.cfg run by a real HAProxy over stub servers: what the
+front door promises (limits, affinity, errors as JSON) holds in HAProxy itself.
+
+What is tested here is HAProxy's behaviour under our configuration: which request is
+replayed and which is not, what a failure's body looks like, where a long conversation
+lands. The stub servers are tiny Python HTTP servers in subprocesses, each logging every
+request it received to a file, so a test can say which server saw what. The state
+directory's path has a space and a `#` in it: every test also proves the paths
+in haproxy.cfg are quoted.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from numad_infer.config.load import parse_config
+from numad_infer.config.schema import Config
+from numad_infer.errors import ConfigError
+from numad_infer.frontdoor.haproxy import HaproxyError, RuntimeAPI
+from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy
+from tests.daemon_harness import free_port_block
+from tests.engines.test_builtin_engines import plan_for
+
+HAPROXY = "/usr/sbin/haproxy"
+pytestmark = pytest.mark.skipif(not os.access(HAPROXY, os.X_OK), reason="haproxy not installed")
+
+CRASH_MARKER = "please-crash-the-server"
+SLOW_MARKER = "please-answer-late"
+
+# A stand-in for an instance: GET (the health check) answers 200; POST logs the request's
+# X-Test-Id, then answers {"served_by": NAME}, or dies before answering when the body
+# carries the crash marker (a prompt that crashes llama.cpp), or after 3 s for the slow one.
+STUB = f"""
+import json, os, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+name, port, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+    def _answer(self, doc):
+        body = json.dumps(doc).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._answer({{"ok": True}})
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        with open(log, "a") as out:
+            out.write(self.headers.get("X-Test-Id", "-") + "\\n")
+            out.flush()
+            os.fsync(out.fileno())
+        if b"{CRASH_MARKER}" in body:
+            time.sleep(0.5)  # other requests arrive meanwhile
+            os._exit(1)
+        if b"{SLOW_MARKER}" in body:
+            time.sleep(3)
+        self._answer({{"served_by": name}})
+
+ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+@dataclass
+class Answer:
+    status: int
+    content_type: str
+    body: bytes
+
+    def served_by(self) -> str:
+        return json.loads(self.body)["served_by"]
+
+    def error(self) -> dict:
+        assert self.content_type == "application/json", self
+        return json.loads(self.body)["error"]
+
+
+@dataclass
+class FrontDoor:
+    """A real HAProxy on the rendered haproxy.cfg, and one stub per planned instance."""
+
+    tmp: Path
+    config: Config
+    run_dir: Path
+    ports: list[int]
+    haproxy: subprocess.Popen | None = None
+    stubs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def port(self) -> int:
+        return self.config.frontend.address[1]
+
+    def log(self, name: str) -> list[str]:
+        path = self.tmp / f"{name}.log"
+        return path.read_text().split() if path.exists() else []
+
+    def start_stub(self, index: int) -> None:
+        name = f"stub{index}"
+        script = self.tmp / "stub.py"
+        script.write_text(STUB)
+        port = self.ports[index]
+        self.stubs[name] = subprocess.Popen([sys.executable, str(script), name, str(port), str(self.tmp / f"{name}.log")])
+        wait_for(lambda: _accepts(port), f"{name} listening on {port}")
+
+    def start_haproxy(self) -> None:
+        plan = plan_for(self.tmp / "plan", self.config)
+        assert [i.port for i in plan.instances] == self.ports
+        paths = paths_in(self.run_dir, self.run_dir / "haproxy.sock")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        paths.config.write_text(render_haproxy(self.config, plan, paths))
+        paths.state.write_text("1\n")
+        self.haproxy = subprocess.Popen([HAPROXY, "-db", "-f", str(paths.config)], stdout=subprocess.DEVNULL,
+                                        stderr=open(self.tmp / "haproxy.err", "w"))
+        haproxy = self.haproxy
+        wait_for(lambda: haproxy.poll() is None and _accepts(self.port), f"haproxy on {self.port}")
+
+    def servers_up(self) -> None:
+        api = RuntimeAPI(str(self.run_dir / "haproxy.sock"))
+        wait_for(lambda: all(s.status == "UP" for s in api.backend(BACKEND).servers.values()), "every server UP")
+
+    def backend_counter(self, column: str) -> int:
+        text = RuntimeAPI(str(self.run_dir / "haproxy.sock")).command("show stat")
+        rows = csv.DictReader(io.StringIO(text[2:]))
+        return sum(int(r[column] or 0) for r in rows if r["pxname"] == BACKEND and r["svname"] == "BACKEND")
+
+    def post(self, test_id: str, body: dict) -> Answer:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions", method="POST",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "X-Test-Id": test_id})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as response:
+                return Answer(response.status, response.headers.get_content_type(), response.read())
+        except urllib.error.HTTPError as exc:
+            return Answer(exc.code, exc.headers.get_content_type(), exc.read())
+
+    def stop(self) -> None:
+        for proc in [*self.stubs.values(), *([self.haproxy] if self.haproxy else [])]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (OSError, HaproxyError):
+            pass  # not up yet: HAProxy may accept on its port a moment before its admin socket exists
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _accepts(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture
+def front_door(tmp_path: Path):
+    made: list[FrontDoor] = []
+
+    def make(model: str = "", frontend: str = "") -> FrontDoor:
+        base = free_port_block(3)
+        config = parse_config(f'[model]\npath = "/m.gguf"\n{model}\n[server]\nbase_port = {base + 1}\n'
+                              f'[frontend]\nlisten = "127.0.0.1:{base}"\n{frontend}', "/etc/numa-infer.toml")
+        door = FrontDoor(tmp_path, config, tmp_path / "state dir #1", [base + 1, base + 2])
+        made.append(door)
+        return door
+
+    yield make
+    for door in made:
+        door.stop()
+
+
+def test_a_request_that_crashes_its_instance_gets_one_json_502_and_reaches_no_other(front_door) -> None:
+    door = front_door()
+    door.start_stub(0)
+    door.start_stub(1)
+    door.start_haproxy()
+    door.servers_up()
+    answers: dict[str, Answer] = {}
+    ids = ["crash", *(f"ok{n}" for n in range(12))]
+
+    def send(test_id: str) -> None:
+        prompt = CRASH_MARKER if test_id == "crash" else "hello"
+        answers[test_id] = door.post(test_id, {"messages": [{"role": "user", "content": prompt}]})
+
+    threads = [threading.Thread(target=send, args=(test_id,)) for test_id in ids]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)  # the marked request first, the others while its server dies
+    for thread in threads:
+        thread.join(60)
+    crashed = answers["crash"]
+    assert crashed.status == 502 and crashed.error()["code"] == 502, crashed
+    assert "not sent to another" in crashed.error()["message"]
+    # The marked request reached one server only: retrying it would have crashed the other.
+    assert (door.log("stub0") + door.log("stub1")).count("crash") == 1
+    assert [door.stubs[n].poll() is None for n in ("stub0", "stub1")].count(True) == 1
+    ordinary = {i: a.status for i, a in answers.items() if i != "crash"}
+    assert set(ordinary.values()) == {200}, ordinary
+
+
+def test_a_refused_connection_is_still_retried_on_another_instance(front_door) -> None:
+    door = front_door()
+    door.start_stub(0)
+    door.start_stub(1)
+    door.start_haproxy()
+    door.servers_up()
+    # stub1 vanishes; HAProxy still has it UP until a check or a refused connection says otherwise.
+    door.stubs["stub1"].send_signal(signal.SIGKILL)
+    door.stubs["stub1"].wait(10)
+    answers = [door.post(f"ok{n}", {"prompt": "hello"}) for n in range(4)]
+    assert [a.status for a in answers] == [200] * 4, answers
+    assert {a.served_by() for a in answers} == {"stub0"}
+    assert door.backend_counter("wretr") + door.backend_counter("wredis") >= 1, "no request met the refused port"
+
+
+def test_haproxys_own_answers_are_openai_json_errors(front_door) -> None:
+    door = front_door()
+    door.start_haproxy()  # no instance up
+    answer = door.post("none", {"prompt": "hello"})
+    assert answer.status == 503 and answer.error()["code"] == 503, answer
+    assert answer.error()["type"] == "server_busy"
+    # The answers the metrics publish, and the 5xx alert reads, count HAProxy's own 503.
+    _, answers = RuntimeAPI(str(door.run_dir / "haproxy.sock")).counters(BACKEND, FRONTEND)
+    assert answers.responses["5xx"] == 1 and answers.responses["2xx"] == 0, answers
+    # The H1 parser's own 400 (malformed request) and 408 (headers too slow) stay HTML in
+    # HAProxy 2.6: http-error and errorfile do not reach them (README says so).
+
+
+def test_an_instance_that_does_not_answer_in_time_is_a_json_504(front_door) -> None:
+    door = front_door(frontend="request_timeout_s = 1")
+    door.start_stub(0)
+    door.start_stub(1)
+    door.start_haproxy()
+    door.servers_up()
+    answer = door.post("late", {"prompt": SLOW_MARKER})
+    assert answer.status == 504 and answer.error()["code"] == 504, answer
+    assert answer.error()["type"] == "timeout"
+
+
+def test_user_affinity_holds_for_a_100_kb_prompt_with_user_last(front_door) -> None:
+    # A 100 KB prompt is ~25k tokens: an instance with that context accepts it.
+    door = front_door(model="context_size = 32768", frontend='affinity = "user"')
+    door.start_stub(0)
+    door.start_stub(1)
+    door.start_haproxy()
+    door.servers_up()
+    prompt = "lorem ipsum " * (100_000 // 12)
+    for user in ("alice", "bob", "carol"):
+        # `user` after `messages`, as OpenAI's clients send it.
+        body = {"model": "m", "messages": [{"role": "user", "content": prompt}], "user": user}
+        answers = [door.post(f"{user}{n}", body) for n in range(4)]
+        assert [a.status for a in answers] == [200] * 4
+        assert len({a.served_by() for a in answers}) == 1, (user, [a.served_by() for a in answers])
+
+
+def test_every_path_in_haproxy_cfg_is_quoted_and_haproxy_accepts_it(tmp_path: Path) -> None:
+    config = parse_config('[model]\npath = "/m.gguf"\n', "/etc/numa-infer.toml")
+    run_dir = tmp_path / "my state #dir"
+    run_dir.mkdir()
+    # HAProxy expands $VAR in a file name unless it is escaped, and in a socket address always.
+    paths = Paths(run_dir / "haproxy.cfg", run_dir / "state $HOME", run_dir / "haproxy.sock")
+    plan = plan_for(tmp_path, config)
+    text = render_haproxy(config, plan, paths)
+    assert f'stats socket "{run_dir}/haproxy.sock" mode 660' in text
+    assert f'server-state-file "{run_dir}/state \\$HOME"' in text
+    paths.config.write_text(text)
+    paths.state.write_text("1\n")
+    check = subprocess.run([HAPROXY, "-c", "-f", str(paths.config)], capture_output=True, text=True)
+    assert check.returncode == 0 and "WARNING" not in check.stdout + check.stderr, check
+    with pytest.raises(ConfigError, match="control character.*--state-file"):
+        quoted(Path("/run/x\ny"))
+    with pytest.raises(ConfigError, match=r"contains a \$.*--state-file"):
+        render_haproxy(config, plan, paths_in(Path("/run/$HOME"), Path("/run/$HOME/haproxy.sock")))

@@ -1,0 +1,224 @@
+"""Rendered units: golden files, systemd's own parser, injection, idempotent writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from numad_infer.units.render import RenderError, quote_arg, render_units
+from numad_infer.config.load import parse_config
+from numad_infer.errors import ConfigError
+from numad_infer.plan.placement import make_plan
+from numad_infer.systemd.unitdir import write_units
+from numad_infer.systemd.unitnames import UNIT_MARKER as MARKER
+from numad_infer.topology.sysfs import read_topology
+from tests import fakesys
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+ANALYZE = shutil.which("systemd-analyze")
+
+
+def toml_str(value: str) -> str:
+    return json.dumps(value)  # JSON string escapes are valid TOML basic-string escapes
+
+
+def make_config(model: str = "/var/lib/numa-infer/models/model.gguf", python: str = "/usr/bin/python3",
+                extra: list[str] | None = None, placement: str = "", mlock: bool = False):
+    extra_toml = "[" + ", ".join(toml_str(a) for a in (extra or [])) + "]"
+    return parse_config(
+        f"[model]\npath = {toml_str(model)}\nmlock = {'true' if mlock else 'false'}\n"
+        f"[placement]\n{placement}\n"
+        f"[server]\nengine = \"llama-cpp-python\"\npython = {toml_str(python)}\nextra_args = {extra_toml}\n",
+        "/etc/numa-infer.toml",
+    )
+
+
+def units_for(tmp_path: Path, factory, **kwargs) -> dict[str, str]:
+    config = make_config(**kwargs)
+    topo = read_topology(fakesys.write_tree(tmp_path / "fs", factory()))
+    return render_units(config, make_plan(config, topo), python="/usr/bin/python3")  # as the package's daemon
+
+
+def systemd_verify(unit_dir: Path, units: list[str]) -> str:
+    """systemd's own parser; returns everything it printed (empty means no warning)."""
+    assert ANALYZE, "systemd-analyze is not installed"
+    env = dict(os.environ, SYSTEMD_UNIT_PATH=f"{unit_dir}:", SYSTEMD_LOG_LEVEL="notice")
+    proc = subprocess.run([ANALYZE, "verify", "--man=no", *units], env=env, capture_output=True, text=True)
+    return (proc.stdout + proc.stderr).strip() + ("" if proc.returncode == 0 else f"\n(rc={proc.returncode})")
+
+
+# -- systemd's command-line unquoting (systemd.service(5), "Command lines"), for the assertions
+def systemd_split(line: str) -> list[str]:
+    words, i = [], 0
+    while i < len(line):
+        if line[i] == " ":
+            i += 1
+            continue
+        assert line[i] == '"', f"unquoted word at {line[i:]!r}"
+        i += 1
+        word = ""
+        while line[i] != '"':
+            if line[i] == "\\":
+                word += {"\\": "\\", '"': '"', "n": "\n", "t": "\t"}[line[i + 1]]
+                i += 2
+            else:
+                word += line[i]
+                i += 1
+        i += 1
+        words.append(word.replace("%%", "%").replace("$$", "$"))
+    return words
+
+
+def directives(text: str) -> list[tuple[str, str]]:
+    return [tuple(l.split("=", 1)) for l in text.splitlines() if l and not l.startswith(("#", "["))]
+
+
+@pytest.mark.parametrize("name, factory, placement", [
+    ("dual_socket_smt", fakesys.dual_socket_smt, ""),
+    ("dual_socket_smt_on", fakesys.dual_socket_smt, "smt = true"),
+    ("epyc_nps4_split", fakesys.epyc_nps4, "instances_per_node = 2"),
+    ("cxl_interleave", fakesys.cxl_memory_node, 'mode = "interleave"'),
+])
+def test_rendered_units_match_golden_files(tmp_path: Path, name: str, factory, placement: str) -> None:
+    files = units_for(tmp_path, factory, placement=placement)
+    golden = GOLDEN / name
+    if os.environ.get("UPDATE_GOLDEN"):
+        shutil.rmtree(golden, ignore_errors=True)
+        for rel, text in files.items():
+            (golden / rel).parent.mkdir(parents=True, exist_ok=True)
+            (golden / rel).write_text(text)
+    expected = {str(p.relative_to(golden)): p.read_text() for p in golden.rglob("*") if p.is_file()}
+    assert files == expected
+
+
+def test_dropin_carries_pinning_and_server_arguments(tmp_path: Path) -> None:
+    files = units_for(tmp_path, fakesys.dual_socket_smt)
+    d = dict(directives(files["infer@1.service.d/50-numa-infer.conf"]))
+    assert d["CPUAffinity"] == " ".join(map(str, range(32, 64)))
+    assert (d["NUMAPolicy"], d["NUMAMask"]) == ("bind", "1")
+    env = systemd_split(d["Environment"])
+    assert "OMP_NUM_THREADS=32" in env and "OMP_PROC_BIND=close" in env
+    assert "OMP_PLACES=" + ",".join(f"{{{c}}}" for c in range(32, 64)) in env
+    argv = systemd_split(d["ExecStart"])
+    for flag, value in (("--n_threads", "32"), ("--n_threads_batch", "32"), ("--port", "8081"),
+                        ("--use_mmap", "false"), ("--host", "127.0.0.1"), ("--n_ctx", "4096"),
+                        ("--interrupt_requests", "false")):
+        assert argv[argv.index(flag) + 1] == value
+
+
+def test_output_passes_systemd_analyze_verify_without_warnings(tmp_path: Path) -> None:
+    files = units_for(tmp_path, fakesys.epyc_nps4, python=sys.executable, placement="instances_per_node = 2")
+    write_units(tmp_path / "units", files)
+    names = [rel.split("/")[0].removesuffix(".d") for rel in files if rel.endswith(".conf")]
+    # The front door's unit too (verify checks that its haproxy exists: setup installs it).
+    assert systemd_verify(tmp_path / "units", [*names, "numa-infer-frontdoor.service"]) == ""
+
+
+def test_verify_would_catch_a_broken_dropin(tmp_path: Path) -> None:
+    # Negative control: proves the verify test above can fail.
+    files = units_for(tmp_path, fakesys.round_robin_sockets, python=sys.executable)
+    write_units(tmp_path / "units", files)
+    dropin = tmp_path / "units/infer@0.service.d/50-numa-infer.conf"
+    dropin.write_text(dropin.read_text().replace("NUMAPolicy=bind", "NUMAPolicy=sometimes"))
+    assert "sometimes" in systemd_verify(tmp_path / "units", ["infer@0.service"])
+
+
+HOSTILE = ['%n%i%%', "$HOME ${PATH} $$", 'a"b\'c', "trail\\", "sp ace; ExecStartPre=/bin/false", "\\n"]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_hostile_strings_stay_inside_their_argument(tmp_path: Path, hostile: str) -> None:
+    # systemd refuses $ " ' \\ in an executable path, and so does the config (test_config).
+    pydir = tmp_path / ("bin " + "".join(c for c in hostile if c not in "/$\"'\\"))
+    pydir.mkdir()
+    python = pydir / "python3"
+    python.symlink_to(sys.executable)
+    model = f"/models/{hostile}.gguf"
+    files = units_for(tmp_path, fakesys.round_robin_sockets, model=model, python=str(python), extra=["--alias", hostile])
+    text = files["infer@0.service.d/50-numa-infer.conf"]
+    baseline = units_for(tmp_path / "b", fakesys.round_robin_sockets)["infer@0.service.d/50-numa-infer.conf"]
+    assert [k for k, _ in directives(text)] == [k for k, _ in directives(baseline)]
+    argv = systemd_split(dict(directives(text))["ExecStart"])
+    assert argv[0] == str(python) and argv[argv.index("--model") + 1] == model and argv[-1] == hostile
+    write_units(tmp_path / "units", files)
+    assert systemd_verify(tmp_path / "units", ["infer@0.service", "infer@1.service"]) == ""
+
+
+@pytest.mark.parametrize("bad", ["line\nExecStartPre=/bin/sh", "cr\r", "nul\x00"])
+def test_control_characters_never_reach_a_unit(bad: str) -> None:
+    with pytest.raises(ConfigError, match="control character"):
+        make_config(extra=[bad])
+    with pytest.raises(RenderError):
+        quote_arg(bad)
+
+
+def test_mlock_raises_memlock_limit(tmp_path: Path) -> None:
+    assert "LimitMEMLOCK=infinity" in units_for(tmp_path, fakesys.round_robin_sockets, mlock=True)["infer@.service"]
+    assert "LimitMEMLOCK" not in units_for(tmp_path / "2", fakesys.round_robin_sockets)["infer@.service"]
+
+
+def test_rendering_twice_leaves_files_untouched(tmp_path: Path) -> None:
+    files = units_for(tmp_path, fakesys.dual_socket_smt)
+    unit_dir = tmp_path / "units"
+    first = write_units(unit_dir, files)
+    assert first.changed and len(first.written) == 4
+    stats = {p: (p.stat().st_mtime_ns, p.stat().st_ino, p.read_bytes()) for p in unit_dir.rglob("*") if p.is_file()}
+    second = write_units(unit_dir, files)
+    assert not second.changed
+    assert stats == {p: (p.stat().st_mtime_ns, p.stat().st_ino, p.read_bytes()) for p in unit_dir.rglob("*") if p.is_file()}
+
+
+def test_dropped_instances_are_removed_and_foreign_files_kept(tmp_path: Path) -> None:
+    unit_dir = tmp_path / "units"
+    write_units(unit_dir, units_for(tmp_path, fakesys.dual_socket_smt))
+    own = unit_dir / "infer@1.service.d/10-operator.conf"
+    own.write_text("[Service]\nNice=5\n")
+    other = unit_dir / "other@.service"
+    other.write_text("[Service]\nExecStart=/bin/true\n")
+    result = write_units(unit_dir, units_for(tmp_path / "2", fakesys.dual_socket_smt, placement="nodes = [0]"))
+    assert result.removed == ("infer@1.service.d/50-numa-infer.conf",)
+    assert own.exists() and other.exists()
+    assert not (unit_dir / "infer@1.service.d/50-numa-infer.conf").exists()
+
+
+def test_a_file_numa_infer_did_not_write_is_never_overwritten(tmp_path: Path) -> None:
+    unit_dir = tmp_path / "units"
+    unit_dir.mkdir()
+    (unit_dir / "infer@.service").write_text("[Service]\nExecStart=/bin/true\n")
+    with pytest.raises(Exception, match="was not written by numa-infer"):
+        write_units(unit_dir, units_for(tmp_path, fakesys.dual_socket_smt))
+    assert (unit_dir / "infer@.service").read_text().startswith("[Service]")
+    assert not (unit_dir / "infer@0.service.d").exists()
+
+
+def test_every_file_starts_with_the_ownership_marker(tmp_path: Path) -> None:
+    assert all(t.startswith(MARKER + "\n") for t in units_for(tmp_path, fakesys.epyc_nps4).values())
+
+
+def test_shipped_daemon_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    shipped = Path(__file__).resolve().parents[2] / "packaging/systemd/numa-infer.service"
+    text = shipped.read_text()
+    assert "Type=notify" in text and "WatchdogSec=" in text and "ExecReload=" in text
+    # verify checks that ExecStart's program exists: point it at this interpreter.
+    (tmp_path / "numa-infer.service").write_text(text.replace("/usr/bin/numa-infer", sys.executable))
+    assert systemd_verify(tmp_path, ["numa-infer.service"]) == ""
+
+
+@pytest.mark.parametrize("host, allowed", [("127.0.0.1", "localhost"), ("0.0.0.0", "localhost"),
+                                           ("10.1.2.3", "localhost 10.1.2.3"), ("fd00::7", "localhost fd00::7")])
+def test_a_loopback_front_door_may_reach_instances_on_another_address_of_this_machine(host: str, allowed: str) -> None:
+    # Before: IPAddressAllow=localhost alone, so with server.host = "10.1.2.3" every server
+    # went DOWN behind the front door and every request got a 503.
+    from numad_infer.units.render import render_frontdoor_unit
+
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nhost = "{host}"\n[frontend]\nlisten = "127.0.0.1:8000"\n')
+    lines = render_frontdoor_unit(config).splitlines()
+    assert "IPAddressDeny=any" in lines and f"IPAddressAllow={allowed}" in lines
+    public = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nhost = "{host}"\n[frontend]\nlisten = "0.0.0.0:8000"\n')
+    assert not [l for l in render_frontdoor_unit(public).splitlines() if l.startswith("IPAddress")]
