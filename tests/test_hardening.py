@@ -519,7 +519,7 @@ def test_a_reload_made_of_slow_systemctl_calls_keeps_feeding_the_watchdog(tmp_pa
     systemctl call now gives the notifier a chance to ping, as the daemon wires it."""
     import socket
 
-    from numad_infer.cli.wiring import _make_backend
+    from numad_infer.cli.wiring import make_backend
     from numad_infer.systemd.notify import Notifier
 
     sock_path = tmp_path / "notify"
@@ -533,8 +533,8 @@ def test_a_reload_made_of_slow_systemctl_calls_keeps_feeding_the_watchdog(tmp_pa
     notifier = Notifier({"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"})
     notifier.watchdog(time.monotonic())
     last = time.monotonic()
-    backend = _make_backend("systemd", tmp_path / "state.json")
-    backend.systemctl.progress = notifier.keepalive  # as _make_backend wires it for `run`
+    backend = make_backend("systemd", tmp_path / "state.json")
+    backend.systemctl.progress = notifier.keepalive  # as make_backend wires it for `run`
     backend.systemctl.binary = str(fake)
     gaps: list[float] = []
     for _ in range(4):  # 1.2 s of systemctl calls, no loop pass in between

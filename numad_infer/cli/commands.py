@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from numad_infer.cli.daemon_client import _running_daemon, cmd_reload
-from numad_infer.cli.offline_status import _offline_status
+from numad_infer.cli.daemon_client import cmd_reload, running_daemon
+from numad_infer.cli.offline_status import offline_status
 from numad_infer.cli.present import format_allowed, format_engine, format_plan, format_status, format_topology
-from numad_infer.cli.wiring import _make_backend, load_all
+from numad_infer.cli.wiring import load_all, make_backend
 from numad_infer.status.statefile import read_status
 
 # The config schema (pydantic), planner and renderer are imported by the commands that
@@ -91,16 +91,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                                 else "%(asctime)s %(levelname)s: %(message)s"))
     notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
     state_file = Path(args.state_file)
-    backend = _make_backend(args.backend, state_file, args.instance_logs, notifier)
+    backend = make_backend(args.backend, state_file, args.instance_logs, notifier)
     daemon = Daemon(args.config, args.fsroot, backend, state_file, notifier)
     return daemon.run()
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    status = _running_daemon(Path(args.state_file))
+    status = running_daemon(Path(args.state_file))
     running = status is not None
     if status is None:
-        status = _offline_status(args)
+        status = offline_status(args)
     print(json.dumps(status.to_json(), indent=2) if args.json else format_status(status))
     if not running:
         return 3
@@ -110,7 +110,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_health(args: argparse.Namespace) -> int:
     """For liveness and readiness probes (a container's HEALTHCHECK, Kubernetes): one line,
     exit 0 yes, 1 no, 3 no daemon. Reads only the state file: cheap and never blocks."""
-    status = _running_daemon(Path(args.state_file))
+    status = running_daemon(Path(args.state_file))
     if status is None:
         print("not live: the daemon is not running")
         return 3
@@ -174,7 +174,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from numad_infer.doctor.verdicts import exit_status, format_checks, worst
 
     loaded = load_all(args)
-    checks = checkup(loaded, args.fsroot, _running_daemon(Path(args.state_file)), args.sample)
+    checks = checkup(loaded, args.fsroot, running_daemon(Path(args.state_file)), args.sample)
     if args.json:
         print(json.dumps({"checks": [c.to_json() for c in checks], "worst": worst(checks).value}, indent=2))
     else:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from numad_infer.cli.present import _join
+from numad_infer.cli.present import join_names
 from numad_infer.status.statefile import read_status
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ def _alive(pid: int | None) -> bool:
     return alive(pid)
 
 
-def _running_daemon(path: Path) -> Status | None:
+def running_daemon(path: Path) -> Status | None:
     """The published status, if its daemon is alive (StatusError for a file of another shape)."""
     status = read_status(path)
     if status is None or not status.daemon.state.live or not _alive(status.daemon.pid):
@@ -66,8 +66,8 @@ def cmd_reload(args: argparse.Namespace) -> int:
         if now is not None and now.daemon.pid == pid and now.daemon.generation > before:
             result = now.daemon.last_reload
             if result is not None and result.ok:
-                print(f"reloaded: added {_join(result.added)}, changed {_join(result.changed)}, "
-                      f"removed {_join(result.removed)}")
+                print(f"reloaded: added {join_names(result.added)}, changed {join_names(result.changed)}, "
+                      f"removed {join_names(result.removed)}")
                 return 0
             error = result.error if result is not None else "unknown"
             print(f"numa-infer: reload failed, still running the previous configuration: {error}", file=sys.stderr)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from numad_infer.status.records import Status
 
 
-def _offline_status(args: argparse.Namespace) -> Status:
+def offline_status(args: argparse.Namespace) -> Status:
     """The daemon is down: still show the plan and what the units are doing."""
     from numad_infer.status.records import DaemonState, DaemonStatus, InstanceStatus, Status
 

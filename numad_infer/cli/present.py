@@ -139,5 +139,5 @@ def _dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _join(names: Sequence[str]) -> str:
+def join_names(names: Sequence[str]) -> str:
     return ", ".join(names) if names else "none"

@@ -22,7 +22,7 @@ def load_all(args: argparse.Namespace) -> Loaded:
     return load(args.config, backend_kind(args.backend), args.fsroot)
 
 
-def _make_backend(choice: str, state_file: Path, instance_logs: str = "file",
+def make_backend(choice: str, state_file: Path, instance_logs: str = "file",
                   notifier: Notifier | None = None) -> Backend:
     from numad_infer.backends.childlog import InstanceLogs
     from numad_infer.backends.process import ProcessBackend
