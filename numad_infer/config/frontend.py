@@ -27,6 +27,9 @@ class Affinity(str, Enum):
 _HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 
 
+_HEALTH_PATH = re.compile(r"^/[A-Za-z0-9._~/-]{0,127}$")
+
+
 class FrontendSection(Section):
     """The front door: one HAProxy endpoint over every instance (see numad_infer.frontdoor.control)."""
 
@@ -85,6 +88,28 @@ class FrontendSection(Section):
         600.0, gt=0, le=86400,
         description="longest silence from a client or an instance in the middle of a request",
     )
+
+    # Answered by HAProxy itself, never queued behind a busy instance: what an outer load
+    # balancer or a Kubernetes probe checks (an engine's own /health through the front door
+    # is one instance's, and waits in the queue with the completions).
+    health_path: SafeStr = Field(
+        "/healthz",
+        description=(
+            "answered by the front door itself, without waiting for an instance: `200` while at least one "
+            "instance is in rotation, `503` when none is; for outer load balancers and probes; `\"\"`: off"
+        ),
+        json_schema_extra={"kind": "URL path or `\"\"`"},
+    )
+
+    @field_validator("health_path")
+    @classmethod
+    def _health_path(cls, value: str) -> str:
+        if value and not _HEALTH_PATH.match(value):
+            raise ValueError("must be a URL path: / then letters, digits and . _ ~ / -, e.g. \"/healthz\", "
+                             "or \"\" (off)")
+        if (value.rstrip("/") in ("/v1", "") and value) or value.startswith("/v1/"):
+            raise ValueError("would answer in place of the OpenAI API (/v1/...); choose another, e.g. \"/healthz\"")
+        return value
 
     @field_validator("listen")
     @classmethod

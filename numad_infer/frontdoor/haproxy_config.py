@@ -67,6 +67,9 @@ class _Answer:
 
 _BUSY = _Answer(503, "server_busy", "no instance can take the request: every instance is busy, starting or down, and "
                 "the queue is full or the wait ran out; retry later", retry_after=True)
+_HEALTHY = json.dumps({"status": "ok"}, separators=(",", ":"))
+_NO_INSTANCE = json.dumps({"status": "unavailable", "reason": "no instance in rotation (starting, draining or down)"},
+                          separators=(",", ":"))
 # Every status HAProxy 2.6 answers on its own (http-error accepts these). Its HTTP parser's
 # 400 (malformed request, headers too large) and 408 (headers too slow) come before any
 # stream and stay HTML: neither http-error nor errorfile reaches them; no OpenAI client
@@ -133,6 +136,7 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False)
     lines = [MARKER, *_global(config, paths, maxconn), "", *_defaults(front), "",
              f"frontend {FRONTEND}",
              f"    bind {HELD_BIND if held else host_port(host, port)}",
+             *_health(front),
              f"    default_backend {BACKEND}",
              "",
              f"backend {BACKEND}",
@@ -154,6 +158,19 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False)
     for instance in plan.instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
     return "\n".join(lines) + "\n"
+
+
+def _health(front: FrontendSection) -> list[str]:
+    """frontend.health_path, answered here: nbsrv counts the servers HAProxy would send a
+    request to (up, not drained, not in maintenance), so a host whose every instance is
+    starting, draining or down says 503, and one busy instance does not delay the answer."""
+    if not front.health_path:
+        return []
+    when = f"{{ path {front.health_path} }}"
+    return [f"    http-request return status 200 content-type application/json string '{_HEALTHY}' "
+            f"if {when} {{ nbsrv({BACKEND}) ge 1 }}",
+            f"    http-request return status 503 content-type application/json string '{_NO_INSTANCE}' "
+            f"hdr Retry-After 1 if {when}"]
 
 
 def _global(config: Config, paths: Paths, maxconn: int) -> list[str]:

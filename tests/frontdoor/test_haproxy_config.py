@@ -32,7 +32,7 @@ import pytest
 from numad_infer.config.load import parse_config
 from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor.haproxy import HaproxyError, RuntimeAPI
+from numad_infer.frontdoor.haproxy import AdminState, HaproxyError, RuntimeAPI
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy
 from tests.daemon_harness import free_port_block
 from tests.engines.test_builtin_engines import plan_for
@@ -140,6 +140,11 @@ class FrontDoor:
     def servers_up(self) -> None:
         api = RuntimeAPI(str(self.run_dir / "haproxy.sock"))
         wait_for(lambda: all(s.status == "UP" for s in api.backend(BACKEND).servers.values()), "every server UP")
+
+    def servers_up_count(self, count: int) -> None:
+        api = RuntimeAPI(str(self.run_dir / "haproxy.sock"))
+        wait_for(lambda: [s.status for s in api.backend(BACKEND).servers.values()].count("UP") == count,
+                 f"{count} server(s) UP")
 
     def backend_counter(self, column: str) -> int:
         text = RuntimeAPI(str(self.run_dir / "haproxy.sock")).command("show stat")
@@ -299,3 +304,49 @@ def test_every_path_in_haproxy_cfg_is_quoted_and_haproxy_accepts_it(tmp_path: Pa
         quoted(Path("/run/x\ny"))
     with pytest.raises(ConfigError, match=r"contains a \$.*--state-file"):
         render_haproxy(config, plan, paths_in(Path("/run/$HOME"), Path("/run/$HOME/haproxy.sock")))
+
+
+def _get(port: int, path: str) -> tuple[int, dict, float]:
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+            return response.status, json.loads(response.read()), time.monotonic() - started
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), time.monotonic() - started
+
+
+def test_the_health_path_is_answered_by_haproxy_200_while_an_instance_is_in_rotation_503_when_none(
+        front_door) -> None:
+    door = front_door(frontend="queue_size = 1")
+    door.start_haproxy()  # no instance up: down once HAProxy's first checks fail (the daemon sets
+    # a server that is not healthy to maintenance on its first pass, which counts as not in rotation too)
+    wait_for(lambda: _get(door.port, "/healthz")[:2] == (503, {"status": "unavailable", "reason": "no instance in "
+                                                                "rotation (starting, draining or down)"}), "503")
+    door.start_stub(0)
+    door.servers_up_count(1)
+    # The only instance is busy and the queue is full: a completion would get 503, the
+    # health answer does not wait for either.
+    slow = [threading.Thread(target=door.post, args=(f"slow{n}", {"prompt": SLOW_MARKER})) for n in range(3)]
+    for thread in slow:
+        thread.start()
+    time.sleep(0.5)
+    status, body, took = _get(door.port, "/healthz")
+    assert (status, body) == (200, {"status": "ok"}) and took < 1.0, took
+    for thread in slow:
+        thread.join(30)
+    # Drained out of rotation by the daemon (before a restart or a hold): not in rotation.
+    api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
+    (serving,) = [name for name, server in api.backend(BACKEND).servers.items() if server.status == "UP"]
+    api.set_state(BACKEND, serving, AdminState.DRAIN)
+    assert _get(door.port, "/healthz")[0] == 503
+    api.set_state(BACKEND, serving, AdminState.READY)
+    assert _get(door.port, "/healthz")[0] == 200
+    door.stubs["stub0"].send_signal(signal.SIGKILL)
+    wait_for(lambda: _get(door.port, "/healthz")[0] == 503, "503 once the only instance is down")
+
+
+def test_a_health_path_that_would_shadow_the_api_is_refused() -> None:
+    for path in ("/v1", "/v1/models", "healthz", "/health z"):
+        with pytest.raises(ConfigError, match=r"frontend.health_path"):
+            parse_config(f'[model]\npath = "/m.gguf"\n[frontend]\nhealth_path = "{path}"\n', "cfg")
+    assert parse_config('[model]\npath = "/m.gguf"\n[frontend]\nhealth_path = ""\n', "cfg").frontend.health_path == ""
