@@ -200,6 +200,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "daemon/publish": (ORCHESTRATION, "what the daemon publishes each pass: runtimes -> status types, the status line"),
     # -- cli ---------------------------------------------------------------------------------------
     "cli/__init__": (CORE, PACKAGE_INIT),
+    "cli/reference": (CORE, "the man page's SYNOPSIS, the bash completion and the README's command synopses, "
+                            "from the parser"),
     "cli/present": (CORE, "what the commands print: topology, plan, engine line, cgroup limits, the status table"),
     "cli/wiring": (ORCHESTRATION, "what a command runs on: the loaded configuration, the backend (fd store, uids)"),
     "cli/offline_status": (ORCHESTRATION, "`status` with the daemon down: the plan and what its units are doing"),

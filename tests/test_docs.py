@@ -64,3 +64,50 @@ def test_every_file_and_test_the_where_to_change_table_names_exists() -> None:
         if name:
             tree = ast.parse((ROOT / path).read_text())
             assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, f"{path}::{name}"
+
+
+def test_the_man_synopsis_and_bash_completion_are_what_the_parser_says() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/cli_reference.py"), "--check"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    check = subprocess.run(["bash", "-n", str(ROOT / "packaging/completion/numa-infer.bash")], capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_the_readme_lists_every_command_with_the_options_the_parser_has_and_no_other() -> None:
+    import re
+
+    from numad_infer.cli import reference
+    from numad_infer.cli.main import build_parser
+
+    global_options, commands = reference.describe(build_parser())
+    documented = re.findall(r"^\| `(numa-infer [^`]*)` \|", (ROOT / "README.md").read_text(), re.M)
+    assert sorted(documented) == sorted(reference.synopsis(c) for c in commands)
+    # The global options, as the README's paragraph under the table names them.
+    text = (ROOT / "README.md").read_text()
+    assert all(f"`{o.long} " in text or f"`{o.long}`" in text for o in global_options)
+
+
+def test_the_synopsis_generator_shows_arguments_choices_and_exclusive_flags() -> None:
+    import argparse
+
+    from numad_infer.cli import reference
+
+    parser = argparse.ArgumentParser(prog="numa-infer")
+    parser.add_argument("--config", metavar="FILE")
+    sub = parser.add_subparsers(dest="command")
+    p = sub.add_parser("probe", help="a probe")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--mode", choices=("a", "b"))
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--live", action="store_true")
+    which.add_argument("--ready", action="store_true")
+    global_options, (probe,) = reference.describe(parser)
+    assert [o.long for o in global_options] == ["--config"] and probe.help == "a probe"
+    assert reference.synopsis(probe) == "numa-infer probe [--verbose] [--mode a\\|b] [--live\\|--ready]"
+    man = reference.man_synopsis(parser)
+    assert ".RB [ \\-v | \\-\\-verbose ]" in man and ".BR a | b ]" in man and ".RB [ \\-\\-live | \\-\\-ready ]" in man
+    completion = reference.bash_completion(parser)
+    assert "probe) opts=\"-v --verbose --mode --live --ready\" ;;" in completion
+    assert "compgen -W 'a b'" in completion and "_filedir toml" in completion

@@ -35,11 +35,11 @@ if TYPE_CHECKING:
 def _common_options() -> argparse.ArgumentParser:
     """The options every command (and the top level) takes."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--config", default=argparse.SUPPRESS,
+    common.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE",
                         help=f"configuration file (default {DEFAULT_CONFIG_PATH})")
-    common.add_argument("--fsroot", default=argparse.SUPPRESS,
+    common.add_argument("--fsroot", default=argparse.SUPPRESS, metavar="DIR",
                         help="read DIR/sys and DIR/proc instead of / (like HWLOC_FSROOT)")
-    common.add_argument("--state-file", default=argparse.SUPPRESS,
+    common.add_argument("--state-file", default=argparse.SUPPRESS, metavar="FILE",
                         help=f"daemon status file (default {DEFAULT_STATE_FILE})")
     common.add_argument("--backend", choices=("auto", "systemd", "process"), default=argparse.SUPPRESS,
                         help="where the instances run: systemd units, or child processes where systemd is not PID 1 "
@@ -80,7 +80,7 @@ def _add_host_commands(sub: _Subparsers, common: argparse.ArgumentParser) -> Non
     """tune and doctor: measure and check this machine."""
     p = sub.add_parser("tune", parents=[common],
                        help="measure threads and memory bandwidth with this model; pick the fastest")
-    p.add_argument("--nodes", type=lambda v: [int(n) for n in v.split(",")], default=None,
+    p.add_argument("--nodes", type=lambda v: [int(n) for n in v.split(",")], default=None, metavar="N,...",
                    help="nodes to measure, e.g. 0,1 (default: the first planned node; the grid runs on the first)")
     p.add_argument("--quick", action="store_true", help="fewer candidates, samples and tokens")
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
@@ -91,8 +91,9 @@ def _add_host_commands(sub: _Subparsers, common: argparse.ArgumentParser) -> Non
     p.add_argument("--layouts", action="store_true",
                    help="also measure layouts (per node, k per node along L3, interleaved) under concurrent clients; "
                         "needs the whole machine")
-    p.add_argument("--samples", type=int, default=None, help="repeats of every figure (default 5, --quick 3)")
-    p.add_argument("--tokens", type=int, default=None,
+    p.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="repeats of every figure (default 5, --quick 3)")
+    p.add_argument("--tokens", type=int, default=None, metavar="N",
                    help="tokens generated per decode sample (default 64, --quick 16)")
     p.set_defaults(func=cmd_tune)
     p = sub.add_parser("doctor", parents=[common],
@@ -114,8 +115,9 @@ def _add_probe_commands(sub: _Subparsers, common: argparse.ArgumentParser) -> No
     p.set_defaults(func=cmd_health)
     p = sub.add_parser("reload", parents=[common],
                        help="make the daemon re-read its configuration and wait for the result")
-    p.add_argument("--pid", type=int, help="daemon PID (default: from the state file)")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--pid", type=int, metavar="PID", help="daemon PID (default: from the state file)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="how long to wait for the daemon's answer (default 300)")
     p.set_defaults(func=cmd_reload)
 
 

@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""Regenerate the man page's SYNOPSIS (packaging/man/numa-infer.8) and the bash completion
+(packaging/completion/numa-infer.bash) from the command line's parser; `--check` only says
+whether they are up to date (exit 1 when not). tests/test_docs.py runs the check."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from numad_infer.cli import reference  # noqa: E402
+from numad_infer.cli.main import build_parser  # noqa: E402
+from numad_infer.config.reference import replace_between  # noqa: E402
+
+MAN = ROOT / "packaging/man/numa-infer.8"
+COMPLETION = ROOT / "packaging/completion/numa-infer.bash"
+
+
+def rendered() -> dict[Path, str]:
+    parser = build_parser()
+    man = MAN.read_text()
+    return {MAN: replace_between(man, reference.MAN_BEGIN, reference.MAN_END, reference.man_synopsis(parser)),
+            COMPLETION: reference.bash_completion(parser)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args()
+    stale = [path for path, text in rendered().items() if path.read_text() != text]
+    for path in stale:
+        if args.check:
+            print(f"{path.relative_to(ROOT)}: out of date; run tools/cli_reference.py")
+        else:
+            path.write_text(rendered()[path])
+            print(f"rewrote {path.relative_to(ROOT)}")
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
