@@ -43,7 +43,9 @@ class SnapshotCollector(Collector):
         yield from _daemon_metrics(snap)
 
 
-_LABELS = ["instance", "node"]
+# `server`, not `instance`: Prometheus's own target label is `instance` (the host), and a
+# daemon's `instance` would be renamed `exported_instance` on every scrape.
+_LABELS = ["server", "node"]
 
 # Per-instance gauges: (name, help, the value, None when the instance has none).
 _GAUGES: tuple[tuple[str, str, Callable[[InstanceStatus], float | None]], ...] = (

@@ -206,20 +206,20 @@ def test_metrics_follow_what_happened(daemon) -> None:
     run = daemon(extra_config=f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
     state = run.all_healthy(2)
     before = scrape(port)
-    assert before['numa_infer_instance_healthy{instance="infer@1",node="1"}'] == 1.0
-    assert before['numa_infer_instance_restarts_total{instance="infer@1",node="1"}'] == 0.0
+    assert before['numa_infer_instance_healthy{node="1",server="infer@1"}'] == 1.0
+    assert before['numa_infer_instance_restarts_total{node="1",server="infer@1"}'] == 0.0
     assert before["numa_infer_pass_duration_seconds"] > 0
     # Which CPU kernels each instance's engine runs, as an info metric.
-    assert [k for k in before if k.startswith('numa_infer_instance_cpu_backend_info{') and 'instance="infer@1"' in k
+    assert [k for k in before if k.startswith('numa_infer_instance_cpu_backend_info{') and 'server="infer@1"' in k
             and "AVX2" in k and before[k] == 1.0], sorted(before)[:5]
     os.kill(run.instance(state, "infer@1")["pid"], signal.SIGKILL)
     run.wait(lambda s: run.instance(s, "infer@1")["restarts"] == 1 and run.instance(s, "infer@1")["state"] == "healthy",
              60, "restart")
     after = scrape(port)
-    assert after['numa_infer_instance_restarts_total{instance="infer@1",node="1"}'] == 1.0
-    assert after['numa_infer_instance_restarts_total{instance="infer@0",node="0"}'] == 0.0
-    assert after['numa_infer_repairs_total{instance="infer@1",kind="health",node="1"}'] == 1.0
-    assert after['numa_infer_local_memory_fraction{instance="infer@0",node="0"}'] == 1.0
+    assert after['numa_infer_instance_restarts_total{node="1",server="infer@1"}'] == 1.0
+    assert after['numa_infer_instance_restarts_total{node="0",server="infer@0"}'] == 0.0
+    assert after['numa_infer_repairs_total{kind="health",node="1",server="infer@1"}'] == 1.0
+    assert after['numa_infer_local_memory_fraction{node="0",server="infer@0"}'] == 1.0
 
 
 def test_cpu_going_offline_changes_the_plan(daemon) -> None:

@@ -44,26 +44,27 @@ from tests.daemon_harness import ROOT, DaemonRun, daemons, free_port_block, gene
 RULES = ROOT / "packaging/prometheus/numa-infer-rules.yml"
 RULES_TEST = ROOT / "packaging/prometheus/numa-infer-rules.test.yml"
 DASHBOARD = ROOT / "packaging/grafana/numa-infer.json"
-JOB = "numa-infer"
+# Not "numa-infer": the rules and the dashboard select no job name (a PodMonitor names it so).
+JOB = "ml/numa-infer"
 
 # Alert expressions that are empty on a healthy host (that is what makes them alerts), each
 # with the series inside it that must exist for the alert to be able to fire at all. Each
 # inner expression is checked to be part of the alert's expression, so the two cannot part.
 EXPECTED_EMPTY_WHEN_HEALTHY: dict[str, tuple[str, ...]] = {
-    "NumaInferDaemonDown": ('up{job="numa-infer"}',),
-    "NumaInferDaemonAbsent": ('up{job="numa-infer"}',),
-    "NumaInferInstanceFailed": ('numa_infer_instance_state{job="numa-infer", state="failed"}',),
-    "NumaInferInstanceUnhealthy": ('numa_infer_instance_healthy{job="numa-infer"}',),
-    "NumaInferNodeOutOfRotation": ('max by (job, instance, node) (numa_infer_instance_in_rotation{job="numa-infer"})',),
-    "NumaInferMemoryNotLocal": ('numa_infer_local_memory_fraction{job="numa-infer"}',
-                                'numa_infer_min_local_fraction{job="numa-infer"}'),
-    "NumaInferRestartLoop": ('increase(numa_infer_instance_restarts_total{job="numa-infer"}[15m])',),
-    "NumaInferFrontdoorDown": ('numa_infer_frontdoor_up{job="numa-infer"}',),
-    "NumaInferFrontdoorQueueFull": ('numa_infer_frontdoor_requests_queued{job="numa-infer"} '
-                                    '/ numa_infer_frontdoor_queue_size{job="numa-infer"}',),
+    "NumaInferDaemonDown": ('up', 'max_over_time(numa_infer_config_ok[1d])'),
+    "NumaInferDaemonAbsent": ('numa_infer_config_ok',),
+    "NumaInferInstanceFailed": ('numa_infer_instance_state{state="failed"}',),
+    "NumaInferInstanceUnhealthy": ('numa_infer_instance_healthy',),
+    "NumaInferNodeOutOfRotation": ('max by (job, instance, node) (numa_infer_instance_in_rotation)',),
+    "NumaInferMemoryNotLocal": ('numa_infer_local_memory_fraction',
+                                'numa_infer_min_local_fraction'),
+    "NumaInferRestartLoop": ('increase(numa_infer_instance_restarts_total[15m])',),
+    "NumaInferFrontdoorDown": ('numa_infer_frontdoor_up',),
+    "NumaInferFrontdoorQueueFull": ('numa_infer_frontdoor_requests_queued '
+                                    '/ numa_infer_frontdoor_queue_size',),
     "NumaInferFrontdoor5xxHigh": (
-        'sum by (job, instance) (rate(numa_infer_frontdoor_responses_total{job="numa-infer"}[5m]))',),
-    "NumaInferReloadRefused": ('numa_infer_config_ok{job="numa-infer"}',),
+        'sum by (job, instance) (rate(numa_infer_frontdoor_responses_total[5m]))',),
+    "NumaInferReloadRefused": ('numa_infer_config_ok',),
 }
 # Grafana's own variables, as the dashboard's "All" would send them.
 DASHBOARD_VARIABLES = {"$instance": ".*", "$node": ".*", "$__rate_interval": "1m"}
@@ -126,8 +127,8 @@ def _published(status: Status) -> str:
 def test_metrics_publish_rotation_queue_size_answers_and_the_locality_floor() -> None:
     text = _published(_full_status())
     # "UP 1/2" is still in rotation (one failed check of the two it takes to go DOWN).
-    assert 'numa_infer_instance_in_rotation{instance="infer@0",node="0"} 1.0' in text
-    assert 'numa_infer_instance_in_rotation{instance="infer@1",node="1"} 0.0' in text
+    assert 'numa_infer_instance_in_rotation{node="0",server="infer@0"} 1.0' in text
+    assert 'numa_infer_instance_in_rotation{node="1",server="infer@1"} 0.0' in text
     assert "numa_infer_frontdoor_queue_size 64.0" in text
     assert "numa_infer_frontdoor_requests_in_flight 1.0" in text
     assert 'numa_infer_frontdoor_responses_total{code="5xx"} 2.0' in text
@@ -315,8 +316,8 @@ def test_live_prometheus_answers_every_dashboard_query_and_a_killed_instance_hel
 
         empty = [(title, expr) for title, expr in dashboard_queries() if not prom.query(expr)]
         assert not empty, empty
-        efficiency = prom.query('numa_infer_instance_decode_efficiency{job="numa-infer"}')
-        assert {r["metric"]["exported_instance"] for r in efficiency} == {"infer@0", "infer@1"}
+        efficiency = prom.query('numa_infer_instance_decode_efficiency')
+        assert {r["metric"]["server"] for r in efficiency} == {"infer@0", "infer@1"}
 
         alerts = _alerts()
         returned = {name for name, expr in alerts.items() if prom.query(expr)}
@@ -338,7 +339,7 @@ def test_live_prometheus_answers_every_dashboard_query_and_a_killed_instance_hel
         os.kill(victim, signal.SIGKILL)
         run.wait(lambda s: run.instance(s, "infer@1")["state"] == "failed", 60, "infer@1 failed")
         firing = prom.wait('ALERTS{alertname="NumaInferInstanceFailed", alertstate="firing", '
-                           'exported_instance="infer@1"}', 20, "NumaInferInstanceFailed firing for infer@1")
+                           'server="infer@1"}', 20, "NumaInferInstanceFailed firing for infer@1")
         assert firing[0]["metric"]["node"] == "1" and firing[0]["metric"]["severity"] == "critical"
         prom.wait('ALERTS{alertname="NumaInferNodeOutOfRotation", alertstate="firing", node="1"}', 20,
                   "NumaInferNodeOutOfRotation firing for node 1")

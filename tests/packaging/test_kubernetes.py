@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes"
 MODEL_PVC = BASE / "components" / "model-pvc"
 PODMONITOR = BASE / "optional" / "podmonitor.yaml"
+PROMETHEUSRULE = BASE / "optional" / "prometheusrule.yaml"
+RULES = ROOT / "packaging" / "prometheus" / "numa-infer-rules.yml"
 CONTAINERFILE = ROOT / "packaging" / "container" / "Containerfile"
 DEBIAN_PACKAGES = ROOT / "packaging" / "container" / "debian-packages"
 
@@ -235,6 +237,17 @@ def test_every_port_in_the_manifests_is_the_port_the_config_listens_on(rendered:
     assert annotations["prometheus.io/path"] == "/metrics"
     [endpoint] = yaml.safe_load(PODMONITOR.read_text())["spec"]["podMetricsEndpoints"]
     assert ports[endpoint["port"]] == metrics
+
+
+def test_the_prometheusrule_carries_the_shipped_rules_and_selects_the_podmonitors_pods_job_or_any() -> None:
+    rule = yaml.safe_load(PROMETHEUSRULE.read_text())
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    # The PodMonitor's job is NAMESPACE/numa-infer: a rule that names a job would match nothing.
+    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert exprs and not any("job=" in e for e in exprs)
+    monitor = yaml.safe_load(PODMONITOR.read_text())
+    assert monitor["metadata"]["labels"] == rule["metadata"]["labels"]
 
 
 def test_probes_read_the_state_file_the_daemon_writes(rendered: list[dict]) -> None:
