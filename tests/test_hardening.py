@@ -487,15 +487,80 @@ def test_a_key_file_below_a_directory_others_can_write_and_rename_in_is_refused(
     assert read_api_key(_key_config(key), "cfg") == "s3cr3t-key"
 
 
-def test_a_key_file_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
+def test_a_key_file_link_is_followed_only_inside_its_directory_and_only_if_no_one_else_owns_it(
+        tmp_path: Path) -> None:
     from numad_infer.config.apikey import read_api_key
 
     real = _private_key(tmp_path / "keys")
     link = tmp_path / "keys" / "link"
     link.symlink_to(real)
-    with pytest.raises(ConfigError, match=r"is a symbolic link; name the file itself"):
-        read_api_key(_key_config(link), "cfg")
-    assert read_api_key(_key_config(real), "cfg") == "s3cr3t-key"
+    assert read_api_key(_key_config(link), "cfg") == "s3cr3t-key"  # root's link, to a file beside it
+    elsewhere = _private_key(tmp_path / "elsewhere")
+    out = tmp_path / "keys" / "out"
+    out.symlink_to(elsewhere)
+    with pytest.raises(ConfigError, match=r"is a link that leads out of its directory .*/keys, to .*/elsewhere/api-key"):
+        read_api_key(_key_config(out), "cfg")
+    if os.geteuid() == 0:  # only root can give a link away
+        os.lchown(link, 65534, 65534)  # nobody's link: nobody could re-point it
+        with pytest.raises(ConfigError, match=r"is a link owned by uid 65534 .*who could re-point it"):
+            read_api_key(_key_config(link), "cfg")
+
+
+def _secret_volume(root: Path, key: str, mode: int = 0o400) -> Path:
+    """A Kubernetes Secret volume as the kubelet lays it out: a sticky, world-writable tmpfs
+    root; the files in a timestamped directory; `..data` pointing at it; each key a link
+    through `..data`. Returns the key's name as a pod mounts it."""
+    root.mkdir()
+    root.chmod(0o1777)
+    stamped = root / "..2026_12_02_10_00_00.1"
+    stamped.mkdir(mode=0o755)
+    (stamped / "api-key").write_text(key)
+    (stamped / "api-key").chmod(mode)
+    (root / "..data").symlink_to(stamped.name)
+    (root / "api-key").symlink_to("..data/api-key")
+    return root / "api-key"
+
+
+def test_a_key_in_a_kubernetes_secret_volume_is_read_and_a_rotation_is_picked_up(tmp_path: Path) -> None:
+    from numad_infer.config.apikey import read_api_key
+
+    path = _secret_volume(tmp_path / "secret", "k-ROTATE-1\n")
+    assert read_api_key(_key_config(path), "cfg") == "k-ROTATE-1"
+    # The kubelet's rotation: a new timestamped directory, then ..data swapped atomically.
+    fresh = tmp_path / "secret" / "..2026_12_02_11_00_00.2"
+    fresh.mkdir(mode=0o755)
+    (fresh / "api-key").write_text("k-ROTATE-2\n")
+    (fresh / "api-key").chmod(0o400)
+    (tmp_path / "secret" / "..data_tmp").symlink_to(fresh.name)
+    os.replace(tmp_path / "secret" / "..data_tmp", tmp_path / "secret" / "..data")
+    assert read_api_key(_key_config(path), "cfg") == "k-ROTATE-2"
+
+
+@pytest.mark.parametrize("mode, problem", [
+    (0o644, r"mode 0644\); in a Secret volume set defaultMode: 0400"),  # the Secret's default mode
+    (0o460, r"can be written by its group"),
+    (0o402, r"read or written by others"),
+])
+def test_a_secret_key_others_may_read_or_write_is_refused_with_the_secret_setting_to_change(
+        tmp_path: Path, mode: int, problem: str) -> None:
+    from numad_infer.config.apikey import read_api_key
+
+    path = _secret_volume(tmp_path / "secret", "k-MODE\n", mode)
+    with pytest.raises(ConfigError, match=problem):
+        read_api_key(_key_config(path), "cfg")
+    (tmp_path / "secret" / "..2026_12_02_10_00_00.1" / "api-key").chmod(0o440)  # fsGroup may read
+    assert read_api_key(_key_config(path), "cfg") == "k-MODE"
+
+
+def test_a_secret_link_that_leaves_the_volume_is_refused(tmp_path: Path) -> None:
+    from numad_infer.config.apikey import read_api_key
+
+    path = _secret_volume(tmp_path / "secret", "k-IN\n")
+    outside = _private_key(tmp_path / "outside", "k-OUT\n")
+    (tmp_path / "secret" / "..data").unlink()
+    (tmp_path / "secret" / "..data").symlink_to(outside.parent)
+    with pytest.raises(ConfigError, match=r"leads out of its directory"):
+        read_api_key(_key_config(path), "cfg")
 
 
 def test_a_fifo_in_place_of_the_key_file_is_refused_at_once(tmp_path: Path) -> None:

@@ -8,6 +8,12 @@ it there: owned by that user, no access for group or others, in a directory grou
 others cannot write (a sticky /tmp included: anyone may create a name there first). It
 is opened once, without following a symlink, and every check is made on that open
 descriptor, so nothing can be swapped in between the check and the read.
+
+A Kubernetes Secret volume is a tree of links (`api-key -> ..data/api-key`, `..data ->
+..2026_12_02_...`, swapped on rotation), all root's: a name that is a link is followed
+when every link on the way is owned by root or the daemon's user and the file it ends at
+stays inside the volume (the configured file's directory); that file is then checked as
+above, except that its group may read it (a Secret's `defaultMode: 0440` with `fsGroup`).
 """
 
 from __future__ import annotations
@@ -34,20 +40,22 @@ def read_api_key(config: Config, source: str) -> str | None:
     def refuse(problem: str) -> ConfigError:
         return ConfigError(source, "server.api_key_file", problem, path, True)
 
-    _check_directory(path, refuse)
+    linked = os.path.islink(path)
+    real = _follow_in_volume(path, refuse) if linked else path
+    _check_directory(real, refuse)
     try:
         # O_NONBLOCK: a FIFO planted in its place must not hang the daemon in open().
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except FileNotFoundError:
         raise refuse("file not found; write the key into it (umask 077; e.g. openssl rand -hex 32 > FILE)") from None
     except PermissionError:
         raise refuse("cannot be read by this user; run as root") from None
     except OSError as exc:
-        if Path(path).is_symlink():
-            raise refuse("is a symbolic link; name the file itself (whoever owns a link can re-point it)") from None
+        if Path(real).is_symlink():  # swapped in after it was followed
+            raise refuse("changed while it was read (a link where its file was); try again") from None
         raise refuse(f"cannot be read: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as handle:
-        _check_file(os.fstat(fd), path, refuse)
+        _check_file(os.fstat(fd), real, refuse, group_may_read=linked)
         data = handle.read(_MAX_BYTES + 1)
     try:
         key = data.decode("utf-8").strip()
@@ -64,15 +72,51 @@ def _owner() -> tuple[int, str]:
     return euid, "root" if euid == 0 else f"uid {euid}"
 
 
-def _check_file(info: os.stat_result, path: str, refuse: Callable[[str], ConfigError]) -> None:
+def _follow_in_volume(path: str, refuse: Callable[[str], ConfigError]) -> str:
+    """The file a link ends at, when the links on the way are root's or the daemon user's
+    (whoever owns a link can re-point it) and the file is inside the link's directory (the
+    Secret volume): a link out of it names a file that the volume's owner does not control."""
+    uid, who = _owner()
+    volume = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    hop, seen = os.path.abspath(path), 0
+    while os.path.islink(hop):
+        seen += 1
+        if seen > 16:
+            raise refuse("is a chain of more than 16 links; name the file itself")
+        owner = os.lstat(hop).st_uid
+        if owner not in (0, uid):
+            raise refuse(f"is a link owned by uid {owner} ({hop}), who could re-point it; name the file itself, or "
+                         f"make the link {who}'s")
+        target = os.readlink(hop)
+        # The first component of a relative target may be a link itself (`..data`).
+        first, _, rest = target.partition("/")
+        base = os.path.join(os.path.dirname(hop), first)
+        if rest and os.path.islink(base) and os.lstat(base).st_uid not in (0, uid):
+            raise refuse(f"goes through a link owned by uid {os.lstat(base).st_uid} ({base}); make it {who}'s")
+        hop = os.path.join(os.path.dirname(hop), target)
+    real = os.path.realpath(hop)
+    if os.path.commonpath([volume, real]) != volume:
+        raise refuse(f"is a link that leads out of its directory {volume}, to {real}; name the file itself, or keep "
+                     "the links inside one directory (a Secret volume does)")
+    return real
+
+
+def _check_file(info: os.stat_result, path: str, refuse: Callable[[str], ConfigError],
+                group_may_read: bool = False) -> None:
     if not stat.S_ISREG(info.st_mode):
         raise refuse("is not a regular file; put the key in a file")
     uid, who = _owner()
-    if info.st_uid != uid:
+    # A Secret's files are the kubelet's (root's), whoever the daemon runs as.
+    owners = {uid, 0} if group_may_read else {uid}
+    if info.st_uid not in owners:
         raise refuse(f"is owned by uid {info.st_uid}, not by {who}, who runs the daemon: whoever owns it can change "
                      f"the key; chown {uid} {path}")
-    if info.st_mode & 0o077:
-        raise refuse(f"can be read or written by others (mode {stat.S_IMODE(info.st_mode):04o}); chmod 600 {path}")
+    mode = stat.S_IMODE(info.st_mode)
+    if group_may_read and mode & 0o037:
+        raise refuse(f"can be written by its group or read or written by others (mode {mode:04o}); in a Secret "
+                     "volume set defaultMode: 0400 (or 0440 with fsGroup)")
+    if not group_may_read and mode & 0o077:
+        raise refuse(f"can be read or written by others (mode {mode:04o}); chmod 600 {path}")
 
 
 def _check_directory(path: str, refuse: Callable[[str], ConfigError]) -> None:

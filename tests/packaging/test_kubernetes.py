@@ -38,6 +38,7 @@ BASE = ROOT / "deploy" / "kubernetes"
 MODEL_PVC = BASE / "components" / "model-pvc"
 PODMONITOR = BASE / "optional" / "podmonitor.yaml"
 PROMETHEUSRULE = BASE / "optional" / "prometheusrule.yaml"
+NETWORKPOLICY = BASE / "optional" / "networkpolicy.yaml"
 RULES = ROOT / "packaging" / "prometheus" / "numa-infer-rules.yml"
 CONTAINERFILE = ROOT / "packaging" / "container" / "Containerfile"
 DEBIAN_PACKAGES = ROOT / "packaging" / "container" / "debian-packages"
@@ -148,7 +149,8 @@ def test_every_rendered_object_is_valid_against_the_kubernetes_schema(
         "kubernetes-validate is not installed: it is a test dependency (pip install kubernetes-validate)")
     if version == "latest":
         version = kubernetes_validate.latest_version()
-    for obj in rendered + [o for o in rendered_with_pvc if o["kind"] == "PersistentVolumeClaim"]:
+    optional = [yaml.safe_load(NETWORKPOLICY.read_text())]  # kinds of the API itself (not an operator's CRD)
+    for obj in rendered + [o for o in rendered_with_pvc if o["kind"] == "PersistentVolumeClaim"] + optional:
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except Exception as exc:  # kubernetes_validate's own errors, and jsonschema's in strict mode
@@ -237,6 +239,16 @@ def test_every_port_in_the_manifests_is_the_port_the_config_listens_on(rendered:
     assert annotations["prometheus.io/path"] == "/metrics"
     [endpoint] = yaml.safe_load(PODMONITOR.read_text())["spec"]["podMetricsEndpoints"]
     assert ports[endpoint["port"]] == metrics
+
+
+def test_the_networkpolicy_admits_the_front_door_and_metrics_ports_of_the_pods_it_selects(
+        rendered: list[dict]) -> None:
+    policy = yaml.safe_load(NETWORKPOLICY.read_text())
+    labels = only(rendered, "DaemonSet")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    ports = {p["name"]: p["containerPort"] for c in pod_spec(rendered)["containers"] for p in c.get("ports", [])}
+    admitted = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert admitted == {ports["http"], ports["metrics"]}
 
 
 def test_the_prometheusrule_carries_the_shipped_rules_and_selects_the_podmonitors_pods_job_or_any() -> None:
