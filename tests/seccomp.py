@@ -44,3 +44,25 @@ def refuse(names: tuple[str, ...]) -> None:
             raise OSError(f"seccomp_rule_add {name} failed")
     if lib.seccomp_load(ctx) != 0:
         raise OSError("seccomp_load failed")
+
+
+def allow_only(names: tuple[str, ...]) -> None:
+    """Install an allow-list filter: the calls named are allowed, every other one refused
+    with EPERM (a profile's defaultAction SCMP_ACT_ERRNO)."""
+    lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2")
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_rule_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
+    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    ctx = lib.seccomp_init(_SCMP_ACT_ERRNO | errno.EPERM)
+    if not ctx:
+        raise OSError("seccomp_init failed")
+    for name in names:
+        number = lib.seccomp_syscall_resolve_name(name.encode())
+        if number < 0:
+            continue  # another architecture's call, or one this kernel's table does not know
+        if lib.seccomp_rule_add(ctx, _SCMP_ACT_ALLOW, number, 0) != 0:
+            raise OSError(f"seccomp_rule_add {name} failed")
+    if lib.seccomp_load(ctx) != 0:
+        raise OSError("seccomp_load failed")

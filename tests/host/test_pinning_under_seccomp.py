@@ -89,3 +89,28 @@ def test_the_warnings_name_the_call_what_it_costs_and_where_the_fix_is() -> None
     assert "not repaired" in both[1]
     # Under systemd, systemd binds the instances (NUMAPolicy=): only the repair is the daemon's.
     assert memory_call_warnings(MemoryCalls("Operation not permitted", None), BackendKind.SYSTEMD) == []
+
+
+def test_under_numa_infers_own_localhost_profile_both_memory_calls_are_allowed() -> None:
+    """deploy/kubernetes/seccomp/numa-infer.json's allow list as a real filter (every other
+    call refused), with the daemon's own probe: binding and migration both work, and Python
+    and numa-infer run under it at all."""
+    import json
+
+    profile = json.loads((ROOT / "deploy/kubernetes/seccomp/numa-infer.json").read_text())
+    assert profile["defaultAction"] == "SCMP_ACT_ERRNO"
+    # Unconditional allows only: a capability the pod lacks, or another architecture, gives nothing.
+    allowed = tuple(sorted({n for rule in profile["syscalls"] if rule["action"] == "SCMP_ACT_ALLOW"
+                            and not (rule.get("includes") or {}).get("caps") and not rule.get("args")
+                            and "amd64" in (rule.get("includes") or {}).get("arches", ["amd64"])
+                            for n in rule["names"]}))
+    refused = {n for rule in profile["syscalls"] if rule["action"] == "SCMP_ACT_ERRNO" and not rule.get("includes")
+               and not rule.get("excludes") for n in rule["names"]}
+    memory = {"get_mempolicy", "set_mempolicy", "mbind", "migrate_pages", "move_pages"}
+    assert memory <= set(allowed) and not memory & refused
+    code = ("from tests import seccomp; seccomp.allow_only(%r)\n"
+            "from numad_infer.host import pinning; c = pinning.memory_calls(); print(c.bind_refused, c.migrate_refused)"
+            % (allowed + ("personality", "socket"),))  # allowed there for the argument values Python uses
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "None None"

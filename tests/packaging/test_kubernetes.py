@@ -36,6 +36,8 @@ from numad_infer.config.values import parse_listen
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "deploy" / "kubernetes"
 MODEL_PVC = BASE / "components" / "model-pvc"
+TWO_SOCKET = BASE / "components" / "two-socket"
+SECCOMP_LOCALHOST = BASE / "components" / "seccomp-localhost"
 PODMONITOR = BASE / "optional" / "podmonitor.yaml"
 PROMETHEUSRULE = BASE / "optional" / "prometheusrule.yaml"
 NETWORKPOLICY = BASE / "optional" / "networkpolicy.yaml"
@@ -66,16 +68,26 @@ def rendered() -> list[dict]:
     return kustomize(BASE)
 
 
-@pytest.fixture(scope="module")
-def rendered_with_pvc(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    # An overlay outside the base, as the component's comment tells operators to write
+def with_components(tmp_path_factory: pytest.TempPathFactory, *components: Path) -> list[dict]:
+    # An overlay outside the base, as the components' comments tell operators to write
     # (kustomize refuses an overlay inside its base's directory, and absolute paths).
     overlay = tmp_path_factory.mktemp("overlay")
     base = os.path.relpath(BASE, overlay)
+    listed = "".join(f"  - {os.path.relpath(c, overlay)}\n" for c in components)
     (overlay / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
-        f"resources:\n  - {base}\ncomponents:\n  - {os.path.relpath(MODEL_PVC, overlay)}\n")
+        f"resources:\n  - {base}\ncomponents:\n{listed}")
     return kustomize(overlay)
+
+
+@pytest.fixture(scope="module")
+def rendered_with_pvc(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return with_components(tmp_path_factory, MODEL_PVC)
+
+
+@pytest.fixture(scope="module")
+def rendered_two_socket(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return with_components(tmp_path_factory, TWO_SOCKET, SECCOMP_LOCALHOST)
 
 
 def only(objects: list[dict], kind: str) -> dict:
@@ -144,13 +156,14 @@ def test_base_renders_a_daemonset_its_configmap_and_a_service(rendered: list[dic
 
 @pytest.mark.parametrize("version", SCHEMA_VERSIONS)
 def test_every_rendered_object_is_valid_against_the_kubernetes_schema(
-        rendered: list[dict], rendered_with_pvc: list[dict], version: str) -> None:
+        rendered: list[dict], rendered_with_pvc: list[dict], rendered_two_socket: list[dict], version: str) -> None:
     assert kubernetes_validate is not None, (
         "kubernetes-validate is not installed: it is a test dependency (pip install kubernetes-validate)")
     if version == "latest":
         version = kubernetes_validate.latest_version()
     optional = [yaml.safe_load(NETWORKPOLICY.read_text())]  # kinds of the API itself (not an operator's CRD)
-    for obj in rendered + [o for o in rendered_with_pvc if o["kind"] == "PersistentVolumeClaim"] + optional:
+    for obj in (rendered + [o for o in rendered_with_pvc if o["kind"] == "PersistentVolumeClaim"] + optional
+                + [only(rendered_two_socket, "DaemonSet")]):
         try:
             kubernetes_validate.validate(obj, version, strict=True)
         except Exception as exc:  # kubernetes_validate's own errors, and jsonschema's in strict mode
@@ -239,6 +252,26 @@ def test_every_port_in_the_manifests_is_the_port_the_config_listens_on(rendered:
     assert annotations["prometheus.io/path"] == "/metrics"
     [endpoint] = yaml.safe_load(PODMONITOR.read_text())["spec"]["podMetricsEndpoints"]
     assert ports[endpoint["port"]] == metrics
+
+
+def test_the_two_socket_example_asks_for_whole_cores_of_both_nodes_under_numa_infers_seccomp_profile(
+        rendered_two_socket: list[dict]) -> None:
+    (container,) = pod_spec(rendered_two_socket)["containers"]
+    resources = container["resources"]
+    assert resources["requests"] == resources["limits"]  # Guaranteed: the static CPU manager's own CPUs
+    cpus = int(resources["requests"]["cpu"])
+    assert cpus % 4 == 0  # whole cores (2 SMT siblings) on each of the 2 nodes
+    profile = pod_spec(rendered_two_socket)["securityContext"]["seccompProfile"]
+    assert profile == {"type": "Localhost", "localhostProfile": "profiles/numa-infer.json"}
+    # The install step the component and the README give puts the shipped file at that path.
+    install = "/var/lib/kubelet/seccomp/" + profile["localhostProfile"]
+    assert install in (SECCOMP_LOCALHOST / "kustomization.yaml").read_text()
+    assert install in (BASE / "seccomp" / "README.md").read_text()
+    assert (BASE / "seccomp" / "numa-infer.json").is_file()
+
+
+def test_the_base_sizes_are_marked_as_placeholders() -> None:
+    assert "PLACEHOLDERS: size them to the node" in (BASE / "daemonset.yaml").read_text()
 
 
 def test_the_networkpolicy_admits_the_front_door_and_metrics_ports_of_the_pods_it_selects(
