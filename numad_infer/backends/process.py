@@ -103,7 +103,10 @@ class ProcessBackend:
         return {}  # children never outlive the daemon (PDEATHSIG): nothing to adopt
 
     def sync(self, loaded: Loaded) -> bool:
-        # What the next starts use: the validated value, never the files read again.
+        # What the next starts use: the validated value, never the files read again. Its
+        # user must have been worked out for this backend (a systemd DynamicUser is not one).
+        if loaded.kind != BackendKind.PROCESS:
+            raise ValueError(f"the process backend was given a configuration validated for {loaded.kind.value}")
         self.config, self.engine = loaded.config, loaded.engine
         self.api_key, self.runs_as = loaded.api_key, loaded.runs_as
         return False

@@ -14,6 +14,7 @@ from pathlib import Path
 from numad_infer.backends.process import ProcessBackend
 from numad_infer.config.schema import Config
 from numad_infer.host import pinning
+from numad_infer.host.identity import BackendKind, instances_run_as
 from numad_infer.host.portowner import Holder
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.gguf import stop_token_ids
@@ -58,13 +59,19 @@ class Measurer:
         self.loaded, self.config, self.topology, self.model_size = loaded, loaded.config, topology, loaded.model_bytes
         self.log_dir, self.settings, self.progress = log_dir, settings, progress
         self.key = loaded.api_key
+        self.runs_as = (loaded.runs_as if loaded.kind == BackendKind.PROCESS
+                        else instances_run_as(self.config.server.user, loaded.source, BackendKind.PROCESS))
         self.proc = ProcReader()
         self.no_stop = loaded.engine.no_stop_fields(stop_token_ids(self.config.model.path))
 
     def _candidate(self, cfg: Config, plan: Plan) -> Loaded:
         # A measuring server's configuration is the validated one with tune's own placement
-        # and port (candidate_config): the same key, engine and user.
-        return dataclasses.replace(self.loaded, config=cfg, plan=plan, units={})
+        # and port (candidate_config): the same key and engine. Its servers are tune's own
+        # child processes, whatever runs the fleet: under systemd the fleet's user is a
+        # DynamicUser, which only systemd can create, so the process backend's user is
+        # worked out for them (once, here).
+        return dataclasses.replace(self.loaded, config=cfg, plan=plan, units={}, kind=BackendKind.PROCESS,
+                                   runs_as=self.runs_as)
 
     def instance_for(self, node: int, threads: int, port: int) -> tuple[Config, Instance]:
         physical = len(self._plan(candidate_config(self.config, node, 1, port, smt=False)).cpus)

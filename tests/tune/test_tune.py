@@ -396,3 +396,26 @@ def test_layouts_are_measured_under_concurrency_and_compared_with_the_current_on
     assert "held by numa-infer tune" in run.logs()
     without = tune(run, "--quick", "--layouts")
     assert without.returncode == 1 and "the whole service would be down" in without.stderr
+
+
+def test_tune_measures_as_the_process_backends_user_even_when_systemd_runs_the_fleet(tmp_path: Path) -> None:
+    """Under systemd the fleet's user is a DynamicUser, which only systemd can create; tune's
+    measuring servers are its own children and run as the process backend's user."""
+    from numad_infer.backends.process import ProcessBackend
+    from numad_infer.host.identity import BackendKind, instances_run_as
+    from numad_infer.tune.measure import Measurer, Settings
+    from tests.fakes import cfg, loaded_for, three_nodes
+
+    config = cfg()
+    plan = make_plan(config, three_nodes())
+    fleet = loaded_for(config, plan, kind=BackendKind.SYSTEMD,
+                       runs_as=instances_run_as(config.server.user, "cfg", BackendKind.SYSTEMD))
+    measurer = Measurer(fleet, three_nodes(), tmp_path, Settings(1, 2, 10.0), lambda line: None)
+    candidate = measurer._candidate(config, plan)
+    assert candidate.kind == BackendKind.PROCESS
+    assert candidate.runs_as == instances_run_as(config.server.user, "cfg", BackendKind.PROCESS)
+    backend = ProcessBackend(tmp_path / "logs")
+    backend.sync(candidate)
+    assert backend.runs_as == candidate.runs_as
+    with pytest.raises(ValueError, match="validated for systemd"):
+        backend.sync(fleet)  # the fleet's user is not one this backend can run as
