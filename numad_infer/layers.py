@@ -1,5 +1,5 @@
-"""Every module of numa-infer: its package, its layer and its job. The one map that the
-README's "Layout" section is generated from (tools/layout_reference.py) and that
+"""Every module of numa-infer: its package, its layer and its job. The one map that
+CONTRIBUTING.md's "Layout" section is generated from (tools/layout_reference.py) and that
 tests/test_layers.py holds the imports to.
 
 A feature is a folder: `PACKAGES` lists them, lowest first, and a module imports only
@@ -246,7 +246,7 @@ def modules() -> list[Module]:
 
 
 def markdown() -> str:
-    """The README's layout: one table per package, in import order, its modules by layer."""
+    """CONTRIBUTING.md's layout: one table per package, in import order, its modules by layer."""
     lines = [README_BEGIN,
              "One folder per feature. A module imports only from its own package or an earlier one in this "
              "list, and only from its own layer or a lower one: core (pure, no I/O) < edge (talks to one thing "

@@ -1,5 +1,5 @@
 """The configuration reference in README.md and numa-infer.toml(5) is generated from the
-schema, and the README's module layout from numad_infer/layers.py: this fails when a key,
+schema, and CONTRIBUTING.md's module layout from numad_infer/layers.py: this fails when a key,
 a limit, a default, a description or a module changed without `tools/config_reference.py`
 or `tools/layout_reference.py` being run."""
 
@@ -21,11 +21,11 @@ def test_the_key_reference_in_readme_and_man_page_is_what_the_schema_says() -> N
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_the_readme_layout_names_every_module_as_the_layer_map_says() -> None:
+def test_the_contributing_layout_names_every_module_as_the_layer_map_says() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "tools/layout_reference.py"), "--check"], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "CONTRIBUTING.md").read_text()
     assert all(f"`{path.name}`" in readme for path in (ROOT / "numad_infer").glob("*.py"))
 
 
@@ -48,18 +48,18 @@ def test_roff_escaping_keeps_code_and_backslashes() -> None:
 
 
 def test_every_file_and_test_the_where_to_change_table_names_exists() -> None:
-    """The README's "where to change what" rows name files and tests: a rename must not
+    """CONTRIBUTING.md's "where to change what" rows name files and tests: a rename must not
     leave a row pointing at nothing."""
     import ast
     import re
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "CONTRIBUTING.md").read_text()
     table = readme[readme.index("Where to change what"):readme.index("## Tests")]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "`" in line]
     assert len(rows) >= 10 and all("`tests/" in row for row in rows), [r for r in rows if "`tests/" not in r]
     for path in re.findall(r"`(numad_infer/[\w/]+(?:\.py|/))`", table):
         assert (ROOT / path).exists(), path
-    for path, name in re.findall(r"`(tests/\w+\.py)(?:::(\w+))?`", table):
+    for path, name in re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?`", table):
         assert (ROOT / path).is_file(), path
         if name:
             tree = ast.parse((ROOT / path).read_text())

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Regenerate the module list in README.md's "Layout" section from numad_infer/layers.py;
+"""Regenerate the module list in CONTRIBUTING.md's "Layout" section from numad_infer/layers.py;
 `--check` only says whether it is up to date (exit 1 when not). tests/test_docs.py runs
 the check."""
 
@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 from numad_infer import layers  # noqa: E402
 from numad_infer.config.reference import replace_between  # noqa: E402
 
-README = ROOT / "README.md"
+README = ROOT / "CONTRIBUTING.md"
 
 
 def render(text: str) -> str:
