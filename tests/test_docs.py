@@ -111,3 +111,45 @@ def test_the_synopsis_generator_shows_arguments_choices_and_exclusive_flags() ->
     completion = reference.bash_completion(parser)
     assert "probe) opts=\"-v --verbose --mode --live --ready\" ;;" in completion
     assert "compgen -W 'a b'" in completion and "_filedir toml" in completion
+
+
+_EXTENSIONS = {"py", "md", "json", "toml", "yaml", "gguf", "service", "cfg", "sh", "bash"}  # `config/frontend.py`
+DOCUMENTS = ["README.md", "CONTRIBUTING.md", "docs/*.md", "bench/README.md", "debian/README.Debian",
+             "packaging/man/*.[58]", "etc/numa-infer.toml", "deploy/kubernetes/**/*.yaml"]
+
+
+def _documents() -> dict[str, str]:
+    return {str(path.relative_to(ROOT)): path.read_text() for pattern in DOCUMENTS for path in sorted(ROOT.glob(pattern))}
+
+
+def test_every_configuration_key_the_docs_name_exists() -> None:
+    """`frontend.health_path` in any document is a key of the schema: a renamed or removed
+    key fails here, not in an operator's config."""
+    import re
+
+    sections = {name: info.annotation for name, info in Config.model_fields.items()}
+    pattern = re.compile(r"\b(%s)\.([a-z_]+)\b" % "|".join(sections))
+    man_pages = {"systemd.exec", "systemd.resource", "systemd.service", "systemd.unit"}  # `systemd.exec (5)`
+    unknown = set()
+    for name, text in _documents().items():
+        for line in text.replace("\\-", "-").replace("\\&", "").splitlines():
+            if "unknown key" in line:
+                continue  # an example of the error a misspelt key gets
+            for section, key in pattern.findall(line):
+                fields = getattr(sections[section], "model_fields", {})
+                if key not in fields and f"{section}.{key}" not in man_pages and key not in _EXTENSIONS:
+                    unknown.add(f"{name}: {section}.{key}")
+    assert sorted(unknown) == []
+
+
+def test_every_numa_infer_command_the_docs_name_exists() -> None:
+    import re
+
+    from numad_infer.cli import reference
+    from numad_infer.cli.main import build_parser
+
+    _, commands = reference.describe(build_parser())
+    known = {c.name for c in commands}
+    named = {(name, m) for name, text in _documents().items()
+             for m in re.findall(r"`numa-infer(?: --[a-z-]+(?: [^\s<`]\S*)?)* ([a-z]+)\b", text)}
+    assert {f"{name}: numa-infer {m}" for name, m in named if m not in known} == set()
