@@ -95,8 +95,9 @@ class ProcessBackend:
     def specs(self, loaded: Loaded) -> dict[str, str]:
         key, user, config = fingerprint(loaded.api_key), loaded.runs_as, loaded.config
         return {i.name: json.dumps({"argv": loaded.engine.argv(config, i), "env": instance_environment(i),
-                                    "key": key, "cpus": i.cpus, "mems": i.mems, "policy": i.policy.value,
-                                    "user": None if user is None else user.name}, sort_keys=True)
+                                    "key": key, "artifacts": loaded.artifacts, "cpus": i.cpus, "mems": i.mems,
+                                    "policy": i.policy.value, "user": None if user is None else user.name},
+                                   sort_keys=True)
                 for i in loaded.plan.instances}
 
     def current_specs(self, loaded: Loaded) -> dict[str, str]:

@@ -53,14 +53,16 @@ class SystemdBackend:
         template = files[template_unit(loaded.config.systemd.template)]
         # A template change (mlock, hardening) changes every instance; so does a new API key,
         # which is not in the unit text (a credential is read at start).
-        key = fingerprint(loaded.api_key)
+        key = fingerprint(loaded.api_key) + loaded.artifacts
         return {i.name: template + files[dropin(i.name)] + key for i in loaded.plan.instances}
 
     def current_specs(self, loaded: Loaded) -> dict[str, str]:
         """Specs of the units on disk: what a previous daemon left running (adoption), with
         the key as validated (the running instances read theirs from the same file)."""
         unit_dir = Path(loaded.config.systemd.unit_dir)
-        key = fingerprint(loaded.api_key)
+        # The model and engine as they are now: a daemon restarted after the model was
+        # replaced adopts the running instances (a reload or the next change rolls them).
+        key = fingerprint(loaded.api_key) + loaded.artifacts
         specs: dict[str, str] = {}
         for rel in managed_files(unit_dir):
             if rel.endswith(DROPIN_NAME):

@@ -24,6 +24,11 @@ from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
 
+# A file being copied changes size and modification time with every write: a changed model
+# or engine is rolled out once it has held still this long (and passes the pipeline, which
+# refuses a GGUF file shorter than its tensor table).
+SETTLE_S = 5.0
+
 
 class PlanState:
     def __init__(self, config_path: str, sysfs: SysfsReader, backend: Backend, reconciler: Reconciler,
@@ -36,6 +41,8 @@ class PlanState:
         self.generation = 0  # bumped by every start and reload, done or refused (`numa-infer reload` waits on it)
         self.last_reload: ReloadResult | None = None
         self.warnings: tuple[str, ...] = ()
+        self._changed: tuple[str, float] | None = None  # artifacts seen changed, and since when
+        self._refused = ""  # artifacts the pipeline refused: tried again only when they change
 
     @property
     def config(self) -> Config | None:
@@ -90,6 +97,37 @@ class PlanState:
                                             f"internal error: {type(exc).__name__}: {exc}")
         else:
             self.apply(loaded, "reload")
+        self.generation += 1
+
+    def check_artifacts(self, now: float) -> None:
+        """The model file or the engine program at the configured path is another one than
+        the instances loaded (moved into place, or written over): once it has held still for
+        SETTLE_S and passed the pipeline, the instances are rolled onto it, one at a time
+        behind the front door and drained first, as a reload that changes them is."""
+        if self.loaded is None:
+            return
+        seen = loading.artifacts(self.loaded.config, self.loaded.engine)
+        if seen == self.loaded.artifacts:
+            self._changed = None
+            return
+        if self._changed is None or self._changed[0] != seen:
+            if self._changed is None:
+                log.info("the model file or the engine changed (%s): rolling it out once it holds still for %gs",
+                         seen, SETTLE_S)
+            self._changed = (seen, now)
+            return
+        if now - self._changed[1] < SETTLE_S or seen == self._refused:
+            return
+        try:
+            loaded = self.load()
+        except NumaInferError as exc:
+            log.error("the model file or the engine changed but cannot be rolled out: %s; the instances keep what "
+                      "they loaded", exc)
+            self._refused = seen
+            self.last_reload = ReloadResult(time.time(), False, "model or engine changed", str(exc))
+            return
+        self._changed = None
+        self.apply(loaded, "model or engine changed")
         self.generation += 1
 
     def check_machine(self) -> None:

@@ -145,6 +145,7 @@ class Daemon:
             now = time.monotonic()
             if now >= next_pass:
                 self.plan.check_machine()
+                self.plan.check_artifacts(now)
                 self.plan.read_holds()
                 self.reconciler.monitor(now)
                 self.pass_duration_s = time.monotonic() - now

@@ -1,12 +1,15 @@
-"""The model file as the planner needs it: present, readable, GGUF, and how big."""
+"""The model file as the planner needs it: present, readable, GGUF, whole, and how big;
+and which file it is (`artifact_id`), so that a replaced model is rolled out."""
 
 from __future__ import annotations
 
 import os
 import stat
+import struct
 
 from numad_infer.errors import ConfigError
 from numad_infer.host.identity import RunAs, unreadable_reason
+from numad_infer.model.gguf import GgufError, read_header
 
 GGUF_MAGIC = b"GGUF"
 
@@ -55,3 +58,28 @@ def model_size(path: str, source: str, runs_as: RunAs | None = None) -> int:
     if magic != GGUF_MAGIC:
         raise ConfigError(source, "model.path", "is not a GGUF model file (llama.cpp loads only GGUF)", path, True)
     return size
+
+
+def check_whole(path: str, source: str) -> None:
+    """ConfigError when the file is shorter than its tensor table says: copied over in place
+    (`cp new.gguf model.gguf`) and not finished, or cut short. A header this reader cannot
+    take is left to the engine, which says why when it loads."""
+    try:
+        header = read_header(path)
+    except (OSError, GgufError, struct.error):
+        return
+    missing = header.missing_bytes()
+    if missing:
+        raise ConfigError(source, "model.path", f"is {header.file_bytes} bytes, {missing} fewer than its tensor table "
+                          "says: still being written, or cut short; let the copy finish (or copy it beside the model "
+                          "and `mv` it into place, which is atomic)", path, True)
+
+
+def artifact_id(path: str) -> str:
+    """Which file is at `path` now: device, inode, size and modification time. Another file
+    moved into place, or the same one written over, gives another id."""
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    return f"{path}: {info.st_dev}:{info.st_ino}:{info.st_size}:{info.st_mtime_ns}"

@@ -85,6 +85,13 @@ class GgufHeader:
     tensors: tuple[Tensor, ...]
     eos_token_id: int | None
     eot_token_id: int | None = None  # end of turn (chat models), also ends a completion
+    data_start: int = 0  # where the tensor data begins (after the header, aligned)
+
+    def missing_bytes(self) -> int:
+        """How many bytes the tensor table says the file should have beyond its end: more
+        than 0 is a file still being written (a `cp` over the model), or cut short."""
+        known = [t.offset + t.nbytes for t in self.tensors if t.ggml_type in BLOCK]
+        return max(0, self.data_start + max(known, default=0) - self.file_bytes)
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -186,7 +193,7 @@ def read_header(path: str) -> GgufHeader:
         else:
             nbytes = min(e for e in ends if e > off) - off
         tensors.append(Tensor(name, shape, gtype, off, nbytes))
-    return GgufHeader(file_bytes, tuple(tensors), eos, eot)
+    return GgufHeader(file_bytes, tuple(tensors), eos, eot, data_start)
 
 
 def stop_token_ids(path: str) -> tuple[int, ...]:

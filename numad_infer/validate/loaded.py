@@ -40,3 +40,7 @@ class Loaded:
     # Unit file name -> text, rendered once (systemd backend; empty for the process backend):
     # what the rollout compares and what is written are the same text.
     units: dict[str, str]
+    # Which model file and engine program the instances load (device, inode, size, mtime):
+    # part of every instance's definition, so another file at the same path restarts them,
+    # one at a time behind the front door, as a changed definition does.
+    artifacts: str = ""

@@ -15,7 +15,7 @@ from pathlib import Path
 from numad_infer.config.apikey import read_api_key
 from numad_infer.config.load import load_config
 from numad_infer.config.schema import Config
-from numad_infer.engines import engine_of
+from numad_infer.engines import Engine, engine_of
 from numad_infer.engines.keys import check_engine_keys
 from numad_infer.frontdoor import haproxy
 from numad_infer.frontdoor.haproxy import check_haproxy
@@ -24,7 +24,7 @@ from numad_infer.host.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_un
 from numad_infer.host.identity import BackendKind, instances_run_as, systemd_frontdoor_user
 from numad_infer.host.pinning import memory_calls
 from numad_infer.host.procfs import ProcReader
-from numad_infer.model.file import model_size
+from numad_infer.model.file import artifact_id, check_whole, model_size
 from numad_infer.model.gguf import decode_bytes
 from numad_infer.plan.model import Plan
 from numad_infer.plan.placement import make_plan
@@ -64,6 +64,7 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     check_unit_names(config, source, unit_dirs)
     runs_as = instances_run_as(config.server.user, source, kind)
     size = model_size(config.model.path, source, runs_as)
+    check_whole(config.model.path, source)
     engine = engine_of(config)
     engine_warnings = engine.check_host(config, source, InstanceHost(runs_as))
     engine_cpu = engine.cpu(config, InstanceHost(runs_as))
@@ -78,7 +79,12 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as),
                 *memory_call_warnings(memory_calls(), kind))
     return Loaded(source, config, topology, plan, kind, runs_as, engine, size, decode_bytes(config.model.path),
-                  allowed, engine_cpu, warnings, api_key, frontdoor_user, units)
+                  allowed, engine_cpu, warnings, api_key, frontdoor_user, units, artifacts(config, engine))
+
+
+def artifacts(config: Config, engine: Engine) -> str:
+    """The model file and engine program the instances would load now (model/file.artifact_id)."""
+    return f"model {artifact_id(config.model.path)}; engine {artifact_id(engine.program(config))}"
 
 
 def _idle_unit_warnings(report: EngineCpuReport) -> list[str]:

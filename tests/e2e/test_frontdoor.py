@@ -106,11 +106,14 @@ class Load:
     def __init__(self, port: int, clients: int, per_client: int, max_tokens: int) -> None:
         self.outcomes: list[Outcome] = []
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self.threads = [threading.Thread(target=self._client, args=(port, c % 2 == 1, per_client, max_tokens), daemon=True)
                         for c in range(clients)]
 
     def _client(self, port: int, stream: bool, count: int, max_tokens: int) -> None:
         for _ in range(count):
+            if self._stop.is_set():
+                return
             outcome = request(port, max_tokens, stream)
             with self._lock:
                 self.outcomes.append(outcome)
@@ -119,6 +122,10 @@ class Load:
         for thread in self.threads:
             thread.start()
         return self
+
+    def stop(self) -> None:
+        """No new requests; those under way finish (`wait` for them)."""
+        self._stop.set()
 
     def wait(self, timeout_s: float = 300) -> list[Outcome]:
         deadline = time.monotonic() + timeout_s
@@ -357,3 +364,62 @@ def test_haproxy_that_dies_is_started_again_by_the_daemon(daemon) -> None:
     fresh_state(run)
     healthy_behind_frontdoor(run, timeout=30)
     assert request(run.frontend_port, 4, stream=False).complete
+
+
+# -- a new model file rolled out ---------------------------------------------------------------------
+
+@pytest.fixture
+def own_model(slow_model: Path) -> Path:
+    """A copy of the model that this test may replace (the others share theirs)."""
+    from tests.daemon_harness import shared_dir
+
+    path = shared_dir() / f"rolled-{os.getpid()}-{time.monotonic_ns()}.gguf"
+    path.write_bytes(slow_model.read_bytes())
+    path.chmod(0o644)
+    return path
+
+
+def test_a_model_moved_into_place_is_rolled_out_one_instance_at_a_time_and_fails_no_request(
+        tmp_path: Path, own_model: Path) -> None:
+    with daemons(tmp_path, own_model) as start:
+        run = start(engine="llama-server")
+        state = healthy_behind_frontdoor(run)
+        old = {i["name"]: i["pid"] for i in state["instances"]}
+        load = Load(run.frontend_port, clients=4, per_client=10_000, max_tokens=12).start()  # until stopped
+        under_load(run)
+        staged = own_model.with_name(own_model.name + ".new")
+        staged.write_bytes(own_model.read_bytes())
+        staged.chmod(0o644)
+        os.replace(staged, own_model)  # the usual way: atomic, another file at the same path; no reload
+        run.wait(lambda s: all(i["pid"] != old[i["name"]] and i["state"] == "healthy" for i in s["instances"]),
+                 120, "both instances restarted on the new file")
+        load.stop()  # the clients sent all along: the whole roll-out happened under load
+        outcomes = load.wait()
+        failed = [o for o in outcomes if not o.complete]
+        assert not failed, failed[:3]
+        logs = run.logs()
+        assert "the model file or the engine changed" in logs and "model or engine changed:" in logs
+        assert restarts(run.state()) == 0  # a roll-out, not crashes
+        print(f"model roll-out under load: {len(outcomes)} requests, 0 failed")
+
+
+def test_a_model_file_still_being_written_is_not_loaded_until_it_is_whole(tmp_path: Path, own_model: Path) -> None:
+    with daemons(tmp_path, own_model) as start:
+        run = start(engine="llama-server")
+        state = healthy_behind_frontdoor(run)
+        old = {i["name"]: i["pid"] for i in state["instances"]}
+        data = own_model.read_bytes()
+        with open(own_model, "r+b") as copy:  # `cp new.gguf model.gguf`: the same file, rewritten in place
+            copy.truncate(0)
+            copy.write(data[: len(data) // 2])
+            copy.flush()
+            run.wait(lambda s: "fewer than its tensor table says" in ((s["daemon"].get("last_reload") or {})
+                                                                       .get("error") or ""), 30,
+                     "the half-written file refused")
+            state = run.state()
+            assert {i["name"]: i["pid"] for i in state["instances"]} == old  # still serving what they loaded
+            assert all(i["state"] == "healthy" for i in state["instances"])
+            assert "fewer than its tensor table says" in state["daemon"]["last_reload"]["error"]
+            copy.write(data[len(data) // 2:])
+        run.wait(lambda s: all(i["pid"] != old[i["name"]] and i["state"] == "healthy" for i in s["instances"]),
+                 120, "both instances restarted once the file was whole")

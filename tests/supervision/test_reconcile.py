@@ -3,6 +3,9 @@ holds, and which instances a reload touches. The loop's real processes: tests/e2
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 
 from numad_infer.backends.base import Observation
@@ -514,3 +517,28 @@ def test_an_instance_planned_again_while_it_leaves_is_stopped_before_the_new_one
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 2.0)
     # The leaving one holds the port the new one needs: it goes first.
     assert backend.calls.index(("stop", "infer@2")) < backend.calls.index(("start", "infer@2"))
+
+
+def test_another_model_file_changes_every_instances_definition_and_rolls_them_one_at_a_time(probes_answer) -> None:
+    """The pipeline puts the model's and engine's identity in the value it returns; both
+    backends make it part of each instance's definition, so another file at the same path
+    restarts the instances as a changed definition does: behind the front door, one at a time."""
+    from numad_infer.backends.process import ProcessBackend
+
+    config = cfg()
+    plan = make_plan(config, three_nodes())
+    before, after = loaded_for(config, plan), loaded_for(config, plan)
+    before = dataclasses.replace(before, artifacts="model /m.gguf: 1:10:100:1")
+    after = dataclasses.replace(after, artifacts="model /m.gguf: 1:11:100:2")
+    process = ProcessBackend(Path("/nonexistent"))
+    assert process.specs(before) != process.specs(after)
+    backend, front = RecordingBackend(), FakeFrontdoor()
+    backend.specs = lambda loaded: {i.name: repr(i) + loaded.artifacts  # type: ignore[method-assign]
+                                    for i in loaded.plan.instances}
+    rec = Reconciler(backend, FakeProc(), frontdoor=front)
+    rec.apply(before, 0.0)
+    rec.monitor(0.5)
+    backend.calls.clear()
+    diff = rec.apply(after, 1.0)
+    assert set(diff.changed) == {"infer@0", "infer@1", "infer@2"}
+    assert backend.calls == [("restart", "infer@0")]  # the others wait for it to be healthy
