@@ -38,7 +38,7 @@ from tuned import profiles
 from tuned.utils.global_config import GlobalConfig
 loader = profiles.Loader(profiles.Locator(["/usr/lib/tuned", sys.argv[1]]), profiles.Factory(), profiles.Merger(),
                          GlobalConfig(), profiles.variables.Variables())
-profile = loader.load(["numa-infer"])
+profile = loader.load([sys.argv[2]])
 units, unknown = {}, []
 for name, unit in profile.units.items():
     module = importlib.import_module("tuned.plugins.plugin_" + unit.type)
@@ -57,7 +57,14 @@ print(json.dumps({"name": profile.name, "units": units, "unknown": unknown}))
 def profile() -> dict:
     if not TUNED.is_dir():
         pytest.skip("Debian's tuned is not installed (scripts/setup installs it)")
-    done = subprocess.run(["/usr/bin/python3", "-c", _LOAD, str(PROFILES)], capture_output=True, text=True, timeout=60)
+    return _load("numa-infer")
+
+
+def _load(name: str) -> dict:
+    if not TUNED.is_dir():
+        pytest.skip("Debian's tuned is not installed (scripts/setup installs it)")
+    done = subprocess.run(["/usr/bin/python3", "-c", _LOAD, str(PROFILES), name], capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -92,3 +99,24 @@ def test_the_deb_installs_the_profile_where_tuned_looks_and_suggests_tuned() -> 
     assert "packaging/tuned/numa-infer/tuned.conf usr/lib/tuned/numa-infer/" in install
     control = (ROOT / "debian/control").read_text()
     assert "tuned" in control[control.index("Suggests:"):].split("\nDescription:")[0]
+
+
+def test_the_madvise_variant_is_the_profile_but_thp_and_doctor_says_what_it_costs() -> None:
+    shared = _load("numa-infer-madvise")
+    assert shared["name"] == "numa-infer-madvise" and shared["unknown"] == []
+    assert shared["units"]["vm"]["options"]["transparent_hugepages"] == "madvise"
+    full = _load("numa-infer")
+    assert shared["units"]["sysctl"] == full["units"]["sysctl"]  # everything else as numa-infer
+    assert shared["units"]["cpu"] == full["units"]["cpu"]
+    sysctl = shared["units"]["sysctl"]["options"]
+    facts = HostFacts(numa_balancing=int(sysctl["kernel.numa_balancing"]),
+                      thp_enabled=shared["units"]["vm"]["options"]["transparent_hugepages"], thp_defrag="madvise",
+                      cpufreq={}, zone_reclaim_mode=int(sysctl["vm.zone_reclaim_mode"]), swap_total_bytes=2**33,
+                      swappiness=int(sysctl["vm.swappiness"]), nodes={}, irqs=(), irqbalance=True, neighbours=(),
+                      sample_s=1.0, managers=(), cpu_flags=frozenset(), engine_cpu=EngineCpuReport(None, "", ""),
+                      nodes_per_package={})
+    # The cost the profile's comment states: doctor warns that the weights get 4 KiB pages.
+    assert [(c.name, c.level) for c in check_thp(facts) if c.level != Level.OK] == [(check_thp(facts)[0].name,
+                                                                                     Level.WARN)]
+    install = (ROOT / "debian/numa-infer.install").read_text().split("\n")
+    assert "packaging/tuned/numa-infer-madvise/tuned.conf usr/lib/tuned/numa-infer-madvise/" in install
