@@ -25,14 +25,19 @@ def available() -> bool:
     return ctypes.util.find_library("seccomp") is not None
 
 
-def refuse(names: tuple[str, ...]) -> None:
-    """Install the filter on the calling process (and its future children)."""
+def _libseccomp() -> ctypes.CDLL:
     lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2")
     lib.seccomp_init.restype = ctypes.c_void_p
     lib.seccomp_init.argtypes = [ctypes.c_uint32]
     lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
     lib.seccomp_rule_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
     lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def refuse(names: tuple[str, ...]) -> None:
+    """Install the filter on the calling process (and its future children)."""
+    lib = _libseccomp()
     ctx = lib.seccomp_init(_SCMP_ACT_ALLOW)
     if not ctx:
         raise OSError("seccomp_init failed")
@@ -49,12 +54,7 @@ def refuse(names: tuple[str, ...]) -> None:
 def allow_only(names: tuple[str, ...]) -> None:
     """Install an allow-list filter: the calls named are allowed, every other one refused
     with EPERM (a profile's defaultAction SCMP_ACT_ERRNO)."""
-    lib = ctypes.CDLL(ctypes.util.find_library("seccomp") or "libseccomp.so.2")
-    lib.seccomp_init.restype = ctypes.c_void_p
-    lib.seccomp_init.argtypes = [ctypes.c_uint32]
-    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
-    lib.seccomp_rule_add.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint]
-    lib.seccomp_load.argtypes = [ctypes.c_void_p]
+    lib = _libseccomp()
     ctx = lib.seccomp_init(_SCMP_ACT_ERRNO | errno.EPERM)
     if not ctx:
         raise OSError("seccomp_init failed")
