@@ -52,6 +52,8 @@ def format_plan(plan: Plan, warnings: tuple[str, ...] | None = None) -> str:
 def format_engine(config: Config, engine: Engine) -> str:
     """Which server every instance runs, and the key that chose it (or that it is the default)."""
     chosen = "server.engine" if "engine" in config.server.model_fields_set else "the default; server.engine"
+    if not engine.program_key:
+        return f"engine: {engine.name} ({chosen})"
     return (f"engine: {engine.name} ({chosen}), every instance runs {engine.program(config)} "
             f"(server.{engine.program_key})")
 

@@ -66,8 +66,9 @@ class Engine(ABC):
     metrics_path: ClassVar[str | None] = None
     # How to get CPU kernels for this host's wide units ("" when the engine has no way).
     cpu_fix: ClassVar[str] = ""
-    # The server.* key naming the program every instance executes (`check` shows it).
-    program_key: ClassVar[str]
+    # The server.* key naming the program every instance executes (`check` shows it, and a
+    # new file there is rolled out); "" for an engine whose program no key names (a plugin's).
+    program_key: ClassVar[str] = ""
 
     @abstractmethod
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
@@ -77,8 +78,9 @@ class Engine(ABC):
         (KEY_CREDENTIAL in the directory $CREDENTIALS_DIRECTORY names)."""
 
     def program(self, config: Config) -> str:
-        """The program every instance executes: the value of `server.<program_key>`."""
-        return str(getattr(config.server, self.program_key))
+        """The program every instance executes: the value of `server.<program_key>` ("" when
+        no key names it)."""
+        return str(getattr(config.server, self.program_key)) if self.program_key else ""
 
     def slots(self, config: Config) -> int:
         """Requests one instance works on at once (the front door's per-server maxconn)."""

@@ -84,7 +84,8 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
 
 def artifacts(config: Config, engine: Engine) -> str:
     """The model file and engine program the instances would load now (model/file.artifact_id)."""
-    return f"model {artifact_id(config.model.path)}; engine {artifact_id(engine.program(config))}"
+    program = engine.program(config)
+    return f"model {artifact_id(config.model.path)}" + (f"; engine {artifact_id(program)}" if program else "")
 
 
 def _idle_unit_warnings(report: EngineCpuReport) -> list[str]:

@@ -115,6 +115,11 @@ def test_a_plugged_in_engine_is_planned_rendered_probed_and_read(tmp_path: Path,
     # The one pipeline runs the engine's own host check and keeps its warning.
     loaded = validate(cfg, "/etc/numa-infer.toml", topology, BackendKind.PROCESS, unit_dirs=())
     assert toy.checked == ["/etc/numa-infer.toml"] and "toy engine: not for production" in loaded.warnings
+    # No server.* key names its program: the model alone is what a roll-out watches, and
+    # `check` names the engine without one.
+    assert loaded.artifacts.startswith(f"model {model}: ") and "; engine " not in loaded.artifacts
+    from numad_infer.cli.present import format_engine
+    assert format_engine(cfg, toy) == "engine: toy (server.engine)"
     plan = loaded.plan
     instance = plan.instances[0]
     d = dict(directives(render_units(cfg, plan)[f"{instance.unit}.d/50-numa-infer.conf"]))
