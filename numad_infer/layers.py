@@ -164,6 +164,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "supervision/__init__": (CORE, PACKAGE_INIT),
     "supervision/health": (EDGE, "HTTP probe, API-key check, the engine's own counters"),
     "supervision/holds": (EDGE, "another process asks the daemon to keep an instance stopped"),
+    "supervision/restart_request": (EDGE, "`numa-infer restart` asks the daemon to roll instances: the request file"),
     "supervision/drift_checks": (ORCHESTRATION, "one drift check per kind (affinity, memory), each with its own per-"
                                                 "process state, registered in `CHECKS`"),
     "supervision/instance": (ORCHESTRATION, "what the daemon knows of one instance's current process"),
@@ -196,6 +197,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "daemon/__init__": (CORE, PACKAGE_INIT),
     "daemon/desired": (ORCHESTRATION, "the plan the daemon runs: load, apply, reload, re-plan on hotplug; the reload "
                                       "bookkeeping status reports"),
+    "daemon/restarts": (ORCHESTRATION, "`numa-infer restart` on the daemon's side: take the request, start the roll, "
+                                       "report how far it is"),
     "daemon/loop": (ORCHESTRATION, "the loop: signals, passes, publishing, shutdown"),
     "daemon/publish": (ORCHESTRATION, "what the daemon publishes each pass: runtimes -> status types, the status line"),
     # -- cli ---------------------------------------------------------------------------------------
@@ -205,8 +208,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "cli/present": (CORE, "what the commands print: topology, plan, engine line, cgroup limits, the status table"),
     "cli/wiring": (ORCHESTRATION, "what a command runs on: the loaded configuration, the backend (fd store, uids)"),
     "cli/offline_status": (ORCHESTRATION, "`status` with the daemon down: the plan and what its units are doing"),
-    "cli/daemon_client": (ORCHESTRATION, "the running daemon: alive and ours, its status, the reload protocol (SIGHUP, "
-                                         "wait for the generation)"),
+    "cli/daemon_client": (ORCHESTRATION, "the running daemon: alive and ours, its status, the reload protocol "
+                                         "(SIGHUP, wait for the generation) and restart's (a request, SIGUSR1)"),
     "cli/commands": (ORCHESTRATION, "the `cmd_*` of every sub-command but `reload`"),
     "cli/main": (ORCHESTRATION, "argument parsing and dispatch (`main`, the entry point)"),
     # -- entry points (may import any package) -------------------------------------------------

@@ -1,6 +1,7 @@
 """Talking to the running daemon: whether it is alive and a numa-infer daemon at all, its
-published status, and the reload protocol (SIGHUP, then wait for the state file's
-generation to move past the one before it)."""
+published status, the reload protocol (SIGHUP, then wait for the state file's
+generation to move past the one before it) and the restart protocol (a request file, then
+SIGUSR1, then follow the roll in the state file)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from numad_infer.cli.present import join_names
+from numad_infer.errors import NumaInferError
 from numad_infer.status.statefile import read_status
 
 if TYPE_CHECKING:
@@ -33,32 +35,45 @@ def running_daemon(path: Path) -> Status | None:
     return status
 
 
+class _NotSignalled(NumaInferError):
+    """The daemon could not be asked (said on stderr); `rc` is the command's exit code."""
+
+    def __init__(self, message: str, rc: int) -> None:
+        super().__init__(message)
+        self.rc = rc
+
+
+def _signal_daemon(args: argparse.Namespace, status: Status | None, signum: int) -> int:
+    """Send `signum` to the daemon and return its PID (_NotSignalled: why not)."""
+    pid = args.pid if args.pid is not None else (status.daemon.pid if status else None)
+    if args.pid is not None and args.pid <= 1:
+        raise _NotSignalled(f"--pid {args.pid} is not a daemon's PID (it must be > 1)", 1)
+    if not _alive(pid):
+        raise _NotSignalled("the daemon is not running", 3)
+    assert pid is not None
+    # A stale state file (or a mistyped --pid) must never signal an unrelated process.
+    if not _is_numa_infer_daemon(pid):
+        raise _NotSignalled(f"process {pid} is not a numa-infer daemon (`numa-infer run`); not signalling it",
+                            3 if args.pid is None else 1)
+    try:
+        os.kill(pid, signum)
+    except PermissionError:
+        raise _NotSignalled(f"cannot signal the daemon (pid {pid}): permission denied; run as root", 1) from None
+    except ProcessLookupError:
+        raise _NotSignalled("the daemon is not running", 3) from None
+    return pid
+
+
 def cmd_reload(args: argparse.Namespace) -> int:
     """Signal the daemon and wait until it has applied (or refused) the configuration."""
     path = Path(args.state_file)
     status = read_status(path)
-    pid = args.pid if args.pid is not None else (status.daemon.pid if status else None)
-    if args.pid is not None and args.pid <= 1:
-        print(f"numa-infer: --pid {args.pid} is not a daemon's PID (it must be > 1)", file=sys.stderr)
-        return 1
-    if not _alive(pid):
-        print("numa-infer: the daemon is not running", file=sys.stderr)
-        return 3
-    assert pid is not None
-    # A stale state file (or a mistyped --pid) must never signal an unrelated process.
-    if not _is_numa_infer_daemon(pid):
-        print(f"numa-infer: process {pid} is not a numa-infer daemon (`numa-infer run`); not signalling it",
-              file=sys.stderr)
-        return 3 if args.pid is None else 1
-    before = status.daemon.generation if status and status.daemon.pid == pid else 0
     try:
-        os.kill(pid, signal.SIGHUP)
-    except PermissionError:
-        print(f"numa-infer: cannot signal the daemon (pid {pid}): permission denied; run as root", file=sys.stderr)
-        return 1
-    except ProcessLookupError:
-        print("numa-infer: the daemon is not running", file=sys.stderr)
-        return 3
+        pid = _signal_daemon(args, status, signal.SIGHUP)
+    except _NotSignalled as exc:
+        print(f"numa-infer: {exc}", file=sys.stderr)
+        return exc.rc
+    before = status.daemon.generation if status and status.daemon.pid == pid else 0
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         time.sleep(0.1)
@@ -73,6 +88,74 @@ def cmd_reload(args: argparse.Namespace) -> int:
             print(f"numa-infer: reload failed, still running the previous configuration: {error}", file=sys.stderr)
             return 1
     print(f"numa-infer: the daemon did not finish reloading within {args.timeout:g}s", file=sys.stderr)
+    return 1
+
+
+def cmd_restart(args: argparse.Namespace) -> int:
+    """Ask the daemon to restart instances one at a time behind the front door (drained
+    first, the next once the last is healthy), and follow the roll until it is over."""
+    from numad_infer.supervision import restart_request
+
+    path = Path(args.state_file)
+    status = running_daemon(path)
+    if status is None:
+        print("numa-infer: the daemon is not running", file=sys.stderr)
+        return 3
+    names = _instance_names(args.instances, status)
+    if isinstance(names, str):
+        print(f"numa-infer: {names}", file=sys.stderr)
+        return 1
+    try:
+        request = restart_request.write(path, names)
+    except PermissionError:
+        print(f"numa-infer: cannot leave a request in {path.parent}: run this as the daemon's user (root)",
+              file=sys.stderr)
+        return 1
+    try:
+        _signal_daemon(args, status, signal.SIGUSR1)
+    except _NotSignalled as exc:
+        restart_request.request_path(path).unlink(missing_ok=True)
+        print(f"numa-infer: {exc}", file=sys.stderr)
+        return exc.rc
+    return _follow_restart(path, request.id, args.timeout)
+
+
+def _instance_names(given: list[str], status: Status) -> tuple[str, ...] | str:
+    """The instances named (`infer@1`, or the node's number `1`); empty for all; a str
+    saying which name matches none."""
+    known = [i.name for i in status.instances]
+    names: list[str] = []
+    for name in given:
+        match = [k for k in known if k == name or k.rsplit("@", 1)[-1] == name]
+        if not match:
+            return f"no instance named {name!r}; the instances are {', '.join(known) or 'none'}"
+        names.extend(match)
+    return tuple(dict.fromkeys(names))
+
+
+def _follow_restart(path: Path, request_id: str, timeout_s: float) -> int:
+    """Print each instance's state as it changes until the roll is over (exit 0), refused
+    or stuck past the timeout (exit 1)."""
+    deadline = time.monotonic() + timeout_s
+    said: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = read_status(path)
+        result = now.daemon.last_restart if now is not None else None
+        if now is None or result is None or result.id != request_id:
+            continue
+        if not result.ok:
+            print(f"numa-infer: restart refused: {result.error}", file=sys.stderr)
+            return 1
+        for instance in now.instances:
+            if instance.name in result.instances and said.get(instance.name) != instance.state.value:
+                said[instance.name] = instance.state.value
+                print(f"{instance.name}: {instance.state.value}", flush=True)
+        if not result.left:
+            print(f"restarted: {join_names(result.instances)}")
+            return 0
+    print(f"numa-infer: the restart was not over within {timeout_s:g}s; `numa-infer status` shows where it is",
+          file=sys.stderr)
     return 1
 
 

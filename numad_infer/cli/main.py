@@ -20,7 +20,7 @@ from numad_infer.cli.commands import (
     cmd_topology,
     cmd_tune,
 )
-from numad_infer.cli.daemon_client import cmd_reload
+from numad_infer.cli.daemon_client import cmd_reload, cmd_restart
 from numad_infer.config.defaults import DEFAULT_CONFIG_PATH, DEFAULT_STATE_FILE
 from numad_infer.errors import NumaInferError
 from numad_infer.systemd.unitnames import DAEMON_UNIT
@@ -106,7 +106,7 @@ def _add_host_commands(sub: _Subparsers, common: argparse.ArgumentParser) -> Non
 
 
 def _add_probe_commands(sub: _Subparsers, common: argparse.ArgumentParser) -> None:
-    """health and reload: ask the running daemon."""
+    """health, reload and restart: ask the running daemon."""
     p = sub.add_parser("health", parents=[common], help="for liveness/readiness probes: exit 0 yes, 1 no, 3 no daemon")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--live", action="store_true", help="the daemon's loop is turning (the default)")
@@ -119,6 +119,15 @@ def _add_probe_commands(sub: _Subparsers, common: argparse.ArgumentParser) -> No
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="how long to wait for the daemon's answer (default 300)")
     p.set_defaults(func=cmd_reload)
+    p = sub.add_parser("restart", parents=[common],
+                       help="restart instances one at a time behind the front door (drained first; the next once the "
+                            "last is healthy), e.g. to load a model file changed in place; follows the roll")
+    p.add_argument("instances", nargs="*", metavar="INSTANCE",
+                   help="instance names as `status` shows them (infer@1) or node numbers (1); default: all")
+    p.add_argument("--pid", type=int, metavar="PID", help="daemon PID (default: from the state file)")
+    p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
+                   help="how long to follow the roll before giving up waiting; the daemon goes on (default 900)")
+    p.set_defaults(func=cmd_restart)
 
 
 def build_parser() -> argparse.ArgumentParser:

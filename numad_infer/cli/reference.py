@@ -35,6 +35,7 @@ class Command:
     name: str
     help: str
     options: tuple[Option, ...]  # its own, not the global ones
+    operands: tuple[str, ...] = ()  # positional arguments as usage shows them: "[INSTANCE ...]"
 
 
 def _option(action: argparse.Action, group: tuple[str, ...] = ()) -> Option:
@@ -57,7 +58,19 @@ def describe(parser: argparse.ArgumentParser) -> tuple[tuple[Option, ...], tuple
     helps = {choice.dest: choice.help or "" for choice in sub._choices_actions}
     global_options = _own(parser, {"-h", "--help", "--version"})
     skip = {"-h", "--help", *(name for option in global_options for name in option.names)}
-    return global_options, tuple(Command(name, helps.get(name, ""), _own(p, skip)) for name, p in sub.choices.items())
+    return global_options, tuple(Command(name, helps.get(name, ""), _own(p, skip), _operands(p))
+                                 for name, p in sub.choices.items())
+
+
+def _operands(parser: argparse.ArgumentParser) -> tuple[str, ...]:
+    shown = []
+    for action in parser._actions:
+        if action.option_strings:
+            continue
+        metavar = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+        shown.append({"*": f"[{metavar} ...]", "?": f"[{metavar}]", "+": f"{metavar} [{metavar} ...]"}
+                     .get(str(action.nargs), metavar))
+    return tuple(shown)
 
 
 # -- the README's synopsis of one command ---------------------------------------------------------
@@ -75,7 +88,7 @@ def synopsis(command: Command) -> str:
             continue
         shown = option.long if option.argument is None else f"{option.long} {_argument(option, _TABLE_BAR)}"
         words.append(f"[{shown}]")
-    return " ".join(words)
+    return " ".join([*words, *command.operands])
 
 
 _TABLE_BAR = "\\|"  # a | inside a markdown table cell
@@ -114,6 +127,7 @@ def man_synopsis(parser: argparse.ArgumentParser) -> str:
                 done.update(option.exclusive_with)
                 continue
             lines += _man_option(option)
+        lines += [f".RI {_roff(operand)}" for operand in command.operands]
         lines.append(".br")
     lines += [".B \\%numa-infer", ".B \\-\\-version", ".PP", ".I global-options", "are"]
     for option in global_options:

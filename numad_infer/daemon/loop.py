@@ -20,6 +20,7 @@ from numad_infer import __version__
 from numad_infer.backends.base import Backend
 from numad_infer.daemon import publish as snapshot
 from numad_infer.daemon.desired import PlanState
+from numad_infer.daemon.restarts import Restarts
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
@@ -54,6 +55,7 @@ class Daemon:
         self.started_at = time.time()
         self.state = DaemonState.STARTING
         self.pass_duration_s: float | None = None
+        self.restarts = Restarts(self.reconciler, state_file)  # `numa-infer restart`
         self._flags: set[str] = set()
         self._wake_r, self._wake_w = os.pipe()
 
@@ -70,6 +72,7 @@ class Daemon:
             self._flags.add("stop now" if "stop" in self._flags else "stop")
 
         signal.signal(signal.SIGHUP, flag("reload"))
+        signal.signal(signal.SIGUSR1, flag("restart"))  # `numa-infer restart` left a request (restart_request.py)
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
 
@@ -96,7 +99,8 @@ class Daemon:
             state=self.state, config=self.config_path, pid=os.getpid(), version=__version__, backend=self.backend.name,
             started_at=self.started_at, updated_at=time.time(),
             interval_s=config.monitor.interval_s if config else None, generation=self.plan.generation,
-            last_reload=self.plan.last_reload, warnings=self.plan.warnings, status=self.status_line(),
+            last_reload=self.plan.last_reload, last_restart=self.restarts.follow(), warnings=self.plan.warnings,
+            status=self.status_line(),
             pass_duration_s=self.pass_duration_s, metrics=self.metrics.listen or None,
             allowed=snapshot.allowed_line(self.plan.loaded),
             min_local_fraction=config.monitor.min_local_fraction if config else None)
@@ -141,6 +145,10 @@ class Daemon:
             if "reload" in self._flags:
                 self._flags.discard("reload")
                 self.reload()
+                self.publish(time.monotonic())
+            if "restart" in self._flags:
+                self._flags.discard("restart")
+                self.restarts.take()
                 self.publish(time.monotonic())
             now = time.monotonic()
             if now >= next_pass:

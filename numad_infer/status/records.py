@@ -61,6 +61,17 @@ class ReloadResult:
 
 
 @dataclass(frozen=True)
+class RestartResult:
+    """The answer to `numa-infer restart` (its request's id), and how far the roll is."""
+    id: str
+    at: float
+    ok: bool
+    instances: tuple[str, ...] = ()
+    error: str | None = None
+    left: tuple[str, ...] = ()  # not yet restarted and healthy again: the roll is over when empty
+
+
+@dataclass(frozen=True)
 class MemoryStatus:
     anon_bytes: int
     remote_bytes: int
@@ -139,6 +150,7 @@ class DaemonStatus:
     interval_s: float | None = None
     generation: int = 0
     last_reload: ReloadResult | None = None
+    last_restart: RestartResult | None = None
     warnings: tuple[str, ...] = ()
     status: str | None = None  # the one line also sent as STATUS= to systemd
     pass_duration_s: float | None = None

@@ -34,6 +34,7 @@ class Rollout:
         self.specs: dict[str, str] = {}
         self.rolling: list[str] = []  # definition changed, restart still to come (one at a time)
         self.rolled: list[str] = []  # restarted by the current rollout: must be healthy before the next
+        self.why = "definition changed"  # what the rollout under way is for, in its log lines
         self._stopped_said = False  # the rollout's stop was said in the journal once
         self.retiring: dict[str, Retiring] = {}
 
@@ -65,7 +66,7 @@ class Rollout:
                            running.get(instance.name), now)
         self.rolling = [name for name in self.rolling if name in runtimes]
         if diff.changed:  # a new rollout; one still under way continues with the new definition
-            self.rolled, self._stopped_said = [], False
+            self.rolled, self._stopped_said, self.why = [], False, "definition changed"
         self.roll(runtimes, holds, now)
 
     def _bring_up(self, instance: Instance, runtimes: dict[str, Runtime], changed: bool, held: bool,
@@ -139,8 +140,33 @@ class Rollout:
                 return  # held: its restart waits for the release (it starts on the new definition then)
             name = self.rolling.pop(0)
             self.rolled.append(name)
-            log.info("%s: definition changed: restarting", name)
-            self.supervisor.restart(runtimes[name], now, "definition changed", counted=False)
+            log.info("%s: %s: restarting", name, self.why)
+            self.supervisor.restart(runtimes[name], now, self.why, counted=False)
+
+    def request(self, names: list[str], runtimes: dict[str, Runtime], holds: dict[str, str]) -> str | None:
+        """`numa-infer restart`: roll `names` (all instances when empty) as a changed
+        definition is rolled, one at a time behind the front door. The reason it is refused
+        (None when accepted): a rollout already under way is never cut into, since its
+        order (the next only once the last is healthy) is what keeps requests served."""
+        if self.rolling:
+            return (f"a rolling restart is under way ({', '.join(self.rolling)} still to restart, after a reload or "
+                    "a new model file): try again once `numa-infer status` shows it over")
+        wanted = names or list(runtimes)
+        unknown = [n for n in wanted if n not in runtimes]
+        if unknown:
+            return f"no instance named {', '.join(unknown)}; the instances are {', '.join(runtimes) or 'none'}"
+        held = [f"{n} (held by {holds[n]})" for n in wanted if n in holds]
+        if held:
+            return f"{', '.join(held)}: held stopped; it starts on its own once the hold is released"
+        self.rolling, self.rolled, self._stopped_said = list(dict.fromkeys(wanted)), [], False
+        self.why = "restart requested"
+        log.info("restart requested: %s, one at a time", ", ".join(self.rolling))
+        return None
+
+    def left(self, names: tuple[str, ...], runtimes: dict[str, Runtime]) -> tuple[str, ...]:
+        """Which of `names` are not yet restarted and healthy again."""
+        return tuple(n for n in names if n in runtimes and (
+            n in self.rolling or runtimes[n].supervision.state != State.HEALTHY))
 
     def _may_go_on(self, runtimes: dict[str, Runtime]) -> bool:
         if any(rt.supervision.state in IN_TRANSITION for rt in runtimes.values()):

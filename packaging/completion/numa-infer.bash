@@ -7,7 +7,7 @@ _numa_infer()
     local cur prev words cword split
     _init_completion -s || return
 
-    local commands="topology plan render check run status tune doctor health reload"
+    local commands="topology plan render check run status tune doctor health reload restart"
     local global_opts="--config --fsroot --state-file --backend"
 
     # Options that take an argument.
@@ -99,6 +99,7 @@ _numa_infer()
         doctor) opts="--json --sample" ;;
         health) opts="--live --ready" ;;
         reload) opts="--pid --timeout" ;;
+        restart) opts="--pid --timeout" ;;
         *) return ;;
     esac
     if [[ $cur == -* ]]; then

@@ -423,3 +423,38 @@ def test_a_model_file_still_being_written_is_not_loaded_until_it_is_whole(tmp_pa
             copy.write(data[len(data) // 2:])
         run.wait(lambda s: all(i["pid"] != old[i["name"]] and i["state"] == "healthy" for i in s["instances"]),
                  120, "both instances restarted once the file was whole")
+
+
+def test_restart_rolls_the_instances_under_load_fails_no_request_and_prints_its_progress(
+        tmp_path: Path, slow_model: Path) -> None:
+    with daemons(tmp_path, slow_model) as start:
+        run = start(engine="llama-server")
+        state = healthy_behind_frontdoor(run)
+        old = {i["name"]: i["pid"] for i in state["instances"]}
+        load = Load(run.frontend_port, clients=4, per_client=10_000, max_tokens=12).start()  # until stopped
+        under_load(run)
+        restart = subprocess.run([sys.executable, "-m", "numad_infer", "--config", str(run.config), "--state-file",
+                                  str(run.state_file), "--fsroot", str(run.fsroot), "restart", "--timeout", "120"],
+                                 cwd=ROOT, capture_output=True, text=True, timeout=180)
+        load.stop()
+        outcomes = load.wait()
+        assert restart.returncode == 0, restart.stdout + restart.stderr
+        lines = restart.stdout.splitlines()
+        assert lines[-1] == "restarted: infer@0, infer@1", lines
+        # Its progress, one instance after the other: infer@1 is still healthy on its old
+        # process while infer@0 restarts.
+        first_out = {name: next(n for n, line in enumerate(lines) if line.startswith(f"{name}: ")
+                                and not line.endswith(": healthy")) for name in ("infer@0", "infer@1")}
+        assert first_out["infer@0"] < lines.index("infer@0: healthy") < first_out["infer@1"], lines
+        state = run.state()
+        assert all(i["pid"] != old[i["name"]] and i["state"] == "healthy" for i in state["instances"])
+        assert restarts(state) == 0  # asked for, not repairs
+        failed = [o for o in outcomes if not o.complete]
+        assert not failed, failed[:3]
+        logs = run.logs()
+        assert "restart requested: infer@0, infer@1, one at a time" in logs
+        print(f"restart under load: {len(outcomes)} requests, 0 failed; progress: {lines}")
+        refused = subprocess.run([sys.executable, "-m", "numad_infer", "--config", str(run.config), "--state-file",
+                                  str(run.state_file), "restart", "infer@7"], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=60)
+        assert refused.returncode == 1 and "no instance named 'infer@7'" in refused.stderr
