@@ -68,6 +68,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "util/addresses": (CORE, "where a local client reaches a listen address (wildcard -> loopback)"),
     "util/cpuset": (CORE, "CPU lists: parse and format `0-3,8`"),
     "util/tables": (CORE, "plain-text tables for every command's output"),
+    "util/histogram": (CORE, "Prometheus-style histograms: the request timings the front door logs"),
     "util/typedjson": (CORE, "JSON read back from a file -> typed dataclasses, every field checked"),
     "util/atomicfile": (EDGE, "replace a file atomically (temp file + rename); read only a regular file, never a link"
                               " or FIFO"),
@@ -129,6 +130,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/control": (EDGE, "the daemon's handle on the running HAProxy: apply, observe, rotation"),
     "frontdoor/handover": (EDGE, "what HAProxy's unit runs: takes the daemon's socket, then executes HAProxy"),
     "frontdoor/haproxy": (EDGE, "the HAProxy binary (version, `-c`) and its runtime API socket"),
+    "frontdoor/request_log": (EDGE, "HAProxy's timing line per request, received by the daemon: time to first "
+                                    "token and duration per instance"),
     "frontdoor/listener": (EDGE, "the front door's listening socket, held by the daemon across HAProxy's death and "
                                  "reloads, handed to HAProxy's unit, kept in the daemon's file descriptor store"),
     # -- units --------------------------------------------------------------------------------------

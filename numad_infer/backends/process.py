@@ -209,6 +209,8 @@ class ProcessFrontdoorRunner:
         self.socket_path = run_dir / SOCKET_DIR_NAME / "admin.sock"
         self.output = output
         self.runs_as = runs_as
+        uid = os.geteuid() if runs_as is None or runs_as.uid is None else runs_as.uid
+        self.haproxy_uids = frozenset({0, uid})
         self.child: subprocess.Popen[bytes] | None = None
         # The daemon holds the port; HAProxy, killed or restarted, finds the same socket.
         self.listener = HeldListener()

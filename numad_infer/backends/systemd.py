@@ -14,7 +14,7 @@ from numad_infer.config.defaults import FRONTDOOR_USER
 from numad_infer.config.schema import Config
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.listener import Handout, HeldListener, Store
-from numad_infer.host.identity import CREATE_USERS, BackendKind
+from numad_infer.host.identity import CREATE_USERS, BackendKind, frontdoor_runs_as
 from numad_infer.plan.model import Instance
 from numad_infer.systemd.systemctl import Systemctl, SystemctlError
 from numad_infer.systemd.unitdir import managed_files, write_units
@@ -177,6 +177,8 @@ class SystemdFrontdoorRunner:
     def __init__(self, systemctl: Systemctl, handout: FrontdoorHandout | None = None) -> None:
         self.systemctl = systemctl
         self.listener = HeldListener(None if handout is None else handout.store)
+        user = frontdoor_runs_as(BackendKind.SYSTEMD)  # None: the unit keeps HAProxy root
+        self.haproxy_uids = frozenset({0} | ({user.uid} if user is not None and user.uid is not None else set()))
         if handout is not None:
             if handout.kept_fd is not None:
                 self.listener.adopt(handout.kept_fd)

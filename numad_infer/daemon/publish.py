@@ -74,6 +74,7 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
     """`slots`: requests an instance works on at once, where its engine reports them."""
     sup, inst, mem = rt.supervision, rt.instance, rt.memory
     stat = None if frontdoor.stats is None else frontdoor.stats.servers.get(server_name(inst.name))
+    timings = frontdoor.timings(inst) if frontdoor.listen else None
     status = InstanceStatus.planned(
         inst, rt.pid, sup.state,
         uptime_s=round(now - sup.started_at, 1) if sup.started_at is not None and rt.pid else None,
@@ -92,6 +93,8 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
         queued=None if stat is None else stat.queued, served=None if stat is None else stat.served,
         slots=slots, busy_slots=None if rt.counters is None else rt.counters.busy_slots,
         decode_tokens_per_s=None if rt.decode_tokens_per_s is None else round(rt.decode_tokens_per_s, 1),
-        decode_efficiency=None if efficiency is None else round(efficiency, 4))
+        decode_efficiency=None if efficiency is None else round(efficiency, 4),
+        time_to_first_token=None if timings is None else timings[0],
+        request_duration=None if timings is None else timings[1])
     # Never a CPU the instance cannot run on: its cgroup may have been narrowed under it.
     return replace(status, cpus=rt.runnable_cpus)

@@ -21,8 +21,10 @@ from numad_infer.frontdoor import haproxy
 from numad_infer.frontdoor.haproxy import AdminState, BackendStat, FrontendStat, HaproxyError, RuntimeAPI
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
 from numad_infer.frontdoor.listener import HeldListener
+from numad_infer.frontdoor.request_log import RequestLog
 from numad_infer.plan.model import Instance, Plan
 from numad_infer.util.atomicfile import write_atomic
+from numad_infer.util.histogram import Histogram
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class FrontdoorRunner(Protocol):
     restarted_by_manager: bool
     # The listening socket the daemon holds, and HAProxy accepts on (listener.py says why).
     listener: HeldListener
+    # Who HAProxy runs as (and root): only their timing lines count (request_log.py).
+    haproxy_uids: frozenset[int]
 
     def running(self) -> bool: ...
     def start(self, binary: str, config_path: Path) -> None: ...
@@ -57,6 +61,8 @@ class Frontdoor:
         self.answers: FrontendStat | None = None  # the listener's answers by class, read with `stats`
         self.queue_size = 0  # frontend.queue_size of the applied config: a full queue answers 503
         self.error = ""  # why the last apply or read failed, for status
+        assert self.paths.requests is not None
+        self.requests = RequestLog(self.paths.requests, runner.haproxy_uids)  # per-request timings
 
     def _hold(self, config: Config) -> bool:
         """Hold the listening socket at the configured address. True when it is a new
@@ -103,6 +109,10 @@ class Frontdoor:
             self.runner.listener.refuse()
             self.listen, self.stats, self.answers = "", None, None
             return False
+        try:
+            self.requests.start()
+        except OSError as exc:  # the front door works without its timings; say why they are missing
+            log.error("front door: cannot receive request timings on %s: %s", self.paths.requests, exc.strerror)
         running = self.runner.running()
         if self._hold(config) and running:
             # A new address is a new socket: HAProxy cannot take it on a reload.
@@ -165,6 +175,10 @@ class Frontdoor:
             self.stats = self.answers = None
             self.error = str(exc)
         return self.stats
+
+    def timings(self, instance: Instance) -> tuple[Histogram, Histogram] | None:
+        """The instance's time to first token and request duration, from HAProxy's log."""
+        return self.requests.timings.snapshot().get(server_name(instance.name))
 
     def in_flight(self, instance: Instance) -> int | None:
         if self.stats is None:

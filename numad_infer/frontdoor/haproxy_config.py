@@ -104,6 +104,11 @@ def server_name(instance_name: str) -> str:
 
 
 CONFIG_NAME = "haproxy.cfg"
+# HAProxy's timing line per request, to the daemon's socket of this name (request_log.py
+# reads it): the server, the status, the time to the first byte of the answer's body (a
+# variable the backend sets) and %Ta, the request's whole active time, both in ms.
+REQUEST_LOG_NAME = "requests.sock"
+REQUEST_LOG_FORMAT = "%s %ST %[var(txn.first_byte_ms)] %Ta"
 STATE_NAME = "haproxy.state"
 
 
@@ -112,11 +117,12 @@ class Paths:
     config: Path  # haproxy.cfg
     state: Path  # server states kept across reloads
     socket: Path  # runtime API (admin level)
+    requests: Path | None = None  # where HAProxy sends one timing line per request (request_log.py)
 
 
 def paths_in(run_dir: Path, socket: Path) -> Paths:
     """The files in the directory the daemon (or `check`, in a scratch one) writes them to."""
-    return Paths(run_dir / CONFIG_NAME, run_dir / STATE_NAME, socket)
+    return Paths(run_dir / CONFIG_NAME, run_dir / STATE_NAME, socket, run_dir / REQUEST_LOG_NAME)
 
 
 # HAProxy expands the variable in a quoted word: its copy of the daemon's socket.
@@ -136,11 +142,13 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False)
     lines = [MARKER, *_global(config, paths, maxconn), "", *_defaults(front), "",
              f"frontend {FRONTEND}",
              f"    bind {HELD_BIND if held else host_port(host, port)}",
+             *_timing_log(paths),
              *_health(front),
              f"    default_backend {BACKEND}",
              "",
              f"backend {BACKEND}",
              "    balance leastconn",
+             *_first_byte(front),
              # Needed for retries (the request is replayed from the buffer) and for json_query.
              "    option http-buffer-request",
              "    retries 3",
@@ -158,6 +166,26 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False)
     for instance in plan.instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
     return "\n".join(lines) + "\n"
+
+
+def _timing_log(paths: Paths) -> list[str]:
+    """One line per request to the daemon (request_log.py): the server, the status, the
+    time to the first byte of the answer's body and the request's whole active time.
+    Traffic is logged at `info`; the global stderr log keeps `notice` and above, so these
+    lines never reach the journal."""
+    if paths.requests is None:
+        return []
+    return [f"    log {_socket_address(paths.requests)} len 1024 format raw local0 info",
+            f'    log-format "{REQUEST_LOG_FORMAT}"',
+            "    http-request set-var(txn.started_ms) date(0,ms)"]
+
+
+def _first_byte(front: FrontendSection) -> list[str]:
+    """Hold the answer until the first byte of its body has come from the instance, then
+    note the time (request_log.py says why). A stream's headers leave llama-server before
+    any token; from here on, a client's first byte comes with its first token."""
+    return [f"    http-response wait-for-body time {_ms(front.request_timeout_s)} at-least 1",
+            "    http-response set-var(txn.first_byte_ms) date(0,ms),sub(txn.started_ms)"]
 
 
 def _health(front: FrontendSection) -> list[str]:
@@ -193,6 +221,10 @@ def _defaults(front: FrontendSection) -> list[str]:
              "    mode http",
              "    log global",
              "    option dontlognull",
+             # Each chunk of a stream goes out as it comes, not held back for a fuller
+             # packet: measured, a stream's first token reached the client 170 ms later
+             # without it (bench/README.md).
+             "    option http-no-delay",
              "    timeout connect 2s",
              f"    timeout client {_ms(front.request_timeout_s)}",
              f"    timeout server {_ms(front.request_timeout_s)}",

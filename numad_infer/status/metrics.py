@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from wsgiref.simple_server import make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
@@ -105,6 +105,25 @@ def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator[Metric]
             repairs.add_metric([*key, kind.value], inst.repairs.get(kind.value, 0))
     yield from (family for family, _ in gauges)
     yield from (state, restarts, drifts, repairs, cpu)
+    yield from _latency_metrics(instances)
+
+
+def _latency_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator[Metric]:
+    """Per instance, from the front door's log of each request (request_log.py says how)."""
+    first = HistogramMetricFamily(
+        "numa_infer_time_to_first_token_seconds",
+        "From the front door receiving a request to the first byte of its answer's body from the instance: a "
+        "stream's first token; an answer sent whole counts whole. Includes the wait in the front door's queue",
+        labels=_LABELS)
+    whole = HistogramMetricFamily(
+        "numa_infer_request_duration_seconds",
+        "From the front door receiving a request to the last byte of its answer, queue included", labels=_LABELS)
+    for inst in instances:
+        key = [inst.name, "" if inst.node is None else str(inst.node)]
+        for family, histogram in ((first, inst.time_to_first_token), (whole, inst.request_duration)):
+            if histogram is not None:
+                family.add_metric(key, histogram.cumulative(), histogram.sum)
+    yield from (first, whole)
 
 
 def _daemon_metrics(snap: Status) -> Iterator[Metric]:

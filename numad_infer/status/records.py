@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from numad_infer.errors import NumaInferError
 from numad_infer.lifecycle.states import State
+from numad_infer.util.histogram import Histogram
 from numad_infer.util.typedjson import DecodeError, decode
 
 if TYPE_CHECKING:  # the planner needs pydantic (the config): `status` must start without it
@@ -115,6 +116,10 @@ class InstanceStatus:
     # decode_tokens_per_s x bytes a decoded token reads (every layer, the output
     # projection, one embedding row) / the node's read bandwidth as `numa-infer tune` measured it
     decode_efficiency: float | None = None
+    # From the front door's log of each request (request_log.py), since the daemon started:
+    # until the first byte of the answer's body (a stream's first token), and until its last.
+    time_to_first_token: Histogram | None = None
+    request_duration: Histogram | None = None
     # The CPU kernels the engine runs: ggml's variant and its wide units, e.g. "haswell (AVX2)"
     cpu_backend: str | None = None
 

@@ -39,6 +39,7 @@ from numad_infer.lifecycle.states import State
 from numad_infer.status.metrics import SnapshotCollector
 from numad_infer.status.records import DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, Status
 from numad_infer.tune import bandwidth_file as bandwidthfile
+from numad_infer.util.histogram import REQUEST_DURATION_BOUNDS, TIME_TO_FIRST_TOKEN_BOUNDS, Histogram, Recorder
 from tests.daemon_harness import ROOT, DaemonRun, daemons, free_port_block, generated_model
 
 RULES = ROOT / "packaging/prometheus/numa-infer-rules.yml"
@@ -65,6 +66,8 @@ EXPECTED_EMPTY_WHEN_HEALTHY: dict[str, tuple[str, ...]] = {
     "NumaInferFrontdoor5xxHigh": (
         'sum by (job, instance) (rate(numa_infer_frontdoor_responses_total[5m]))',),
     "NumaInferReloadRefused": ('numa_infer_config_ok',),
+    "NumaInferTimeToFirstTokenHigh": (
+        'sum by (job, instance, server, le) (rate(numa_infer_time_to_first_token_seconds_bucket[10m]))',),
 }
 # Grafana's own variables, as the dashboard's "All" would send them.
 DASHBOARD_VARIABLES = {"$instance": ".*", "$node": ".*", "$__rate_interval": "1m"}
@@ -109,13 +112,32 @@ def _full_status() -> Status:
     inst = InstanceStatus(name="infer@0", node=0, cpus=(0,), mems=(0,), threads=1, port=8080, pid=1,
                           state=State.HEALTHY, local_memory_fraction=0.8, probe_latency_ms=3.0, drift_events={"memory": 1},
                           repairs={"memory": 1}, rotation="UP 1/2", in_flight=1, queued=0, served=5, slots=2,
-                          busy_slots=1, decode_tokens_per_s=10.0, decode_efficiency=0.4)
+                          busy_slots=1, decode_tokens_per_s=10.0, decode_efficiency=0.4,
+                          time_to_first_token=_histogram(TIME_TO_FIRST_TOKEN_BOUNDS, 0.3, 2.0),
+                          request_duration=_histogram(REQUEST_DURATION_BOUNDS, 1.5, 4.0))
     out = InstanceStatus(name="infer@1", node=1, cpus=(1,), mems=(1,), threads=1, port=8081, pid=2,
                          state=State.UNHEALTHY, rotation="MAINT", in_flight=0, queued=0)
     front = FrontdoorStatus("127.0.0.1:8000", True, queued=3, in_flight=1, queue_size=64,
                             responses={"2xx": 40, "5xx": 2})
     daemon = DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml", pass_duration_s=0.01, min_local_fraction=0.9)
     return Status(daemon, (inst, out), front)
+
+
+def _histogram(bounds: tuple[float, ...], *values: float) -> Histogram:
+    recorder = Recorder(bounds)
+    for value in values:
+        recorder.observe(value)
+    return recorder.snapshot()
+
+
+def test_the_request_timings_are_published_as_prometheus_histograms() -> None:
+    text = _published(_full_status())
+    assert 'numa_infer_time_to_first_token_seconds_bucket{le="0.25",node="0",server="infer@0"} 0.0' in text
+    assert 'numa_infer_time_to_first_token_seconds_bucket{le="0.5",node="0",server="infer@0"} 1.0' in text
+    assert 'numa_infer_time_to_first_token_seconds_bucket{le="+Inf",node="0",server="infer@0"} 2.0' in text
+    assert 'numa_infer_time_to_first_token_seconds_count{node="0",server="infer@0"} 2.0' in text
+    assert 'numa_infer_request_duration_seconds_sum{node="0",server="infer@0"} 5.5' in text
+    assert 'server="infer@1"' not in "".join(line for line in text.splitlines() if "_seconds_" in line)
 
 
 def _published(status: Status) -> str:
@@ -150,6 +172,9 @@ def test_the_dashboard_and_the_rules_use_only_metrics_the_daemon_publishes() -> 
     assert used and used <= published, sorted(used - published)
     # Everything an operator could want on the dashboard is on it.
     on_dashboard = {name for _, e in dashboard_queries() for name in re.findall(r"\bnuma_infer_\w+", e)}
+    # A histogram is on it through its buckets; its _sum and _count come with them.
+    on_dashboard |= {name[: -len("_bucket")] + part for name in on_dashboard if name.endswith("_bucket")
+                     for part in ("_sum", "_count")}
     assert published - on_dashboard <= {"numa_infer_instance_threads"}, sorted(published - on_dashboard)
 
 

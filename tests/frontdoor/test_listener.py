@@ -152,6 +152,8 @@ class UnitRunner:
 
     restarted_by_manager = True
 
+    haproxy_uids = frozenset({0})
+
     def __init__(self, door: Door, tmp: Path, stored: list[tuple[str, int | None]]) -> None:
         self.run_dir, self.socket_path = door.run_dir, door.run_dir / "admin.sock"
         self.handout_path = tmp / "listener.sock"

@@ -1,0 +1,118 @@
+"""HAProxy's per-request log line, sent to the daemon: time to first token and request
+duration per instance, as histograms.
+
+Why HAProxy's timings and not the engines': every request goes through it whichever
+engine answers, its clock includes the wait in its own queue (which no engine sees), and
+llama-server's own metrics have totals, not one figure per request. A stream's response
+headers leave llama-server at once, before any token, so HAProxy's header time (%Tr)
+would say nothing; haproxy_config.py makes HAProxy wait for the first byte of the body
+(`wait-for-body at-least 1`) and note the time then. That first chunk holds the first
+token: for a stream it is the time to first token a client sees, for an answer sent
+whole it is the whole answer, which is when such a client gets its first token too.
+
+Edge: a unix datagram socket the daemon binds in its run directory. HAProxy sends one
+line per request (haproxy_config.REQUEST_LOG_FORMAT: "<server> <status> <ttft ms> <active ms>"); a datagram counts only
+when the kernel says (SCM_CREDENTIALS) its sender is HAProxy's user or root, so another
+local user cannot write figures into the metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+from pathlib import Path
+
+from numad_infer.util.histogram import (
+    REQUEST_DURATION_BOUNDS,
+    TIME_TO_FIRST_TOKEN_BOUNDS,
+    Histogram,
+    Recorder,
+)
+
+log = logging.getLogger(__name__)
+
+_MAX_DATAGRAM = 1024  # the line is ~40 bytes; HAProxy's `len` is set to this too
+_CREDENTIALS = struct.calcsize("3i")
+
+
+class Timings:
+    """Per server: time to first token and request duration, filled from log lines."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._first: dict[str, Recorder] = {}
+        self._whole: dict[str, Recorder] = {}
+
+    def record(self, line: str) -> bool:
+        """One log line; False for one that is not a served request's (nothing recorded)."""
+        words = line.split()
+        if len(words) != 4 or words[0].startswith("<"):  # <NOSRV>: answered by HAProxy itself
+            return False
+        server, _status, first_ms, active_ms = words
+        try:
+            first, whole = int(first_ms) / 1000, int(active_ms) / 1000
+        except ValueError:
+            return False  # "-": no answer came from the server (cut, timed out)
+        if first < 0 or whole < 0:
+            return False
+        with self._lock:
+            self._first.setdefault(server, Recorder(TIME_TO_FIRST_TOKEN_BOUNDS)).observe(first)
+            self._whole.setdefault(server, Recorder(REQUEST_DURATION_BOUNDS)).observe(whole)
+        return True
+
+    def snapshot(self) -> dict[str, tuple[Histogram, Histogram]]:
+        """server -> (time to first token, request duration)."""
+        with self._lock:
+            return {name: (first.snapshot(), self._whole[name].snapshot()) for name, first in self._first.items()}
+
+
+class RequestLog:
+    """The socket HAProxy logs to, and the thread that reads it into `timings`."""
+
+    def __init__(self, path: Path, senders: frozenset[int]) -> None:
+        self.path, self.senders = path, senders
+        self.timings = Timings()
+        self._sock: socket.socket | None = None
+
+    def start(self) -> None:
+        if self._sock is not None:
+            return
+        self.path.unlink(missing_ok=True)  # a previous daemon's
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        old = os.umask(0o111)  # HAProxy's user must write to it; the senders' check keeps others out
+        try:
+            sock.bind(str(self.path))
+        finally:
+            os.umask(old)
+        self._sock = sock
+        threading.Thread(target=self._serve, args=(sock,), name="request-log", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                data, ancillary, _, _ = sock.recvmsg(_MAX_DATAGRAM, socket.CMSG_SPACE(_CREDENTIALS))
+            except OSError:
+                return  # closed
+            if self._sender(ancillary) not in self.senders:
+                continue
+            self.timings.record(data.decode("ascii", errors="replace"))
+
+    @staticmethod
+    def _sender(ancillary: list[tuple[int, int, bytes]]) -> int | None:
+        for level, kind, payload in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= _CREDENTIALS:
+                uid: int = struct.unpack("3i", payload[:_CREDENTIALS])[1]  # struct ucred: pid, uid, gid
+                return uid
+        return None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            with contextlib.suppress(OSError):
+                self.path.unlink()

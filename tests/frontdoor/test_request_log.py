@@ -1,0 +1,157 @@
+"""Request timings from the front door's log: HAProxy (the rendered haproxy.cfg, real)
+sends one line per request to the daemon's socket (frontdoor/request_log.py), which
+fills the per-instance histograms of time to first token and request duration.
+
+The instance is a small HTTP server here that answers as llama-server does a stream:
+headers at once, the first token later, the rest after that, so the figures can be
+held to known delays."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from numad_infer.frontdoor.request_log import RequestLog, Timings
+from numad_infer.util.histogram import TIME_TO_FIRST_TOKEN_BOUNDS, Histogram, Recorder
+from tests.frontdoor.test_control import Door, as_root, with_haproxy, wait_for
+
+FIRST_TOKEN_S, REST_S = 0.6, 0.4
+
+
+def test_a_value_on_a_bound_falls_in_that_bucket_and_the_buckets_add_up() -> None:
+    recorder = Recorder((0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 1.0, 7.0):
+        recorder.observe(value)
+    snap = recorder.snapshot()
+    assert snap.counts == (2, 2, 1) and snap.count == 5 and snap.sum == pytest.approx(8.65)
+    assert snap.cumulative() == [("0.1", 2), ("1.0", 4), ("+Inf", 5)]
+    assert Histogram.empty((0.1,)).cumulative() == [("0.1", 0), ("+Inf", 0)]
+
+
+@pytest.mark.parametrize("line, counted", [
+    ("infer-0 200 41 613\n", True),
+    ("infer-1 502 - 12\n", False),  # no byte of an answer came from the instance
+    ("<NOSRV> 503 - 0\n", False),  # answered by HAProxy itself (health, full queue)
+    ("infer-0 200 41\n", False),
+    ("infer-0 200 -5 10\n", False),
+    ("\x1b[2J 200 1 1\n", True),  # counted under that name; names come from HAProxy, the only sender
+])
+def test_only_a_served_requests_line_is_counted(line: str, counted: bool) -> None:
+    timings = Timings()
+    assert timings.record(line) is counted
+    assert bool(timings.snapshot()) is counted
+
+
+def test_the_lines_fill_each_servers_histograms_in_seconds() -> None:
+    timings = Timings()
+    for line in ("infer-0 200 40 600", "infer-0 200 3000 9000", "infer-1 200 100 100"):
+        timings.record(line)
+    first, whole = timings.snapshot()["infer-0"]
+    assert first.count == whole.count == 2
+    assert first.sum == pytest.approx(3.04) and whole.sum == pytest.approx(9.6)
+    assert dict(first.cumulative())["0.05"] == 1 and dict(first.cumulative())["5.0"] == 2
+    assert first.bounds == TIME_TO_FIRST_TOKEN_BOUNDS
+
+
+def send(path: Path, line: str) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.sendto(line.encode(), str(path))
+
+
+def test_a_datagram_from_another_user_is_not_counted(tmp_path: Path) -> None:
+    log = RequestLog(tmp_path / "requests.sock", frozenset({os.geteuid()}))
+    log.start()
+    try:
+        send(log.path, "infer-0 200 10 20")
+        wait_for(lambda: "infer-0" in log.timings.snapshot(), "the sender's line")
+        if os.geteuid() == 0:
+            pid = os.fork()
+            if pid == 0:  # the child: another user, as any local user could try
+                try:
+                    os.setgid(65534)
+                    os.setuid(65534)
+                    send(log.path, "infer-9 200 10 20")
+                finally:
+                    os._exit(0)
+            os.waitpid(pid, 0)
+        else:
+            log.senders = frozenset({os.geteuid() + 1})
+            send(log.path, "infer-9 200 10 20")
+        time.sleep(0.3)
+        assert "infer-9" not in log.timings.snapshot()
+    finally:
+        log.close()
+    assert not log.path.exists()
+
+
+class StreamLikeLlamaServer(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # HAProxy's health check
+        body = b'{"status":"ok"}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", "0")))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()  # the headers leave at once, before any token, as llama-server's do
+        for delay, data in ((FIRST_TOKEN_S, b'data: {"token": 1}\n\n'), (REST_S, b"data: [DONE]\n\n")):
+            time.sleep(delay)
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@as_root
+@with_haproxy
+def test_haproxy_reports_the_first_token_not_the_headers_and_a_client_gets_it_as_soon(tmp_path: Path) -> None:
+    door = Door(tmp_path)
+    instance = door.plan.instances[0]
+    server = ThreadingHTTPServer(("127.0.0.1", instance.port), StreamLikeLlamaServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        door.start()
+        wait_for(lambda: door.door.observe() is not None and door.door.in_flight(instance) is not None,
+                 "the server in HAProxy's view", detail=door.log)
+        wait_for(lambda: (door.door.stats.servers[f"{instance.name.replace('@', '-')}"].status  # type: ignore[union-attr]
+                          .startswith("UP")) if door.door.observe() else False, "the instance UP", detail=door.log)
+        conn = http.client.HTTPConnection("127.0.0.1", door.port, timeout=30)
+        started = time.monotonic()
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "stream": True}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        first = response.read1(64)
+        client_first = time.monotonic() - started
+        response.read()
+        assert first.startswith(b"data: ")
+        wait_for(lambda: door.door.timings(instance) is not None, "the request's timing line", detail=door.log)
+        timings = door.door.timings(instance)
+        assert timings is not None
+        ttft, whole = timings
+        assert ttft.count == whole.count == 1
+        # The first token, not the headers (sent at once), and the whole answer after it.
+        assert FIRST_TOKEN_S - 0.05 <= ttft.sum <= FIRST_TOKEN_S + 0.5, ttft
+        assert ttft.sum + REST_S - 0.05 <= whole.sum <= FIRST_TOKEN_S + REST_S + 1.0, whole
+        # The client had that token within a few ms of HAProxy (no Nagle wait on the way).
+        assert client_first - ttft.sum < 0.1, (client_first, ttft.sum)
+        print(f"ttft {ttft.sum:.3f}s duration {whole.sum:.3f}s client first byte {client_first:.3f}s")
+    finally:
+        door.stop()
+        server.shutdown()
