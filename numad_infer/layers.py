@@ -113,8 +113,9 @@ MODULES: dict[str, tuple[str, str]] = {
     "host/procfs": (EDGE, "/proc reader rooted at a directory"),
     # -- model -------------------------------------------------------------------------------------
     "model/__init__": (CORE, PACKAGE_INIT),
-    "model/file": (EDGE, "the model file: readable, GGUF, its size"),
-    "model/gguf": (EDGE, "the GGUF header: tensor table (bytes a decoded token reads) and end-of-sequence ids"),
+    "model/file": (EDGE, "the model file, opened once: a readable regular file, GGUF, whole; its size and identity"),
+    "model/gguf": (EDGE, "the GGUF header, every length bounded: tensor table (bytes a decoded token reads) and "
+                         "end-of-sequence ids"),
     # -- engines -----------------------------------------------------------------------------------
     "engines/__init__": (CORE, "the engine registry with the built-in engines registered"),
     "engines/base": (CORE, "`Engine`: everything that differs between engines (argv, probe and key routes, key "
