@@ -195,8 +195,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "tune/run": (ORCHESTRATION, "the flow of `numa-infer tune` and `--apply`"),
     # -- daemon ------------------------------------------------------------------------------------
     "daemon/__init__": (CORE, PACKAGE_INIT),
-    "daemon/desired": (ORCHESTRATION, "the plan the daemon runs: load, apply, reload, re-plan on hotplug; the reload "
-                                      "bookkeeping status reports"),
+    "daemon/desired": (ORCHESTRATION, "the plan the daemon runs: load, apply, reload, re-plan on hotplug (a failed "
+                                      "one keeps the running plan); the reload bookkeeping status reports"),
     "daemon/loop": (ORCHESTRATION, "the loop: signals, passes, publishing, shutdown"),
     "daemon/publish": (ORCHESTRATION, "what the daemon publishes each pass: runtimes -> status types, the status line"),
     # -- cli ---------------------------------------------------------------------------------------
