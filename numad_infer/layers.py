@@ -114,8 +114,9 @@ MODULES: dict[str, tuple[str, str]] = {
     "host/procfs": (EDGE, "/proc reader rooted at a directory"),
     # -- model -------------------------------------------------------------------------------------
     "model/__init__": (CORE, PACKAGE_INIT),
-    "model/file": (EDGE, "the model file: readable, GGUF, its size"),
-    "model/gguf": (EDGE, "the GGUF header: tensor table (bytes a decoded token reads) and end-of-sequence ids"),
+    "model/file": (EDGE, "the model file, opened once: a readable regular file, GGUF, whole; its size and identity"),
+    "model/gguf": (EDGE, "the GGUF header, every length bounded: tensor table (bytes a decoded token reads) and "
+                         "end-of-sequence ids"),
     # -- engines -----------------------------------------------------------------------------------
     "engines/__init__": (CORE, "the engine registry with the built-in engines registered"),
     "engines/base": (CORE, "`Engine`: everything that differs between engines (argv, probe and key routes, key "
@@ -198,8 +199,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "tune/run": (ORCHESTRATION, "the flow of `numa-infer tune` and `--apply`"),
     # -- daemon ------------------------------------------------------------------------------------
     "daemon/__init__": (CORE, PACKAGE_INIT),
-    "daemon/desired": (ORCHESTRATION, "the plan the daemon runs: load, apply, reload, re-plan on hotplug; the reload "
-                                      "bookkeeping status reports"),
+    "daemon/desired": (ORCHESTRATION, "the plan the daemon runs: load, apply, reload, re-plan on hotplug (a failed "
+                                      "one keeps the running plan); the reload bookkeeping status reports"),
     "daemon/restarts": (ORCHESTRATION, "`numa-infer restart` on the daemon's side: take the request, start the roll, "
                                        "report how far it is"),
     "daemon/loop": (ORCHESTRATION, "the loop: signals, passes, publishing, shutdown"),

@@ -31,7 +31,7 @@ def captures(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def searchable_by_others(path: Path) -> Path:
     """Let the instances' unprivileged user reach `path` (pytest's temporary directories
-    are 0700): a root `check` verifies the model as that user (modelfile.model_size)."""
+    are 0700): a root `check` verifies the model as that user (model/file.read_model)."""
     for directory in [path, *path.parents]:
         if directory == Path("/tmp") or directory == Path("/"):
             break

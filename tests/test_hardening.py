@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from numad_infer.errors import ConfigError
-from numad_infer.model.file import model_size
+from numad_infer.model.file import read_model
 
-GGUF = b"GGUF" + b"\0" * 60
+GGUF = b"GGUF\x03\x00\x00\x00" + b"\0" * 56  # version 3, no tensors, no metadata
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -24,8 +24,8 @@ def test_a_fifo_as_model_is_refused_at_once(tmp_path: Path) -> None:
     fifo = tmp_path / "model.gguf"
     os.mkfifo(fifo)
     # Before: open() blocked forever waiting for a writer.
-    proc = subprocess.run([sys.executable, "-c", "from numad_infer.model.file import model_size; "
-                           f"model_size({str(fifo)!r}, 'cfg')"], capture_output=True, text=True, timeout=10, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-c", "from numad_infer.model.file import read_model; "
+                           f"read_model({str(fifo)!r}, 'cfg')"], capture_output=True, text=True, timeout=10, cwd=ROOT)
     assert proc.returncode == 1 and "is not a regular file" in proc.stderr
 
 
@@ -44,23 +44,23 @@ def test_as_root_the_model_must_be_readable_by_the_unprivileged_instances(tmp_pa
     nobody = lookup("nobody", "cfg")
     for user, who in ((DYNAMIC_USER, "systemd.s DynamicUser"), (nobody, "nobody")):
         with pytest.raises(ConfigError, match=rf"cannot be read by the instances: {who} may not read it \(chmod o\+r"):
-            model_size(str(private), "cfg", user)
-    assert model_size(str(private), "cfg", None) == len(GGUF)  # servers that run as the daemon's user
-    assert model_size(str(private), "cfg", lookup("root", "cfg")) == len(GGUF)  # server.user = root
+            read_model(str(private), "cfg", user)
+    assert read_model(str(private), "cfg", None).size == len(GGUF)  # servers that run as the daemon's user
+    assert read_model(str(private), "cfg", lookup("root", "cfg")).size == len(GGUF)  # server.user = root
     # The owner's bits count for the owner: a model of nobody's, mode 0600, is nobody's to read.
     os.chown(private, nobody.uid or 0, nobody.gid or 0)
-    assert model_size(str(private), "cfg", nobody) == len(GGUF)
+    assert read_model(str(private), "cfg", nobody).size == len(GGUF)
     with pytest.raises(ConfigError, match="DynamicUser may not read it"):
-        model_size(str(private), "cfg", DYNAMIC_USER)
+        read_model(str(private), "cfg", DYNAMIC_USER)
     hidden = tmp_path / "hidden"
     hidden.mkdir(mode=0o700)
     inside = hidden / "m.gguf"
     inside.write_bytes(GGUF)
     inside.chmod(0o644)
     with pytest.raises(ConfigError, match=f"directory {hidden} is not searchable by nobody"):
-        model_size(str(inside), "cfg", nobody)
+        read_model(str(inside), "cfg", nobody)
     hidden.chmod(0o755)
-    assert model_size(str(inside), "cfg", DYNAMIC_USER) == len(GGUF)
+    assert read_model(str(inside), "cfg", DYNAMIC_USER).size == len(GGUF)
 
 
 def test_server_user_must_exist_and_be_a_user_name() -> None:

@@ -43,6 +43,7 @@ class PlanState:
         self.warnings: tuple[str, ...] = ()
         self._changed: tuple[str, float] | None = None  # artifacts seen changed, and since when
         self._refused = ""  # artifacts the pipeline refused: tried again only when they change
+        self._failing: dict[str, str] = {}  # re-plan steps that raised at the last pass, and what
 
     @property
     def config(self) -> Config | None:
@@ -85,19 +86,44 @@ class PlanState:
 
     def reload(self) -> None:
         log.info("reloading %s", self.config_path)
-        try:
-            loaded = self.load()
-        except NumaInferError as exc:
-            # Keep running the old plan untouched; say why everywhere an operator looks.
-            log.error("reload failed, still running the previous configuration: %s", exc)
-            self.last_reload = ReloadResult(time.time(), False, "reload", str(exc))
-        except Exception as exc:  # deliberately broad: a bug in loading must not end a running fleet
-            log.exception("reload failed on an internal error, still running the previous configuration")
-            self.last_reload = ReloadResult(time.time(), False, "reload",
-                                            f"internal error: {type(exc).__name__}: {exc}")
-        else:
+        loaded = self._load("reload", "reload failed, still running the previous configuration")
+        if loaded is not None:
             self.apply(loaded, "reload")
         self.generation += 1
+
+    def _load(self, why: str, failed: str) -> Loaded | None:
+        """The pipeline's verdict for a reload or a re-plan, or None: refused, or failed on
+        a bug, the running plan is kept untouched and the refusal recorded as a refused
+        reload (`failed`: how the log says so)."""
+        try:
+            return self.load()
+        except Exception as exc:  # deliberately broad: a bug in loading must not end a running fleet
+            self.refused(why, failed, exc)
+            return None
+
+    def refused(self, why: str, failed: str, exc: Exception, logged: bool = True) -> None:
+        """Say why everywhere an operator looks: status's last reload, and the log (`logged`),
+        with the traceback of a bug: an error no NumaInferError explains."""
+        error = _error_text(exc)
+        if logged:
+            log.error("%s: %s", failed, error, exc_info=None if isinstance(exc, NumaInferError) else exc)
+        self.last_reload = ReloadResult(time.time(), False, why, error)
+
+    def replan(self, now: float) -> None:
+        """A pass's re-plan: the machine (check_machine), then the model and engine files
+        (check_artifacts). Whatever goes wrong in one is a refused re-plan, reported as a
+        refused reload is, and the running instances stay as they are."""
+        steps = (("machine check", self.check_machine), ("model or engine check", lambda: self.check_artifacts(now)))
+        for why, step in steps:
+            try:
+                step()
+            except Exception as exc:  # deliberately broad: a bug in a re-plan must not stop supervising the instances
+                # Logged once, not at every pass while it keeps failing the same way; status shows it throughout.
+                repeated = self._failing.get(why) == _error_text(exc)
+                self._failing[why] = _error_text(exc)
+                self.refused(why, f"{why} failed, still running the previous plan", exc, logged=not repeated)
+            else:
+                self._failing.pop(why, None)
 
     def check_artifacts(self, now: float) -> None:
         """The model file or the engine program at the configured path is another one than
@@ -118,13 +144,10 @@ class PlanState:
             return
         if now - self._changed[1] < SETTLE_S or seen == self._refused:
             return
-        try:
-            loaded = self.load()
-        except NumaInferError as exc:
-            log.error("the model file or the engine changed but cannot be rolled out: %s; the instances keep what "
-                      "they loaded", exc)
+        loaded = self._load("model or engine changed", "the model file or the engine changed but cannot be rolled "
+                            "out, the instances keep what they loaded")
+        if loaded is None:
             self._refused = seen
-            self.last_reload = ReloadResult(time.time(), False, "model or engine changed", str(exc))
             return
         self._changed = None
         self.apply(loaded, "model or engine changed")
@@ -151,14 +174,16 @@ class PlanState:
             log.warning("what the instances may use changed: %s, was %s; a new plan (not drift): re-planning",
                         allowed.describe(), self.allowed.describe())
         why = "cpu hotplug" if hotplug else "allowed set change"
-        try:
-            loaded = self.load()
-        except NumaInferError as exc:
-            log.error("the machine changed and the configuration no longer fits: %s", exc)
+        loaded = self._load(why, "the machine changed and the configuration no longer fits")
+        if loaded is None:
             self.online, self.allowed = online, allowed  # said once, not at every pass
-            self.last_reload = ReloadResult(time.time(), False, why, str(exc))
             return
         self.apply(loaded, why)
+
+
+def _error_text(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, NumaInferError) else f"internal error: {type(exc).__name__}: {exc}"
+
 
 def _names(names: tuple[str, ...]) -> str:
     return ", ".join(names) if names else "none"

@@ -152,12 +152,7 @@ class Daemon:
                 self.publish(time.monotonic())
             now = time.monotonic()
             if now >= next_pass:
-                self.plan.check_machine()
-                self.plan.check_artifacts(now)
-                self.plan.read_holds()
-                self.reconciler.monitor(now)
-                self.pass_duration_s = time.monotonic() - now
-                self.publish(now)
+                self.monitor_pass(now)
                 next_pass = now + self._next_interval()
             if self.notifier.watchdog_due(time.monotonic()):
                 self.notifier.watchdog(time.monotonic())
@@ -166,6 +161,15 @@ class Daemon:
                 wait = min(wait, self.notifier.watchdog_s / 4)
             self._sleep(wait)
         return self.shutdown()
+
+    def monitor_pass(self, now: float) -> None:
+        """One pass: re-plan if the machine or the model changed (a failure there keeps the
+        running plan, PlanState.replan), then monitor and repair the instances, publish."""
+        self.plan.replan(now)
+        self.plan.read_holds()
+        self.reconciler.monitor(now)
+        self.pass_duration_s = time.monotonic() - now
+        self.publish(now)
 
     def _next_interval(self) -> float:
         # While an instance is starting, look again within a second: it answers as soon as

@@ -1,78 +1,84 @@
 """The model file as the planner needs it: present, readable, GGUF, whole, and how big;
-and which file it is (`artifact_id`), so that a replaced model is rolled out."""
+and which file it is (`artifact_id`), so that a replaced model is rolled out.
+
+`read_model` opens the file once and takes everything from that descriptor: what it is
+(fstat), its size, its header. Checking a path and then opening it again would read
+whatever was swapped in between: a FIFO there hung the daemon."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
-import struct
+from dataclasses import dataclass
 
 from numad_infer.errors import ConfigError
 from numad_infer.host.identity import RunAs, unreadable_reason
-from numad_infer.model.gguf import GgufError, read_header
-
-GGUF_MAGIC = b"GGUF"
+from numad_infer.model.gguf import GgufError, GgufHeader, open_model, parse_header
 
 
-def model_size(path: str, source: str, runs_as: RunAs | None = None) -> int:
-    """Size in bytes of a readable GGUF file, or a ConfigError on `model.path`.
+@dataclass(frozen=True)
+class ModelFile:
+    """The model as the pipeline read it, all from one open descriptor."""
+
+    size: int  # bytes, from fstat
+    header: GgufHeader
+    artifact_id: str  # which file was read (see artifact_id)
+
+
+def read_model(path: str, source: str, runs_as: RunAs | None = None) -> ModelFile:
+    """The readable, whole GGUF file at `path`, or a ConfigError on `model.path` saying what
+    is wrong with it: missing, not a regular file, unreadable, not GGUF, a header that is
+    malformed or larger than a header can be, or shorter than its tensor table (a copy in
+    progress).
 
     `runs_as`: the instances run as another user (identity.instances_run_as): check what
     that user can read, not what the daemon (root, as a rule) can.
     """
     try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise ConfigError(source, "model.path", "file not found; put a GGUF model there or fix the path",
-                          path, True) from None
-    except PermissionError:
-        # A directory on the way this user may not search: a volume mounted with the wrong owner or mode.
-        raise ConfigError(source, "model.path", f"cannot be reached: a directory on its path is not readable by uid "
-                          f"{os.geteuid()}; make the model's volume readable by that user", path, True) from None
+        handle, info = open_model(path)
     except OSError as exc:
-        raise ConfigError(source, "model.path", f"cannot be read: {exc.strerror}", path, True) from None
-    if stat.S_ISDIR(mode):
-        raise ConfigError(source, "model.path", "is a directory; name the .gguf file itself", path, True)
-    if not stat.S_ISREG(mode):
-        # A FIFO or a device would block the read below (or never end).
-        raise ConfigError(source, "model.path", "is not a regular file; name the .gguf file itself", path, True)
-    reason = unreadable_reason(path, runs_as) if runs_as is not None else None
-    if reason is not None:
-        raise ConfigError(source, "model.path", f"cannot be read by the instances: {reason}", path, True)
-    try:
-        with open(path, "rb") as handle:
-            magic = handle.read(4)
-            size = os.fstat(handle.fileno()).st_size
-    except FileNotFoundError:
-        raise ConfigError(source, "model.path", "file not found; put a GGUF model there or fix the path",
-                          path, True) from None
-    except PermissionError:
-        raise ConfigError(
-            source, "model.path", f"cannot be read by this user; make it readable by uid {os.geteuid()} (chmod 644)",
-            path, True
-        ) from None
-    except IsADirectoryError:
-        raise ConfigError(source, "model.path", "is a directory; name the .gguf file itself", path, True) from None
-    except OSError as exc:
-        raise ConfigError(source, "model.path", f"cannot be read: {exc.strerror}", path, True) from None
-    if magic != GGUF_MAGIC:
-        raise ConfigError(source, "model.path", "is not a GGUF model file (llama.cpp loads only GGUF)", path, True)
-    return size
-
-
-def check_whole(path: str, source: str) -> None:
-    """ConfigError when the file is shorter than its tensor table says: copied over in place
-    (`cp new.gguf model.gguf`) and not finished, or cut short. A header this reader cannot
-    take is left to the engine, which says why when it loads."""
-    try:
-        header = read_header(path)
-    except (OSError, GgufError, struct.error):
-        return
+        raise _cannot_open(path, source, exc) from None
+    if handle is None:  # a FIFO, a device or a directory: opened without waiting (O_NONBLOCK), never read
+        what = "is a directory" if stat.S_ISDIR(info.st_mode) else "is not a regular file"
+        raise ConfigError(source, "model.path", f"{what}; name the .gguf file itself", path, True)
+    with handle:
+        reason = unreadable_reason(path, runs_as) if runs_as is not None else None
+        if reason is not None:
+            raise ConfigError(source, "model.path", f"cannot be read by the instances: {reason}", path, True)
+        try:
+            header = parse_header(handle, info.st_size)
+        except GgufError as exc:
+            raise ConfigError(source, "model.path", str(exc), path, True) from None
+        except OSError as exc:  # EIO from a failing disk or a network file system
+            raise ConfigError(source, "model.path", f"cannot be read: {exc.strerror}", path, True) from None
     missing = header.missing_bytes()
     if missing:
         raise ConfigError(source, "model.path", f"is {header.file_bytes} bytes, {missing} fewer than its tensor table "
                           "says: still being written, or cut short; let the copy finish (or copy it beside the model "
                           "and `mv` it into place, which is atomic)", path, True)
+    return ModelFile(info.st_size, header, _identity(path, info))
+
+
+def _cannot_open(path: str, source: str, exc: OSError) -> ConfigError:
+    if isinstance(exc, FileNotFoundError):
+        return ConfigError(source, "model.path", "file not found; put a GGUF model there or fix the path", path, True)
+    if isinstance(exc, PermissionError):
+        try:
+            os.stat(path)
+        except PermissionError:
+            # A directory on the way this user may not search: a volume mounted with the wrong owner or mode.
+            return ConfigError(source, "model.path", "cannot be reached: a directory on its path is not readable by "
+                               f"uid {os.geteuid()}; make the model's volume readable by that user", path, True)
+        except OSError:
+            pass
+        return ConfigError(source, "model.path", "cannot be read by this user; make it readable by uid "
+                           f"{os.geteuid()} (chmod 644)", path, True)
+    if exc.errno == errno.ENXIO:  # a socket: nothing to open
+        return ConfigError(source, "model.path", "is not a regular file; name the .gguf file itself", path, True)
+    if isinstance(exc, NotADirectoryError):
+        return ConfigError(source, "model.path", "file not found: a part of its path is not a directory", path, True)
+    return ConfigError(source, "model.path", f"cannot be read: {exc.strerror}", path, True)
 
 
 def artifact_id(path: str) -> str:
@@ -82,4 +88,8 @@ def artifact_id(path: str) -> str:
         info = os.stat(path)
     except OSError as exc:
         return f"{path}: {exc.strerror}"
+    return _identity(path, info)
+
+
+def _identity(path: str, info: os.stat_result) -> str:
     return f"{path}: {info.st_dev}:{info.st_ino}:{info.st_size}:{info.st_mtime_ns}"

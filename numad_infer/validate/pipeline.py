@@ -24,8 +24,7 @@ from numad_infer.host.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_un
 from numad_infer.host.identity import BackendKind, instances_run_as, systemd_frontdoor_user
 from numad_infer.host.pinning import memory_calls
 from numad_infer.host.procfs import ProcReader
-from numad_infer.model.file import artifact_id, check_whole, model_size
-from numad_infer.model.gguf import decode_bytes
+from numad_infer.model.file import artifact_id, read_model
 from numad_infer.plan.model import Plan
 from numad_infer.plan.placement import make_plan
 from numad_infer.systemd.unitdir import SYSTEM_UNIT_DIRS, check_unit_names
@@ -63,13 +62,12 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     check_engine_keys(config, source)
     check_unit_names(config, source, unit_dirs)
     runs_as = instances_run_as(config.server.user, source, kind)
-    size = model_size(config.model.path, source, runs_as)
-    check_whole(config.model.path, source)
+    model = read_model(config.model.path, source, runs_as)
     engine = engine_of(config)
     engine_warnings = engine.check_host(config, source, InstanceHost(runs_as))
     engine_cpu = engine.cpu(config, InstanceHost(runs_as))
     engine_warnings += _idle_unit_warnings(engine_cpu)
-    plan = make_plan(config, topology, size, source=source, allowed=allowed)
+    plan = make_plan(config, topology, model.size, source=source, allowed=allowed)
     check_haproxy(config, source)
     api_key = read_api_key(config, source)
     _check_frontdoor_config(config, plan)
@@ -78,14 +76,18 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     # Processes are always this machine's, even with --fsroot.
     warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as),
                 *memory_call_warnings(memory_calls(), kind))
-    return Loaded(source, config, topology, plan, kind, runs_as, engine, size, decode_bytes(config.model.path),
-                  allowed, engine_cpu, warnings, api_key, frontdoor_user, units, artifacts(config, engine))
+    return Loaded(source, config, topology, plan, kind, runs_as, engine, model.size, model.header.decode_bytes(),
+                  allowed, engine_cpu, warnings, api_key, frontdoor_user, units,
+                  artifacts(config, engine, model.artifact_id))
 
 
-def artifacts(config: Config, engine: Engine) -> str:
-    """The model file and engine program the instances would load now (model/file.artifact_id)."""
+def artifacts(config: Config, engine: Engine, model_id: str | None = None) -> str:
+    """The model file and engine program the instances would load now (model/file.artifact_id).
+    `model_id`: the model as the pipeline read it (its descriptor's fstat), not whatever is at
+    the path a moment later."""
     program = engine.program(config)
-    return f"model {artifact_id(config.model.path)}" + (f"; engine {artifact_id(program)}" if program else "")
+    model = model_id if model_id is not None else artifact_id(config.model.path)
+    return f"model {model}" + (f"; engine {artifact_id(program)}" if program else "")
 
 
 def _idle_unit_warnings(report: EngineCpuReport) -> list[str]:

@@ -94,7 +94,7 @@ def documents(draw) -> str:
 BASE = Path(tempfile.mkdtemp(prefix="numa-infer-fuzz-"))
 FSROOT = fakesys.write_tree(BASE / "fs", fakesys.dual_socket_smt())
 MODEL = BASE / "m.gguf"
-MODEL.write_bytes(b"GGUF" + b"\0" * 60)
+MODEL.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\0" * 56)  # version 3, no tensors, no metadata
 TOPOLOGY = read_topology(FSROOT)
 
 

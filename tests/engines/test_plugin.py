@@ -108,7 +108,7 @@ def test_an_unregistered_engine_is_refused_and_a_registered_one_accepted(tmp_pat
 
 def test_a_plugged_in_engine_is_planned_rendered_probed_and_read(tmp_path: Path, toy: ToyEngine) -> None:
     model = searchable_by_others(tmp_path) / "m.gguf"
-    model.write_bytes(b"GGUF" + bytes(1020))
+    model.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(1016))  # version 3, no tensors, no metadata
     model.chmod(0o644)
     topology = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
     cfg = toy_config(model, free_port())

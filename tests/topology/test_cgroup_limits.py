@@ -130,7 +130,7 @@ def test_plan_inside_a_real_cpuset_cgroup_uses_only_its_cpu(tmp_path: Path) -> N
         (group / "cpuset.cpus").write_text(str(cpu))
         (group / "cpuset.mems").write_text((CPUSET_V1 / "cpuset.mems").read_text().split(",")[0].split("-")[0])
         model = tmp_path / "m.gguf"
-        model.write_bytes(b"GGUF" + bytes(1020))
+        model.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(1016))  # version 3, no tensors, no metadata
         config = tmp_path / "numa-infer.toml"
         config.write_text(f'[model]\npath = "{model}"\n[server]\nengine = "llama-cpp-python"\nuser = "root"\n[frontend]\nlisten = ""\n')
         command = (f"echo $$ > {group}/tasks && exec {sys.executable} -m numad_infer --backend process "

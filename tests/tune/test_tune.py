@@ -145,7 +145,7 @@ def _checked_setup(tmp_path: Path) -> tuple[Path, Path]:
     from tests.conftest import searchable_by_others
 
     model = searchable_by_others(tmp_path) / "m.gguf"
-    model.write_bytes(b"GGUF" + bytes(4092))
+    model.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(4088))  # version 3, no tensors, no metadata
     model.chmod(0o644)
     path = tmp_path / "numa-infer.toml"
     from tests.daemon_harness import llama_server_binary
