@@ -15,7 +15,8 @@ from numad_infer.config.schema import Config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_key_reference_in_readme_and_man_page_is_what_the_schema_says() -> None:
+def test_the_key_reference_and_the_shipped_example_are_what_the_schema_says() -> None:
+    """README.md's key table, numa-infer.toml(5)'s key list and etc/numa-infer.toml."""
     proc = subprocess.run([sys.executable, str(ROOT / "tools/config_reference.py"), "--check"], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
