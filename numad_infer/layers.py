@@ -76,6 +76,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "config/__init__": (CORE, PACKAGE_INIT),
     "config/defaults": (CORE, "default paths, apart so `status` need not import the schema"),
     "config/reference": (CORE, "the key reference (README, man page) generated from the schema"),
+    "config/example": (CORE, "the shipped etc/numa-infer.toml generated from the schema: every key, its "
+                             "description, its default or the listed override and why"),
     "config/frontend": (CORE, "the [frontend] table: the front door's address, queue, timeouts, affinity, limits"),
     "config/load": (CORE, "TOML text -> a validated `Config`, each error one line naming the file, key and fix"),
     "config/schema": (CORE, "the schema of /etc/numa-infer.toml, table by table, and `Config`"),

@@ -15,7 +15,8 @@ from numad_infer.config.schema import Config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_key_reference_in_readme_and_man_page_is_what_the_schema_says() -> None:
+def test_the_key_reference_and_the_shipped_example_are_what_the_schema_says() -> None:
+    """README.md's key table, numa-infer.toml(5)'s key list and etc/numa-infer.toml."""
     proc = subprocess.run([sys.executable, str(ROOT / "tools/config_reference.py"), "--check"], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -33,12 +34,33 @@ def test_every_key_has_a_description_and_the_limits_are_shown() -> None:
     docs = {d.key: d for d in configref.keys()}
     assert set(docs) == {f"{s}.{k}" for s, f in Config.model_fields.items() for k in f.annotation.model_fields}
     assert all(d.meaning for d in docs.values()), [k for k, d in docs.items() if not d.meaning]
+    assert [name for name, about in configref.tables() if about] == list(Config.model_fields)
     assert docs["model.context_size"].kind == "int 64..1048576"
     assert docs["monitor.interval_s"].kind == "float > 0, <= 3600"
     assert docs["monitor.restart_window_s"].kind == "float > 0"
     assert docs["placement.instances_per_node"].kind == "int 1..256"
     assert docs["server.engine"].default == '"llama-server"' and docs["model.path"].default is None
     assert docs["frontend.affinity"].kind == '`"none"` or `"header"` or `"user"`'
+
+
+def test_what_the_descriptions_say_of_each_engine_is_what_the_engine_says() -> None:
+    """The reference names each built-in engine's own keys and its probe route, and marks
+    those keys as its own: the engines, not the schema, decide them."""
+    import re
+
+    from numad_infer.engines.base import engines
+
+    docs = {d.key: d.meaning for d in configref.keys()}
+    builtin = {e.name: e for e in engines() if e.name in ("llama-server", "llama-cpp-python")}
+    assert len(builtin) == 2
+    # "A key of the engine not chosen is refused: `a` and `b` are x's, `c` y's; ..."
+    owners = docs["server.engine"].split("is refused: ", 1)[1].split(";", 1)[0]
+    named = {owner: set(re.findall(r"`(\w+)`", keys))
+             for keys, owner in re.findall(r"((?:`\w+`(?: and )?)+) (?:are |is )?([\w.-]+)'s", owners)}
+    assert named == {name: set(e.own_keys) for name, e in builtin.items()}
+    for name, engine in builtin.items():
+        assert f"`GET {engine.liveness_path}` for {name}" in docs["monitor.probe_timeout_s"], name
+        assert all(docs[f"server.{key}"].startswith(f"{name} only: ") for key in engine.own_keys), name
 
 
 def test_roff_escaping_keeps_code_and_backslashes() -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Regenerate the configuration key reference in README.md and numa-infer.toml(5) from the
-schema (numad_infer/config/schema.py); `--check` only says whether they are up to date (exit 1
-when not). tests/test_docs.py runs the check."""
+"""Regenerate the configuration key reference in README.md and numa-infer.toml(5), and the
+shipped example etc/numa-infer.toml, from the schema (numad_infer/config/schema.py); `--check`
+only says whether they are up to date (exit 1 when not). tests/test_docs.py runs the check."""
 
 from __future__ import annotations
 
@@ -12,17 +12,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from numad_infer.config import example  # noqa: E402
 from numad_infer.config import reference as configref  # noqa: E402
 
 TARGETS = {
     ROOT / "README.md": (configref.README_BEGIN, configref.README_END, configref.markdown_table),
     ROOT / "packaging/man/numa-infer.toml.5": (configref.MAN_BEGIN, configref.MAN_END, configref.man_sections),
 }
+# Files generated whole: the operator edits the installed copy, so it carries no markers.
+WHOLE = {ROOT / example.PATH: example.example_toml}
 # A file that has only the bare marker (first generation) gets the full region.
 BARE = {ROOT / "README.md": "<!-- config-keys: -->", ROOT / "packaging/man/numa-infer.toml.5": '.\\" config-keys:\n'}
 
 
 def render(path: Path) -> str:
+    if path in WHOLE:
+        return WHOLE[path]()
     begin, end, generate = TARGETS[path]
     text = path.read_text()
     if begin not in text:
@@ -35,10 +40,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
-    stale = [path for path in TARGETS if render(path) != path.read_text()]
+    stale = [path for path in (*TARGETS, *WHOLE) if render(path) != path.read_text()]
     if args.check:
         for path in stale:
-            print(f"{path.relative_to(ROOT)}: key reference out of date; run tools/config_reference.py")
+            print(f"{path.relative_to(ROOT)}: out of date with the schema; run tools/config_reference.py")
         return 1 if stale else 0
     for path in stale:
         path.write_text(render(path))

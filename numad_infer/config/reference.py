@@ -42,6 +42,11 @@ class KeyDoc:
         return f"{self.section}.{self.name}"
 
 
+def tables() -> list[tuple[str, str]]:
+    """Each table's name and description, in the schema's order."""
+    return [(section, field.description or "") for section, field in Config.model_fields.items()]
+
+
 def keys() -> list[KeyDoc]:
     docs = []
     for section, field in Config.model_fields.items():
@@ -131,11 +136,12 @@ def _roff(text: str) -> str:
 
 def man_sections() -> str:
     lines = [MAN_BEGIN]
+    about = dict(tables())
     section = None
     for doc in keys():
         if doc.section != section:
             section = doc.section
-            lines.append(f'.SH "[{section}]"')
+            lines += [f'.SH "[{section}]"', _roff(about[section][:1].upper() + about[section][1:] + ".")]
         kind = doc.kind.replace("`", "").replace('"', '""')
         default = "required" if doc.default is None else "default " + doc.default.replace('"', '""')
         lines += [".TP", f'.BR {doc.name} " ({kind}; {default})"', _roff(doc.meaning)]

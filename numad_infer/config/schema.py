@@ -247,7 +247,7 @@ class MetricsSection(Section):
             "Prometheus endpoint `/metrics`: per-instance health, state, restarts, probe latency, local "
             "memory fraction, threads, requests in flight and queued, llama-server's decode tokens/s, busy "
             "slots and slots, drift events and repairs by kind, the pass duration, the front door's state and"
-            " queue; `\"\"`: off; loopback unless you write another address"
+            " queue; e.g. `\"127.0.0.1:9464\"`; `\"\"`: off; loopback unless you write another address"
         ),
         json_schema_extra={"kind": "`\"ADDRESS:PORT\"` or `\"\"`"},
     )
@@ -262,13 +262,43 @@ class MetricsSection(Section):
 
 
 
+# Each table's description heads its section of numa-infer.toml(5) and of the shipped file.
 class Config(Section):
-    model: ModelSection
-    placement: PlacementSection = Field(default_factory=PlacementSection)
-    server: ServerSection = Field(default_factory=ServerSection)
-    systemd: SystemdSection = Field(default_factory=SystemdSection)
-    monitor: MonitorSection = Field(default_factory=MonitorSection)
-    metrics: MetricsSection = Field(default_factory=MetricsSection)
-    frontend: FrontendSection = Field(default_factory=FrontendSection)
+    model: ModelSection = Field(
+        description=(
+            "the model every instance serves; each instance reads its own copy of the weights into its nodes' "
+            "memory (mmap is off, so no page of them lands on another node)"
+        ),
+    )
+    placement: PlacementSection = Field(
+        default_factory=PlacementSection,
+        description="which NUMA nodes and cores the instances get; `numa-infer plan` shows the result",
+    )
+    server: ServerSection = Field(
+        default_factory=ServerSection,
+        description=(
+            "what every instance runs (the engine, its program, slots and arguments), where it listens, the "
+            "API key it requires and, under the process backend, its user"
+        ),
+    )
+    systemd: SystemdSection = Field(
+        default_factory=SystemdSection,
+        description="where the systemd backend writes the instances' units, and their name",
+    )
+    monitor: MonitorSection = Field(
+        default_factory=MonitorSection,
+        description="health probes, restarts, and NUMA drift (threads or memory off their nodes) and its repair",
+    )
+    metrics: MetricsSection = Field(
+        default_factory=MetricsSection,
+        description="the Prometheus endpoint",
+    )
+    frontend: FrontendSection = Field(
+        default_factory=FrontendSection,
+        description=(
+            "the front door: one OpenAI endpoint over every instance, an HAProxy that the daemon configures "
+            "and drives"
+        ),
+    )
 
 

@@ -25,8 +25,9 @@ class ServerSection(Section):
             "the inference server every instance runs: llama.cpp's native `llama-server` (the default: "
             "`parallel` slots with continuous batching, more tokens/s under concurrency, see "
             "`bench/README.md`; the best CPU kernels for the machine chosen when it starts) or "
-            "llama-cpp-python's (`python -m llama_cpp.server`, one request at a time); keys of the other "
-            "engine are refused"
+            "llama-cpp-python's (`python -m llama_cpp.server`, one request at a time). A key of the engine not "
+            "chosen is refused: `llama_server` and `parallel` are llama-server's, `python` llama-cpp-python's; "
+            "to switch engines, remove the old one's keys and set the new one's"
         ),
         json_schema_extra={"kind": '`"llama-cpp-python"` or `"llama-server"`'},
     )
@@ -35,9 +36,10 @@ class ServerSection(Section):
     llama_server: SafeStr = Field(
         "/usr/bin/llama-server",
         description=(
-            "llama-server only: the binary (`scripts/build-llama-server` builds it from the pinned sdist's "
-            "vendored llama.cpp; Debian's `llama.cpp` package ships one where the release has it); `check` "
-            "refuses one that is missing, not executable or not llama-server"
+            "llama-server only: the binary (Debian's `llama.cpp` package ships one where the release has it; "
+            "else `scripts/build-llama-server`, in numa-infer's source tree, builds it from the pinned sdist's "
+            "vendored llama.cpp: README.Debian says how); `check` refuses one that is missing, not executable "
+            "or not llama-server"
         ),
         json_schema_extra={"kind": "absolute path"},
     )
@@ -70,7 +72,8 @@ class ServerSection(Section):
     extra_args: list[SafeStr] = Field(
         default_factory=list,
         description=(
-            "more server arguments (of the chosen engine), each passed as one argument; an API key option "
+            "more arguments for the chosen engine's server, each passed as one argument, e.g. "
+            "`[\"--batch-size\", \"256\"]` (llama-server); an API key option "
             "(`--api-key`, `--api_key`, `--api-key-file`, any spelling, with or without `=`) is refused: argv and "
             "the units are world-readable, use `server.api_key_file`. Errors name an item, never show it"
         ),
@@ -79,8 +82,9 @@ class ServerSection(Section):
     api_key_file: SafeStr = Field(
         "",
         description=(
-            "a root-only file (mode 600) holding the API key every instance requires (`Authorization: Bearer "
-            "KEY`, also through the front door): a regular file (not a symlink), owned by the daemon's user "
+            "a root-only file (mode 600), e.g. `\"/etc/numa-infer/api-key\"`, holding the API key every instance "
+            "requires: clients then send `Authorization: Bearer KEY` (also through the front door). A regular "
+            "file (not a symlink), owned by the daemon's user "
             "(root), in a directory no one else can write (not /tmp), under directories others cannot rename it "
             "out of; it reaches the servers as a systemd credential (process "
             "backend: their environment), never argv or a unit file; an instance that refuses the key is "
@@ -96,9 +100,10 @@ class ServerSection(Section):
         description=(
             "process backend only, daemon run as root: the user the servers run as (switched between fork and"
             " exec, with that user's own groups only); the model and `server.python` must be readable by it, "
-            "and `check` says so when not; `\"root\"` keeps them root, with a warning. The default user is "
-            "made by the package (sysusers.d); where it does not exist (a source tree), the servers run as "
-            "`nobody`, with a warning naming the fix. Under systemd the instances always get a `DynamicUser`"
+            "and `check` says so when not; `\"root\"` keeps them root, with a warning. The default is the "
+            "package's own user (sysusers.d), not `nobody`: other daemons run as `nobody` and could then read "
+            "the servers' memory; where it does not exist (a source tree), the servers run as `nobody`, with a "
+            "warning naming the fix. Under systemd the instances always get a `DynamicUser`"
         ),
         json_schema_extra={"kind": "user name"},
     )
@@ -117,7 +122,7 @@ class ServerSection(Section):
     def _user_name(cls, value: str) -> str:
         if not _USER_NAME.match(value):
             raise ValueError("must be a user name (letters, digits, _ . -; not starting with - or a digit), "
-                             "e.g. \"nobody\"")
+                             "e.g. \"numa-infer\"")
         return value
 
     @field_validator("host")
