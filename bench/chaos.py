@@ -167,10 +167,11 @@ class Chaos:
         raise ValueError(fault)
 
     def healed(self, since: float) -> bool:
-        """Published after `since` (wall clock) by a live daemon: all planned instances
-        healthy, undrifted and in rotation, the front door up."""
+        """A live daemon's pass that began after `since` (wall clock) found all planned
+        instances healthy, undrifted and in rotation, the front door up. A pass that read
+        /proc before the fault and published after it says nothing about the fault."""
         state = self.run.state()
-        if (not state or state["daemon"]["state"] != "running" or state["daemon"]["updated_at"] <= since
+        if (not state or state["daemon"]["state"] != "running" or (state["daemon"].get("pass_started_at") or 0) <= since
                 or self.run.proc.poll() is not None):
             return False
         front = state.get("frontdoor")
@@ -250,6 +251,11 @@ def main() -> int:
         stop.set()
         for c in clients:
             c.join(150)
+        # The final check reads a settled fleet: a pass that began after the last fault's heal.
+        settled_since = time.time()
+        settle_deadline = time.monotonic() + 60
+        while time.monotonic() < settle_deadline and not chaos.healed(settled_since):
+            time.sleep(0.2)
         placement = placement_exact(run)
         server_pids = [i["pid"] for i in run.state()["instances"]]
         haproxy = [p.pid for p in psutil.Process(run.proc.pid).children() if p.name() == "haproxy"]

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The front door (HAProxy) against the instances driven directly, side by side in one run:
 
-1. added latency of a 1-token completion, p50 and p99 (front door vs direct, interleaved);
+1. added latency of a 1-token completion, p50 and p99 (front door vs direct, interleaved),
+   and of a stream's first token, with the daemon's own time-to-first-token histogram;
 2. aggregate tokens/s with C = 1, 2, 4, 8 concurrent clients, through the front door vs
    the same instances with the clients spread over them by hand (client i -> instance i % 2);
 3. affinity: time to first token of a conversation's second turn (a long shared prompt
@@ -86,6 +87,25 @@ def latency(run: DaemonRun, count: int) -> None:
           f"p99 {pct(front, 0.99) - pct(direct, 0.99):+.2f} ms (goal: <= 1 ms p50)")
 
 
+def streamed_first_token(run: DaemonRun, count: int) -> None:
+    """A stream's first token, front door vs direct, and what the daemon's histogram
+    (from HAProxy's timing of each request) says for the front door's."""
+    ports = [i["port"] for i in run.state()["instances"]]
+    direct, front = [], []
+    for k in range(count):
+        for target, into in ((ports[k % 2], direct), (run.frontend_port, front)):
+            into.append(first_token_s(target, "hi", {}) * 1000)
+    seen = [i.get("time_to_first_token") or {} for i in run.state()["instances"]]
+    total, n = sum(h.get("sum", 0.0) for h in seen), sum(h.get("count", 0) for h in seen)
+    print(f"\n1b. a stream's first token, {count} each, interleaved (ms)")
+    print(f"   {'path':<12}{'p50':>8}{'p99':>8}")
+    for name, values in (("direct", direct), ("front door", front)):
+        print(f"   {name:<12}{pct(values, 0.5):>8.2f}{pct(values, 0.99):>8.2f}")
+    print(f"   added by the front door: p50 {pct(front, 0.5) - pct(direct, 0.5):+.2f} ms; the daemon's "
+          f"numa_infer_time_to_first_token_seconds mean over all front door requests: "
+          f"{1000 * total / max(n, 1):.2f} ms ({n} requests)")
+
+
 def throughput(run: DaemonRun, clients_list: list[int], per_client: int, tokens: int, rounds: int) -> None:
     ports = [i["port"] for i in run.state()["instances"]]
     body = {"prompt": "The quick brown fox", "max_tokens": tokens, "temperature": 0}
@@ -167,6 +187,7 @@ def main() -> int:
     run = start_daemon(tmp / "tiny", models["tiny"])
     try:
         latency(run, 100 if args.quick else 500)
+        streamed_first_token(run, 40 if args.quick else 200)
     finally:
         run.stop()
     run = start_daemon(tmp / "small", models["small"])

@@ -55,6 +55,7 @@ class Daemon:
         self.started_at = time.time()
         self.state = DaemonState.STARTING
         self.pass_duration_s: float | None = None
+        self.pass_started_at: float | None = None  # wall clock
         self.restarts = Restarts(self.reconciler, state_file)  # `numa-infer restart`
         self._flags: set[str] = set()
         self._wake_r, self._wake_w = os.pipe()
@@ -100,8 +101,8 @@ class Daemon:
             started_at=self.started_at, updated_at=time.time(),
             interval_s=config.monitor.interval_s if config else None, generation=self.plan.generation,
             last_reload=self.plan.last_reload, last_restart=self.restarts.follow(), warnings=self.plan.warnings,
-            status=self.status_line(),
-            pass_duration_s=self.pass_duration_s, metrics=self.metrics.listen or None,
+            status=self.status_line(), pass_duration_s=self.pass_duration_s, pass_started_at=self.pass_started_at,
+            metrics=self.metrics.listen or None,
             allowed=snapshot.allowed_line(self.plan.loaded),
             min_local_fraction=config.monitor.min_local_fraction if config else None)
         runtimes = list(self.reconciler.runtimes.values())
@@ -165,6 +166,9 @@ class Daemon:
     def monitor_pass(self, now: float) -> None:
         """One pass: re-plan if the machine or the model changed (a failure there keeps the
         running plan, PlanState.replan), then monitor and repair the instances, publish."""
+        # Published: what the pass says is true of the fleet as of this moment, not of when
+        # it published (a fault that struck while it ran may not be in it).
+        self.pass_started_at = time.time()
         self.plan.replan(now)
         self.plan.read_holds()
         self.reconciler.monitor(now)

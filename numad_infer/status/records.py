@@ -159,6 +159,7 @@ class DaemonStatus:
     warnings: tuple[str, ...] = ()
     status: str | None = None  # the one line also sent as STATUS= to systemd
     pass_duration_s: float | None = None
+    pass_started_at: float | None = None  # wall clock: the last published pass saw the fleet as of then
     metrics: str | None = None
     # What the instances' cgroup lets them use, and what of the machine that leaves out.
     allowed: str | None = None

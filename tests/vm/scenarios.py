@@ -747,6 +747,43 @@ def e1_llama_server() -> str:
             f"status tokens/s {rates}; CPU kernels {sorted(kernels)}")
 
 
+@scenario("e3-model-rollout")
+def e3_model_rollout() -> str:
+    """Under systemd: a new model file moved into place is rolled out one instance at a time
+    behind the front door, `numa-infer restart` rolls one on demand, no request fails, and
+    the front door's timing of each request reaches status (HAProxy's unit, in its sandbox,
+    sends it to the daemon's socket)."""
+    wait(lambda: (s := status()).get("frontdoor") and s["frontdoor"]["up"]
+         and all(i["rotation"] == "UP" and i["state"] == "healthy" for i in s["instances"]), 300,
+         "the front door up, both instances in rotation")
+    names = ("infer@0", "infer@1")
+    before = {name: main_pid(name) for name in names}
+    since = now_str()
+
+    def move_into_place() -> None:
+        staged = MODEL + ".new"
+        sh("cp", MODEL, staged)
+        sh("chmod", "0644", staged)
+        os.replace(staged, MODEL)  # another file at the path; no reload
+        wait(lambda: all(main_pid(n) not in (0, before[n]) for n in names)
+             and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in status()["instances"]),
+             600, "both instances restarted on the new file", interval=2)
+
+    _, rolled = under_load(move_into_place, "the model roll-out")
+    journal = journal_since(since)
+    if "the model file or the engine changed" not in journal or "model or engine changed: restarting" not in journal:
+        raise Fail(f"the journal does not tell the roll-out: {journal[-800:]}")
+    kept = main_pid("infer@0")
+    after = main_pid("infer@1")
+    out, restarted = under_load(lambda: sh(NI, "restart", "1", timeout=600), "numa-infer restart 1")
+    if "restarted: infer@1" not in out or main_pid("infer@1") == after or main_pid("infer@0") != kept:
+        raise Fail(f"restart 1 did not restart infer@1 alone: {out[-400:]}")
+    counted = {i["name"]: (i.get("time_to_first_token") or {}).get("count", 0) for i in status()["instances"]}
+    if not sum(counted.values()):
+        raise Fail(f"no request timing reached status from the front door: {counted}")
+    return f"{rolled}; {restarted}; progress {out.strip().splitlines()}; timed requests {counted}"
+
+
 @scenario("e2-instances-elsewhere")
 def e2_instances_elsewhere() -> str:
     """server.host on another address of this machine, the front door on loopback: before,
@@ -892,9 +929,10 @@ def c1_chaos() -> str:
 
         def healed() -> bool:
             # The daemon's own state file, not `numa-infer status` (a Python start takes
-            # seconds under TCG, more under load): published after the fault, by a live daemon.
+            # seconds under TCG, more under load): from a pass that began after the fault (one
+            # that read /proc before it says nothing of it), by a live daemon.
             s = json.loads(Path("/run/numa-infer/state.json").read_text())
-            return (s["daemon"]["state"] == "running" and s["daemon"]["updated_at"] > struck_wall + 0.5
+            return (s["daemon"]["state"] == "running" and (s["daemon"].get("pass_started_at") or 0) > struck_wall
                     and Path(f"/proc/{s['daemon']['pid']}").exists()
                     and len(s["instances"]) == 2 and bool(s["frontdoor"]) and s["frontdoor"]["up"]
                     and all(i["state"] == "healthy" and not i["drifting"] and i["rotation"] == "UP"
@@ -1267,7 +1305,8 @@ GROUPS = {
     "tune": [s1_start, t1_tune, s9_stop],
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
-    "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, e2_instances_elsewhere, s9_stop],
+    "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, e3_model_rollout, e2_instances_elsewhere,
+               s9_stop],
     "bench": [b1_aggregate],
     "filter-cost": [b2_filter_cost],
     # Not in CI: repeats the daemon replacements that must keep instances (a flake hunt).
