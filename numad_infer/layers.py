@@ -35,7 +35,8 @@ ORDER = (CORE, EDGE, ORCHESTRATION)
 # The packages, lowest first, with what each holds ("" is the top level).
 PACKAGES: tuple[tuple[str, str], ...] = (
     ("", "the version, the error hierarchy, this map"),
-    ("util", "small pure helpers every package uses: CPU lists, tables, typed JSON, addresses, atomic files"),
+    ("util", "small helpers every package uses: CPU lists, tables, typed JSON, addresses, atomic files, "
+              "calls to peers"),
     ("config", "the TOML file: its schema, defaults, key reference and the API key file it names"),
     ("systemd", "systemd's interfaces: sd_notify, systemctl, unit names, the unit directory"),
     ("topology", "the machine's NUMA topology and the part of it the cgroup allows (sysfs, cgroups)"),
@@ -72,6 +73,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "util/typedjson": (CORE, "JSON read back from a file -> typed dataclasses, every field checked"),
     "util/atomicfile": (EDGE, "replace a file atomically (temp file + rename); read only a regular file, never a link"
                               " or FIFO"),
+    "util/peer": (EDGE, "one call to a peer over a socket (an HTTP GET, a line command): one deadline for all of"
+                        " it, a cap on the answer"),
     # -- config ------------------------------------------------------------------------------------
     "config/__init__": (CORE, PACKAGE_INIT),
     "config/defaults": (CORE, "default paths, apart so `status` need not import the schema"),

@@ -190,8 +190,10 @@ class MonitorSection(Section):
     probe_timeout_s: float = Field(
         2.0, gt=0, le=600,
         description=(
-            "timeout of the health probe (a route that never waits on the model, so a busy server answers at "
-            "once: `GET /docs` for llama-cpp-python, `GET /health` for llama-server)"
+            "deadline of the health probe, connecting and the whole answer together (a route that never waits "
+            "on the model, so a busy server answers at once: `GET /docs` for llama-cpp-python, `GET /health` for "
+            "llama-server); also of the engine's counters read. A pass waits for them this long plus 1 s, then "
+            "counts a probe not in as failed"
         ),
     )
     startup_grace_s: float = Field(

@@ -44,8 +44,10 @@ class Daemon:
         self.state_file = state_file
         self.notifier = notifier or Notifier()
         self.frontdoor = Frontdoor(backend.frontdoor_runner(state_file.parent))
-        # Processes are always this machine's, even with --fsroot.
-        self.reconciler = Reconciler(backend, ProcReader("/"), frontdoor=self.frontdoor)
+        # Processes are always this machine's, even with --fsroot. The pass pings the
+        # watchdog while it waits on its probes, each bounded (reconcile.py).
+        self.reconciler = Reconciler(backend, ProcReader("/"), frontdoor=self.frontdoor,
+                                     keepalive=self.notifier.keepalive)
         self.latest: Status | None = None  # last published snapshot (immutable), read by the metrics thread
         self.metrics = metrics.Endpoint(lambda: self.latest)
         self.plan = PlanState(config_path, SysfsReader(fsroot), backend, self.reconciler, self.frontdoor, self.metrics,

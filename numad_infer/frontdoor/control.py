@@ -18,7 +18,14 @@ from typing import Protocol
 
 from numad_infer.config.schema import Config
 from numad_infer.frontdoor import haproxy
-from numad_infer.frontdoor.haproxy import AdminState, BackendStat, FrontendStat, HaproxyError, RuntimeAPI
+from numad_infer.frontdoor.haproxy import (
+    AdminState,
+    BackendStat,
+    FrontendStat,
+    HaproxyError,
+    NoRuntimeAnswer,
+    RuntimeAPI,
+)
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
 from numad_infer.frontdoor.listener import HeldListener
 from numad_infer.frontdoor.request_log import RequestLog
@@ -196,6 +203,13 @@ class Frontdoor:
             return
         try:
             self.api.set_state(BACKEND, name, state)
+        except NoRuntimeAnswer as exc:
+            # Not answering now: so for the rest of the pass, as when `observe` finds it so.
+            # Every later call of the pass would wait out its own deadline for nothing.
+            log.error("front door: %s", exc)
+            self.stats = self.answers = None
+            self.error = str(exc)
+            return
         except HaproxyError as exc:
             log.error("front door: %s", exc)
             return

@@ -12,7 +12,6 @@ import csv
 import io
 import os
 import re
-import socket
 import subprocess
 from dataclasses import dataclass
 from enum import Enum
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from numad_infer.errors import ConfigError, NumaInferError
 from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
+from numad_infer.util import peer
 
 if TYPE_CHECKING:
     from numad_infer.config.schema import Config
@@ -114,28 +114,33 @@ class FrontendStat:
     responses: dict[str, int]  # class (RESPONSE_CLASSES) -> answers sent since HAProxy (re)started
 
 
+# `show stat` is about 500 bytes a row, one row per instance and three more: 1 MiB is a
+# thousand instances. An answer past it is no HAProxy's, and is refused unread.
+ANSWER_CAP = 1 << 20
+
+
+class NoRuntimeAnswer(HaproxyError):
+    """HAProxy did not answer: no socket, refused, past the deadline, too long (as opposed
+    to an answer that refuses the command)."""
+
+
 class RuntimeAPI:
-    def __init__(self, socket_path: str, timeout_s: float = 2.0) -> None:
+    def __init__(self, socket_path: str, timeout_s: float = 2.0, cap: int = ANSWER_CAP) -> None:
         self.socket_path = socket_path
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # for the whole command: connect, send, the whole answer
+        self.cap = cap
 
     def command(self, line: str) -> str:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout_s)
+        # The socket's directory belongs to the front door's user, who can put a server of
+        # their own there: one that answers a byte at a time, or without end, must not hold
+        # the daemon's pass (util/peer.py).
         try:
-            sock.connect(self.socket_path)
-            sock.sendall(line.encode() + b"\n")
-            chunks = []
-            while True:
-                data = sock.recv(65536)
-                if not data:
-                    break
-                chunks.append(data)
+            answer = peer.exchange(self.socket_path, line.encode() + b"\n", self.timeout_s, self.cap)
         except OSError as exc:
-            raise HaproxyError(f"runtime API {self.socket_path}: {exc.strerror or exc}") from None
-        finally:
-            sock.close()
-        return b"".join(chunks).decode(errors="replace")
+            raise NoRuntimeAnswer(f"runtime API {self.socket_path}: {exc.strerror or exc}") from None
+        except peer.PeerError as exc:
+            raise NoRuntimeAnswer(f"runtime API {self.socket_path}: {exc}") from None
+        return answer.decode(errors="replace")
 
     def backend(self, name: str) -> BackendStat:
         return _backend(self._show_stat(), name)

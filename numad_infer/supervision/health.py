@@ -9,17 +9,25 @@ at once when the server is up, busy or not: FastAPI's own `/docs` page. llama-se
 answers `/health` from its HTTP threads (503 while loading). A SIGSTOPped or wedged
 server still fails either; a generation that stops making progress is found from CPU
 time instead (see `reconcile`).
+
+Each call's timeout is one deadline for the whole call and each answer has a cap
+(util/peer.py): an instance runs as another user, and one that drips its answer a byte at
+a time must not hold the daemon's pass.
 """
 
 from __future__ import annotations
 
-import http.client
 import time
 from dataclasses import dataclass
 from enum import Enum
 
 from numad_infer.engines import Engine, EngineCounters
 from numad_infer.util.addresses import connect_host
+from numad_infer.util.peer import NoAnswer, PeerError, http_get
+
+# The engine's counters: llama-server's /metrics is about 2 KiB; a scrape past this is no
+# server of ours, and is refused before the rest of it is read.
+METRICS_CAP = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -37,58 +45,46 @@ class KeyCheck(Enum):
 
 def check_key(host: str, port: int, key: str, timeout_s: float, path: str) -> KeyCheck:
     """Does the instance take this API key? `path` (`Engine.key_check_path`) authenticates
-    before it waits on the model, so a refused key answers at once even while it is busy."""
-    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout_s)
+    before it waits on the model, so a refused key answers at once even while it is busy.
+    `timeout_s` bounds the whole call; only the status is read."""
     try:
-        conn.request("GET", path, headers={"Connection": "close", "Authorization": f"Bearer {key}"})
-        status = conn.getresponse().status
-    except (OSError, http.client.HTTPException):
+        status = http_get(connect_host(host), port, path, {"Authorization": f"Bearer {key}"}, timeout_s, None).status
+    except (OSError, PeerError):
         return KeyCheck.UNKNOWN
-    finally:
-        conn.close()
     if status in (401, 403):
         return KeyCheck.REJECTED
     return KeyCheck.ACCEPTED if status == 200 else KeyCheck.UNKNOWN
 
 
 def probe(host: str, port: int, timeout_s: float, path: str) -> ProbeResult:
+    """One GET of the liveness route, `timeout_s` for all of it (connect, send, status line
+    and headers); the body is not read: the status says it all."""
     started = time.monotonic()
-    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout_s)
     try:
-        conn.request("GET", path, headers={"Connection": "close"})
-        response = conn.getresponse()
-        response.read(65536)
-        elapsed = time.monotonic() - started
-        if response.status != 200:
-            return ProbeResult(False, elapsed, f"HTTP {response.status}")
-        return ProbeResult(True, elapsed)
-    except TimeoutError:
+        answer = http_get(connect_host(host), port, path, {}, timeout_s, None)
+    except NoAnswer:
         return ProbeResult(False, time.monotonic() - started, f"no answer within {timeout_s:g}s")
+    except PeerError as exc:
+        return ProbeResult(False, time.monotonic() - started, f"bad HTTP answer: {exc}")
     except OSError as exc:
         return ProbeResult(False, time.monotonic() - started, exc.strerror or type(exc).__name__)
-    except http.client.HTTPException as exc:
-        return ProbeResult(False, time.monotonic() - started, f"bad HTTP answer: {type(exc).__name__}")
-    finally:
-        conn.close()
+    elapsed = time.monotonic() - started
+    if answer.status != 200:
+        return ProbeResult(False, elapsed, f"HTTP {answer.status}")
+    return ProbeResult(True, elapsed)
 
 
 def read_engine_metrics(engine: Engine, host: str, port: int, key: str | None,
                         timeout_s: float) -> EngineCounters | None:
-    """The server's own counters, or None (none at all, not answering, a refused key)."""
+    """The server's own counters, or None (none at all, not answering within `timeout_s`, a
+    refused key, a scrape longer than METRICS_CAP)."""
     if engine.metrics_path is None:
         return None
-    conn = http.client.HTTPConnection(connect_host(host), port, timeout=timeout_s)
-    headers = {"Connection": "close"}
-    if key is not None:
-        headers["Authorization"] = f"Bearer {key}"
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
     try:
-        conn.request("GET", engine.metrics_path, headers=headers)
-        response = conn.getresponse()
-        body = response.read(1 << 20)
-        if response.status != 200:
-            return None
-        return engine.parse_metrics(body.decode("utf-8", "replace"))
-    except (OSError, http.client.HTTPException):
+        answer = http_get(connect_host(host), port, engine.metrics_path, headers, timeout_s, METRICS_CAP)
+    except (OSError, PeerError):
         return None
-    finally:
-        conn.close()
+    if answer.status != 200:
+        return None
+    return engine.parse_metrics(answer.body.decode("utf-8", "replace"))

@@ -10,14 +10,21 @@
 
 `Reconciler.monitor(now)` is one monitoring pass: it returns each instance's state after
 the pass (empty when the instance states could not be read and nothing was acted on).
+
+A pass has a deadline: every probe and counter read runs at once, each bounded by its own
+deadline (health.py), and the pass waits for them until `probe_timeout_s` + PASS_SLACK_S;
+a probe not in by then is a failed one, a counter read not in is no reading, and the pass
+goes on. While it waits, and between instances, it calls `keepalive` (the daemon's
+watchdog ping): the wait is bounded, so a ping there hides no hang.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
 
 from numad_infer.backends.base import Backend, Observation
 from numad_infer.config.schema import Config
@@ -39,10 +46,19 @@ from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
 
+# How long past `probe_timeout_s` a pass waits for its probes: each call ends by its own
+# deadline, and this covers what comes before it (the port-owner read) and a thread that
+# starts late on a loaded machine.
+PASS_SLACK_S = 1.0
+# The longest a pass waits without calling `keepalive`.
+_KEEPALIVE_EVERY_S = 1.0
+
+T = TypeVar("T")
+
 
 class Reconciler:
     def __init__(self, backend: Backend, proc: ProcReader | None = None, wall: Callable[[], float] = time.time,
-                 frontdoor: Frontdoor | None = None) -> None:
+                 frontdoor: Frontdoor | None = None, keepalive: Callable[[], None] = lambda: None) -> None:
         self.backend = backend
         self.frontdoor = frontdoor
         self.proc = proc or ProcReader()
@@ -54,7 +70,9 @@ class Reconciler:
         self.engine: Engine | None = None  # the applied one's (with `config`)
         self.supervisor = Supervisor(backend, self.proc, frontdoor, wall)
         self.rollout = Rollout(backend, frontdoor, self.supervisor)
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="probe")
+        self.keepalive = keepalive
+        self._workers = 8
+        self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="probe")
 
     def apply(self, loaded: Loaded, now: float) -> PlanDiff:
         """Bring the instances to `loaded`, the pipeline's value: its key and engine are the
@@ -84,16 +102,23 @@ class Reconciler:
             log.error("cannot read instance states, skipping this pass: %s", exc)
             return {}
         if self.frontdoor is not None:
-            self.frontdoor.observe()
+            self.frontdoor.observe()  # bounded by the runtime API's deadline
+            self.keepalive()
+        limit = self.config.monitor.probe_timeout_s + PASS_SLACK_S
+        deadline = time.monotonic() + limit
         probes, counters = self._dispatch(observed)
+        self._await([*probes.values(), *counters.values()], deadline)
+        late = ProbeResult(False, limit, f"probe did not finish within {limit:g}s")
         for name, rt in self.runtimes.items():
             try:
                 if name in counters:
-                    rt.on_counters(counters[name].result(), now)
-                self._monitor_one(rt, observed[name], probes.get(name), now)
+                    rt.on_counters(_outcome(counters[name], None), now)
+                probed = _outcome(probes[name], late) if name in probes else None
+                self._monitor_one(rt, observed[name], probed, now)
             except Exception:  # one instance's trouble never stops the others' monitoring
                 log.exception("%s: monitoring failed", name)
             self.supervisor.rotate(rt)
+            self.keepalive()
         self.rollout.roll(self.runtimes, self.holds, now)
         self.rollout.retire(self.proc, now)
         return {name: rt.supervision.state for name, rt in self.runtimes.items()}
@@ -104,11 +129,30 @@ class Reconciler:
         cfg = self.config
         assert cfg is not None
         up = {name: (rt.instance.port, pid) for name, rt in self.runtimes.items() if (pid := observed[name].pid)}
-        probes = {name: self._pool.submit(self._probe, port, pid) for name, (port, pid) in up.items()}
         reads_counters = self.engine is not None and self.engine.metrics_path is not None
-        counters = {name: self._pool.submit(self._counters, port, pid) for name, (port, pid) in up.items()
+        pool = self._pool_for(len(up) * (2 if reads_counters else 1))
+        probes = {name: pool.submit(self._probe, port, pid) for name, (port, pid) in up.items()}
+        counters = {name: pool.submit(self._counters, port, pid) for name, (port, pid) in up.items()
                     if reads_counters}
         return probes, counters
+
+    def _pool_for(self, calls: int) -> ThreadPoolExecutor:
+        """A thread for every call of the pass: one queued behind a dripping peer would wait
+        out that peer's deadline and miss the pass's own."""
+        if calls > self._workers:
+            self._pool.shutdown(wait=False)  # its threads end with their calls, each bounded
+            self._workers = calls
+            self._pool = ThreadPoolExecutor(max_workers=calls, thread_name_prefix="probe")
+        return self._pool
+
+    def _await(self, futures: Iterable[Future[Any]], deadline: float) -> None:
+        """Until every call is in, or the pass's deadline: whatever the peers do."""
+        pending = set(futures)
+        while pending and (left := deadline - time.monotonic()) > 0:
+            _, pending = wait(pending, timeout=min(left, _KEEPALIVE_EVERY_S))
+            self.keepalive()
+        for future in pending:
+            future.cancel()  # one not started yet never starts; a running one ends by its deadline
 
     # Both ask first whether the port is the instance's: a process that took it while the
     # instance restarted must not be marked healthy (clients' keys would go to it) nor be
@@ -130,7 +174,7 @@ class Reconciler:
         assert self.engine is not None
         return read_engine_metrics(self.engine, cfg.server.host, port, self.api_key, cfg.monitor.probe_timeout_s)
 
-    def _monitor_one(self, rt: Runtime, seen: Observation, probed: Future[ProbeResult] | None, now: float) -> None:
+    def _monitor_one(self, rt: Runtime, seen: Observation, probed: ProbeResult | None, now: float) -> None:
         cfg = self.config
         assert cfg is not None
         if not self.supervisor.step(rt, seen, self.holds.get(rt.instance.name), probed, now):
@@ -144,3 +188,8 @@ class Reconciler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _outcome(future: Future[T], late: T) -> T:
+    """The call's result (its exception raised), or `late` when it is not in yet."""
+    return future.result() if future.done() and not future.cancelled() else late

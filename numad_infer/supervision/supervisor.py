@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import TypeVar
 
 from numad_infer.backends.base import Backend, Observation
@@ -53,10 +52,11 @@ class Supervisor:
         self.backend, self.proc, self.frontdoor, self.wall = backend, proc, frontdoor, wall
         self.config: Config | None = None  # the applied one (Reconciler.apply)
 
-    def step(self, rt: Runtime, seen: Observation, held_by: str | None, probed: Future[ProbeResult] | None,
+    def step(self, rt: Runtime, seen: Observation, held_by: str | None, probed: ProbeResult | None,
              now: float) -> bool:
         """One pass for one instance. True when its probe passed judgement (it is up and not
-        being restarted): then its process is the caller's to check for drift."""
+        being restarted): then its process is the caller's to check for drift. `probed`: this
+        pass's probe (None: not probed), already in or already given up on."""
         self._follow_pid(rt, seen.pid, now)
         step = next_step(rt.supervision, Seen(held_by, seen.pid is not None, seen.pending))
         if step == Step.RESUME:
@@ -98,10 +98,10 @@ class Supervisor:
                 rt.record_drift(EventKind.EXIT, f"main process {exited} replaced by {pid}", self.wall())
         rt.new_process(pid)
 
-    def _probe(self, rt: Runtime, probed: Future[ProbeResult] | None, now: float) -> bool:
+    def _probe(self, rt: Runtime, probed: ProbeResult | None, now: float) -> bool:
         assert self.config is not None
         sup = rt.supervision
-        result = probed.result() if probed is not None else ProbeResult(False, 0.0, "not probed")
+        result = probed if probed is not None else ProbeResult(False, 0.0, "not probed")
         result = rt.last_probe = judge_probe(result, rt.cpu.stalled_since, now)
         if sup.on_probe(result.ok, now, self.config.monitor, result.error):
             self._maybe_restart(rt, now, f"{sup.failures} failed probes: {result.error}")
