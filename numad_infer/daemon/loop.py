@@ -12,12 +12,13 @@ import os
 import select
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import FrameType
 
 from numad_infer import __version__
 from numad_infer.backends.base import Backend
+from numad_infer.config.schema import Config
 from numad_infer.daemon import publish as snapshot
 from numad_infer.daemon.desired import PlanState
 from numad_infer.daemon.restarts import Restarts
@@ -28,6 +29,7 @@ from numad_infer.lifecycle.states import IN_TRANSITION
 from numad_infer.status import metrics
 from numad_infer.status.records import DaemonState, DaemonStatus, Status
 from numad_infer.status.statefile import check_state_dir, write_status
+from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.reconcile import Reconciler
 from numad_infer.systemd.notify import Notifier
 from numad_infer.topology.sysfs import SysfsReader
@@ -156,7 +158,7 @@ class Daemon:
             now = time.monotonic()
             if now >= next_pass:
                 self.monitor_pass(now)
-                next_pass = now + self._next_interval()
+                next_pass = now + next_interval(self.plan.config, self.reconciler.runtimes.values())
             if self.notifier.watchdog_due(time.monotonic()):
                 self.notifier.watchdog(time.monotonic())
             wait = next_pass - time.monotonic()
@@ -176,15 +178,6 @@ class Daemon:
         self.reconciler.monitor(now)
         self.pass_duration_s = time.monotonic() - now
         self.publish(now)
-
-    def _next_interval(self) -> float:
-        # While an instance is starting, look again within a second: it answers as soon as
-        # its model is loaded, and status should say so without waiting a whole interval.
-        # A draining one restarts as soon as its last request ends.
-        assert self.plan.config is not None
-        interval = self.plan.config.monitor.interval_s
-        waiting = any(rt.supervision.state in IN_TRANSITION for rt in self.reconciler.runtimes.values())
-        return min(interval, 1.0) if waiting else interval
 
     def _drain_frontdoor(self) -> None:
         """Close the front door's listener and wait, up to frontend.drain_timeout_s, for the
@@ -238,3 +231,12 @@ class Daemon:
         log.info("stopped")
         return 0
 
+
+def next_interval(config: Config | None, runtimes: Iterable[Runtime]) -> float:
+    """While an instance is starting, look again within a second: it answers as soon as its
+    model is loaded, and status should say so without waiting a whole interval. A draining
+    one restarts as soon as its last request ends."""
+    assert config is not None
+    interval = config.monitor.interval_s
+    waiting = any(rt.supervision.state in IN_TRANSITION for rt in runtimes)
+    return min(interval, 1.0) if waiting else interval

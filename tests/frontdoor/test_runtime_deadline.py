@@ -53,6 +53,7 @@ class StandingRunner:
     socket_path: Path
     run_dir: Path
     restarted_by_manager: bool = True
+    haproxy_uids: frozenset[int] = frozenset({0})
 
     def running(self) -> bool:
         return True
