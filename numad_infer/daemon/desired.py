@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 # or engine is rolled out once it has held still this long (and passes the pipeline, which
 # refuses a GGUF file shorter than its tensor table).
 SETTLE_S = 5.0
+ARTIFACTS_CHANGED = "model or engine changed"
 
 
 class PlanState:
@@ -59,7 +60,9 @@ class PlanState:
         self.online, self.allowed = loaded.topology.online_cpus, loaded.allowed
         try:
             self.read_holds()
-            result = self.reconciler.apply(loaded, time.monotonic())
+            # Restarts say why in the journal: a new model file, or a new definition.
+            result = self.reconciler.apply(loaded, time.monotonic(),
+                                           why if why == ARTIFACTS_CHANGED else "definition changed")
         except (NumaInferError, OSError) as exc:
             log.error("%s failed, still running the previous configuration: cannot apply the plan: %s", why, exc)
             self.last_reload = ReloadResult(time.time(), False, why, f"cannot apply the plan: {exc}")
@@ -144,13 +147,13 @@ class PlanState:
             return
         if now - self._changed[1] < SETTLE_S or seen == self._refused:
             return
-        loaded = self._load("model or engine changed", "the model file or the engine changed but cannot be rolled "
+        loaded = self._load(ARTIFACTS_CHANGED, "the model file or the engine changed but cannot be rolled "
                             "out, the instances keep what they loaded")
         if loaded is None:
             self._refused = seen
             return
         self._changed = None
-        self.apply(loaded, "model or engine changed")
+        self.apply(loaded, ARTIFACTS_CHANGED)
         self.generation += 1
 
     def check_machine(self) -> None:

@@ -74,14 +74,15 @@ class Reconciler:
         self._workers = 8
         self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="probe")
 
-    def apply(self, loaded: Loaded, now: float) -> PlanDiff:
+    def apply(self, loaded: Loaded, now: float, why: str = "definition changed") -> PlanDiff:
         """Bring the instances to `loaded`, the pipeline's value: its key and engine are the
-        ones checked, not read or looked up again."""
+        ones checked, not read or looked up again. `why`: what the restarts of changed
+        instances say in the journal."""
         diff, specs = self.rollout.sync(loaded)
         self.api_key, self.engine = loaded.api_key, loaded.engine
         self.config = self.supervisor.config = loaded.config
         self.rollout.apply(loaded.plan, diff, specs, self.runtimes, self.holds, now,
-                           loaded.config.frontend.drain_timeout_s)
+                           loaded.config.frontend.drain_timeout_s, why)
         return diff
 
     def stop_all(self) -> None:

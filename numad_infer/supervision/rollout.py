@@ -48,7 +48,7 @@ class Rollout:
         return diff, new_specs
 
     def apply(self, plan: Plan, diff: PlanDiff, specs: dict[str, str], runtimes: dict[str, Runtime],
-              holds: dict[str, str], now: float, drain_timeout_s: float = 0.0) -> None:
+              holds: dict[str, str], now: float, drain_timeout_s: float = 0.0, why: str = "definition changed") -> None:
         for name in [n for n in self.retiring if n in {i.name for i in plan.instances}]:
             # Planned again while it still finished its requests: the new one needs its port.
             isolated(name, "stop", functools.partial(self.backend.stop, name))
@@ -66,7 +66,7 @@ class Rollout:
                            running.get(instance.name), now)
         self.rolling = [name for name in self.rolling if name in runtimes]
         if diff.changed:  # a new rollout; one still under way continues with the new definition
-            self.rolled, self._stopped_said, self.why = [], False, "definition changed"
+            self.rolled, self._stopped_said, self.why = [], False, why
         self.roll(runtimes, holds, now)
 
     def _bring_up(self, instance: Instance, runtimes: dict[str, Runtime], changed: bool, held: bool,

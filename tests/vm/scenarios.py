@@ -772,6 +772,7 @@ def e3_model_rollout() -> str:
     _, rolled = under_load(move_into_place, "the model roll-out")
     journal = journal_since(since)
     if "the model file or the engine changed" not in journal or "model or engine changed: restarting" not in journal:
+        # Both: the change noticed, and each instance's restart saying why.
         raise Fail(f"the journal does not tell the roll-out: {journal[-800:]}")
     kept = main_pid("infer@0")
     after = main_pid("infer@1")
