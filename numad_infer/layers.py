@@ -75,6 +75,8 @@ MODULES: dict[str, tuple[str, str]] = {
                               " or FIFO"),
     "util/peer": (EDGE, "one call to a peer over a socket (an HTTP GET, a line command): one deadline for all of"
                         " it, a cap on the answer"),
+    "util/fsroot": (EDGE, "files read inside a filesystem root (/ or --fsroot): links only within it, regular files"
+                          " only, bounded"),
     # -- config ------------------------------------------------------------------------------------
     "config/__init__": (CORE, PACKAGE_INIT),
     "config/defaults": (CORE, "default paths, apart so `status` need not import the schema"),
