@@ -70,6 +70,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "util/cpuset": (CORE, "CPU lists: parse and format `0-3,8`"),
     "util/tables": (CORE, "plain-text tables for every command's output"),
     "util/histogram": (CORE, "Prometheus-style histograms: the request timings the front door logs"),
+    "util/printable": (CORE, "text others named (threads, paths, /proc, peers' answers) escaped for a terminal or a "
+                             "log line; the log formatter that escapes every record"),
     "util/typedjson": (CORE, "JSON read back from a file -> typed dataclasses, every field checked"),
     "util/atomicfile": (EDGE, "replace a file atomically (temp file + rename); read only a regular file, never a link"
                               " or FIFO"),

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from numad_infer.cli.present import join_names
 from numad_infer.errors import NumaInferError
 from numad_infer.status.statefile import read_status
+from numad_infer.util.printable import printable
 
 if TYPE_CHECKING:
     from numad_infer.status.records import Status
@@ -81,11 +82,13 @@ def cmd_reload(args: argparse.Namespace) -> int:
         if now is not None and now.daemon.pid == pid and now.daemon.generation > before:
             result = now.daemon.last_reload
             if result is not None and result.ok:
-                print(f"reloaded: added {join_names(result.added)}, changed {join_names(result.changed)}, "
-                      f"removed {join_names(result.removed)}")
+                print(printable(f"reloaded: added {join_names(result.added)}, changed {join_names(result.changed)}, "
+                                f"removed {join_names(result.removed)}"))
                 return 0
             error = result.error if result is not None else "unknown"
-            print(f"numa-infer: reload failed, still running the previous configuration: {error}", file=sys.stderr)
+            # The daemon's error names files and may quote what an engine or HAProxy answered.
+            print(printable(f"numa-infer: reload failed, still running the previous configuration: {error}"),
+                  file=sys.stderr)
             return 1
     print(f"numa-infer: the daemon did not finish reloading within {args.timeout:g}s", file=sys.stderr)
     return 1

@@ -5,6 +5,7 @@ doctor.py's. It only reads.
 
 Every read goes through `FsRoot`: a tree under --fsroot is someone else's, so a link out of
 it, a FIFO or a device is not read but told (a warning on stderr) and taken as missing.
+Process names and command lines are escaped as they are read: doctor prints them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from numad_infer.host.cpufeatures import cpuinfo_flags
 from numad_infer.util.atomicfile import NotRegularFile
 from numad_infer.util.cpuset import CpuListError, parse_list
 from numad_infer.util.fsroot import LARGE, SMALL, FsRoot
+from numad_infer.util.printable import printable
 
 # (pid, comm, tid) -> (CPU ticks used so far, the CPU it last ran on)
 TickTable = dict[tuple[int, str, int], tuple[int, int]]
@@ -127,12 +129,13 @@ class HostReader:
                 cpus = parse_list(text) if text else frozenset()
             except CpuListError:
                 continue
-            names = self._subdirs(d)
+            names = tuple(printable(name) for name in self._subdirs(d))  # driver names: doctor prints them
             found.append(Irq(number, cpus, names, counts.get(number, 0)))
         return tuple(found)
 
     def processes(self) -> list[tuple[int, str, list[str]]]:
-        """(pid, comm, argv) of every process."""
+        """(pid, comm, argv) of every process, escaped: anyone names their own process (and
+        its threads), ESC and newline included, and doctor prints the names."""
         found: list[tuple[int, str, list[str]]] = []
         pids = [int(e) for e in self._listdir(self.proc) or () if e.isdigit()]
         for pid in pids:
@@ -141,7 +144,7 @@ class HostReader:
                 continue
             # Only the program's name and whether there is an argv matter: the start is enough.
             argv = (self._bytes(self.proc / str(pid) / "cmdline", SMALL, whole=False) or b"").split(b"\0")
-            found.append((pid, comm, [a.decode(errors="replace") for a in argv if a]))
+            found.append((pid, printable(comm), [printable(a.decode(errors="replace")) for a in argv if a]))
         return found
 
     def running(self, names: tuple[str, ...]) -> list[tuple[str, int]]:

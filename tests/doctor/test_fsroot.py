@@ -100,3 +100,17 @@ def test_links_inside_the_tree_are_still_followed(tmp_path: Path) -> None:
     check = base.doctor(tmp_path, cpufreq_as_sysfs_links_it)["cpu governor"]
     assert check.level == Level.WARN and check.seen == "performance,powersave (CPUs 5)"
 
+
+def test_a_name_with_escapes_in_the_tree_is_printed_escaped(tmp_path: Path) -> None:
+    """A captured /proc is someone else's too: an IRQ's action name (a directory's name)
+    carrying ESC and a newline is still shown, escaped, on a line of doctor's own."""
+
+    def named(root: Path) -> None:
+        base.put(root, "proc/irq/30/effective_affinity_list", "2")  # an inference CPU: doctor names the IRQ
+        (root / "proc/irq/30/eth0-rx-0").rename(root / "proc/irq/30/eth0\x1b[2J\n[  OK] forged")
+
+    config, root = base.setup(tmp_path, named)
+    proc = base.run_cli(config, root)
+    assert "30 eth0\\x1b[2J\\n[  OK] forged" in proc.stdout
+    assert "\x1b" not in proc.stdout + proc.stderr
+    assert not any(line.startswith("[  OK] forged") for line in proc.stdout.splitlines())
