@@ -209,3 +209,20 @@ def test_a_status_for_systemd_cannot_add_fields_of_its_own(tmp_path: Path) -> No
         Notifier({"NOTIFY_SOCKET": str(path)}).send("STATUS=reload failed: x\nMAINPID=1\x1b[2J", "ERRNO=5")
         message = sock.recv(4096).decode()
     assert message.split("\n") == ["STATUS=reload failed: x\\nMAINPID=1\\x1b[2J", "ERRNO=5"]
+
+
+def test_what_restart_prints_of_the_state_file_is_escaped(tmp_path: Path, capsys) -> None:
+    """`numa-infer restart` follows the roll in the state file and prints the daemon's
+    refusal: text the daemon wrote, which may quote a program or a peer."""
+    from numad_infer.cli.daemon_client import _follow_restart
+    from numad_infer.status.records import RestartResult
+    from numad_infer.status.statefile import write_status
+
+    path = tmp_path / "state.json"
+    refused = RestartResult("r1", 1000.0, False, error=f"instance {NAME.decode()} is held")
+    write_status(path, Status(DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml", pid=1,
+                                           last_restart=refused), ()))
+    assert _follow_restart(path, "r1", 5.0) == 1
+    err = capsys.readouterr().err
+    assert f"restart refused: instance {SHOWN} is held" in err
+    _no_raw(err)

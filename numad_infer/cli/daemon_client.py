@@ -1,7 +1,8 @@
 """Talking to the running daemon: whether it is alive and a numa-infer daemon at all, its
 published status, the reload protocol (SIGHUP, then wait for the state file's
 generation to move past the one before it) and the restart protocol (a request file, then
-SIGUSR1, then follow the roll in the state file)."""
+SIGUSR1, then follow the roll in the state file). What it prints of the state file is
+escaped (`printable`): the daemon's errors may quote what a program or a peer said."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
         return 3
     names = _instance_names(args.instances, status)
     if isinstance(names, str):
-        print(f"numa-infer: {names}", file=sys.stderr)
+        print(printable(f"numa-infer: {names}"), file=sys.stderr)
         return 1
     try:
         request = restart_request.write(path, names)
@@ -148,14 +149,14 @@ def _follow_restart(path: Path, request_id: str, timeout_s: float) -> int:
         if now is None or result is None or result.id != request_id:
             continue
         if not result.ok:
-            print(f"numa-infer: restart refused: {result.error}", file=sys.stderr)
+            print(printable(f"numa-infer: restart refused: {result.error}"), file=sys.stderr)
             return 1
         for instance in now.instances:
             if instance.name in result.instances and said.get(instance.name) != instance.state.value:
                 said[instance.name] = instance.state.value
-                print(f"{instance.name}: {instance.state.value}", flush=True)
+                print(printable(f"{instance.name}: {instance.state.value}"), flush=True)
         if not result.left:
-            print(f"restarted: {join_names(result.instances)}")
+            print(printable(f"restarted: {join_names(result.instances)}"))
             return 0
     print(f"numa-infer: the restart was not over within {timeout_s:g}s; `numa-infer status` shows where it is",
           file=sys.stderr)
