@@ -70,11 +70,15 @@ MODULES: dict[str, tuple[str, str]] = {
     "util/cpuset": (CORE, "CPU lists: parse and format `0-3,8`"),
     "util/tables": (CORE, "plain-text tables for every command's output"),
     "util/histogram": (CORE, "Prometheus-style histograms: the request timings the front door logs"),
+    "util/printable": (CORE, "text others named (threads, paths, /proc, peers' answers) escaped for a terminal or a "
+                             "log line; the log formatter that escapes every record"),
     "util/typedjson": (CORE, "JSON read back from a file -> typed dataclasses, every field checked"),
     "util/atomicfile": (EDGE, "replace a file atomically (temp file + rename); read only a regular file, never a link"
                               " or FIFO"),
     "util/peer": (EDGE, "one call to a peer over a socket (an HTTP GET, a line command): one deadline for all of"
                         " it, a cap on the answer"),
+    "util/fsroot": (EDGE, "files read inside a filesystem root (/ or --fsroot): links only within it, regular files"
+                          " only, bounded"),
     # -- config ------------------------------------------------------------------------------------
     "config/__init__": (CORE, PACKAGE_INIT),
     "config/defaults": (CORE, "default paths, apart so `status` need not import the schema"),

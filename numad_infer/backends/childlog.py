@@ -2,7 +2,9 @@
 the daemon's standard output, line by line, each line prefixed with the child's name.
 
 In a container there is no journal: `numa-infer run --instance-logs stdout` (the image's
-entrypoint) puts `infer@0: ...` and `frontdoor: ...` lines beside the daemon's own.
+entrypoint) puts `infer@0: ...` and `frontdoor: ...` lines beside the daemon's own. Each
+line is escaped (`printable`): a carriage return or an escape sequence in a child's
+output would otherwise overwrite the prefix that says whose line it is.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from numad_infer.systemd.unitdir import check_private_dir
+from numad_infer.util.printable import printable
 
 # A line longer than this is forwarded in pieces, each with its prefix: a child that never
 # ends a line cannot make the daemon hold its output in memory.
@@ -59,7 +62,8 @@ def forward(pipe: BinaryIO, name: str, fd: int = STDOUT_FD) -> None:
     prefix = f"{name}: ".encode()
     with pipe:
         for line in iter(lambda: pipe.readline(MAX_LINE), b""):
-            _write_all(fd, prefix + line.rstrip(b"\r\n") + b"\n")
+            text = printable(line.rstrip(b"\r\n").decode("utf-8", "replace"))
+            _write_all(fd, prefix + text.encode() + b"\n")
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -1,5 +1,8 @@
 """The commands: one `cmd_*` per sub-command but `reload` (daemon_client.py), each taking
-the parsed arguments and returning the exit status."""
+the parsed arguments and returning the exit status, and the log every command writes.
+
+What a command prints is escaped (`printable`): the presenters escape their lines, and
+the lines here that name a path or quote an error escape theirs."""
 
 from __future__ import annotations
 
@@ -10,12 +13,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 from numad_infer.cli.daemon_client import cmd_reload, running_daemon
 from numad_infer.cli.offline_status import offline_status
 from numad_infer.cli.present import format_allowed, format_engine, format_plan, format_status, format_topology
 from numad_infer.cli.wiring import load_all, make_backend
 from numad_infer.status.statefile import read_status
+from numad_infer.util.printable import EscapingFormatter, printable
 
 # The config schema (pydantic), planner and renderer are imported by the commands that
 # need them: `numa-infer status` with the daemon running reads only a JSON file, and an
@@ -54,11 +59,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     unit_dir = Path(args.output or loaded.config.systemd.unit_dir)
     result = write_units(unit_dir, render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
     for rel in result.written:
-        print(f"wrote {unit_dir / rel}")
+        print(printable(f"wrote {unit_dir / rel}"))
     for rel in result.removed:
-        print(f"removed {unit_dir / rel}")
+        print(printable(f"removed {unit_dir / rel}"))
     if not result.changed:
-        print(f"{unit_dir}: up to date ({len(result.unchanged)} files)")
+        print(printable(f"{unit_dir}: up to date ({len(result.unchanged)} files)"))
     elif unit_dir == Path("/run/systemd/system") or unit_dir == Path("/etc/systemd/system"):
         print("run `systemctl daemon-reload` to load the changes (the daemon does it itself)")
     return 0
@@ -70,14 +75,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     from numad_infer.units.render import render_units
 
     loaded = load_all(args)
-    print(f"{args.config}: valid for this machine")
+    print(printable(f"{args.config}: valid for this machine"))
     print(format_engine(loaded.config, loaded.engine))
     print(format_plan(loaded.plan, loaded.warnings))
     pending = plan_write(Path(loaded.config.systemd.unit_dir),
                          render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
     if pending.changed:
-        print(f"units in {loaded.config.systemd.unit_dir} differ from this plan: "
-              f"{len(pending.written)} to write, {len(pending.removed)} to remove")
+        print(printable(f"units in {loaded.config.systemd.unit_dir} differ from this plan: "
+                        f"{len(pending.written)} to write, {len(pending.removed)} to remove"))
     return 0
 
 
@@ -85,10 +90,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     from numad_infer.daemon.loop import Daemon
     from numad_infer.systemd.notify import Notifier
 
-    under_journal = bool(os.environ.get("JOURNAL_STREAM"))
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format=("%(levelname)s: %(message)s" if under_journal
-                                else "%(asctime)s %(levelname)s: %(message)s"))
     notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
     state_file = Path(args.state_file)
     backend = make_backend(args.backend, state_file, args.instance_logs, notifier)
@@ -137,7 +138,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     def progress(text: str) -> None:
         if not args.json:
-            print(f"tune: {text}", file=sys.stderr, flush=True)
+            print(printable(f"tune: {text}"), file=sys.stderr, flush=True)
 
     from numad_infer.host.identity import backend_kind
 
@@ -147,7 +148,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     try:
         report, edits = tuner.run(request, progress)
     except TuneError as exc:
-        print(f"numa-infer tune: {exc}", file=sys.stderr)
+        print(printable(f"numa-infer tune: {exc}"), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("numa-infer tune: interrupted; nothing was changed (held instances were released)", file=sys.stderr)
@@ -156,11 +157,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if not args.apply:
         return 0
     if not edits:
-        print(f"{args.config}: unchanged (the current settings are the fastest measured, or within the noise)")
+        print(printable(f"{args.config}: unchanged (the current settings are the fastest measured, or within the "
+                        "noise)"))
         return 0
     backup = tuner.write_tuned(args.config, args.fsroot, request.kind, edits)
-    print(f"{args.config}: " + ", ".join(f"{e.section}.{e.key} = {json.dumps(e.value)}" for e in edits)
-          + f" (previous file kept as {backup})")
+    print(printable(f"{args.config}: " + ", ".join(f"{e.section}.{e.key} = {json.dumps(e.value)}" for e in edits)
+                    + f" (previous file kept as {backup})"))
     status = read_status(Path(args.state_file))
     if status is not None and status.daemon.state.live:
         args.pid, args.timeout = None, 300.0
@@ -180,3 +182,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print(format_checks(checks))
     return exit_status(checks)
+
+
+def log_handler(fmt: str, stream: TextIO | None = None) -> logging.Handler:
+    """A handler writing each record as one escaped line (`EscapingFormatter`) to `stream`
+    (stderr by default)."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(EscapingFormatter(fmt))
+    return handler
+
+
+def setup_logging(args: argparse.Namespace) -> None:
+    """Every command's log on stderr, each record one escaped line: the daemon's from INFO
+    (the time first, unless the journal adds its own), the other commands' warnings as
+    Python would print them without a handler (the bare message), but escaped."""
+    if args.func is cmd_run:
+        under_journal = bool(os.environ.get("JOURNAL_STREAM"))
+        fmt = "%(levelname)s: %(message)s" if under_journal else "%(asctime)s %(levelname)s: %(message)s"
+        level = logging.DEBUG if args.verbose else logging.INFO
+    else:
+        fmt, level = "%(message)s", logging.WARNING
+    logging.basicConfig(level=level, handlers=[log_handler(fmt)])

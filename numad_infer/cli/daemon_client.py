@@ -1,7 +1,8 @@
 """Talking to the running daemon: whether it is alive and a numa-infer daemon at all, its
 published status, the reload protocol (SIGHUP, then wait for the state file's
 generation to move past the one before it) and the restart protocol (a request file, then
-SIGUSR1, then follow the roll in the state file)."""
+SIGUSR1, then follow the roll in the state file). What it prints of the state file is
+escaped (`printable`): the daemon's errors may quote what a program or a peer said."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 from numad_infer.cli.present import join_names
 from numad_infer.errors import NumaInferError
 from numad_infer.status.statefile import read_status
+from numad_infer.util.printable import printable
 
 if TYPE_CHECKING:
     from numad_infer.status.records import Status
@@ -81,11 +83,13 @@ def cmd_reload(args: argparse.Namespace) -> int:
         if now is not None and now.daemon.pid == pid and now.daemon.generation > before:
             result = now.daemon.last_reload
             if result is not None and result.ok:
-                print(f"reloaded: added {join_names(result.added)}, changed {join_names(result.changed)}, "
-                      f"removed {join_names(result.removed)}")
+                print(printable(f"reloaded: added {join_names(result.added)}, changed {join_names(result.changed)}, "
+                                f"removed {join_names(result.removed)}"))
                 return 0
             error = result.error if result is not None else "unknown"
-            print(f"numa-infer: reload failed, still running the previous configuration: {error}", file=sys.stderr)
+            # The daemon's error names files and may quote what an engine or HAProxy answered.
+            print(printable(f"numa-infer: reload failed, still running the previous configuration: {error}"),
+                  file=sys.stderr)
             return 1
     print(f"numa-infer: the daemon did not finish reloading within {args.timeout:g}s", file=sys.stderr)
     return 1
@@ -103,7 +107,7 @@ def cmd_restart(args: argparse.Namespace) -> int:
         return 3
     names = _instance_names(args.instances, status)
     if isinstance(names, str):
-        print(f"numa-infer: {names}", file=sys.stderr)
+        print(printable(f"numa-infer: {names}"), file=sys.stderr)
         return 1
     try:
         request = restart_request.write(path, names)
@@ -145,14 +149,14 @@ def _follow_restart(path: Path, request_id: str, timeout_s: float) -> int:
         if now is None or result is None or result.id != request_id:
             continue
         if not result.ok:
-            print(f"numa-infer: restart refused: {result.error}", file=sys.stderr)
+            print(printable(f"numa-infer: restart refused: {result.error}"), file=sys.stderr)
             return 1
         for instance in now.instances:
             if instance.name in result.instances and said.get(instance.name) != instance.state.value:
                 said[instance.name] = instance.state.value
-                print(f"{instance.name}: {instance.state.value}", flush=True)
+                print(printable(f"{instance.name}: {instance.state.value}"), flush=True)
         if not result.left:
-            print(f"restarted: {join_names(result.instances)}")
+            print(printable(f"restarted: {join_names(result.instances)}"))
             return 0
     print(f"numa-infer: the restart was not over within {timeout_s:g}s; `numa-infer status` shows where it is",
           file=sys.stderr)

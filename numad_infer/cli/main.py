@@ -19,11 +19,13 @@ from numad_infer.cli.commands import (
     cmd_status,
     cmd_topology,
     cmd_tune,
+    setup_logging,
 )
 from numad_infer.cli.daemon_client import cmd_reload, cmd_restart
 from numad_infer.config.defaults import DEFAULT_CONFIG_PATH, DEFAULT_STATE_FILE
 from numad_infer.errors import NumaInferError
 from numad_infer.systemd.unitnames import DAEMON_UNIT
+from numad_infer.util.printable import printable
 
 if TYPE_CHECKING:
     _Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -150,11 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     args.fsroot = getattr(args, "fsroot", "/")
     args.state_file = getattr(args, "state_file", os.environ.get("NUMA_INFER_STATE_FILE", DEFAULT_STATE_FILE))
     args.backend = getattr(args, "backend", "auto")
+    setup_logging(args)
     try:
         code: int = args.func(args)
         return code
     except NumaInferError as exc:
-        print(f"numa-infer: {exc}", file=sys.stderr)
+        # An error may name a file of a tree under --fsroot or quote what a program printed.
+        print(printable(f"numa-infer: {exc}"), file=sys.stderr)
         return 1
     except BrokenPipeError:
         return 0

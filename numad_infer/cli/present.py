@@ -1,5 +1,9 @@
 """What the commands print: the topology, the plan, the engine line, what the cgroup
-allows, the status table. Values in, text out; no I/O."""
+allows, the status table. Values in, text out; no I/O.
+
+Every line leaves here escaped (`printable`): the status carries what others wrote (a
+thread's name in a drift, an instance's or HAProxy's answer in an error), and the rest
+(paths, warnings) costs nothing to escape."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from numad_infer.util.cpuset import format_list
+from numad_infer.util.printable import printable, printable_lines
 from numad_infer.util.tables import format_table
 
 if TYPE_CHECKING:
@@ -35,7 +40,7 @@ def format_topology(topo: Topology) -> str:
     for node in topo.nodes:
         out.append(f"{node.id:>4}:" + "".join(f"{node.distances.get(i, 0):>4}" for i in ids))
     out += [f"warning: {w}" for w in topo.warnings]
-    return "\n".join(out)
+    return printable_lines(out)
 
 
 def format_plan(plan: Plan, warnings: tuple[str, ...] | None = None) -> str:
@@ -46,16 +51,16 @@ def format_plan(plan: Plan, warnings: tuple[str, ...] | None = None) -> str:
                      i.policy.value, str(i.threads), str(i.port)))
     lines = format_table(rows)
     lines += [f"warning: {w}" for w in (plan.warnings if warnings is None else warnings)]
-    return "\n".join(lines)
+    return printable_lines(lines)
 
 
 def format_engine(config: Config, engine: Engine) -> str:
     """Which server every instance runs, and the key that chose it (or that it is the default)."""
     chosen = "server.engine" if "engine" in config.server.model_fields_set else "the default; server.engine"
     if not engine.program_key:
-        return f"engine: {engine.name} ({chosen})"
-    return (f"engine: {engine.name} ({chosen}), every instance runs {engine.program(config)} "
-            f"(server.{engine.program_key})")
+        return printable(f"engine: {engine.name} ({chosen})")
+    return printable(f"engine: {engine.name} ({chosen}), every instance runs {engine.program(config)} "
+                     f"(server.{engine.program_key})")
 
 
 def format_allowed(topo: Topology, allowed: Allowed) -> list[str]:
@@ -71,7 +76,7 @@ def format_allowed(topo: Topology, allowed: Allowed) -> list[str]:
     if cpus or mems:
         lines.append("left out: " + ", ".join(([f"CPUs {format_list(cpus)}"] if cpus else [])
                                              + ([f"memory of node(s) {format_list(mems)}"] if mems else [])))
-    return lines
+    return [printable(line) for line in lines]
 
 
 def _age(seconds: float | None) -> str:
@@ -134,7 +139,7 @@ def format_status(status: Status) -> str:
             lines.append(f"  {i.name}: error: {i.error}")
         if i.unit_state:
             lines.append(f"  {i.name}: unit {i.unit_state}")
-    return "\n".join(lines)
+    return printable_lines(lines)
 
 
 def _dash(value: object) -> str:

@@ -1,11 +1,16 @@
-"""Read what `doctor` judges from a filesystem root (/ or a fake tree under --fsroot):
+"""Read what `doctor` judges from a filesystem root (/ or a tree under --fsroot):
 sysctls, transparent huge pages, cpufreq, node memory, IRQs, swap, processes. Thin edge:
 missing files become None (an older kernel, a VM without cpufreq); the verdicts are
 doctor.py's. It only reads.
+
+Every read goes through `FsRoot`: a tree under --fsroot is someone else's, so a link out of
+it, a FIFO or a device is not read but told (a warning on stderr) and taken as missing.
+Process names and command lines are escaped as they are read: doctor prints them.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -14,7 +19,10 @@ from pathlib import Path
 
 from numad_infer.doctor.verdicts import NUMA_MANAGERS, CpuFreq, Irq, Neighbour, NodeMemory
 from numad_infer.host.cpufeatures import cpuinfo_flags
+from numad_infer.util.atomicfile import NotRegularFile
 from numad_infer.util.cpuset import CpuListError, parse_list
+from numad_infer.util.fsroot import LARGE, SMALL, FsRoot
+from numad_infer.util.printable import printable
 
 # (pid, comm, tid) -> (CPU ticks used so far, the CPU it last ran on)
 TickTable = dict[tuple[int, str, int], tuple[int, int]]
@@ -22,18 +30,54 @@ Sampler = Callable[[float], tuple[Neighbour, ...]]
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
+log = logging.getLogger(__name__)
+
 
 class HostReader:
     def __init__(self, fsroot: str | os.PathLike[str] = "/") -> None:
         self.root = Path(fsroot)
+        self.tree = FsRoot(self.root)
+        self.told: set[str] = set()  # what was refused and said so: once each, not once per read
         self.proc = self.root / "proc"
         self.sys = self.root / "sys"
 
-    def _text(self, path: Path) -> str | None:
+    def _bytes(self, path: Path, limit: int = SMALL, whole: bool = True) -> bytes | None:
         try:
-            return path.read_text(errors="replace").strip()
+            return self.tree.read(path, limit, whole)
         except OSError:
             return None  # absent on this kernel, or a process that exited meanwhile
+        except NotRegularFile as exc:
+            self._refused(exc)
+            return None
+
+    def _text(self, path: Path, limit: int = SMALL) -> str | None:
+        data = self._bytes(path, limit)
+        return None if data is None else data.decode("utf-8", errors="replace").strip()
+
+    def _listdir(self, path: Path) -> list[str] | None:
+        try:
+            return self.tree.listdir(path)
+        except OSError:
+            return None
+        except NotRegularFile as exc:
+            self._refused(exc)
+            return None
+
+    def _subdirs(self, path: Path) -> tuple[str, ...]:
+        """The names of the directories in `path` (links to directories inside the tree count)."""
+        found = []
+        for name in self._listdir(path) or ():
+            try:
+                if self.tree.is_dir(path / name):
+                    found.append(name)
+            except NotRegularFile as exc:
+                self._refused(exc)
+        return tuple(sorted(found))
+
+    def _refused(self, exc: NotRegularFile) -> None:
+        if str(exc) not in self.told:
+            self.told.add(str(exc))
+            log.warning("doctor: not read: %s", exc)
 
     def _int(self, path: Path) -> int | None:
         text = self._text(path)
@@ -69,16 +113,15 @@ class HostReader:
 
     def irqs(self) -> tuple[Irq, ...]:
         counts: dict[int, int] = {}
-        for line in (self._text(self.proc / "interrupts") or "").splitlines():
+        for line in (self._text(self.proc / "interrupts", LARGE) or "").splitlines():
             label, _, rest = line.partition(":")
             if label.strip().isdigit():
                 counts[int(label)] = sum(int(v) for v in rest.split() if v.isdigit())
         found = []
-        try:
-            entries = sorted(int(e.name) for e in (self.proc / "irq").iterdir() if e.name.isdigit())
-        except OSError:
+        listed = self._listdir(self.proc / "irq")
+        if listed is None:
             return ()
-        for number in entries:
+        for number in sorted(int(name) for name in listed if name.isdigit()):
             d = self.proc / "irq" / str(number)
             # The CPU the interrupt really goes to; kernels before 4.15 show only the allowed set.
             text = self._text(d / "effective_affinity_list") or self._text(d / "smp_affinity_list")
@@ -86,29 +129,22 @@ class HostReader:
                 cpus = parse_list(text) if text else frozenset()
             except CpuListError:
                 continue
-            try:
-                names = tuple(sorted(e.name for e in d.iterdir() if e.is_dir()))
-            except OSError:
-                names = ()
+            names = tuple(printable(name) for name in self._subdirs(d))  # driver names: doctor prints them
             found.append(Irq(number, cpus, names, counts.get(number, 0)))
         return tuple(found)
 
     def processes(self) -> list[tuple[int, str, list[str]]]:
-        """(pid, comm, argv) of every process."""
+        """(pid, comm, argv) of every process, escaped: anyone names their own process (and
+        its threads), ESC and newline included, and doctor prints the names."""
         found: list[tuple[int, str, list[str]]] = []
-        try:
-            pids = [int(e) for e in os.listdir(self.proc) if e.isdigit()]
-        except OSError:
-            return found
+        pids = [int(e) for e in self._listdir(self.proc) or () if e.isdigit()]
         for pid in pids:
             comm = self._text(self.proc / str(pid) / "comm")
             if comm is None:
                 continue
-            try:
-                argv = (self.proc / str(pid) / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                argv = []
-            found.append((pid, comm, [a.decode(errors="replace") for a in argv if a]))
+            # Only the program's name and whether there is an argv matter: the start is enough.
+            argv = (self._bytes(self.proc / str(pid) / "cmdline", SMALL, whole=False) or b"").split(b"\0")
+            found.append((pid, printable(comm), [printable(a.decode(errors="replace")) for a in argv if a]))
         return found
 
     def running(self, names: tuple[str, ...]) -> list[tuple[str, int]]:
@@ -126,7 +162,7 @@ class HostReader:
         return tuple(f"{name} (pid {pid})" for name, pid in self.running(NUMA_MANAGERS))
 
     def cpu_flags(self) -> frozenset[str]:
-        return cpuinfo_flags(self._text(self.proc / "cpuinfo") or "")
+        return cpuinfo_flags(self._text(self.proc / "cpuinfo", LARGE) or "")
 
     def nodes_per_package(self, node_cpus: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
         """Package (socket) id -> its nodes that have CPUs; empty when the kernel does not say."""
@@ -146,11 +182,7 @@ class HostReader:
             # A kernel thread has no argv: its work (kworkers, ksoftirqd) follows the CPU, not a choice to undo.
             if pid in skip or not argv:
                 continue
-            try:
-                tids = [int(t) for t in os.listdir(self.proc / str(pid) / "task")]
-            except OSError:
-                continue
-            for tid in tids:
+            for tid in [int(t) for t in self._listdir(self.proc / str(pid) / "task") or () if t.isdigit()]:
                 stat = self._text(self.proc / str(pid) / "task" / str(tid) / "stat")
                 if stat is None:
                     continue

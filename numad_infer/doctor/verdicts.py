@@ -11,6 +11,7 @@ from enum import Enum
 
 from numad_infer.host.cpufeatures import EngineCpuReport, idle_units, offered_units
 from numad_infer.util.cpuset import format_list
+from numad_infer.util.printable import printable_lines
 
 # The one-line fix for most of what follows: the tuned profile numa-infer ships
 # (packaging/tuned/numa-infer/tuned.conf, installed under /usr/lib/tuned/).
@@ -338,6 +339,8 @@ def exit_status(checks: list[Check]) -> int:
 
 
 def format_checks(checks: list[Check]) -> str:
+    """Each check as the operator reads it, every line escaped: `seen` holds what the host
+    (or a tree under --fsroot) says, process names and file contents among it."""
     lines = []
     for c in checks:
         lines.append(f"[{c.level.value.upper():>4}] {c.name}: {c.seen} (wanted {c.wanted})")
@@ -346,4 +349,4 @@ def format_checks(checks: list[Check]) -> str:
             lines.append(f"       fix: {c.fix}")
     counts = {level: sum(c.level == level for c in checks) for level in Level}
     lines.append(", ".join(f"{n} {level.value}" for level, n in counts.items()))
-    return "\n".join(lines)
+    return printable_lines(lines)

@@ -32,6 +32,7 @@ from numad_infer.frontdoor.request_log import RequestLog
 from numad_infer.plan.model import Instance, Plan
 from numad_infer.util.atomicfile import write_atomic
 from numad_infer.util.histogram import Histogram
+from numad_infer.util.printable import printable
 
 log = logging.getLogger(__name__)
 
@@ -228,7 +229,7 @@ class Frontdoor:
             log.error("front door: cannot close the listener: %s", exc)
             answer = str(exc)
         if answer:  # HAProxy answers nothing on success
-            log.error("front door: disable frontend %s: %s", FRONTEND, answer)
+            log.error("front door: disable frontend %s: %s", FRONTEND, printable(answer))
         # HAProxy's pause alone would leave the inherited socket queueing connections that
         # no one accepts; shut down, it refuses them in every process holding it.
         self.runner.listener.refuse()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from numad_infer.errors import ConfigError, NumaInferError
 from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
 from numad_infer.util import peer
+from numad_infer.util.printable import printable
 
 if TYPE_CHECKING:
     from numad_infer.config.schema import Config
@@ -158,8 +159,8 @@ class RuntimeAPI:
 
     def set_state(self, backend: str, server: str, state: AdminState) -> None:
         answer = self.command(f"set server {backend}/{server} state {state.value}").strip()
-        if answer:  # HAProxy answers nothing on success
-            raise HaproxyError(f"set server {backend}/{server} state {state.value}: {answer}")
+        if answer:  # HAProxy answers nothing on success; its answer may span lines
+            raise HaproxyError(f"set server {backend}/{server} state {state.value}: {printable(answer)}")
 
     def servers_state(self) -> str:
         """`show servers state`: the file format `load-server-state-from-file` reads back."""

@@ -15,6 +15,7 @@ import psutil
 from numad_infer.host.portowner import PortOwner, open_connections, port_owner
 from numad_infer.host.proc_types import NodeUsage, ThreadInfo
 from numad_infer.util.cpuset import CpuListError, parse_list
+from numad_infer.util.printable import printable
 
 _NODE_FIELD = re.compile(r"\bN(\d+)=(\d+)")
 _PAGESIZE = re.compile(r"\bkernelpagesize_kB=(\d+)")
@@ -90,7 +91,9 @@ class ProcReader:
         fields = _stat_fields(stat)
         # Field 39 of stat ("processor") is index 36 after the "(comm)" split.
         last_cpu = int(fields[36]) if len(fields) > 36 and fields[36].lstrip("-").isdigit() else None
-        name = stat[stat.find("(") + 1:stat.rfind(")")]
+        # Any thread may name itself (PR_SET_NAME), ESC and newline included: the name is
+        # escaped here, where it enters, before drift details and logs carry it.
+        name = printable(stat[stat.find("(") + 1:stat.rfind(")")])
         return ThreadInfo(tid, name, allowed, last_cpu)
 
     def threads(self, pid: int) -> list[ThreadInfo]:

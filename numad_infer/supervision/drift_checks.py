@@ -22,6 +22,7 @@ from numad_infer.lifecycle.drift import EventKind
 from numad_infer.plan.model import Instance, Policy
 from numad_infer.topology.cgroups import CgroupReader
 from numad_infer.util.cpuset import format_list
+from numad_infer.util.printable import printable
 
 if TYPE_CHECKING:
     from numad_infer.config.schema import MonitorSection
@@ -74,8 +75,9 @@ class AffinityCheck(DriftCheck):
         self.good_masks = verdict.good_masks
         if not verdict.drifted:
             return False
+        # The thread's own name (anyone's to choose) goes into status and the log: escaped.
         found = "; ".join(
-            f"thread {d.tid} ({d.name}) allowed {format_list(d.allowed)}, last ran on {d.last_cpu}"
+            f"thread {d.tid} ({printable(d.name)}) allowed {format_list(d.allowed)}, last ran on {d.last_cpu}"
             for d in verdict.drifted[:4]
         ) + (f" and {len(verdict.drifted) - 4} more" if len(verdict.drifted) > 4 else "")
         self.found(ctx, f"outside CPUs {format_list(cpus)}: {found}")

@@ -12,6 +12,8 @@ import time
 
 import sdnotify
 
+from numad_infer.util.printable import printable
+
 # What systemd gives the service's main process to talk back with.
 NOTIFY_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
 # What it gives back from the file descriptor store at start (sd_listen_fds(3)).
@@ -60,8 +62,11 @@ class Notifier:
         self._last_ping = 0.0
 
     def send(self, *fields: str) -> None:
+        """Each field escaped (`printable`): the message is one `KEY=value` a line, so a newline
+        in a STATUS= (an error quoting what a program printed) would add fields of its own
+        (READY=1, MAINPID=...), and `systemctl status` shows the text to a terminal."""
         if self._notifier is not None:
-            self._notifier.notify("\n".join(fields))
+            self._notifier.notify("\n".join(printable(field) for field in fields))
 
     def store_fd(self, name: str, fd: int | None) -> None:
         """Keep `fd` in the unit's file descriptor store under `name` (FileDescriptorStoreMax=

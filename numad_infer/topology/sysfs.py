@@ -3,6 +3,10 @@
 Thin edge: collect files into a `SysfsSnapshot` and let `topology.build_topology`
 decide. Missing files become None (old kernels lack many); files that exist but
 cannot be parsed are errors naming the file.
+
+Every read goes through `FsRoot`: a tree under --fsroot is someone else's capture, whose
+own links (node0/cpu0 -> ../../cpu/cpu0) are followed, but a link out of it, a FIFO or a
+device is an error naming the file, never read.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from pathlib import Path
 
 from numad_infer.errors import TopologyError
 from numad_infer.topology.model import RawCpu, RawNode, SysfsSnapshot, Topology, build_topology
+from numad_infer.util.atomicfile import NotRegularFile
 from numad_infer.util.cpuset import CpuListError, parse_list, parse_mask
+from numad_infer.util.fsroot import FsRoot
 
 _NUMBERED = re.compile(r"^(cpu|node)(\d+)$")
 
@@ -21,17 +27,20 @@ _NUMBERED = re.compile(r"^(cpu|node)(\d+)$")
 class SysfsReader:
     def __init__(self, fsroot: str | os.PathLike[str] = "/") -> None:
         self.root = Path(fsroot)
+        self.tree = FsRoot(self.root)
         self.cpu_dir = self.root / "sys/devices/system/cpu"
         self.node_dirs = [self.root / "sys/devices/system/node", self.root / "sys/bus/node/devices"]
 
     # -- small helpers -------------------------------------------------------------
     def _text(self, path: Path) -> str | None:
         try:
-            return path.read_text(errors="replace").replace("\x00", "").strip()
+            return self.tree.text(path).replace("\x00", "").strip()
         except (FileNotFoundError, NotADirectoryError, PermissionError, IsADirectoryError):
             return None
         except OSError as exc:
             raise TopologyError(f"cannot read {path}: {exc.strerror}") from exc
+        except NotRegularFile as exc:
+            raise TopologyError(f"not read: {exc}") from None
 
     def _cpus(self, path: Path, mask: bool = False) -> frozenset[int] | None:
         text = self._text(path)
@@ -51,17 +60,26 @@ class SysfsReader:
                 return result
         return None
 
-    @staticmethod
-    def _numbered(directory: Path, prefix: str) -> dict[int, Path]:
-        found: dict[int, Path] = {}
+    def _names(self, directory: Path) -> list[str]:
         try:
-            entries = list(directory.iterdir())
+            return self.tree.listdir(directory)
         except (FileNotFoundError, NotADirectoryError, PermissionError):
-            return found
-        for entry in entries:
-            match = _NUMBERED.match(entry.name)
-            if match and match.group(1) == prefix and entry.is_dir():  # dangling links are offline nodes
-                found[int(match.group(2))] = entry
+            return []
+        except NotRegularFile as exc:
+            raise TopologyError(f"not read: {exc}") from None
+
+    def _is_dir(self, path: Path) -> bool:
+        try:
+            return self.tree.is_dir(path)
+        except NotRegularFile as exc:
+            raise TopologyError(f"not read: {exc}") from None
+
+    def _numbered(self, directory: Path, prefix: str) -> dict[int, Path]:
+        found: dict[int, Path] = {}
+        for name in self._names(directory):
+            match = _NUMBERED.match(name)
+            if match and match.group(1) == prefix and self._is_dir(directory / name):  # dangling: offline nodes
+                found[int(match.group(2))] = directory / name
         return found
 
     # -- the tree ----------------------------------------------------------------------
@@ -73,7 +91,7 @@ class SysfsReader:
             ("core_cpus_list", "thread_siblings_list", "core_cpus", "thread_siblings"),
         )
         l3: frozenset[int] | None = None
-        for index in sorted((path / "cache").glob("index*")):
+        for index in sorted(path / "cache" / name for name in self._names(path / "cache") if name.startswith("index")):
             if self._text(index / "level") == "3":
                 l3 = self._first_cpus(index, ("shared_cpu_list", "shared_cpu_map"))
                 break
@@ -97,7 +115,7 @@ class SysfsReader:
         return RawNode(cpus=cpus, memory_total_bytes=memory, distances=distances)
 
     def snapshot(self) -> SysfsSnapshot:
-        if not self.cpu_dir.is_dir():
+        if not self._is_dir(self.cpu_dir):
             raise TopologyError(
                 f"{self.cpu_dir} does not exist: {self.root} is not a Linux filesystem root with /sys mounted"
             )

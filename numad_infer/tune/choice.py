@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from numad_infer.util.printable import printable_lines
 from numad_infer.util.tables import format_table
 
 
@@ -197,9 +198,11 @@ def format_report(report: Report) -> str:
         else:
             lines.append(f"{c.key}: {c.winner} measured {c.margin:+.1%} over the current {c.current}, within the "
                          f"noise (±{c.noise:.1%}); keep the current setting")
+    # Escaped: the engine's CPU line is what the engine printed.
+    text = printable_lines(lines)
     if report.layout_results and report.current_layout is not None:
-        lines.append(format_layouts(report.layout_results, report.current_layout))
-    return "\n".join(lines)
+        text += "\n" + format_layouts(report.layout_results, report.current_layout)
+    return text
 
 
 # -- layouts under concurrency -------------------------------------------------------------------
@@ -267,4 +270,4 @@ def format_layouts(results: list[LayoutResult], current: Layout) -> str:
     else:
         lines.append(f"layout: {best.layout.name} measured {margin:+.1%} over the current {current.name}, within the "
                      f"noise (±{noise:.1%}); keep the current layout")
-    return "\n".join(lines)
+    return printable_lines(lines)

@@ -37,14 +37,25 @@ def read_regular(path: Path, limit: int = 16 << 20) -> tuple[str, os.stat_result
         if exc.errno == errno.ELOOP:  # the last component is a symbolic link
             raise NotRegularFile(path, "is a symbolic link") from None
         raise
+    data, info = read_descriptor(fd, path, limit)
+    return data.decode("utf-8", errors="replace"), info
+
+
+def read_descriptor(fd: int, path: Path, limit: int, whole: bool = True) -> tuple[bytes, os.stat_result]:
+    """The bytes of the regular file open at `fd` (closed here) and its fstat: at most
+    `limit`, the rest refused (whole=True) or left unread (whole=False, for a file whose
+    start is all that matters). A FIFO, device, socket or directory is refused: nothing
+    bounds what a device gives, or when a FIFO's writer comes."""
     with os.fdopen(fd, "rb") as handle:
         info = os.fstat(handle.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise NotRegularFile(path, "is not a regular file")
         data = handle.read(limit + 1)
     if len(data) > limit:
-        raise NotRegularFile(path, f"is larger than {limit} bytes")
-    return data.decode("utf-8", errors="replace"), info
+        if whole:
+            raise NotRegularFile(path, f"is larger than {limit} bytes")
+        data = data[:limit]
+    return data, info
 
 
 def write_atomic(path: Path, content: str, durable: bool = True, mode: int = 0o644) -> None:
