@@ -231,3 +231,10 @@ def test_a_malformed_or_oversized_request_is_answered_and_closed(request_bytes: 
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_kubernetes_guide_states_the_limits_the_server_has() -> None:
+    guide = " ".join((Path(__file__).resolve().parents[2] / "docs/kubernetes.md").read_text().split())
+    assert f"at most {httpserver.MAX_CONNECTIONS} are held" in guide
+    assert (f"{httpserver.READ_TIMEOUT_S:g} s to send its request and {httpserver.WRITE_TIMEOUT_S:g} s to take the "
+            "answer") in guide
