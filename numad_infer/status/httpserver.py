@@ -100,6 +100,7 @@ class BoundedHTTPServer:
         self._selector.register(self.listener, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         self._paused_until: float | None = None
+        self._starved = False  # accept failed for want of descriptors: said once, not each retry
         self._stopping = False
         self._running = threading.Event()
         self._stopped = threading.Event()
@@ -114,7 +115,11 @@ class BoundedHTTPServer:
                     if key.fileobj is self.listener:
                         self._accept()
                     elif isinstance(key.data, _Connection):
-                        self._serve(key.data, mask)
+                        try:
+                            self._serve(key.data, mask)
+                        except Exception:  # one connection's fault ends that connection, never the endpoint
+                            log.exception("metrics: a connection from %s failed", key.data.peer)
+                            self._close(key.data)
         finally:
             self._stopped.set()
 
@@ -156,10 +161,14 @@ class BoundedHTTPServer:
                 continue
             except OSError as exc:
                 # EMFILE/ENFILE: the listener stays readable; retrying at once would spin a core.
-                log.warning("metrics: cannot accept a connection (%s); again in %.1f s", exc.strerror, ACCEPT_PAUSE_S)
+                if not self._starved:
+                    log.warning("metrics: cannot accept a connection (%s); trying again every %.1f s",
+                                exc.strerror, ACCEPT_PAUSE_S)
+                self._starved = True
                 self._selector.unregister(self.listener)
                 self._paused_until = time.monotonic() + ACCEPT_PAUSE_S
                 return
+            self._starved = False
             sock.setblocking(False)
             if len(self._open) >= self.max_connections:
                 self._close(next(iter(self._open.values())))

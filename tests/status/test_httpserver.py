@@ -238,3 +238,54 @@ def test_the_kubernetes_guide_states_the_limits_the_server_has() -> None:
     assert f"at most {httpserver.MAX_CONNECTIONS} are held" in guide
     assert (f"{httpserver.READ_TIMEOUT_S:g} s to send its request and {httpserver.WRITE_TIMEOUT_S:g} s to take the "
             "answer") in guide
+
+
+# The server alone in a process with 4 descriptors to spare; it prints its port, and for
+# each line read its CPU time and the warnings it logged.
+STARVED = """
+import logging, os, resource, sys, threading
+from numad_infer.status.httpserver import BoundedHTTPServer
+warnings = []
+logging.getLogger().addHandler(logging.Handler())
+logging.getLogger().handlers[0].emit = lambda record: warnings.append(record.getMessage())
+server = BoundedHTTPServer("127.0.0.1", 0, lambda e, r: (r("200 OK", []), [b"ok"])[1])
+threading.Thread(target=server.serve_forever, daemon=True).start()
+spare = len(os.listdir("/proc/self/fd")) + 4
+resource.setrlimit(resource.RLIMIT_NOFILE, (spare, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print(server.server_address[1], flush=True)
+for _ in sys.stdin:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    print(usage.ru_utime + usage.ru_stime, len(warnings), repr(warnings[-1:]), flush=True)
+"""
+
+
+def test_out_of_descriptors_the_server_waits_for_one_without_spinning_and_says_so_once() -> None:
+    child = subprocess.Popen([sys.executable, "-c", STARVED], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=Path(__file__).resolve().parents[2])
+    assert child.stdin is not None and child.stdout is not None
+    ask, answer = child.stdin, child.stdout
+
+    def cpu_and_warnings() -> tuple[float, int, str]:
+        ask.write("?\n")
+        ask.flush()
+        cpu, count, last = answer.readline().split(" ", 2)
+        return float(cpu), int(count), last
+
+    try:
+        port = int(answer.readline())
+        clients = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+        time.sleep(0.5)
+        before, _, _ = cpu_and_warnings()
+        time.sleep(2.0)
+        after, warnings, last = cpu_and_warnings()
+        assert after - before < 0.5  # a loop retrying accept at once burns the whole 2 s
+        assert warnings == 1 and "cannot accept a connection (Too many open files)" in last  # not one a retry
+        for sock in clients:
+            sock.close()
+        status, took = scrape(port)  # the held ones closed, descriptors are free again
+        assert status == 200 and took < 3.0
+    finally:
+        child.kill()
+        child.wait()
+        ask.close()
+        answer.close()
