@@ -172,6 +172,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "status/__init__": (CORE, PACKAGE_INIT),
     "status/records": (CORE, "the typed status the daemon publishes and `status`/metrics read"),
     "status/metrics": (EDGE, "the Prometheus endpoint"),
+    "status/httpserver": (EDGE, "the metrics endpoint's HTTP server: one thread, connections capped, deadlines"),
     "status/statefile": (EDGE, "the state file the daemon writes and the commands read"),
     # -- supervision -------------------------------------------------------------------------------
     "supervision/__init__": (CORE, PACKAGE_INIT),

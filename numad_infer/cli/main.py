@@ -69,8 +69,9 @@ def _add_daemon_commands(sub: _Subparsers, common: argparse.ArgumentParser) -> N
     p = sub.add_parser("run", parents=[common], help=f"run the daemon (what {DAEMON_UNIT} starts)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument("--instance-logs", choices=("file", "stdout"), default="file",
-                   help="process backend: the instances' and HAProxy's output to STATE_DIR/logs/NAME.log (file, the "
-                        "default), or to the daemon's stdout, each line prefixed with NAME: (stdout, for a container)")
+                   help="process backend: the instances' and HAProxy's output to STATE_DIR/logs/NAME.log, rotated to "
+                        "NAME.log.1 at 8 MiB (file, the default), or to the daemon's stdout, each line prefixed with "
+                        "NAME: (stdout, for a container)")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("status", parents=[common],
                        help="instances, health and drift (exit 0 healthy, 1 not, 3 daemon down)")

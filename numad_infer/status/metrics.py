@@ -1,26 +1,26 @@
 """Prometheus endpoint (`[metrics] listen`): the daemon's published snapshot, as metrics.
 
 Read at scrape time from the last snapshot the loop published (an immutable Status
-swapped in whole), so the HTTP thread never touches state the loop is changing.
+swapped in whole), so the HTTP thread never touches state the loop is changing. Served by
+one thread with bounded connections and deadlines (status/httpserver): the endpoint may
+listen on every address of a pod.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
-from wsgiref.simple_server import make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer, _SilentHandler
 from prometheus_client.registry import Collector
 
 from numad_infer.config.values import parse_listen
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import State
+from numad_infer.status.httpserver import BoundedHTTPServer
 from numad_infer.status.records import InstanceStatus, Status, in_rotation
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ def _daemon_metrics(snap: Status) -> Iterator[Metric]:
     yield ok
 
 
-def serve(listen: str, snapshot: Callable[[], Status | None]) -> ThreadingWSGIServer:
+def serve(listen: str, snapshot: Callable[[], Status | None]) -> BoundedHTTPServer:
     host, port = parse_listen(listen)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SnapshotCollector(snapshot))
@@ -183,10 +183,7 @@ def serve(listen: str, snapshot: Callable[[], Status | None]) -> ThreadingWSGISe
         answer: Iterable[bytes] = metrics_app(environ, start_response)
         return answer
 
-    class Server(ThreadingWSGIServer):
-        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
-
-    server = make_server(host, port, only_metrics, Server, handler_class=_SilentHandler)
+    server = BoundedHTTPServer(host, port, only_metrics)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     log.info("metrics on http://%s/metrics", listen)
     return server
@@ -198,7 +195,7 @@ class Endpoint:
     def __init__(self, snapshot: Callable[[], Status | None]) -> None:
         self.snapshot = snapshot
         self.listen = ""
-        self._server: ThreadingWSGIServer | None = None
+        self._server: BoundedHTTPServer | None = None
 
     def listen_on(self, listen: str) -> None:
         if listen == self.listen:

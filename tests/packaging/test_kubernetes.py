@@ -284,6 +284,22 @@ def test_the_networkpolicy_admits_the_front_door_and_metrics_ports_of_the_pods_i
     assert admitted == {ports["http"], ports["metrics"]}
 
 
+def test_the_networkpolicy_lets_only_the_monitoring_namespaces_prometheus_reach_the_metrics_port(
+        rendered: list[dict]) -> None:
+    policy = yaml.safe_load(NETWORKPOLICY.read_text())
+    metrics = {p["name"]: p["containerPort"] for p in container(rendered)["ports"]}["metrics"]
+    # A rule without `from`, or a peer with an empty selector, admits every pod; a policy
+    # does not apply at all to a pod on the host's network.
+    assert all(rule.get("from") for rule in policy["spec"]["ingress"])
+    assert not pod_spec(rendered).get("hostNetwork")
+    [rule] = [r for r in policy["spec"]["ingress"] if metrics in {p["port"] for p in r["ports"]}]
+    assert [p["port"] for p in rule["ports"]] == [metrics]
+    for peer in rule["from"]:
+        # Both selectors in one peer: a pod of that namespace AND with that label, never either.
+        assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+        assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+
+
 def test_the_prometheusrule_carries_the_shipped_rules_and_selects_the_podmonitors_pods_job_or_any() -> None:
     rule = yaml.safe_load(PROMETHEUSRULE.read_text())
     assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
