@@ -185,10 +185,11 @@ class Watcher:
                 self.publishes.append(Publish(updated, state))
 
     def longest_gap(self, start: float, end: float) -> float | None:
-        """The longest time between two consecutive publishes, of those spanning a moment in
-        [start, end]."""
+        """The longest time between two consecutive publishes, of those where the later one
+        came in (start, end]: a gap the daemon was in while a fault was (the one the strike
+        fell in too)."""
         times = sorted({p.updated_at for p in self.publishes})
-        gaps = [b - a for a, b in itertools.pairwise(times) if b > start and a < end]
+        gaps = [b - a for a, b in itertools.pairwise(times) if start < b <= end]
         return max(gaps) if gaps else None
 
     def passes(self, start: float, end: float) -> list[dict[str, Any]]:
@@ -481,9 +482,10 @@ def main() -> int:
             struck.until, struck.healed, struck.heal_s = time.time(), healed, time.monotonic() - over
             strikes.append(struck)
             took = struck.heal_s
-            since = f"after the drip ({args.drip_s:g}s) ended" if fault.startswith("drip-") else ""
+            since = f" after the drip ({args.drip_s:g}s) ended" if fault.startswith("drip-") else ""
+            time.sleep(2 * SAMPLE_EVERY_S)  # the watcher has then read the publish that showed the heal
             gap = watcher.longest_gap(struck.at, struck.until)
-            print(f"{fault:<15} {struck.detail:<22} healed after {took:6.1f}s {since}; longest status gap "
+            print(f"{fault:<15} {struck.detail:<22} healed after {took:6.1f}s{since}; longest status gap "
                   + (f"{gap:.2f}s" if gap is not None else "-")
                   + "".join(f"; {x}" for x in (said, what_status_said(struck, watcher)) if x), flush=True)
         stop.set()
