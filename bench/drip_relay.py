@@ -26,7 +26,9 @@ What the relay changes for the rest of the soak: every byte is copied once more,
 thread of the instance's own process, which is pinned, re-pinned, stopped and killed with
 it; uvicorn listens on a unix socket, not on the port. The process, its threads, its
 memory and its port are the instance's as before, so the soak's placement check still
-reads every thread that serves.
+reads every thread that serves. A stop is uvicorn's as before: at SIGTERM the port stops
+taking connections at once (the relay closes it when uvicorn closes its own socket), the
+answers under way are finished and passed on, then the process exits.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import time
 from typing import Any
 
 HEAD_CAP = 8192  # a request line is all the relay reads before it decides
+STOP_WAIT_S = 10.0  # at a stop, how long relayed answers may take to reach their clients
 
 
 def main() -> None:
@@ -52,32 +55,104 @@ def main() -> None:
     flag = os.path.join(flag_dir, f"drip-{port}")
     import uvicorn  # llama_cpp.server's own; its __main__ calls uvicorn.run at run time
 
-    real_run = uvicorn.run
+    real_run, real_shutdown = uvicorn.run, uvicorn.Server.shutdown
 
     def run(app: Any, host: str, port: int, **kwargs: Any) -> None:
         upstream = os.path.join(tempfile.mkdtemp(prefix="numa-infer-relay-"), "uvicorn.sock")
-        threading.Thread(target=relay, args=(host, port, upstream, flag, liveness, every), daemon=True).start()
-        real_run(app, uds=upstream, **kwargs)
+        relay = Relay(host, port, upstream, flag, liveness, every)
 
-    uvicorn.run = run
+        async def shutdown(self: uvicorn.Server, sockets: list[socket.socket] | None = None) -> None:
+            # uvicorn stops accepting first, then finishes what it has: so does the port. A
+            # connection refused is one HAProxy sends elsewhere (retry-on conn-failure).
+            relay.close()
+            await real_shutdown(self, sockets)
+
+        uvicorn.Server.shutdown = shutdown  # type: ignore[method-assign]
+        threading.Thread(target=relay.serve, daemon=True).start()
+        real_run(app, uds=upstream, **kwargs)
+        # uvicorn has sent its last answers; the relay's threads end with the process, so
+        # let them pass those answers on first.
+        relay.wait_idle(STOP_WAIT_S)
+
+    uvicorn.run = run  # type: ignore[assignment]
     sys.argv = [sys.argv[0], *args]
     runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
 
 
-def relay(host: str, port: int, upstream: str, flag: str, liveness: str, every: float) -> None:
-    # The port is free until uvicorn answers, as it is while llama_cpp.server loads its model.
-    while not _answers(upstream):
-        time.sleep(0.05)
-    try:
-        server = socket.create_server((host, port), backlog=64)
-    except OSError as exc:  # what llama_cpp.server does when the port is taken: exit
-        print(f"drip_relay: cannot listen on {host}:{port}: {exc}", file=sys.stderr, flush=True)
-        os._exit(1)
-    print(f"drip_relay: {host}:{port} -> {upstream}; drips {liveness} while {flag} exists", file=sys.stderr,
-          flush=True)
-    while True:
-        conn, _ = server.accept()
-        threading.Thread(target=_serve, args=(conn, upstream, flag, liveness, every), daemon=True).start()
+class Relay:
+    def __init__(self, host: str, port: int, upstream: str, flag: str, liveness: str, every: float) -> None:
+        self.host, self.port, self.upstream = host, port, upstream
+        self.flag, self.liveness, self.every = flag, liveness, every
+        self.listener: socket.socket | None = None
+        self.closed = False
+        self.relaying = 0  # connections being relayed to uvicorn (not the dripping ones)
+        self.lock = threading.Condition()
+
+    def serve(self) -> None:
+        # The port is free until uvicorn answers, as it is while llama_cpp.server loads its model.
+        while not _answers(self.upstream):
+            time.sleep(0.05)
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.listener = socket.create_server((self.host, self.port), backlog=64)
+            except OSError as exc:  # what llama_cpp.server does when the port is taken: exit
+                print(f"drip_relay: cannot listen on {self.host}:{self.port}: {exc}", file=sys.stderr, flush=True)
+                os._exit(1)
+        print(f"drip_relay: {self.host}:{self.port} -> {self.upstream}; drips {self.liveness} while {self.flag} "
+              "exists", file=sys.stderr, flush=True)
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return  # closed: the server is stopping
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            if self.listener is not None:
+                with contextlib.suppress(OSError):
+                    self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept()
+                self.listener.close()
+
+    def wait_idle(self, timeout_s: float) -> None:
+        with self.lock:
+            self.lock.wait_for(lambda: self.relaying == 0, timeout_s)
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            head = b""
+            try:
+                conn.settimeout(30.0)
+                while b"\r\n" not in head and len(head) < HEAD_CAP:
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        return
+                    head += chunk
+                method, _, rest = head.partition(b" ")
+                path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
+                if method == b"GET" and path == self.liveness.encode() and os.path.exists(self.flag):
+                    _drip(conn, self.flag, self.every)
+                    return
+                conn.settimeout(None)
+                with self.lock:
+                    self.relaying += 1
+                try:
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as up:
+                        up.connect(self.upstream)
+                        up.sendall(head)
+                        back = threading.Thread(target=_pump, args=(up, conn), daemon=True)
+                        back.start()
+                        _pump(conn, up)
+                        back.join()
+                finally:
+                    with self.lock:
+                        self.relaying -= 1
+                        self.lock.notify_all()
+            except OSError:
+                pass  # the client or uvicorn went away: so does the connection
 
 
 def _answers(path: str) -> bool:
@@ -87,33 +162,6 @@ def _answers(path: str) -> bool:
         except OSError:
             return False
     return True
-
-
-def _serve(conn: socket.socket, upstream: str, flag: str, liveness: str, every: float) -> None:
-    with conn:
-        head = b""
-        try:
-            conn.settimeout(30.0)
-            while b"\r\n" not in head and len(head) < HEAD_CAP:
-                chunk = conn.recv(4096)
-                if not chunk:
-                    return
-                head += chunk
-            method, _, rest = head.partition(b" ")
-            path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
-            if method == b"GET" and path == liveness.encode() and os.path.exists(flag):
-                _drip(conn, flag, every)
-                return
-            conn.settimeout(None)
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as up:
-                up.connect(upstream)
-                up.sendall(head)
-                back = threading.Thread(target=_pump, args=(up, conn), daemon=True)
-                back.start()
-                _pump(conn, up)
-                back.join()
-        except OSError:
-            pass  # the client or uvicorn went away: so does the connection
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:
