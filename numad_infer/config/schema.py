@@ -192,8 +192,8 @@ class MonitorSection(Section):
         description=(
             "deadline of the health probe, connecting and the whole answer together (a route that never waits "
             "on the model, so a busy server answers at once: `GET /docs` for llama-cpp-python, `GET /health` for "
-            "llama-server); also of the engine's counters read. A pass waits for them this long plus 1 s, then "
-            "counts a probe not in as failed"
+            "llama-server); also of the engine's counters read and of each command to the front door's runtime "
+            "API. A pass waits for the probes this long plus 1 s, then counts a probe not in as failed"
         ),
     )
     startup_grace_s: float = Field(

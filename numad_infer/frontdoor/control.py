@@ -110,6 +110,10 @@ class Frontdoor:
 
         True when HAProxy was started or reloaded.
         """
+        # HAProxy answers its runtime API at once; one that does not is a peer to give up on
+        # as soon as an instance's probe is: a pass then costs at most one probe timeout more,
+        # whichever of the two drips.
+        self.api.timeout_s = config.monitor.probe_timeout_s
         if not config.frontend.enabled:
             if self.runner.running():
                 log.info("front door off (frontend.listen = \"\"): stopping haproxy")

@@ -21,7 +21,7 @@ from tests.daemon_harness import daemons, generated_model, shared_dir
 from tests.peers import Peer, drip
 
 PROBE_TIMEOUT_S = 1.0  # the harness's monitor.probe_timeout_s
-RUNTIME_API_S = 2.0  # RuntimeAPI's deadline (its default, which the front door uses)
+RUNTIME_API_S = PROBE_TIMEOUT_S  # the front door gives its runtime API monitor.probe_timeout_s
 WATCHDOG_S = 10.0
 
 INSTANCE = """
