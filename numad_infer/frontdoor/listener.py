@@ -188,6 +188,9 @@ class HeldListener:
                 self._store(name, None)
             return
         os.set_inheritable(fd, False)
+        # HAProxy accepts on the same open file: a blocking one stalls its workers in accept()
+        # (systemd clears O_NONBLOCK on the sockets it passes unless NonBlocking=yes).
+        os.set_blocking(fd, False)
         same = next((held for held in self._kept if _same_socket(held.sock, sock)), None)
         if same is None:
             self._kept.append(Held(sock, address, name, name == PORT_FD_NAME))

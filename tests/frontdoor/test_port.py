@@ -99,6 +99,17 @@ def test_the_socket_unit_s_socket_is_used_where_it_is_bound_to_frontend_listen(l
     unit.close()
 
 
+def test_a_kept_socket_is_made_non_blocking_for_haproxy_which_shares_it(listener) -> None:
+    # systemd passes a socket unit's sockets blocking (NonBlocking=no), on the open file
+    # HAProxy accepts on: its workers then stalled in accept() (the VM suite's restart).
+    port = free_port_block(1)
+    unit = systemd_socket("127.0.0.2", port)
+    os.set_blocking(unit.fileno(), True)
+    listener.offer({PORT_FD_NAME: [os.dup(unit.fileno())]})
+    assert os.get_blocking(unit.fileno()) is False  # one flag for every copy of the open file
+    unit.close()
+
+
 def test_a_socket_unit_still_on_the_previous_address_is_not_used_and_keeps_listening(listener, caplog) -> None:
     old, new = free_port_block(1), free_port_block(1)
     unit = systemd_socket("127.0.0.1", old)

@@ -235,6 +235,8 @@ def test_the_shipped_port_socket_is_the_default_front_door_s_and_feeds_the_daemo
     assert values_of(hold, "RemainAfterExit") == ["yes"] and values_of(hold, "ExecStart") == ["/bin/true"]
     daemon = (SHIPPED / "numa-infer.service").read_text()
     assert values_of(daemon, "Sockets") == [PORT_SOCKET] and values_of(daemon, "Also") == [PORT_SOCKET]
+    # Both are passed the sockets HAProxy accepts on: systemd must leave them non-blocking.
+    assert values_of(daemon, "NonBlocking") == ["yes"] and values_of(hold, "NonBlocking") == ["yes"]
 
 
 @pytest.mark.parametrize("listen, expected", [
