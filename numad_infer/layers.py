@@ -142,8 +142,9 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/haproxy": (EDGE, "the HAProxy binary (version, `-c`) and its runtime API socket"),
     "frontdoor/request_log": (EDGE, "HAProxy's timing line per request, received by the daemon: time to first "
                                     "token and duration per instance"),
-    "frontdoor/listener": (EDGE, "the front door's listening socket, held by the daemon across HAProxy's death and "
-                                 "reloads, handed to HAProxy's unit, kept in the daemon's file descriptor store"),
+    "frontdoor/listener": (EDGE, "the front door's listening sockets (its address, the loopback twin), held by the "
+                                 "daemon across HAProxy's death and reloads, taken from numa-infer-port.socket or "
+                                 "bound, handed to HAProxy's unit, kept in the daemon's file descriptor store"),
     # -- units --------------------------------------------------------------------------------------
     "units/__init__": (CORE, PACKAGE_INIT),
     "units/render": (CORE, "the plan -> systemd unit text"),
@@ -164,6 +165,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "backends/process": (EDGE, "the process backend: instances as the daemon's children, pinned between fork and "
                                "exec, with their environment; HAProxy as a child in master-worker mode"),
     "backends/childlog": (EDGE, "a child's output (process backend): a log file, or stdout prefixed with its name"),
+    "backends/portunit": (EDGE, "numa-infer-port.socket, which holds the front door's port from boot: its drop-in "
+                                "kept in step with frontend.listen, the daemon's own socket handed back on a stop"),
     # -- lifecycle ---------------------------------------------------------------------------------
     "lifecycle/__init__": (CORE, PACKAGE_INIT),
     "lifecycle/drift": (CORE, "expected vs observed -> drift verdicts"),

@@ -258,7 +258,7 @@ def test_the_candidate_haproxy_cfg_replaces_a_planted_link_instead_of_writing_th
     # Before: the daemon wrote haproxy.cfg into the link's target and chmod-ed it 0644.
     assert secret.read_text() == "untouched\n" and stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert not candidate.is_symlink() and "backend" in candidate.read_text()
-    front.runner.listener.refuse()
+    front.runner.listener.release()
 
 
 # -- tune --apply on the operator's file ---------------------------------------------------------

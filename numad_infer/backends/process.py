@@ -22,7 +22,7 @@ from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.haproxy import HaproxyError
-from numad_infer.frontdoor.listener import FD_VARIABLE, HeldListener
+from numad_infer.frontdoor.listener import HeldListener
 from numad_infer.host import pinning
 from numad_infer.host.identity import BackendKind, RunAs, frontdoor_runs_as, unreadable_reason
 from numad_infer.host.privdrop import switch_user
@@ -60,15 +60,14 @@ def server_environment(engine: Engine, instance: Instance, key: str | None, runs
 
 
 def frontdoor_environment(runs_as: RunAs | None, daemon_environment: Mapping[str, str],
-                         listener_fd: int | None = None) -> dict[str, str]:
+                         listener_fds: Mapping[str, int] | None = None) -> dict[str, str]:
     """HAProxy's whole environment under the process backend: PATH, the locale, HOME and
-    the held socket's number (the one variable its config names). /proc/PID/environ is
+    the held sockets' numbers (the variables its config names). /proc/PID/environ is
     readable by its user (`nobody`, where the packaged user is missing, is shared)."""
     env = {name: daemon_environment[name] for name in INHERITED_VARIABLES if name in daemon_environment}
     env.setdefault("PATH", _DEFAULT_PATH)
     env["HOME"] = runs_as.home if runs_as is not None else daemon_environment.get("HOME", "/")
-    if listener_fd is not None:
-        env[FD_VARIABLE] = str(listener_fd)
+    env.update({name: str(fd) for name, fd in (listener_fds or {}).items()})
     return env
 
 
@@ -237,7 +236,7 @@ class ProcessFrontdoorRunner:
             os.close(fd)
 
     def start(self, binary: str, config_path: Path) -> None:
-        listener_fd = self.listener.fd
+        listener_fds = self.listener.fds
         if self.runs_as is not None:
             reason = unreadable_reason(str(config_path), self.runs_as)
             if reason is not None:
@@ -248,9 +247,9 @@ class ProcessFrontdoorRunner:
         try:
             self.child = self.output.popen(
                 "frontdoor", [binary, "-W", "-db", "-f", str(config_path)],
-                env=frontdoor_environment(self.runs_as, os.environ, listener_fd),
+                env=frontdoor_environment(self.runs_as, os.environ, listener_fds),
                 stdin=subprocess.DEVNULL, start_new_session=True, close_fds=True, cwd="/",
-                pass_fds=() if listener_fd is None else (listener_fd,),
+                pass_fds=tuple(listener_fds.values()),
                 preexec_fn=switch_user(self.runs_as),
             )
         except (OSError, subprocess.SubprocessError) as exc:  # the switch failed, or no binary
@@ -274,4 +273,7 @@ class ProcessFrontdoorRunner:
         except subprocess.TimeoutExpired:
             os.killpg(self.child.pid, signal.SIGKILL)
             self.child.wait()
+
+    def hand_back(self) -> None:
+        pass  # no systemd here to keep the port once the daemon is gone
 

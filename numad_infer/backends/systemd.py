@@ -1,14 +1,17 @@
 """The systemd backend: instances as template units driven through systemctl, and HAProxy
-as numa-infer-frontdoor.service, whose listening socket the daemon holds and hands out."""
+as numa-infer-frontdoor.service, whose listening socket the daemon holds and hands out
+(systemd holding it while the daemon is away: portunit.py)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from numad_infer.backends.base import Observation
+from numad_infer.backends.portunit import PortUnit
 from numad_infer.config.apikey import fingerprint
 from numad_infer.config.defaults import FRONTDOOR_USER
 from numad_infer.config.schema import Config
@@ -79,9 +82,14 @@ class SystemdBackend:
             log.warning("front door: user %s does not exist on this host: haproxy runs as root with no capability; %s",
                         FRONTDOOR_USER, CREATE_USERS)
         result = write_units(Path(loaded.config.systemd.unit_dir), loaded.units)
+        port = self.handout.port if self.handout is not None else None
+        # Before the front door binds a new frontend.listen: the reload makes systemd let go
+        # of the unit's socket on the old address.
+        port_changed = port is not None and port.sync(loaded.config)
         if result.changed:
             log.info("units: wrote %s, removed %s; systemctl daemon-reload",
                      ", ".join(result.written) or "nothing", ", ".join(result.removed) or "nothing")
+        if result.changed or port_changed:
             self.systemctl.daemon_reload()
         return result.changed
 
@@ -154,14 +162,16 @@ class SystemdBackend:
 @dataclass(frozen=True)
 class FrontdoorHandout:
     """What the daemon under systemd needs to hold the front door's socket for HAProxy's
-    unit: where to keep it (the unit's file descriptor store), the descriptor a previous
-    daemon kept there, and who may take it (listener.Handout)."""
+    unit: where to keep it (the unit's file descriptor store), what systemd passed at start
+    (numa-infer-port.socket's sockets, what a previous daemon stored; by name), who may take
+    it (listener.Handout), and the socket unit that keeps the port while the daemon is away."""
 
     store: Store
-    kept_fd: int | None
+    kept: Mapping[str, list[int]]
     uids: frozenset[int]
     gid: int | None
     path: Path = Path(FRONTDOOR_HANDOUT)
+    port: PortUnit | None = field(default=None, compare=False)
 
 
 class SystemdFrontdoorRunner:
@@ -179,9 +189,9 @@ class SystemdFrontdoorRunner:
         self.listener = HeldListener(None if handout is None else handout.store)
         user = frontdoor_runs_as(BackendKind.SYSTEMD)  # None: the unit keeps HAProxy root
         self.haproxy_uids = frozenset({0} | ({user.uid} if user is not None and user.uid is not None else set()))
+        self.port = None if handout is None else handout.port
         if handout is not None:
-            if handout.kept_fd is not None:
-                self.listener.adopt(handout.kept_fd)
+            self.listener.offer(handout.kept)
             Handout(self.listener, handout.path, handout.uids, handout.gid).start()
 
     def running(self) -> bool:
@@ -197,3 +207,6 @@ class SystemdFrontdoorRunner:
     def stop(self) -> None:
         self.systemctl.stop(FRONTDOOR_UNIT)
 
+    def hand_back(self) -> None:
+        if self.port is not None:
+            self.port.take_over(self.listener)

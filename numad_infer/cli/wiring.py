@@ -25,23 +25,25 @@ def load_all(args: argparse.Namespace) -> Loaded:
 def make_backend(choice: str, state_file: Path, instance_logs: str = "file",
                   notifier: Notifier | None = None) -> Backend:
     from numad_infer.backends.childlog import InstanceLogs
+    from numad_infer.backends.portunit import PortUnit
     from numad_infer.backends.process import ProcessBackend
     from numad_infer.backends.systemd import FrontdoorHandout, SystemdBackend
-    from numad_infer.frontdoor.listener import STORE_NAME
     from numad_infer.host.identity import BackendKind, backend_kind, frontdoor_runs_as
     from numad_infer.systemd.notify import inherited_fds
     from numad_infer.systemd.systemctl import Systemctl
 
     if backend_kind(choice) == BackendKind.SYSTEMD:
+        systemctl = Systemctl(progress=None if notifier is None else notifier.keepalive)
         handout = None
         if notifier is not None:
-            # What a previous daemon kept in the unit's file descriptor store, and who may
-            # take the socket: HAProxy's user (or root, where the package's user is missing).
-            kept = inherited_fds().get(STORE_NAME)
+            # What systemd passed (numa-infer-port.socket's sockets, what a previous daemon
+            # kept in the unit's file descriptor store), and who may take the socket:
+            # HAProxy's user (or root, where the package's user is missing).
             user = frontdoor_runs_as(BackendKind.SYSTEMD)
             uids = frozenset({0} | ({user.uid} if user is not None and user.uid is not None else set()))
-            handout = FrontdoorHandout(notifier.store_fd, kept, uids, None if user is None else user.gid)
+            handout = FrontdoorHandout(notifier.store_fd, inherited_fds(), uids, None if user is None else user.gid,
+                                       port=PortUnit(systemctl))
         # The journal has the instances' output, named by unit.
-        return SystemdBackend(Systemctl(progress=None if notifier is None else notifier.keepalive), handout=handout)
+        return SystemdBackend(systemctl, handout=handout)
     return ProcessBackend(state_file.parent / "logs", InstanceLogs(instance_logs))
 

@@ -33,12 +33,17 @@ _HEALTH_PATH = re.compile(r"^/[A-Za-z0-9._~/-]{0,127}$")
 class FrontendSection(Section):
     """The front door: one HAProxy endpoint over every instance (see numad_infer.frontdoor.control)."""
 
-    # "" turns the front door off: clients then talk to the instances' own ports.
+    # "" turns the front door off: clients then talk to the instances' own ports. On a
+    # loopback address (or a wildcard) it listens on the other loopback address's port too:
+    # `localhost` names both (util/addresses.py says why that is a credential matter).
     listen: SafeStr = Field(
         "127.0.0.1:8000",
         description=(
             "the front door: one OpenAI endpoint (HAProxy) over every instance; `\"\"` turns it off (clients "
-            "then use the instances' ports)"
+            "then use the instances' ports). On `127.0.0.1` or `0.0.0.0` it also listens on `[::1]` at the same "
+            "port, on `::1` or `::` also on `127.0.0.1`: `localhost` names both, and a client that says it must "
+            "not reach another user's socket there. Under systemd, `numa-infer-port.socket` holds the port from "
+            "boot and while the daemon is stopped"
         ),
         json_schema_extra={"kind": "`\"ADDRESS:PORT\"` or `\"\"`"},
     )

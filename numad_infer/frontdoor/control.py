@@ -27,7 +27,7 @@ from numad_infer.frontdoor.haproxy import (
     RuntimeAPI,
 )
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
-from numad_infer.frontdoor.listener import HeldListener
+from numad_infer.frontdoor.listener import TWIN_FD_VARIABLE, HeldListener
 from numad_infer.frontdoor.request_log import RequestLog
 from numad_infer.plan.model import Instance, Plan
 from numad_infer.util.atomicfile import write_atomic
@@ -55,6 +55,9 @@ class FrontdoorRunner(Protocol):
     def start(self, binary: str, config_path: Path) -> None: ...
     def reload(self) -> None: ...
     def stop(self) -> None: ...
+    # The daemon stops for good: whoever keeps the port while it is away takes it over
+    # (numa-infer-port.socket under systemd; no one else, under the process backend).
+    def hand_back(self) -> None: ...
 
 
 class Frontdoor:
@@ -73,14 +76,14 @@ class Frontdoor:
         self.requests = RequestLog(self.paths.requests, runner.haproxy_uids)  # per-request timings
 
     def _hold(self, config: Config) -> bool:
-        """Hold the listening socket at the configured address. True when it is a new
-        socket: a HAProxy running on the old one must be restarted."""
+        """Hold the listening sockets at the configured address. True when one is new: a
+        HAProxy running on the old ones must be restarted."""
         listener = self.runner.listener
         address = config.frontend.address
         if listener.address == address:
             return False
         try:
-            listener.hold(*address)
+            return listener.hold(*address)
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE and self.runner.running():
                 # A HAProxy started by an older numa-infer binds the port itself: once, it
@@ -91,19 +94,22 @@ class Frontdoor:
                 return self._hold(config)
             raise HaproxyError(f"cannot listen on frontend.listen = \"{config.frontend.listen}\": {exc.strerror}; "
                                "free the port or choose another") from None
-        return True
 
     def _candidate(self, config: Config, plan: Plan) -> Path:
         candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
         # Renamed into place, never written through: a link planted under this name is
         # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
-        write_atomic(candidate, render_haproxy(config, plan, self.paths, held=True), durable=False)
+        write_atomic(candidate, self._render(config, plan), durable=False)
         try:
-            haproxy.validate(config.frontend.haproxy, str(candidate), listener_fd=self.runner.listener.fd)
+            haproxy.validate(config.frontend.haproxy, str(candidate), listener_fds=self.runner.listener.fds)
         except HaproxyError:
             candidate.unlink(missing_ok=True)
             raise
         return candidate
+
+    def _render(self, config: Config, plan: Plan) -> str:
+        # A bind line per socket held: the loopback twin's only where there is one (no IPv6).
+        return render_haproxy(config, plan, self.paths, held=True, twin=TWIN_FD_VARIABLE in self.runner.listener.fds)
 
     def apply(self, config: Config, plan: Plan) -> bool:
         """Bring HAProxy to this plan. HaproxyError leaves the running front door untouched.
@@ -118,7 +124,7 @@ class Frontdoor:
             if self.runner.running():
                 log.info("front door off (frontend.listen = \"\"): stopping haproxy")
                 self.runner.stop()
-            self.runner.listener.refuse()
+            self.runner.listener.release()
             self.listen, self.stats, self.answers = "", None, None
             return False
         try:
@@ -131,7 +137,7 @@ class Frontdoor:
             log.info("front door: listening on %s now: restarting haproxy", config.frontend.listen)
             self.runner.stop()
             running = False
-        text = render_haproxy(config, plan, self.paths, held=True)
+        text = self._render(config, plan)
         try:
             current = self.paths.config.read_text(encoding="utf-8")
         except OSError:
@@ -252,5 +258,6 @@ class Frontdoor:
         if self.runner.running():
             log.info("front door: stopping haproxy")
             self.runner.stop()
-        self.runner.listener.refuse()
+        self.runner.hand_back()
+        self.runner.listener.release()
 

@@ -4,7 +4,8 @@
 
 systemd cannot pass one service's descriptor to another, so the front door's unit asks the
 daemon for it (`listener.Handout`, over SOCKET), names it in NUMA_INFER_FRONTDOOR_FD (which
-haproxy.cfg binds as "fd@${...}") and executes the command in its own place. HAProxy's
+haproxy.cfg binds as "fd@${...}"; its loopback twin, where there is one, in
+NUMA_INFER_FRONTDOOR_TWIN_FD) and executes the command in its own place. HAProxy's
 master keeps the descriptor and the variable across its seamless reloads (it re-executes
 itself), and systemd sees HAProxy as the unit's main process, as before.
 
@@ -19,7 +20,7 @@ import os
 import sys
 import time
 
-from numad_infer.frontdoor.listener import FD_VARIABLE, receive
+from numad_infer.frontdoor.listener import receive
 
 WAIT_S = 90.0  # the daemon's RestartSec=2 plus a start under a loaded machine
 
@@ -32,7 +33,7 @@ def main(argv: list[str]) -> int:
     deadline = time.monotonic() + WAIT_S
     while True:
         try:
-            fd = receive(path)
+            fds = receive(path)
             break
         except OSError as exc:
             if time.monotonic() > deadline:
@@ -40,12 +41,13 @@ def main(argv: list[str]) -> int:
                       f"within {WAIT_S:.0f}s ({exc.strerror or exc}): is numa-infer.service running?", file=sys.stderr)
                 return 1
             time.sleep(0.5)
-    if fd is None:
+    if fds is None:
         print("numa-infer front door: the daemon holds no listening socket (stopping, or the front door is off)",
               file=sys.stderr)
         return 1
-    os.set_inheritable(fd, True)
-    os.environ[FD_VARIABLE] = str(fd)
+    for variable, fd in fds.items():
+        os.set_inheritable(fd, True)
+        os.environ[variable] = str(fd)
     try:
         os.execvp(command[0], command)
     except OSError as exc:

@@ -13,12 +13,12 @@ import io
 import os
 import re
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
 from numad_infer.errors import ConfigError, NumaInferError
-from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
 from numad_infer.util import peer
 from numad_infer.util.printable import printable
 
@@ -56,14 +56,16 @@ def version(binary: str, timeout_s: float = 30.0) -> tuple[int, int]:
     return int(found.group(1)), int(found.group(2))
 
 
-def validate(binary: str, config_path: str, timeout_s: float = 30.0, listener_fd: int | None = None) -> None:
+def validate(binary: str, config_path: str, timeout_s: float = 30.0,
+             listener_fds: Mapping[str, int] | None = None) -> None:
     """`haproxy -c`: HaproxyError with HAProxy's own words when the file is refused.
-    `listener_fd`: the held socket the file binds ("fd@${NUMA_INFER_FRONTDOOR_FD}"); the
-    check refuses a descriptor it lacks."""
-    env = None if listener_fd is None else {**os.environ, FD_VARIABLE: str(listener_fd)}
+    `listener_fds`: the held sockets the file binds ("fd@${NUMA_INFER_FRONTDOOR_FD}"), by
+    variable; the check refuses a descriptor it lacks."""
+    fds = dict(listener_fds or {})
+    env = {**os.environ, **{name: str(fd) for name, fd in fds.items()}} if fds else None
     try:
         proc = subprocess.run([binary, "-c", "-q", "-f", config_path], capture_output=True, text=True,
-                              timeout=timeout_s, pass_fds=() if listener_fd is None else (listener_fd,), env=env)
+                              timeout=timeout_s, pass_fds=tuple(fds.values()), env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise HaproxyError(f"cannot run {binary} -c: {exc}") from None
     if proc.returncode != 0:

@@ -37,6 +37,7 @@ from numad_infer.engines import engine_of
 from numad_infer.errors import ConfigError
 from numad_infer.plan.model import Plan
 from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
+from numad_infer.systemd.unitnames import FRONTDOOR_TWIN_FD_VARIABLE as TWIN_FD_VARIABLE
 from numad_infer.util.addresses import connect_host, host_port
 
 BACKEND = "instances"
@@ -125,14 +126,17 @@ def paths_in(run_dir: Path, socket: Path) -> Paths:
     return Paths(run_dir / CONFIG_NAME, run_dir / STATE_NAME, socket, run_dir / REQUEST_LOG_NAME)
 
 
-# HAProxy expands the variable in a quoted word: its copy of the daemon's socket.
+# HAProxy expands the variable in a quoted word: its copy of the daemon's socket, and of the
+# one on the other loopback address (listener.py).
 HELD_BIND = '"fd@${' + FD_VARIABLE + '}"'
+TWIN_BIND = '"fd@${' + TWIN_FD_VARIABLE + '}"'
 
 
-def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False) -> str:
+def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False, twin: bool = False) -> str:
     """haproxy.cfg for this plan. `held`: the daemon holds the listening socket and HAProxy
     takes it as the inherited descriptor that NUMA_INFER_FRONTDOOR_FD names (listener.py
-    says why), instead of binding the address itself (`check`'s scratch copy does)."""
+    says why), instead of binding the address itself (`check`'s scratch copy does). `twin`:
+    it holds one on the other loopback address too, in NUMA_INFER_FRONTDOOR_TWIN_FD."""
     front: FrontendSection = config.frontend
     host, port = front.address
     target = connect_host(config.server.host)
@@ -142,6 +146,7 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False)
     lines = [MARKER, *_global(config, paths, maxconn), "", *_defaults(front), "",
              f"frontend {FRONTEND}",
              f"    bind {HELD_BIND if held else host_port(host, port)}",
+             *([f"    bind {TWIN_BIND}"] if held and twin else []),
              *_timing_log(paths),
              *_health(front),
              f"    default_backend {BACKEND}",

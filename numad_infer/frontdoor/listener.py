@@ -1,4 +1,4 @@
-"""The front door's listening socket, held by the daemon rather than by HAProxy.
+"""The front door's listening sockets, held by the daemon rather than by HAProxy.
 
 Why: a port that only HAProxy holds is closed while HAProxy is dead. Between a kill and the
 restart every connection is refused, and the chaos soak counted those refusals as failures
@@ -15,119 +15,308 @@ How HAProxy gets it depends on who starts HAProxy:
 - the process backend passes it to its child (pass_fds);
 - under systemd, the front door's unit starts HAProxy through `frontdoor_exec`, which asks
   the daemon for it over a unix socket (`Handout`, SCM_RIGHTS): systemd has no way to pass
-  one service's descriptor to another. The daemon keeps the socket in its own unit's file
-  descriptor store (`store`), so that a daemon killed and restarted finds the same socket,
-  and connections made meanwhile are still answered.
+  one service's descriptor to another.
 
-An edge: sockets and nothing else. The front door (`frontdoor.py`) decides when.
+The port is a credential's way in: a local user who binds it while no one holds it gets
+the clients, and the API keys they send. So it is never left free:
+- under systemd, numa-infer-port.socket binds it at boot (sockets.target, before any
+  user's process runs) and keeps it while the daemon is stopped or restarting; the daemon
+  gets it at each start (LISTEN_FDNAMES "port"). `offer` takes what systemd passed, `hold`
+  uses the socket bound to the configured address (getsockname) and binds its own where
+  there is none (the unit is missing, or has the previous frontend.listen until it is
+  started again: backends/portunit.py);
+- a socket the daemon bound goes into its unit's file descriptor store (`store`), so that a
+  daemon killed and restarted finds the same socket, and connections made meanwhile are
+  still answered;
+- the drain's shut-down socket stays bound with SO_REUSEADDR off: Linux lets a second
+  SO_REUSEADDR socket bind an address whose socket does not listen, so with it on, anyone
+  could take the port while the daemon drains. On a stop the daemon listens again before
+  it exits (`release`): systemd fails a socket unit whose socket hangs up, and closes it.
+
+`localhost` is both 127.0.0.1 and ::1 (util/addresses.py says why that matters): a front
+door on one loopback address (or a wildcard) also listens on the other's port, its
+"twin", and HAProxy serves both.
+
+An edge: sockets and nothing else. The front door (`control.py`) decides when.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE
+from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE, FRONTDOOR_TWIN_FD_VARIABLE, PORT_FD_NAME, PORT_SOCKET
+from numad_infer.util.addresses import host_port, loopback_twin, same_address
 
 log = logging.getLogger(__name__)
 
-# Under this name for backends.py and frontdoor_exec.py, which import it from here.
+# Under these names for backends and frontdoor_exec, which import them from here.
 FD_VARIABLE = FRONTDOOR_FD_VARIABLE
+TWIN_FD_VARIABLE = FRONTDOOR_TWIN_FD_VARIABLE
 
 # The kernel caps it at net.core.somaxconn: what waits there while HAProxy is restarted.
+# numa-infer-port.socket's Backlog= is the same (tests/units).
 BACKLOG = 4096
-# Its name in the daemon unit's file descriptor store (FDNAME=).
+# Their names in the daemon unit's file descriptor store (FDNAME=), by the variable
+# haproxy.cfg finds each in.
 STORE_NAME = "frontdoor"
+TWIN_STORE_NAME = "frontdoor-twin"
+STORE_NAMES = {FD_VARIABLE: STORE_NAME, TWIN_FD_VARIABLE: TWIN_STORE_NAME}
+# Where systemd kept a socket, by the name LISTEN_FDNAMES gives it: for the log.
+_STORE = "the file descriptor store"
+ORIGINS = {PORT_FD_NAME: PORT_SOCKET, STORE_NAME: _STORE, TWIN_STORE_NAME: _STORE}
 
-# Keeps the socket somewhere that outlives the daemon: called with the descriptor on a new
+# Keeps a socket somewhere that outlives the daemon: called with the descriptor on a new
 # socket, with None once the daemon lets go of it (Notifier.store_fd).
 Store = Callable[[str, "int | None"], None]
 
 
+@dataclass(eq=False)
+class Held:
+    """One listening socket of the front door, and where it came from."""
+
+    sock: socket.socket
+    address: tuple[str, int]  # as frontend.listen writes it, once `hold` uses it
+    name: str  # its LISTEN_FDNAMES name ("" for one bound here)
+    from_unit: bool  # numa-infer-port.socket holds it too: never left shut down
+
+    @property
+    def origin(self) -> str:
+        return ORIGINS.get(self.name, "a bind of its own")
+
+    @property
+    def listening(self) -> bool:
+        try:
+            return bool(self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+        except OSError:
+            return False
+
+
+def _tcp_address(sock: socket.socket) -> tuple[str, int] | None:
+    """Where a TCP socket is bound, None for anything else (or an unbound one)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+        return None
+    try:
+        host, port = sock.getsockname()[:2]
+    except OSError:
+        return None
+    return (host, port) if port else None
+
+
+def _same_socket(a: socket.socket, b: socket.socket) -> bool:
+    return os.fstat(a.fileno()).st_ino == os.fstat(b.fileno()).st_ino
+
+
+def _listen(sock: socket.socket) -> None:
+    # Back on: with it off, connections of the old listener in TIME_WAIT make listen() fail.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.listen(BACKLOG)
+
+
+def _bind(address: tuple[str, int]) -> socket.socket:
+    host, port = address
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # A HAProxy that outlived a previous holder may still have the port in TIME_WAIT.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    # Inherited only where it is passed (pass_fds): HAProxy, and its `-c` check.
+    os.set_inheritable(sock.fileno(), False)
+    return sock
+
+
 class HeldListener:
-    """One listening TCP socket at the front door's address, or none."""
+    """The front door's listening sockets: one at the configured address, and its loopback
+    twin where it has one; or none."""
 
     def __init__(self, store: Store | None = None) -> None:
-        self._sock: socket.socket | None = None
-        self.address: tuple[str, int] | None = None
+        self._held: dict[str, Held] = {}  # by the variable haproxy.cfg finds it in
+        self._kept: list[Held] = []  # what systemd passed at start, until `hold` uses or drops it
         self._store = store
-        # The handout thread sends the descriptor while the loop may close it: never a
+        self.refused = False  # the drain shut them down: HAProxy must not start on them
+        # The handout thread sends the descriptors while the loop may close them: never a
         # number that was closed (and perhaps reused) meanwhile.
         self.lock = threading.Lock()
 
     @property
-    def fd(self) -> int | None:
-        """The descriptor HAProxy is given, None while nothing is held."""
-        return None if self._sock is None else self._sock.fileno()
+    def address(self) -> tuple[str, int] | None:
+        """frontend.listen's address while a socket is held there."""
+        held = self._held.get(FD_VARIABLE)
+        return None if held is None else held.address
 
-    def adopt(self, fd: int) -> None:
-        """Take a listening socket kept for us (a restarted daemon's file descriptor store)."""
+    @property
+    def fds(self) -> dict[str, int]:
+        """The descriptors HAProxy is given, by the variable its config names; none while
+        the drain refuses connections."""
+        return {} if self.refused else {var: held.sock.fileno() for var, held in self._held.items()}
+
+    @property
+    def fd(self) -> int | None:
+        return self.fds.get(FD_VARIABLE)
+
+    def held(self) -> list[Held]:
+        return list(self._held.values())
+
+    def offer(self, kept: Mapping[str, list[int]]) -> None:
+        """Take the descriptors systemd passed this daemon (LISTEN_FDS, by name): what
+        numa-infer-port.socket holds, and what a previous daemon stored. `hold` uses them."""
+        for name, fds in kept.items():
+            for fd in fds:
+                self._offer(name, fd)
+
+    def _offer(self, name: str, fd: int) -> None:
         sock = socket.socket(fileno=fd)
-        listening, host, port = 0, "", 0
-        if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
-            try:
-                host, port = sock.getsockname()[:2]
-                listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-            except OSError:
-                pass
-        if not listening:
-            log.warning("front door: the kept descriptor %d is not a listening TCP socket: dropped", fd)
+        address = _tcp_address(sock) if name in ORIGINS else None
+        if address is None:
+            log.warning("front door: the kept descriptor %d (%s) is not a bound TCP socket: dropped", fd, name)
             sock.close()
-            if self._store is not None:
-                self._store(STORE_NAME, None)
+            if name in STORE_NAMES.values() and self._store is not None:
+                self._store(name, None)
             return
         os.set_inheritable(fd, False)
-        with self.lock:
-            self._sock, self.address = sock, (host, port)
-        log.info("front door: took back the listening socket on %s:%d (fd %d): "
-                 "connections made while the daemon was away are still answered", host, port, fd)
+        # HAProxy accepts on the same open file: a blocking one stalls its workers in accept()
+        # (systemd clears O_NONBLOCK on the sockets it passes unless NonBlocking=yes).
+        os.set_blocking(fd, False)
+        same = next((held for held in self._kept if _same_socket(held.sock, sock)), None)
+        if same is None:
+            self._kept.append(Held(sock, address, name, name == PORT_FD_NAME))
+            return
+        # The socket unit's socket, stored too: one copy is enough, known as the unit's.
+        if name == PORT_FD_NAME:
+            same.name, same.from_unit = name, True
+        sock.close()
 
-    def hold(self, host: str, port: int) -> int:
-        """Listen on host:port, or keep the socket already there. Returns its descriptor.
+    def hold(self, host: str, port: int) -> bool:
+        """Listen on host:port and its loopback twin: on a socket held or kept there, or a
+        new one; then let go of the others. True when one is new (bound now): a HAProxy
+        running on the old ones must be restarted. A kept one is what it runs on already.
 
         OSError (the port is taken, the address is not this machine's) is for the caller
-        to report in the operator's words."""
-        if self._sock is not None and self.address == (host, port):
-            return self._sock.fileno()
-        self.refuse()
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            # A HAProxy that outlived a previous holder may still have the port in TIME_WAIT.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if family == socket.AF_INET6:
-                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind((host, port))
-            sock.listen(BACKLOG)
-        except OSError:
-            sock.close()
-            raise
-        # Inherited only where it is passed (pass_fds): HAProxy, and its `-c` check.
-        os.set_inheritable(sock.fileno(), False)
+        to report in the operator's words; nothing changes then."""
+        before = [*self._held.values(), *self._kept]
+        new = {FD_VARIABLE: self._acquire((host, port))}
+        twin = loopback_twin(host)
+        port = new[FD_VARIABLE].sock.getsockname()[1]  # port 0 (tests): the twin at the port it got
+        if twin is not None and (found := self._acquire_twin((twin, port))) is not None:
+            new[TWIN_FD_VARIABLE] = found
+        self._drop_kept((host, port))
         with self.lock:
-            self._sock, self.address = sock, (host, port)
+            old, self._held, self.refused = self._held, new, False
+        for var, held in old.items():
+            if all(held is not kept for kept in new.values()):
+                self._let_go(var, held)
+        for var, held in new.items():
+            if all(held is not was for was in old.values()) and self._store is not None:
+                self._store(STORE_NAMES[var], held.sock.fileno())
+        return any(all(held is not was for was in before) for held in new.values())
+
+    def _acquire(self, address: tuple[str, int]) -> Held:
+        for held in self._held.values():
+            if same_address(held.address, address):
+                if not held.listening:  # a drain was cut short by a new plan
+                    _listen(held.sock)
+                return held
+        for held in self._kept:
+            if same_address(held.address, address):
+                if not held.listening:  # a drain, or a daemon that died before it listened again
+                    _listen(held.sock)
+                self._kept.remove(held)
+                held.address = address
+                log.info("front door: took the listening socket on %s from %s (fd %d)", host_port(*address),
+                         held.origin, held.sock.fileno())
+                return held
+        sock = _bind(address)
+        log.info("front door: holding the listening socket on %s (fd %d)", host_port(*address), sock.fileno())
+        return Held(sock, address, "", False)
+
+    def _acquire_twin(self, address: tuple[str, int]) -> Held | None:
+        try:
+            return self._acquire(address)
+        except OSError as exc:
+            where = host_port(*address)
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+                log.info("front door: no %s on this host (%s): `localhost` cannot mean it either", where,
+                         exc.strerror)
+            else:
+                log.warning("front door: cannot listen on %s too (%s): a client that says `localhost` may reach "
+                            "whoever holds it before the front door, and send it its API key; free it (ss -ltnp)",
+                            where, exc.strerror)
+            return None
+
+    def _drop_kept(self, wanted: tuple[str, int]) -> None:
+        """What systemd passed and `hold` did not use: another address than frontend.listen's."""
+        for held in self._kept:
+            where = host_port(*held.address)
+            if held.from_unit:
+                log.warning("front door: %s holds %s, frontend.listen is %s: not using it (it takes the new address "
+                            "from its next start)", PORT_SOCKET, where, host_port(*wanted))
+            else:
+                log.info("front door: dropped the kept socket on %s (frontend.listen is %s)", where,
+                         host_port(*wanted))
+                if self._store is not None:
+                    self._store(held.name, None)
+                with contextlib.suppress(OSError):
+                    held.sock.shutdown(socket.SHUT_RDWR)  # refused in a HAProxy still on it, until restarted
+            held.sock.close()
+        self._kept = []
+
+    def _let_go(self, var: str, held: Held) -> None:
         if self._store is not None:
-            self._store(STORE_NAME, sock.fileno())
-        log.info("front door: holding the listening socket on %s:%d (fd %d)", host, port, sock.fileno())
-        return sock.fileno()
+            self._store(STORE_NAMES[var], None)
+        if not held.from_unit:
+            with contextlib.suppress(OSError):  # not listening any more: nothing to refuse
+                held.sock.shutdown(socket.SHUT_RDWR)  # refused now, in HAProxy's copy too
+        elif not held.listening:
+            with contextlib.suppress(OSError):
+                _listen(held.sock)  # systemd's copy must go on listening, or systemd drops the port
+        held.sock.close()
 
     def refuse(self) -> None:
-        """Refuse new connections now, in every process that holds this socket; keep those
-        already accepted. The daemon lets go of the socket."""
+        """Refuse new connections now, in every process that holds these sockets; keep those
+        already accepted, and the port: no one else may bind it meanwhile."""
         with self.lock:
-            sock, self._sock, self.address = self._sock, None, None
-        if sock is None:
-            return
-        if self._store is not None:
-            self._store(STORE_NAME, None)
-        with contextlib.suppress(OSError):  # not connected/listening any more: nothing to refuse
-            sock.shutdown(socket.SHUT_RDWR)
-        sock.close()
+            self.refused = True
+            held = list(self._held.values())
+        for one in held:
+            with contextlib.suppress(OSError):
+                one.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+            with contextlib.suppress(OSError):  # not connected/listening any more: nothing to refuse
+                one.sock.shutdown(socket.SHUT_RDWR)
+
+    def lend(self) -> list[tuple[str, int]]:
+        """Let another root socket bind the addresses of the sockets bound here
+        (SO_REUSEPORT: Linux still refuses a process of another user), so that
+        numa-infer-port.socket can take the port over before the daemon lets go: it is
+        never free in between. Returns those addresses; call `refuse` first, or the two
+        sockets share the connections until this one is closed."""
+        lent = []
+        for held in self._held.values():
+            if not held.from_unit:
+                held.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                lent.append(held.address)
+        return lent
+
+    def release(self) -> None:
+        """Let go of every socket: the daemon serves no front door any more. One that
+        numa-infer-port.socket holds too listens again first: it stays systemd's."""
+        with self.lock:
+            held, self._held, self.refused = self._held, {}, False
+        for var, one in held.items():
+            self._let_go(var, one)
 
 
 class Handout:
@@ -179,12 +368,13 @@ class Handout:
             log.warning("front door: pid %d (uid %d) asked for the listening socket: refused", pid, uid)
             return
         with self.listener.lock:
-            fd = self.listener.fd
-            if fd is None:
+            fds = self.listener.fds
+            if FD_VARIABLE not in fds:
                 conn.sendall(b"none\n")  # draining or stopped: HAProxy must not start on it
                 return
-            socket.send_fds(conn, [b"fd\n"], [fd])
-        log.info("front door: handed the listening socket to pid %d", pid)
+            # Which variable each descriptor goes in, in the order they are sent.
+            socket.send_fds(conn, [" ".join(["fd", *fds]).encode() + b"\n"], list(fds.values()))
+        log.info("front door: handed the listening socket%s to pid %d", "s" if len(fds) > 1 else "", pid)
 
     def close(self) -> None:
         if self._server is not None:
@@ -193,14 +383,16 @@ class Handout:
             self.path.unlink(missing_ok=True)
 
 
-def receive(path: str) -> int | None:
-    """The held socket, from the daemon's `Handout` (a new descriptor in this process), or
-    None where it holds none. OSError where the daemon does not answer."""
+def receive(path: str) -> dict[str, int] | None:
+    """The held sockets, from the daemon's `Handout` (new descriptors in this process), by
+    the variable haproxy.cfg names each by; None where it holds none. OSError where the
+    daemon does not answer."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
         conn.connect(path)
-        message, fds, _, _ = socket.recv_fds(conn, 64, 1)
-    if message.startswith(b"fd") and fds:
-        return fds[0]
+        message, fds, _, _ = socket.recv_fds(conn, 256, len(STORE_NAMES))
+    words = [word.decode() for word in message.split()]
+    if words[:1] == ["fd"] and len(words) == len(fds) + 1 and set(words[1:]) <= set(STORE_NAMES):
+        return dict(zip(words[1:], fds, strict=True))
     for fd in fds:
         os.close(fd)
     return None

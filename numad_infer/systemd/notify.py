@@ -21,15 +21,19 @@ LISTEN_VARIABLES = ("LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
 LISTEN_FDS_START = 3
 
 
-def inherited_fds(environ: dict[str, str] | None = None) -> dict[str, int]:
-    """Descriptors systemd passed this process, by name (FDNAME=), taken out of the
-    environment so that no child believes they are its own."""
+def inherited_fds(environ: dict[str, str] | None = None) -> dict[str, list[int]]:
+    """Descriptors systemd passed this process, by name (a socket unit's FileDescriptorName=,
+    the store's FDNAME=; one name may come with several), taken out of the environment so
+    that no child believes they are its own."""
     env = os.environ if environ is None else environ
     count, pid, names = (env.pop(name, None) for name in LISTEN_VARIABLES)
     if not count or not count.isdigit() or pid != str(os.getpid()):
         return {}
     labels = (names or "").split(":")
-    return {labels[i] if i < len(labels) and labels[i] else f"fd{i}": LISTEN_FDS_START + i for i in range(int(count))}
+    found: dict[str, list[int]] = {}
+    for i in range(int(count)):
+        found.setdefault(labels[i] if i < len(labels) and labels[i] else f"fd{i}", []).append(LISTEN_FDS_START + i)
+    return found
 
 
 def child_environ() -> dict[str, str]:
@@ -71,11 +75,14 @@ class Notifier:
     def store_fd(self, name: str, fd: int | None) -> None:
         """Keep `fd` in the unit's file descriptor store under `name` (FileDescriptorStoreMax=
         in numa-infer.service), so that it outlives this process; None: drop it from there.
-        The sdnotify package sends text only: a descriptor needs SCM_RIGHTS."""
+        The sdnotify package sends text only: a descriptor needs SCM_RIGHTS.
+
+        FDPOLL=0: systemd drops a stored descriptor that reports a hang-up, and a listening
+        socket the drain shut down does (listener.refuse) while it still holds the port."""
         if not self.socket:
             return
         address = "\0" + self.socket[1:] if self.socket.startswith("@") else self.socket
-        message = f"FDSTOREREMOVE=1\nFDNAME={name}" if fd is None else f"FDSTORE=1\nFDNAME={name}"
+        message = f"FDSTOREREMOVE=1\nFDNAME={name}" if fd is None else f"FDSTORE=1\nFDNAME={name}\nFDPOLL=0"
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
                 sock.connect(address)

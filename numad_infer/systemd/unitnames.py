@@ -11,7 +11,16 @@ from __future__ import annotations
 SUFFIX = ".service"
 DAEMON_UNIT = "numa-infer.service"  # shipped: packaging/systemd/numa-infer.service
 FRONTDOOR_UNIT = "numa-infer-frontdoor.service"  # rendered by the daemon (render.render_frontdoor_unit)
-DROPIN_NAME = "50-numa-infer.conf"  # the one drop-in file numa-infer writes per instance
+DROPIN_NAME = "50-numa-infer.conf"  # the one drop-in file numa-infer writes per instance (and for the port)
+# Shipped: systemd binds the front door's port from boot and passes it to the daemon
+# (`Sockets=` in numa-infer.service); the service it "activates" is a no-op that only
+# keeps the socket from being activated again (packaging/systemd/numa-infer-port.socket).
+PORT_SOCKET = "numa-infer-port.socket"
+PORT_HOLD = "numa-infer-port.service"
+PORT_FD_NAME = "port"  # its FileDescriptorName=, as LISTEN_FDNAMES names its sockets
+# Its addresses where frontend.listen is not the shipped default, under /etc/systemd/system:
+# read at boot, so not in the unit directory (/run, emptied by a reboot).
+PORT_DROPIN = f"{PORT_SOCKET}.d/{DROPIN_NAME}"
 
 # Globs (relative to a unit directory) for the files above, to find what an earlier run left.
 TEMPLATE_GLOB = f"*@{SUFFIX}"
@@ -49,6 +58,8 @@ def name_of_dropin(rel: str) -> str:
 # The variable that names HAProxy's copy of the daemon's listening socket: haproxy.cfg binds
 # "fd@${...}" (haproxycfg), the daemon or frontdoor_exec sets it (listener.py).
 FRONTDOOR_FD_VARIABLE = "NUMA_INFER_FRONTDOOR_FD"
+# Its copy of the socket on the other loopback address ("fd@${...}" too; listener.py says why).
+FRONTDOOR_TWIN_FD_VARIABLE = "NUMA_INFER_FRONTDOOR_TWIN_FD"
 
 
 # The first line of every unit and drop-in numa-infer writes: how unitdir tells its own

@@ -19,8 +19,8 @@ from numad_infer.engines import KEY_CREDENTIAL, engine_of
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor.haproxy_config import CONFIG_NAME
 from numad_infer.plan.model import Instance, Plan
-from numad_infer.systemd.unitnames import FRONTDOOR_UNIT, UNIT_MARKER, dropin, template_unit
-from numad_infer.util.addresses import connect_host
+from numad_infer.systemd.unitnames import FRONTDOOR_UNIT, PORT_SOCKET, UNIT_MARKER, dropin, template_unit
+from numad_infer.util.addresses import connect_host, host_port, loopback_twin
 from numad_infer.util.cpuset import format_list
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -225,6 +225,34 @@ def render_frontdoor_unit(config: Config, user: str | None = FRONTDOOR_USER, pyt
     ]
     # No capability even for a port below 1024: the daemon binds it (CAP_NET_BIND_SERVICE
     # in numa-infer.service), HAProxy only accepts on it.
+    return "\n".join(lines) + "\n"
+
+
+# numa-infer-port.socket's own ListenStream= lines (packaging/systemd/): frontend.listen's
+# default and its loopback twin, which need no drop-in (tests/units hold the two together).
+SHIPPED_PORT_LISTENS = ("127.0.0.1:8000", "[::1]:8000")
+
+
+def port_listens(config: Config) -> tuple[str, ...]:
+    """Where systemd holds the front door's port: frontend.listen and its loopback twin."""
+    host, port = config.frontend.address
+    twin = loopback_twin(host)
+    return tuple(host_port(h, port) for h in (host, *([twin] if twin else [])))
+
+
+def render_port_dropin(config: Config) -> str | None:
+    """numa-infer-port.socket's drop-in: frontend.listen's addresses in place of the shipped
+    ones. None where it needs none: the default, or no front door (the unit then holds the
+    default port until it is disabled, which the daemon leaves to the operator)."""
+    if not config.frontend.enabled or set(port_listens(config)) == set(SHIPPED_PORT_LISTENS):
+        return None
+    lines = [
+        UNIT_MARKER,
+        f"# frontend.listen = \"{escape_value(config.frontend.listen)}\": held by systemd from boot ({PORT_SOCKET})",
+        "[Socket]",
+        "ListenStream=",  # empty: the shipped addresses go
+        *(f"ListenStream={escape_value(listen)}" for listen in port_listens(config)),
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -301,7 +301,8 @@ def test_the_rendered_front_door_unit_runs_as_its_user_with_a_group_only_directo
     daemon = _directives((ROOT / "packaging/systemd/numa-infer.service").read_text())
     assert f"SupplementaryGroups={FRONTDOOR_USER}" in daemon
     assert "CapabilityBoundingSet=CAP_SYS_NICE CAP_NET_BIND_SERVICE" in daemon  # it binds the front door's port
-    assert "FileDescriptorStoreMax=1" in daemon  # and keeps the socket there across its restarts
+    # Its sockets from numa-infer-port.socket, or its own kept across its restarts (with the twin).
+    assert "Sockets=numa-infer-port.socket" in daemon and "FileDescriptorStoreMax=4" in daemon
     # Without the user: root with no capability, the unit still starts.
     fallback = _directives(render_frontdoor_unit(config, None))
     assert not [l for l in fallback if l.startswith(("User=", "Group="))]

@@ -30,10 +30,20 @@ import pytest
 from numad_infer.units.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, render_frontdoor_unit
 from numad_infer.frontdoor import handover as frontdoor_exec
 from numad_infer.frontdoor.control import Frontdoor
-from numad_infer.frontdoor.listener import STORE_NAME, Handout, HeldListener, receive
+from numad_infer.frontdoor.listener import (
+    FD_VARIABLE,
+    STORE_NAME,
+    TWIN_FD_VARIABLE,
+    TWIN_STORE_NAME,
+    Handout,
+    HeldListener,
+    receive,
+)
 from numad_infer.systemd.notify import Notifier, inherited_fds
 from tests.conftest import searchable_by_others
+from tests.daemon_harness import free_port_block
 from tests.frontdoor.test_haproxy_config import SLOW_MARKER, STUB, _accepts
+from tests.frontdoor.test_port import binds_beside
 from tests.frontdoor.test_control import HAPROXY, Door, as_root, doors, wait_for, with_haproxy  # noqa: F401 (doors: a fixture)
 
 
@@ -191,6 +201,9 @@ class UnitRunner:
             os.killpg(self.child.pid, signal.SIGTERM)
             self.child.wait(20)
 
+    def hand_back(self) -> None:
+        pass  # numa-infer-port.socket's part: tests/backends/test_portunit.py, and the VM suite
+
 
 @pytest.fixture
 def unit_door(tmp_path: Path):
@@ -211,8 +224,9 @@ def test_under_systemd_haproxy_starts_on_the_daemons_socket_and_a_request_sent_w
     door, runner, stored = unit_door
     assert door.door.apply(door.config, door.plan)
     serving(door)
-    held = runner.listener.fd
-    assert stored == [(STORE_NAME, held)]  # kept in the daemon unit's file descriptor store
+    held = runner.listener.fds
+    # Kept in the daemon unit's file descriptor store, with the twin where this host has ::1.
+    assert stored == [(STORE_NAME, held[FD_VARIABLE])] + [(TWIN_STORE_NAME, held[v]) for v in held if v != FD_VARIABLE]
     # The unit's HAProxy binds no address of its own: its only TCP listener is the daemon's.
     assert runner.child is not None
     os.killpg(runner.child.pid, signal.SIGKILL)
@@ -226,10 +240,14 @@ def test_under_systemd_haproxy_starts_on_the_daemons_socket_and_a_request_sent_w
     client.join(30)
     assert answered == [200]
     door.door.observe()
+    kept = list(stored)
     assert door.door.close()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", door.port), timeout=5).close()
-    assert stored[-1] == (STORE_NAME, None)  # the drain takes it out of the store too
+    # Refused, but the port is still the daemon's: no one else binds it while it drains.
+    assert not binds_beside("127.0.0.1", door.port) and stored == kept
+    door.door.stop()
+    assert stored[-1][1] is None and binds_beside("127.0.0.1", door.port)  # a stop lets go of it
 
 
 @with_haproxy
@@ -238,16 +256,17 @@ def test_a_restarted_daemon_takes_back_the_kept_socket_and_leaves_haproxy_runnin
     assert door.door.apply(door.config, door.plan)
     serving(door)
     master = runner.child.pid if runner.child else 0
-    kept = os.dup(runner.listener.fd)  # what the store gives the next daemon (LISTEN_FDS)
-    # The next daemon: a new listener and front door that adopt the kept descriptor.
+    # What the store gives the next daemon (LISTEN_FDS), the loopback twin with it.
+    kept = {STORE_NAME if var == FD_VARIABLE else TWIN_STORE_NAME: [os.dup(fd)] for var, fd in runner.listener.fds.items()}
+    # The next daemon: a new listener and front door that take the kept descriptors.
     runner.listener = HeldListener(lambda name, fd: stored.append((name, fd)))
     runner.handout.listener = runner.listener
-    runner.listener.adopt(kept)
+    runner.listener.offer(kept)
     door.door = Frontdoor(runner)
     assert not door.door.apply(door.config, door.plan)  # nothing to do: same socket, same file
     assert runner.child is not None and runner.child.pid == master
     serving(door)
-    assert runner.listener.fd == kept
+    assert runner.listener.fd == kept[STORE_NAME][0]
 
 
 def test_the_store_gets_the_descriptor_and_a_restarted_daemon_finds_it_by_name(tmp_path: Path) -> None:
@@ -258,14 +277,16 @@ def test_the_store_gets_the_descriptor_and_a_restarted_daemon_finds_it_by_name(t
     with socket.socket() as held:
         notifier.store_fd(STORE_NAME, held.fileno())
         message, fds, _, _ = socket.recv_fds(sink, 256, 4)
-        assert message == b"FDSTORE=1\nFDNAME=frontdoor" and len(fds) == 1
+        # FDPOLL=0: a drained socket hangs up and would be dropped, port and all.
+        assert message == b"FDSTORE=1\nFDNAME=frontdoor\nFDPOLL=0" and len(fds) == 1
         assert os.fstat(fds[0]).st_ino == os.fstat(held.fileno()).st_ino
         os.close(fds[0])
     notifier.store_fd(STORE_NAME, None)
     assert sink.recv(256) == b"FDSTOREREMOVE=1\nFDNAME=frontdoor"
     sink.close()
-    env = {"LISTEN_FDS": "2", "LISTEN_PID": str(os.getpid()), "LISTEN_FDNAMES": "other:frontdoor"}
-    assert inherited_fds(env) == {"other": 3, "frontdoor": 4} and "LISTEN_FDS" not in env
+    env = {"LISTEN_FDS": "4", "LISTEN_PID": str(os.getpid()), "LISTEN_FDNAMES": "port:port:other:frontdoor"}
+    # numa-infer-port.socket names its two sockets alike (FileDescriptorName=).
+    assert inherited_fds(env) == {"port": [3, 4], "other": [5], "frontdoor": [6]} and "LISTEN_FDS" not in env
     assert inherited_fds({"LISTEN_FDS": "1", "LISTEN_PID": "1", "LISTEN_FDNAMES": "frontdoor"}) == {}  # not ours
 
 
@@ -273,8 +294,12 @@ def test_a_kept_descriptor_that_is_not_a_listening_socket_is_dropped(tmp_path: P
     stored: list[tuple[str, int | None]] = []
     listener = HeldListener(lambda name, fd: stored.append((name, fd)))
     connected, _ = socket.socketpair()
-    listener.adopt(os.dup(connected.fileno()))
-    assert listener.fd is None and stored == [(STORE_NAME, None)]
+    listener.offer({STORE_NAME: [os.dup(connected.fileno())]})
+    assert stored == [(STORE_NAME, None)]
+    port = free_port_block(1)
+    listener.hold("127.0.0.1", port)
+    assert listener.address == ("127.0.0.1", port) and stored[1] == (STORE_NAME, listener.fd)  # its own, bound
+    listener.release()
     connected.close()
 
 
@@ -290,9 +315,11 @@ def test_the_handout_gives_the_socket_to_haproxys_user_only(tmp_path: Path) -> N
     handout.start()
     try:
         assert oct(path.stat().st_mode & 0o777) == "0o660"
-        fd = receive(str(path))
-        assert fd is not None and os.fstat(fd).st_ino == os.fstat(listener.fd).st_ino  # the same socket
-        os.close(fd)
+        fds = receive(str(path))
+        assert fds is not None and fds.keys() == listener.fds.keys()
+        assert os.fstat(fds[FD_VARIABLE]).st_ino == os.fstat(listener.fd).st_ino  # the same socket
+        for fd in fds.values():
+            os.close(fd)
         path.chmod(0o666)  # even where the file lets it connect, the peer's uid decides
         searchable_by_others(tmp_path)
         asks = (f"import socket; c = socket.socket(socket.AF_UNIX); c.connect({str(path)!r}); "
@@ -304,6 +331,7 @@ def test_the_handout_gives_the_socket_to_haproxys_user_only(tmp_path: Path) -> N
         assert receive(str(path)) is None  # draining: HAProxy must not start on it
     finally:
         handout.close()
+        listener.release()
 
 
 def test_frontdoor_exec_says_what_is_wrong_where_the_daemon_holds_nothing(tmp_path: Path, capsys, monkeypatch) -> None:

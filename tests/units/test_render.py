@@ -16,6 +16,7 @@ from numad_infer.config.load import parse_config
 from numad_infer.errors import ConfigError
 from numad_infer.plan.placement import make_plan
 from numad_infer.systemd.unitdir import write_units
+from numad_infer.systemd.unitnames import PORT_DROPIN, PORT_FD_NAME, PORT_HOLD, PORT_SOCKET
 from numad_infer.systemd.unitnames import UNIT_MARKER as MARKER
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
@@ -201,13 +202,64 @@ def test_every_file_starts_with_the_ownership_marker(tmp_path: Path) -> None:
     assert all(t.startswith(MARKER + "\n") for t in units_for(tmp_path, fakesys.epyc_nps4).values())
 
 
-def test_shipped_daemon_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
-    shipped = Path(__file__).resolve().parents[2] / "packaging/systemd/numa-infer.service"
-    text = shipped.read_text()
+SHIPPED = Path(__file__).resolve().parents[2] / "packaging/systemd"
+
+
+def values_of(text: str, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in text.splitlines() if line.startswith(key + "=")]
+
+
+def test_shipped_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
+    text = (SHIPPED / "numa-infer.service").read_text()
     assert "Type=notify" in text and "WatchdogSec=" in text and "ExecReload=" in text
     # verify checks that ExecStart's program exists: point it at this interpreter.
     (tmp_path / "numa-infer.service").write_text(text.replace("/usr/bin/numa-infer", sys.executable))
-    assert systemd_verify(tmp_path, ["numa-infer.service"]) == ""
+    for name in (PORT_SOCKET, PORT_HOLD):
+        shutil.copy(SHIPPED / name, tmp_path / name)
+    assert systemd_verify(tmp_path, ["numa-infer.service", PORT_SOCKET, PORT_HOLD]) == ""
+
+
+def test_the_shipped_port_socket_is_the_default_front_door_s_and_feeds_the_daemon_only() -> None:
+    from numad_infer.frontdoor.listener import BACKLOG
+    from numad_infer.units.render import SHIPPED_PORT_LISTENS, port_listens
+
+    socket_unit = (SHIPPED / PORT_SOCKET).read_text()
+    default = parse_config('[model]\npath = "/m.gguf"\n')
+    assert tuple(values_of(socket_unit, "ListenStream")) == SHIPPED_PORT_LISTENS == port_listens(default)
+    assert values_of(socket_unit, "Backlog") == [str(BACKLOG)]  # what waits is what the daemon's own would keep
+    assert values_of(socket_unit, "FileDescriptorName") == [PORT_FD_NAME]
+    assert values_of(socket_unit, "BindIPv6Only") == ["ipv6-only"] and values_of(socket_unit, "Accept") in ([], ["no"])
+    # Never the daemon: a connection while it is stopped would start it again.
+    assert values_of(socket_unit, "Service") == [PORT_HOLD] and values_of(socket_unit, "WantedBy") == ["sockets.target"]
+    hold = (SHIPPED / PORT_HOLD).read_text()
+    assert values_of(hold, "RemainAfterExit") == ["yes"] and values_of(hold, "ExecStart") == ["/bin/true"]
+    daemon = (SHIPPED / "numa-infer.service").read_text()
+    assert values_of(daemon, "Sockets") == [PORT_SOCKET] and values_of(daemon, "Also") == [PORT_SOCKET]
+    # Both are passed the sockets HAProxy accepts on: systemd must leave them non-blocking.
+    assert values_of(daemon, "NonBlocking") == ["yes"] and values_of(hold, "NonBlocking") == ["yes"]
+
+
+@pytest.mark.parametrize("listen, expected", [
+    ("127.0.0.1:8000", None), ("[::1]:8000", None), ("", None),  # the shipped addresses; no front door
+    ("127.0.0.1:9000", ["", "127.0.0.1:9000", "[::1]:9000"]),
+    ("0.0.0.0:8000", ["", "0.0.0.0:8000", "[::1]:8000"]),
+    ("10.0.0.5:8000", ["", "10.0.0.5:8000"]),
+])
+def test_the_port_drop_in_gives_the_socket_unit_frontend_listen_where_it_differs(tmp_path: Path, listen: str,
+                                                                                 expected: list[str] | None) -> None:
+    from numad_infer.units.render import render_port_dropin
+
+    text = render_port_dropin(parse_config(f'[model]\npath = "/m.gguf"\n[frontend]\nlisten = "{listen}"\n'))
+    if expected is None:
+        assert text is None
+        return
+    assert text is not None and text.startswith(MARKER + "\n") and values_of(text, "ListenStream") == expected
+    # systemd's own parser, reading it as the shipped unit's drop-in.
+    for name in (PORT_SOCKET, PORT_HOLD):
+        shutil.copy(SHIPPED / name, tmp_path / name)
+    (tmp_path / f"{PORT_SOCKET}.d").mkdir()
+    (tmp_path / PORT_DROPIN).write_text(text)
+    assert systemd_verify(tmp_path, [PORT_SOCKET]) == ""
 
 
 @pytest.mark.parametrize("host, allowed", [("127.0.0.1", "localhost"), ("0.0.0.0", "localhost"),

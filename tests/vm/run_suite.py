@@ -34,6 +34,8 @@ from scenarios import GROUPS, TOPOLOGY  # noqa: E402  (scenario names, to notice
 # The "deb" group installs numa-infer from its Debian package instead of the wheel.
 WHEEL_SETUP = """/opt/llm/bin/pip install -q --no-deps --no-index /mnt/share/dist/*.whl
 sed 's#/usr/bin/numa-infer#/opt/llm/bin/numa-infer#g' /mnt/share/numa-infer.service > /etc/systemd/system/numa-infer.service
+# The unit that holds the front door's port from boot, and the no-op it "activates".
+cp /mnt/share/numa-infer-port.socket /mnt/share/numa-infer-port.service /etc/systemd/system/
 # The users the package would make: the shipped unit names the front door's group.
 systemd-sysusers /mnt/share/numa-infer.sysusers
 systemctl daemon-reload
@@ -51,6 +53,8 @@ exit $rc
 
 
 PANIC = "Kernel panic - not syncing"
+# packaging/systemd/: what the wheel groups install as the package would.
+PACKAGED_UNITS = ("numa-infer.service", "numa-infer-port.socket", "numa-infer-port.service")
 
 
 def run_guest(share: Path, topology: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str], str]:
@@ -115,7 +119,8 @@ def main() -> int:
     subprocess.run([str(python), str(ROOT / "tools/make_model.py"), str(work / "tiny.gguf"), "--size", "tiny"], check=True,
                    stdout=subprocess.DEVNULL)
     shutil.copy(HERE / "scenarios.py", work / "scenarios.py")
-    shutil.copy(ROOT / "packaging/systemd/numa-infer.service", work / "numa-infer.service")
+    for unit in PACKAGED_UNITS:
+        shutil.copy(ROOT / "packaging/systemd" / unit, work / unit)
     shutil.copy(ROOT / "debian/numa-infer.sysusers", work / "numa-infer.sysusers")
 
     # Guests side by side: under TCG a guest spends much of its time waiting (a model
@@ -182,7 +187,7 @@ def stage(group: str, work: Path) -> Path:
     """The group's share: what every group gets, and what its scenarios need besides."""
     share = work / f"share-{group}"
     share.mkdir()
-    for item in ("dist", "tiny.gguf", "scenarios.py", "numa-infer.service", "numa-infer.sysusers"):
+    for item in ("dist", "tiny.gguf", "scenarios.py", *PACKAGED_UNITS, "numa-infer.sysusers"):
         src = work / item
         (shutil.copytree if src.is_dir() else shutil.copy)(src, share / item)
     if group == "deb":

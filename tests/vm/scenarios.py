@@ -141,6 +141,116 @@ def locality(pid: int, node: int) -> tuple[float, float, int]:
 
 
 FRONT_PORT = 8000  # frontend.listen's default
+# Where the front door listens by default: frontend.listen and its loopback twin (`localhost`
+# is ::1 first for most clients), and the wildcards that would cover them.
+FRONT_ADDRESSES = (f"127.0.0.1:{FRONT_PORT}", f"[::1]:{FRONT_PORT}")
+WILDCARDS = (f"0.0.0.0:{FRONT_PORT}", f"[::]:{FRONT_PORT}")
+PORT_SOCKET = "numa-infer-port.socket"
+PORT_DROPIN = Path("/etc/systemd/system/numa-infer-port.socket.d/50-numa-infer.conf")
+
+# Another local user taking the front door's port: it would get the clients and their API
+# keys. Binds every address over and over (SO_REUSEADDR on; SO_REUSEPORT too, the second
+# time), and lets go at once; prints each address it got. With a probe list: each time it
+# gets an address, it tries those too, and says GAP for any it gets (a new frontend.listen
+# still free while the old one already was).
+SQUAT = r"""
+import errno, json, signal, socket, sys, time
+seconds, watched, probes = json.loads(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+
+def take(address, reuse_port):
+    host, port = address.rsplit(":", 1)
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        try:
+            s.bind((host, int(port)))
+            s.listen(1)
+            return "BOUND"
+        except OSError as exc:
+            return errno.errorcode.get(exc.errno, str(exc.errno))
+
+tries, until = 0, time.monotonic() + seconds
+try:
+    while True:
+        for address in watched:
+            for reuse_port in (False, True):
+                tries += 1
+                got = take(address, reuse_port)
+                if got != "EADDRINUSE":
+                    print(got, address, flush=True)
+                if got == "BOUND":
+                    for probe in probes:
+                        if take(probe, False) == "BOUND":
+                            print("GAP", probe, "was free when", address, "was taken", flush=True)
+        if time.monotonic() >= until:
+            break
+        time.sleep(0.05)  # a light load: under TCG the instances share the vCPUs with it
+finally:
+    print("TRIES", tries, flush=True)
+"""
+
+
+def _squatter(seconds: float, watched: tuple[str, ...], probes: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    return subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "python3", "-c", SQUAT,
+                             json.dumps([seconds, list(watched), list(probes)])],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd="/")
+
+
+def squat_once(*addresses: str) -> list[str]:
+    """What another user gets binding each address now, but EADDRINUSE (held): [] when held."""
+    out, _ = _squatter(0, addresses).communicate(timeout=60)
+    if "TRIES" not in out:
+        raise Fail(f"the squatter did not run: {out[-300:]}")
+    return [line for line in out.splitlines() if not line.startswith("TRIES")]
+
+
+class Squatter:
+    """`squat_once` over and over while something happens (a restart, a listen change)."""
+
+    def __init__(self, *watched: str, probes: tuple[str, ...] = ()) -> None:
+        self.watched, self.probes = watched, probes
+
+    def __enter__(self) -> "Squatter":
+        self.proc = _squatter(900, self.watched, self.probes)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.out, _ = self.proc.communicate(timeout=60)
+
+    def verdict(self, what: str, allowed: tuple[str, ...] = ()) -> str:
+        """None of the watched addresses taken (but those in `allowed`), and no GAP."""
+        lines = self.out.splitlines()
+        tries = next((int(l.split()[1]) for l in lines if l.startswith("TRIES")), 0)
+        bad = [l for l in lines if not l.startswith("TRIES") and (l.startswith("GAP") or l.split()[1] not in allowed)]
+        if bad or tries == 0:
+            raise Fail(f"during {what}, another user (nobody) got: {bad[:5]} ({tries} tries)")
+        return f"{tries} binds as nobody during {what}, none got the port"
+
+
+def holders(port: int) -> list[str]:
+    """`ss` lines of the sockets listening on `port`, with their processes."""
+    return [l for l in sh("ss", "-Hltnp", f"sport = :{port}", check=False).splitlines() if "LISTEN" in l]
+
+
+def port_held_by_systemd_alone(what: str) -> str:
+    """After the daemon is gone: no other user binds the front door's addresses (nor the
+    wildcards over them), systemd (PID 1) alone holds them, and its socket unit is fine."""
+    got = squat_once(*FRONT_ADDRESSES, *WILDCARDS)
+    if got:
+        raise Fail(f"{what}: another user (nobody) binding the front door's port got {got}")
+    lines = holders(FRONT_PORT)
+    if len(lines) != 2 or any("pid=1," not in l or l.count("pid=") != 1 for l in lines):
+        raise Fail(f"{what}: the port is not held by systemd alone: {lines}")
+    if sh("systemctl", "is-active", PORT_SOCKET, check=False).strip() != "active":
+        raise Fail(f"{what}: {PORT_SOCKET} is {sh('systemctl', 'is-active', PORT_SOCKET, check=False).strip()}")
+    return f"{', '.join(FRONT_ADDRESSES)} held by systemd alone, no other user binds them (wildcards included)"
 
 
 class Load:
@@ -430,8 +540,9 @@ def s7_bad_reload() -> str:
 
 @scenario("8-daemon-killed")
 def s8_daemon_kill() -> str:
-    pids, took = instances_survive(lambda: os.kill(main_pid("numa-infer"), signal.SIGKILL), "kill -9 of the daemon")
-    return f"daemon back after {took:.1f}s, instances kept {pids}"
+    with Squatter(*FRONT_ADDRESSES) as squat:
+        pids, took = instances_survive(lambda: os.kill(main_pid("numa-infer"), signal.SIGKILL), "kill -9 of the daemon")
+    return f"daemon back after {took:.1f}s, instances kept {pids}; {squat.verdict('the kill and restart')}"
 
 
 def instances_survive(action, what: str) -> tuple[dict[str, int], float]:
@@ -452,12 +563,14 @@ def instances_survive(action, what: str) -> tuple[dict[str, int], float]:
 @scenario("8b-daemon-restart")
 def s8b_daemon_restart() -> str:
     front = main_pid("numa-infer-frontdoor")
-    (pids, took), load = under_load(
-        lambda: instances_survive(lambda: sh("systemctl", "restart", "numa-infer", timeout=300), "systemctl restart"),
-        "systemctl restart numa-infer")
+    with Squatter(*FRONT_ADDRESSES) as squat:
+        (pids, took), load = under_load(
+            lambda: instances_survive(lambda: sh("systemctl", "restart", "numa-infer", timeout=300),
+                                      "systemctl restart"),
+            "systemctl restart numa-infer")
     if main_pid("numa-infer-frontdoor") != front:
         raise Fail("the daemon restart restarted the front door")
-    return f"restarted in {took:.1f}s, instances and front door kept {pids}; {load}"
+    return f"restarted in {took:.1f}s, instances and front door kept {pids}; {load}; {squat.verdict('the restart')}"
 
 
 @scenario("t1-tune")
@@ -517,6 +630,69 @@ def s9_stop() -> str:
     if left:
         raise Fail(f"rendered units left behind: {left}")
     return "no infer@ unit or front door active, no server process left, rendered units removed"
+
+
+# -- issue 30, item 6: the front door's port is never another user's ------------------------------
+
+@scenario("p1-port-before-start")
+def p1_port_before_start() -> str:
+    """numa-infer-port.socket holds the front door's addresses before the daemon ever ran
+    (enabled with it: Also=), the daemon starts on its sockets, and after a stop (the
+    instances still loading) systemd alone holds them, listening."""
+    sh("systemctl", "enable", "numa-infer")
+    enabled = sh("systemctl", "is-enabled", PORT_SOCKET, check=False).strip()
+    sh("systemctl", "disable", "numa-infer")  # this group starts it by hand
+    if enabled != "enabled":
+        raise Fail(f"systemctl enable numa-infer left {PORT_SOCKET} {enabled}")
+    sh("systemctl", "start", PORT_SOCKET)
+    before = port_held_by_systemd_alone("before the daemon started")
+    write_config()
+    since = now_str()
+    sh("systemctl", "start", "numa-infer", timeout=300)
+    daemon = main_pid("numa-infer")
+    lines = holders(FRONT_PORT)
+    # One socket per address, systemd's and the daemon's: not a second one the daemon bound.
+    if len(lines) != 2 or any("pid=1," not in l or f"pid={daemon}," not in l for l in lines):
+        raise Fail(f"the daemon does not listen on {PORT_SOCKET}'s sockets: {lines}")
+    wait(lambda: f"from {PORT_SOCKET}" in journal_since(since), 30, f"the daemon saying it took {PORT_SOCKET}'s socket")
+    sh("systemctl", "stop", "numa-infer", timeout=300)
+    after = port_held_by_systemd_alone("after systemctl stop numa-infer")
+    return f"before the start: {before}; the daemon started on them; after its stop: {after}"
+
+
+@scenario("p2-port-listen-change")
+def p2_port_listen_change() -> str:
+    """frontend.listen moves to another port and back, by reloads: while it moves, another
+    user never gets an old address while the new one is still free; once moved, the new one
+    is held, served, and numa-infer-port.socket's drop-in names it (gone again once back)."""
+    moved = FRONT_PORT + 1
+    new = (f"127.0.0.1:{moved}", f"[::1]:{moved}")
+    notes = []
+    for addresses, previous, listen in ((new, FRONT_ADDRESSES, f"127.0.0.1:{moved}"), (FRONT_ADDRESSES, new, "")):
+        port = int(addresses[0].rsplit(":", 1)[1])
+        # The old addresses are anyone's once the front door has moved: only a GAP fails.
+        with Squatter(*previous, probes=addresses) as squat:
+            write_config(frontend=f'listen = "{listen}"' if listen else "")
+            sh("systemctl", "reload", "numa-infer", timeout=300)
+            wait(lambda: isinstance(complete(port), str), 120, f"a completion on :{port}")
+        notes.append(squat.verdict(f"the move to :{port}", allowed=previous))
+        if squat_once(*addresses):
+            raise Fail(f"after the move to :{port}, another user binds {squat_once(*addresses)}")
+        named = PORT_DROPIN.exists() and f"ListenStream=127.0.0.1:{port}" in PORT_DROPIN.read_text()
+        if named != (port != FRONT_PORT):
+            raise Fail(f"{PORT_DROPIN} after the move to :{port}: {PORT_DROPIN.read_text() if PORT_DROPIN.exists() else 'none'}")
+    return "; ".join(notes) + "; the drop-in followed"
+
+
+@scenario("p3-port-after-stop")
+def p3_port_after_stop() -> str:
+    """After the last stop: the daemon had bound :8000 itself (p2 moved it away and back),
+    and numa-infer-port.socket took it over before the daemon let go."""
+    held = port_held_by_systemd_alone("after the last systemctl stop numa-infer")
+    if f"{PORT_SOCKET} holds" not in sh("journalctl", "-u", "numa-infer", "--no-pager", "-o", "cat", "-n", "200",
+                                         check=False):
+        raise Fail(f"the daemon does not say {PORT_SOCKET} took over its socket")
+    return held
 
 
 # -- 2 sockets x 1 core x 2 threads ------------------------------------------------------------
@@ -618,11 +794,13 @@ def frontdoor_runs_as_its_user() -> str:
         raise Fail(f"the daemon is not in the group numa-infer-frontdoor: groups {daemon['Groups'].strip()}")
     if int(daemon["CapBnd"], 16) != (1 << 23) | (1 << 10):  # CAP_SYS_NICE, CAP_NET_BIND_SERVICE
         raise Fail(f"the daemon's bounding set is not CAP_SYS_NICE and CAP_NET_BIND_SERVICE: {daemon['CapBnd'].strip()}")
-    # One listening socket on the front door's port, the daemon's: HAProxy accepts on it
-    # (listener.py), so a HAProxy restart refuses no client.
-    holders = sh("ss", "-Hltnp", f"sport = :{FRONT_PORT}", check=False)
-    if holders.count("LISTEN") != 1 or f"pid={main_pid('numa-infer')}," not in holders or f"pid={master}," not in holders:
-        raise Fail(f"the front door's port is not one socket held by the daemon and HAProxy: {holders.strip()}")
+    # One listening socket per front door address (127.0.0.1 and its loopback twin, ::1),
+    # the daemon's: HAProxy accepts on it (listener.py), so a HAProxy restart refuses no client.
+    lines = holders(FRONT_PORT)
+    daemon = main_pid("numa-infer")
+    if (not any(f"127.0.0.1:{FRONT_PORT} " in l for l in lines) or len(lines) > 2
+            or any(f"pid={daemon}," not in l or f"pid={master}," not in l for l in lines)):
+        raise Fail(f"the front door's port is not one socket per address held by the daemon and HAProxy: {lines}")
     return f"numa-infer-frontdoor (uid {user.pw_uid}, {len(pids)} processes, no capability; on the daemon's socket)"
 
 
@@ -635,12 +813,14 @@ def d1_install() -> str:
     apt("install", "--no-install-recommends", str(deb))
     NI = "/usr/bin/numa-infer"
     version = sh(NI, "--version").strip()
-    enabled = sh("systemctl", "is-enabled", "numa-infer", check=False).strip()
-    active = sh("systemctl", "is-active", "numa-infer", check=False).strip()
+    enabled = sh("systemctl", "is-enabled", "numa-infer", PORT_SOCKET, check=False).split()
+    active = sh("systemctl", "is-active", "numa-infer", PORT_SOCKET, check=False).split()
     failed = sh("systemctl", "list-units", "--failed", "--plain", "--no-legend", check=False).strip()
-    if enabled != "disabled" or active != "inactive" or failed:
-        raise Fail(f"after install: enabled={enabled} active={active} failed units={failed!r}")
-    for path in ("/usr/lib/systemd/system/numa-infer.service", "/usr/share/man/man8/numa-infer.8.gz",
+    if enabled != ["disabled"] * 2 or active != ["inactive"] * 2 or failed:
+        raise Fail(f"after install: enabled={enabled} active={active} (numa-infer, {PORT_SOCKET}) "
+                   f"failed units={failed!r}")
+    for path in ("/usr/lib/systemd/system/numa-infer.service", f"/usr/lib/systemd/system/{PORT_SOCKET}",
+                 "/usr/share/man/man8/numa-infer.8.gz",
                  "/usr/share/man/man5/numa-infer.toml.5.gz", "/usr/share/bash-completion/completions/numa-infer"):
         if not Path(path).exists():
             raise Fail(f"{path} not installed")
@@ -653,6 +833,9 @@ def d1_install() -> str:
 @scenario("d2-configure-start")
 def d2_start() -> str:
     sh("systemctl", "enable", "numa-infer")
+    # The port from boot comes with the daemon (Also=).
+    if sh("systemctl", "is-enabled", PORT_SOCKET, check=False).strip() != "enabled":
+        raise Fail(f"systemctl enable numa-infer did not enable {PORT_SOCKET}")
     return s1_start.__wrapped__()
 
 
@@ -1299,8 +1482,11 @@ def k6_cpu_quota() -> str:
 GROUPS = {
     # 1c-api-key comes last: the key stays on for the stop, which spares a second restart
     # of both instances (a model load each, over a minute under TCG).
-    "2x2": [s1_start, s1b_frontdoor, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload, s7_bad_reload, s8_daemon_kill,
-            s8b_daemon_restart, s1c_api_key, s9_stop],
+    # p1..p3: the front door's port from boot, through a stop, a restart, a listen change and
+    # the last stop (issue 30, item 6); 8 and 8b watch it through a kill and a restart.
+    "2x2": [p1_port_before_start, s1_start, s1b_frontdoor, s2_kill, s3_stop, s4_affinity, s5_memory, s6_reload,
+            s7_bad_reload, s8_daemon_kill, s8b_daemon_restart, p2_port_listen_change, s1c_api_key, s9_stop,
+            p3_port_after_stop],
     # A guest of its own: tune measures for minutes under TCG, and with it the 2x2 group
     # came within a few scenarios of the guest's time limit.
     "tune": [s1_start, t1_tune, s9_stop],
