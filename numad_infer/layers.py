@@ -42,7 +42,7 @@ PACKAGES: tuple[tuple[str, str], ...] = (
     ("topology", "the machine's NUMA topology and the part of it the cgroup allows (sysfs, cgroups)"),
     ("plan", "config + topology -> the plan: instances, cores, memory policy, ports"),
     ("host", "the running host: /proc, CPU features, pinning syscalls, users, port owners"),
-    ("model", "the model file: readable, GGUF, its header"),
+    ("model", "the model file: readable, GGUF, its header; what an instance of it holds in memory"),
     ("engines", "the inference servers numa-infer runs: one `Engine` per program"),
     ("frontdoor", "HAProxy in front of the instances: its config, binary, runtime API, listening socket"),
     ("units", "the plan rendered as systemd unit text: the instances' template and drop-ins, the front door's unit"),
@@ -108,6 +108,8 @@ MODULES: dict[str, tuple[str, str]] = {
     # -- plan --------------------------------------------------------------------------------------
     "plan/__init__": (CORE, PACKAGE_INIT),
     "plan/model": (CORE, "the plan's data: instances (CPUs, memory, policy, port, threads), the plan, plan diffs"),
+    "plan/memory_fit": (CORE, "do the instances fit in their nodes' memory: per node, the sum of what each "
+                               "instance bound there holds against the node's memory less a reserve"),
     "plan/placement": (CORE, "config + topology -> the plan: nodes, cores, instances, threads; the reserved-core rule"),
     "plan/ports": (CORE, "the plan's ports: base_port + k, the front door's and metrics' apart, exposure warnings"),
     # -- host --------------------------------------------------------------------------------------
@@ -123,9 +125,12 @@ MODULES: dict[str, tuple[str, str]] = {
     "host/procfs": (EDGE, "/proc reader rooted at a directory"),
     # -- model -------------------------------------------------------------------------------------
     "model/__init__": (CORE, PACKAGE_INIT),
+    "model/ggml": (CORE, "ggml's data types: bytes per block by type id, the KV cache's type names"),
+    "model/memory": (CORE, "what one instance holds once loaded: weights, KV cache (from the header's "
+                           "dimensions), the engine's measured overhead"),
     "model/file": (EDGE, "the model file, opened once: a readable regular file, GGUF, whole; its size and identity"),
-    "model/gguf": (EDGE, "the GGUF header, every length bounded: tensor table (bytes a decoded token reads) and "
-                         "end-of-sequence ids"),
+    "model/gguf": (EDGE, "the GGUF header, every length bounded: tensor table (bytes a decoded token reads, "
+                         "weights), end-of-sequence ids, the dimensions that size the KV cache"),
     # -- engines -----------------------------------------------------------------------------------
     "engines/__init__": (CORE, "the engine registry with the built-in engines registered"),
     "engines/base": (CORE, "`Engine`: everything that differs between engines (argv, probe and key routes, key "

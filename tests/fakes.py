@@ -16,6 +16,7 @@ from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.host.cpufeatures import EngineCpuReport
 from numad_infer.host.identity import BackendKind, RunAs
 from numad_infer.host.portowner import Holder, PortOwner
+from numad_infer.model.memory import MemoryEstimate
 from numad_infer.plan.model import Plan
 from numad_infer.topology.cgroup_limits import UNRESTRICTED
 from numad_infer.topology.model import RawCpu, RawNode, SysfsSnapshot, Topology, build_topology
@@ -29,7 +30,7 @@ def loaded_for(config: Config, plan: Plan, *, api_key: str | None = None, kind: 
     key as given (not read from a file), units rendered as the systemd backend writes them."""
     units = render_units(config, plan) if kind == BackendKind.SYSTEMD else {}
     return Loaded("/etc/numa-infer.toml", config, topology or three_nodes(), plan, kind, runs_as, engine_of(config),
-                  0, 0, UNRESTRICTED, EngineCpuReport(None, "test", ""), (), api_key, None, units)
+                  0, MemoryEstimate(0, 0, 0), 0, UNRESTRICTED, EngineCpuReport(None, "test", ""), (), api_key, None, units)
 
 
 @dataclass

@@ -13,14 +13,25 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from numad_infer.cli.daemon_client import cmd_reload, running_daemon
 from numad_infer.cli.offline_status import offline_status
-from numad_infer.cli.present import format_allowed, format_engine, format_plan, format_status, format_topology
+from numad_infer.cli.present import (
+    format_allowed,
+    format_engine,
+    format_memory,
+    format_plan,
+    format_status,
+    format_topology,
+)
 from numad_infer.cli.wiring import load_all, make_backend
 from numad_infer.status.statefile import read_status
 from numad_infer.util.printable import EscapingFormatter, printable
+
+if TYPE_CHECKING:
+    from numad_infer.plan.memory_fit import NodeFit
+    from numad_infer.validate.loaded import Loaded
 
 # The config schema (pydantic), planner and renderer are imported by the commands that
 # need them: `numa-infer status` with the daemon running reads only a JSON file, and an
@@ -44,10 +55,23 @@ def cmd_topology(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     loaded = load_all(args)
     if args.json:
-        print(json.dumps({**loaded.plan.to_dict(), "allowed": loaded.allowed.to_dict()}, indent=2))
+        m = loaded.memory
+        memory = {"per_instance": {"weights": m.weights, "kv_cache": m.kv_cache, "overhead": m.overhead,
+                                   "total": m.total, "kv_cache_counted": m.dims_known},
+                  "nodes": [{"node": f.node, "need": f.need, "available": f.available, "total": f.total,
+                             "instances": list(f.instances)} for f in _fits(loaded)]}
+        print(json.dumps({**loaded.plan.to_dict(), "allowed": loaded.allowed.to_dict(), "memory": memory}, indent=2))
     else:
-        print("\n".join([format_plan(loaded.plan), *format_allowed(loaded.topology, loaded.allowed)]))
+        print("\n".join([format_plan(loaded.plan), *format_memory(loaded.instance_memory, _fits(loaded)),
+                         *format_allowed(loaded.topology, loaded.allowed)]))
     return 0
+
+
+def _fits(loaded: Loaded) -> list[NodeFit]:
+    """Per node, what the plan's instances need of its memory (the sum validation checked)."""
+    from numad_infer.plan.memory_fit import node_fits
+
+    return node_fits([(i, loaded.instance_memory) for i in loaded.plan.instances], loaded.topology)
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -78,6 +102,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(printable(f"{args.config}: valid for this machine"))
     print(format_engine(loaded.config, loaded.engine))
     print(format_plan(loaded.plan, loaded.warnings))
+    print("\n".join(format_memory(loaded.instance_memory, _fits(loaded))))
     pending = plan_write(Path(loaded.config.systemd.unit_dir),
                          render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
     if pending.changed:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
     from numad_infer.config.schema import Config
     from numad_infer.engines import Engine
+    from numad_infer.plan.memory_fit import InstanceMemory, NodeFit
     from numad_infer.plan.model import Plan
     from numad_infer.status.records import Status
     from numad_infer.topology.cgroup_limits import Allowed
@@ -52,6 +53,11 @@ def format_plan(plan: Plan, warnings: tuple[str, ...] | None = None) -> str:
     lines = format_table(rows)
     lines += [f"warning: {w}" for w in (plan.warnings if warnings is None else warnings)]
     return printable_lines(lines)
+
+
+def format_memory(memory: InstanceMemory, fits: Sequence[NodeFit]) -> list[str]:
+    """What one instance holds, then per node what its instances need against its memory."""
+    return [f"memory per instance ({memory.model}): {memory.detail}", *(fit.describe() for fit in fits)]
 
 
 def format_engine(config: Config, engine: Engine) -> str:

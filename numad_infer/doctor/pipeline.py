@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from numad_infer.doctor.host_facts import HostReader, Sampler
 from numad_infer.doctor.verdicts import Check, HostFacts, Needs, diagnose
 from numad_infer.host.procfs import ProcReader
+from numad_infer.plan.memory_fit import node_fits
 
 if TYPE_CHECKING:
     from numad_infer.status.records import Status
@@ -17,16 +18,13 @@ if TYPE_CHECKING:
 
 
 def plan_needs(loaded: Loaded) -> Needs:
-    """The inference CPUs and the weights each node must hold, from the validated plan."""
-    need: dict[int, int] = {}
-    for inst in loaded.plan.instances:
-        # An interleaved instance spreads its weights evenly over its nodes.
-        for node in inst.mems:
-            need[node] = need.get(node, 0) + loaded.model_bytes // max(1, len(inst.mems))
+    """The inference CPUs and what each node must hold for its instances (weights, KV cache,
+    overhead; an interleaved instance's spread evenly over its nodes), from the validated plan."""
+    fits = node_fits([(i, loaded.instance_memory) for i in loaded.plan.instances], loaded.topology)
     return Needs(cpus=frozenset(c for i in loaded.plan.instances for c in i.cpus),
-                      online_cpus=frozenset(c for n in loaded.topology.nodes for c in n.cpus),
-                      need_bytes=need, model_path=loaded.config.model.path, mlock=loaded.config.model.mlock,
-                      engine=loaded.engine.name)
+                 online_cpus=frozenset(c for n in loaded.topology.nodes for c in n.cpus),
+                 need_bytes={f.node: f.need for f in fits}, model_path=loaded.config.model.path,
+                 mlock=loaded.config.model.mlock, engine=loaded.engine.name, per_instance=loaded.memory.describe())
 
 
 def read_facts(loaded: Loaded, fsroot: str | os.PathLike[str], status: Status | None, sample_s: float,

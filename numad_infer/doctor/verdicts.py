@@ -91,10 +91,13 @@ class Needs:
 
     cpus: frozenset[int]  # every inference CPU
     online_cpus: frozenset[int]
-    need_bytes: dict[int, int]  # per node: the model's weights the planned instances load there
+    # Per node: what the planned instances bound there hold (weights, KV cache, the engine's
+    # overhead: model/memory.py's estimate, summed as the planner sums it).
+    need_bytes: dict[int, int]
     model_path: str
     mlock: bool
     engine: str
+    per_instance: str = ""  # how one instance's estimate adds up (MemoryEstimate.describe)
 
 
 @dataclass(frozen=True)
@@ -225,18 +228,19 @@ def check_node_memory(f: HostFacts, plan: Needs) -> list[Check]:
         usable = mem.free_bytes + mem.instance_bytes
         seen = f"{_gib(mem.free_bytes)} free, {_gib(mem.file_bytes)} page cache" + (
             f", {_gib(mem.instance_bytes)} held by its instance" if mem.instance_bytes else "")
-        wanted = f">= {_gib(need)} for {plan.model_path}"
+        wanted = f">= {_gib(need)} for {plan.model_path}'s instances" + (
+            f"; per instance {plan.per_instance}" if plan.per_instance else "")
         if usable >= need:
-            checks.append(Check(name, Level.OK, seen, wanted, "the weights fit in the node's free memory", ""))
+            checks.append(Check(name, Level.OK, seen, wanted, "the instances fit in the node's free memory", ""))
         elif usable + mem.file_bytes >= need:
             checks.append(Check(name, Level.WARN, seen, wanted,
-                                "the weights fit only once the kernel drops page cache; a first load may be slow",
+                                "the instances fit only once the kernel drops page cache; a first load may be slow",
                                 "sync; echo 1 > /proc/sys/vm/drop_caches (before starting the instances)"))
         else:
             checks.append(Check(name, Level.FAIL, seen, wanted,
-                                "the weights do not fit: the instance spills to another node or fails to load",
-                                "free memory on the node (stop what uses it), use a smaller quantisation, "
-                                "or plan fewer instances on it (numa-infer plan)"))
+                                "the instances do not fit: one spills to another node or fails to load",
+                                "free memory on the node (stop what uses it), use a smaller quantisation or "
+                                "model.context_size, or plan fewer instances on it (numa-infer plan)"))
     return checks
 
 

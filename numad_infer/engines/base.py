@@ -15,10 +15,13 @@ from __future__ import annotations
 import os
 import subprocess
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from numad_infer.host.cpufeatures import EngineCpuReport
+from numad_infer.model.ggml import CACHE_TYPES, DEFAULT_CACHE_TYPE
+from numad_infer.model.memory import EngineContext, Overhead
 
 if TYPE_CHECKING:
     from numad_infer.config.schema import Config
@@ -26,6 +29,12 @@ if TYPE_CHECKING:
 
 # Where systemd puts the API key (LoadCredential=KEY_CREDENTIAL:server.api_key_file).
 KEY_CREDENTIAL = "api-key"
+
+# The overhead of an engine that states none of its own (a plugin's): llama-cpp-python's
+# figures (engines/llama_cpp_python.py), the larger of the two measured, its runtime
+# doubled: a server on llama.cpp in an interpreter of its own.
+UNMEASURED = Overhead(runtime=160 << 20, per_embedding=48, per_vocab=8, per_context=24, kept_logits=4,
+                      tokenizer=160)
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,9 @@ class Engine(ABC):
     # The server.* key naming the program every instance executes (`check` shows it, and a
     # new file there is rolled out); "" for an engine whose program no key names (a plugin's).
     program_key: ClassVar[str] = ""
+    # What an instance holds besides the weights and the KV cache (model/memory.py), as
+    # measured for this engine (bench/memory.py): the per-node memory check counts it.
+    overhead: ClassVar[Overhead] = UNMEASURED
 
     @abstractmethod
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
@@ -85,6 +97,12 @@ class Engine(ABC):
     def slots(self, config: Config) -> int:
         """Requests one instance works on at once (the front door's per-server maxconn)."""
         return 1
+
+    def context(self, config: Config) -> EngineContext:
+        """The KV cache and batch one instance's command line asks for (model/memory.py sizes
+        them): by default one slot of `model.context_size` tokens, llama.cpp's f16 cache."""
+        size, f16 = config.model.context_size, CACHE_TYPES[DEFAULT_CACHE_TYPE]
+        return EngineContext(size, size, f16, f16)
 
     def key_environment(self, key: str) -> dict[str, str]:
         """The API key as the process backend hands it over: in the server's environment,
@@ -117,6 +135,26 @@ class Engine(ABC):
         (`stop_token_ids`: the model's EOS/EOT ids, from its GGUF header). By default an
         OpenAI logit_bias that no logit survives."""
         return {"logit_bias": {str(t): -1e30 for t in stop_token_ids}} if stop_token_ids else {}
+
+
+def last_option(args: Sequence[str], *names: str) -> str | None:
+    """The value the last of `names` has in `args` (`--name value` or `--name=value`): what a
+    server's argument parser, where the last one given wins, ends up with."""
+    found = None
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in names:
+            found = value if eq else (args[i + 1] if i + 1 < len(args) else None)
+    return found
+
+
+def positive(value: str | None, default: int) -> int:
+    """`value` as a count, `default` when it is not one (the server would refuse it)."""
+    try:
+        number = int(value) if value is not None else default
+    except ValueError:
+        return default
+    return number if number > 0 else default
 
 
 _REGISTRY: dict[str, Engine] = {}

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from numad_infer.engines.base import KEY_CREDENTIAL, Engine, HostAccess
+from numad_infer.engines.base import KEY_CREDENTIAL, Engine, HostAccess, last_option, positive
 from numad_infer.host.cpufeatures import EngineCpuReport, from_system_info
+from numad_infer.model.ggml import CACHE_TYPES, DEFAULT_CACHE_TYPE
+from numad_infer.model.memory import EngineContext, Overhead
 
 if TYPE_CHECKING:
     from numad_infer.config.schema import Config
@@ -18,6 +20,30 @@ _FROM_CREDENTIAL = ("import os, runpy; "
                     "os.environ['API_KEY'] = open(os.path.join(os.environ['CREDENTIALS_DIRECTORY'], "
                     f"'{KEY_CREDENTIAL}')).read().strip(); "
                     "runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)")
+
+# Measured once (bench/memory.py and its log, 2026-12-02; llama-cpp-python 0.3.36, its
+# server's defaults: flash attention off, logits_all on) on tools/make_model.py's models.
+# Per batch token: its compute buffer holds every token's logits (4 B x n_vocab: 62.5 of the
+# medium model's 66.5 MiB at context 512) and the attention's scores without flash attention
+# (+15.5 MiB from context 512 to 2048 at 16 heads: 21 B per context token; 24 counted);
+# llama.cpp's output buffer grows to every token's logits once a prompt asks for them (4 B x
+# n_vocab more); activations as llama-server's (48 B x n_embd). It also keeps every context
+# token's logits (numpy, n_ctx x n_vocab x 4 B, resident as the context fills). The process
+# itself (Python, FastAPI, uvicorn, the library) was 72-78 MiB on the tiny model after a
+# completion: 80 MiB, and llama-server's 160 B per vocabulary entry.
+OVERHEAD = Overhead(runtime=80 << 20, per_embedding=48, per_vocab=8, per_context=24, kept_logits=4, tokenizer=160)
+
+
+def _cache_type(value: str | None) -> int:
+    """--type_k/--type_v's ggml type id: unset, f16; one no cache takes, f32 (the largest)."""
+    if value is None:
+        return CACHE_TYPES[DEFAULT_CACHE_TYPE]
+    try:
+        ggml_type = int(value)
+    except ValueError:
+        return CACHE_TYPES["f32"]
+    return ggml_type if ggml_type in CACHE_TYPES.values() else CACHE_TYPES["f32"]
+
 
 # find_spec only locates the package: importing llama_cpp would load the C library (slow).
 _FIND_LLAMA_CPP = "import importlib.util, sys; sys.exit(importlib.util.find_spec('llama_cpp') is None)"
@@ -43,6 +69,7 @@ class LlamaCppPython(Engine):
     liveness_path = "/docs"
     key_env = "API_KEY"
     program_key = "python"
+    overhead = OVERHEAD
     cpu_fix = ("reinstall llama-cpp-python into server.python built for this CPU (CMAKE_ARGS='-DGGML_NATIVE=ON' pip "
                "install --force-reinstall --no-binary :all: llama-cpp-python), or use server.engine = \"llama-server\" "
                "with scripts/build-llama-server's build")
@@ -68,6 +95,14 @@ class LlamaCppPython(Engine):
             *(["--model_alias", config.model.name] if config.model.name else []),
             *config.server.extra_args,
         ]
+
+    def context(self, config: Config) -> EngineContext:
+        # One sequence of --n_ctx tokens; server.extra_args come after argv's and win.
+        extra = config.server.extra_args
+        tokens = positive(last_option(extra, "--n_ctx"), config.model.context_size)
+        return EngineContext(tokens, tokens, _cache_type(last_option(extra, "--type_k")),
+                             _cache_type(last_option(extra, "--type_v")),
+                             positive(last_option(extra, "--n_ubatch"), 512))
 
     def cpu(self, config: Config, host: HostAccess) -> EngineCpuReport:
         python = config.server.python

@@ -7,9 +7,11 @@ import os
 import stat
 from typing import TYPE_CHECKING, ClassVar
 
-from numad_infer.engines.base import KEY_CREDENTIAL, Engine, EngineCounters, HostAccess
+from numad_infer.engines.base import KEY_CREDENTIAL, Engine, EngineCounters, HostAccess, last_option, positive
 from numad_infer.errors import ConfigError
 from numad_infer.host.cpufeatures import VARIANT_FEATURES, EngineCpuReport, declined_by, from_backend_log
+from numad_infer.model.ggml import CACHE_TYPES, DEFAULT_CACHE_TYPE
+from numad_infer.model.memory import EngineContext, Overhead
 
 if TYPE_CHECKING:
     from numad_infer.config.schema import Config
@@ -19,6 +21,21 @@ if TYPE_CHECKING:
 _COUNTERS = {"llamacpp:tokens_predicted_total": "tokens_predicted", "llamacpp:requests_processing": "busy_slots"}
 
 _HINT = "build it with scripts/build-llama-server or install Debian's llama.cpp package, and point here"
+
+# Measured once (bench/memory.py and its log at -lv 4, 2026-12-02; llama.cpp 0c1e570 from
+# scripts/build-llama-server, CPU, flash attention "auto" = on) on tools/make_model.py's
+# models (tiny, small, medium; Q4_0, Q8_0, Q4_K_M), 512, 1024 and 2048 tokens per slot, 1
+# and 2 slots. The log's compute buffer is, to 0.5 MiB, 512 (the batch, -ub) x (48 B x
+# n_embd + 2 B x one slot's context: the f16 attention mask): tiny (n_embd 64) 2.04/3.54
+# MiB at 512/2048, small (384) 9.51/11.01, medium (1024) 25.01/26.51. Its logits are one row
+# per slot (0.24 MiB at 32,000 entries): not counted. The rest, the process itself, is RSS
+# less weights, KV cache and that compute buffer once prompts have filled a 2048-token slot
+# (all of the compute buffer touched): 20 MiB on the tiny model (vocabulary 512; 16 MiB of
+# it program and libraries, file-backed), 24.3 on the small (4,096), 30.0 on the medium
+# (32,000): 28 MiB and 160 B per vocabulary entry (the tokenizer's tables, the samplers'
+# candidates) cover all three. Not counted: the prompt cache of idle slots (--cache-ram,
+# at most 8 GiB by default), which grows with use, not at load.
+OVERHEAD = Overhead(runtime=28 << 20, per_embedding=48, per_vocab=0, per_context=2, tokenizer=160)
 
 
 def _exists(host: HostAccess, path: str) -> bool:
@@ -36,6 +53,7 @@ class LlamaServer(Engine):
     key_env = "LLAMA_API_KEY"
     program_key = "llama_server"
     metrics_path = "/metrics"
+    overhead = OVERHEAD
     cpu_fix = ("build server.llama_server with `NUMA_INFER_CPU_VARIANTS=all scripts/build-llama-server` (one CPU "
                "backend per x86 level, the best chosen at start), or with scripts/build-llama-server on this machine")
 
@@ -62,6 +80,21 @@ class LlamaServer(Engine):
 
     def slots(self, config: Config) -> int:
         return config.server.parallel
+
+    def context(self, config: Config) -> EngineContext:
+        # What argv asks, with server.extra_args given after it (the last one wins there):
+        # --ctx-size cells in all, of the --cache-type-k/-v types (an unknown one counted as
+        # f32, the largest: the server refuses it anyway). Each slot attends over its
+        # n_ctx / parallel of them, or over all with --kv-unified.
+        extra, parallel = config.server.extra_args, config.server.parallel
+        tokens = positive(last_option(extra, "-c", "--ctx-size"), config.model.context_size * parallel)
+        unified = any(a in ("-kvu", "--kv-unified") for a in extra)
+        k, v = (last_option(extra, *flags) or DEFAULT_CACHE_TYPE for flags in (("-ctk", "--cache-type-k"),
+                                                                              ("-ctv", "--cache-type-v")))
+        return EngineContext(tokens, tokens if unified else tokens // parallel,
+                             CACHE_TYPES.get(k.lower(), CACHE_TYPES["f32"]),
+                             CACHE_TYPES.get(v.lower(), CACHE_TYPES["f32"]),
+                             positive(last_option(extra, "-ub", "--ubatch-size"), 512))
 
     def credential_environment(self) -> dict[str, str]:
         # It reads the key from the file this variable names: the credential itself.

@@ -1,5 +1,6 @@
 """The GGUF header as numa-infer needs it: the tensor table (how many bytes a decoded token
-reads) and the end-of-sequence token id (what a measurement suppresses).
+reads, how many the weights take), the end-of-sequence token id (what a measurement
+suppresses) and the attention's shape (what the KV cache takes, model/memory.py).
 
 Read with the standard library only (the daemon does not depend on gguf-py). Format:
 https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2 and 3; little-endian).
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from numad_infer.errors import NumaInferError
+from numad_infer.model.ggml import BLOCK
+from numad_infer.model.memory import SHAPE_KEYS, ModelDims, model_dims
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -42,42 +45,6 @@ MAX_KEY_BYTES = 65535  # the GGUF specification's limit on a key
 MAX_NAME_BYTES = 64  # ggml's GGML_MAX_NAME: llama.cpp refuses a longer tensor name
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ELEMENTS = (1 << 63) - 1  # ggml counts a tensor's elements in an int64
-
-# ggml_type -> (elements per block, bytes per block), from ggml.c's type_traits. A type
-# missing here is sized from the gap to the next tensor's offset instead.
-BLOCK: dict[int, tuple[int, int]] = {
-    0: (1, 4),  # F32
-    1: (1, 2),  # F16
-    2: (32, 18),  # Q4_0
-    3: (32, 20),  # Q4_1
-    6: (32, 22),  # Q5_0
-    7: (32, 24),  # Q5_1
-    8: (32, 34),  # Q8_0
-    10: (256, 84),  # Q2_K
-    11: (256, 110),  # Q3_K
-    12: (256, 144),  # Q4_K
-    13: (256, 176),  # Q5_K
-    14: (256, 210),  # Q6_K
-    15: (256, 292),  # Q8_K
-    16: (256, 66),  # IQ2_XXS
-    17: (256, 74),  # IQ2_XS
-    18: (256, 98),  # IQ3_XXS
-    19: (256, 50),  # IQ1_S
-    20: (32, 18),  # IQ4_NL
-    21: (256, 110),  # IQ3_S
-    22: (256, 82),  # IQ2_S
-    23: (256, 136),  # IQ4_XS
-    24: (1, 1),  # I8
-    25: (1, 2),  # I16
-    26: (1, 4),  # I32
-    27: (1, 8),  # I64
-    28: (1, 8),  # F64
-    29: (256, 56),  # IQ1_M
-    30: (1, 2),  # BF16
-    34: (256, 54),  # TQ1_0
-    35: (256, 66),  # TQ2_0
-    39: (32, 17),  # MXFP4
-}
 
 # GGUF metadata value types -> struct format of the scalars (8 string, 9 array: handled apart).
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -124,6 +91,11 @@ class GgufHeader:
     eos_token_id: int | None
     eot_token_id: int | None = None  # end of turn (chat models), also ends a completion
     data_start: int = 0  # where the tensor data begins (after the header, aligned)
+    dims: ModelDims | None = None  # what sizes the KV cache; None: the header does not say
+
+    def weight_bytes(self) -> int:
+        """What the weights take once loaded: every tensor, as the engine allocates them."""
+        return sum(t.nbytes for t in self.tensors)
 
     def missing_bytes(self) -> int:
         """How many bytes the tensor table says the file should have beyond its end: more
@@ -245,12 +217,13 @@ def _skip_value(r: _Reader, vtype: int, what: str, depth: int = 0) -> None:
         raise GgufError(f"{what} has unknown value type {vtype}")
 
 
-def _metadata(r: _Reader) -> tuple[int, int | None, int | None]:
-    """The key-value section: the alignment and the EOS and EOT ids (the rest skipped)."""
+def _metadata(r: _Reader) -> tuple[int, dict[str, int], str]:
+    """The key-value section: the alignment, the integer values of the keys numa-infer reads
+    (`_wanted`) and the architecture's name; the rest skipped."""
     n_kv = r.u64("the number of metadata keys")
     if n_kv > MAX_KV:
         raise GgufError(f"the header says it has {n_kv} metadata keys, at most {MAX_KV} here")
-    alignment, eos, eot = DEFAULT_ALIGNMENT, None, None
+    alignment, numbers, architecture = DEFAULT_ALIGNMENT, {}, ""
     for _ in range(n_kv):
         key = r.string("a metadata key", MAX_KEY_BYTES)
         shown = _shown(key)
@@ -264,16 +237,25 @@ def _metadata(r: _Reader) -> tuple[int, int | None, int | None]:
             alignment = r.u32(what)
             if alignment == 0 or alignment & (alignment - 1):
                 raise GgufError(f"general.alignment is {alignment}; a GGUF alignment must be a power of two")
-        elif key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") and vtype in _SCALAR:
+        elif vtype in _SCALAR and _wanted(key):
             value = struct.unpack(_SCALAR[vtype], r.take(_LEAST[vtype], what))[0]
-            token = value if isinstance(value, int) and not isinstance(value, bool) else None
-            if key.endswith("eos_token_id"):
-                eos = token
-            else:
-                eot = token
+            if isinstance(value, int) and not isinstance(value, bool):
+                numbers[key] = value
+        elif key == "general.architecture" and vtype == _STRING:
+            n = r.u64(what)
+            if n <= MAX_NAME_BYTES:
+                architecture = r.take(n, what).decode("utf-8", "replace")
+            else:  # no architecture llama.cpp knows has a name this long: skipped, as before
+                r.skip(n, what)
         else:
             _skip_value(r, vtype, what)
-    return alignment, eos, eot
+    return alignment, numbers, architecture
+
+
+def _wanted(key: str) -> bool:
+    """The stop ids, and any architecture's KV cache shape keys (its name may come later)."""
+    return key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") or (
+        key.partition(".")[2] in SHAPE_KEYS)
 
 
 def _shown(text: str) -> str:
@@ -299,7 +281,7 @@ def _tensor_info(r: _Reader, index: int) -> tuple[str, tuple[int, ...], int, int
 
 
 def parse_header(f: BinaryIO, file_bytes: int) -> GgufHeader:
-    """The tensor table and stop ids of the GGUF file open as `f` (at its start), which
+    """The tensor table, stop ids and dimensions of the GGUF file open as `f` (at its start), which
     fstat says is `file_bytes` long; GgufError says what is wrong with it otherwise."""
     r = _Reader(f, file_bytes)
     if file_bytes < 4 or r.take(4, "the magic") != GGUF_MAGIC:
@@ -310,10 +292,12 @@ def parse_header(f: BinaryIO, file_bytes: int) -> GgufHeader:
     n_tensors = r.u64("the number of tensors")
     if n_tensors > MAX_TENSORS:
         raise GgufError(f"the header says it has {n_tensors} tensors, at most {MAX_TENSORS} here")
-    alignment, eos, eot = _metadata(r)
+    alignment, numbers, architecture = _metadata(r)
     infos = [_tensor_info(r, i) for i in range(n_tensors)]
     data_start = -(-r.pos // alignment) * alignment
-    return GgufHeader(file_bytes, _sized(infos, file_bytes - data_start), eos, eot, data_start)
+    vocab = next((shape[1] for name, shape, *_ in infos if name == "token_embd.weight" and len(shape) > 1), 0)
+    return GgufHeader(file_bytes, _sized(infos, file_bytes - data_start), numbers.get("tokenizer.ggml.eos_token_id"),
+                      numbers.get("tokenizer.ggml.eot_token_id"), data_start, model_dims(architecture, numbers, vocab))
 
 
 def _sized(infos: list[tuple[str, tuple[int, ...], int, int]], data_bytes: int) -> tuple[Tensor, ...]:

@@ -13,8 +13,6 @@ from typing import Any
 
 from numad_infer.systemd import unitnames
 
-# Weights are private per instance (mmap off); leave room for KV cache, the OS and Python.
-
 
 class Policy(str, Enum):
     """The instance's memory policy (systemd's NUMAPolicy=, the kernel's set_mempolicy)."""

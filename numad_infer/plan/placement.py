@@ -10,21 +10,13 @@ from dataclasses import replace
 
 from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
+from numad_infer.plan.memory_fit import InstanceMemory, check_fit
 from numad_infer.plan.model import Instance, Plan, Policy
 from numad_infer.plan.ports import assign_ports, check_ports, exposure_warnings
 from numad_infer.systemd import unitnames
 from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed, within
 from numad_infer.topology.model import Node, Topology
 from numad_infer.util.cpuset import format_list
-
-# Weights are private per instance (mmap off); leave room for KV cache, the OS and Python.
-MODEL_FRACTION_OF_NODE = 0.9
-
-
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 def _memory_nodes(node: Node, topo: Topology, warnings: list[str]) -> tuple[int, ...]:
@@ -70,11 +62,12 @@ def _threads_of(cores: list[tuple[int, ...]], smt: bool) -> tuple[tuple[int, ...
     return firsts, tuple((c,) for c in firsts)
 
 
-def make_plan(config: Config, topo: Topology, model_size: int | None = None, source: str = "config",
+def make_plan(config: Config, topo: Topology, memory: InstanceMemory | None = None, source: str = "config",
               allowed: Allowed = UNRESTRICTED) -> Plan:
     """The plan, in the order the kubelet's CPU allocator reads: within what the cgroup
-    allows, which nodes, which of their cores, how the cores become instances, then ports
-    and threads. Each step refuses what it cannot do."""
+    allows, which nodes, which of their cores, how the cores become instances, whether
+    they fit in their nodes' memory (`memory`: what one instance holds; None: not
+    checked), then ports and threads. Each step refuses what it cannot do."""
     warnings: list[str] = list(topo.warnings)
     view = within(topo, allowed)  # step 0: only the CPUs and memory the instances may use
     selected = _select_nodes(config, topo, view, allowed, warnings, source)
@@ -83,8 +76,10 @@ def make_plan(config: Config, topo: Topology, model_size: int | None = None, sou
     if config.placement.mode == "interleave":
         instances = _interleaved_instance(config, selected, usable)
     else:
-        instances = _per_node_instances(config, view, usable, model_size, warnings, source)
-    instances = assign_ports(config, instances, source, _machine_ports(config, topo, model_size, source, allowed))
+        instances = _per_node_instances(config, view, usable, warnings, source)
+    if memory is not None:  # step 4c: every node's instances fit in its memory
+        check_fit([(i, memory) for i in instances], topo, source, config.placement.instances_per_node)
+    instances = assign_ports(config, instances, source, _machine_ports(config, topo, source, allowed))
     instances = _thread_counts(config, instances, source)
     instances = _quota_cap(config, instances, allowed, warnings)
     check_ports(config, instances, source)
@@ -213,9 +208,9 @@ def _interleaved_instance(config: Config, selected: list[Node],
 
 
 def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[tuple[int, ...]]],
-                        model_size: int | None, warnings: list[str], source: str) -> list[Instance]:
+                        warnings: list[str], source: str) -> list[Instance]:
     """Step 4b (mode = "per-node"): `instances_per_node` instances per node, split along L3,
-    each bound to the node's memory (or the nearest memory), the model fitting in it."""
+    each bound to the node's memory (or the nearest memory)."""
     k = config.placement.instances_per_node
     known = {n.id: n for n in topo.nodes}
     instances: list[Instance] = []
@@ -229,16 +224,6 @@ def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[t
                 k, True,
             )
         mems = _memory_nodes(node, topo, warnings)
-        if model_size is not None:
-            capacity = sum(known[m].memory_total_bytes for m in mems)
-            if capacity and model_size * k > MODEL_FRACTION_OF_NODE * capacity:
-                raise ConfigError(
-                    source, "placement.mode",
-                    f"the model ({_gib(model_size)}) x {k} instance(s) needs more than "
-                    f"{MODEL_FRACTION_OF_NODE:.0%} of node {node_id}'s memory ({_gib(capacity)}); "
-                    "set mode = \"interleave\" to spread one instance over several nodes",
-                    config.placement.mode, True,
-                )
         for j, group in enumerate(_split(node, cores, k)):
             cpus, places = _threads_of(group, config.placement.smt)
             ident = str(node_id) if k == 1 else f"{node_id}.{j}"
@@ -247,14 +232,13 @@ def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[t
     return instances
 
 
-def _machine_ports(config: Config, topo: Topology, model_size: int | None, source: str,
-                   allowed: Allowed) -> dict[str, int]:
+def _machine_ports(config: Config, topo: Topology, source: str, allowed: Allowed) -> dict[str, int]:
     """The ports the instances have on the whole machine: when a cgroup takes some nodes
     away, the others keep their ports (and their processes: nothing of theirs changed)."""
     if allowed.cpus is None and allowed.mems is None:
         return {}
     try:
-        return {i.name: i.port for i in make_plan(config, topo, model_size, source).instances}
+        return {i.name: i.port for i in make_plan(config, topo, None, source).instances}
     except ConfigError:
         return {}
 

@@ -56,7 +56,7 @@ class Measurer:
                  progress: Callable[[str], None]) -> None:
         """`loaded`: the configuration as the pipeline checked it (its key and engine are the
         ones used); `topology`: the part of the machine the instances may use."""
-        self.loaded, self.config, self.topology, self.model_size = loaded, loaded.config, topology, loaded.model_bytes
+        self.loaded, self.config, self.topology, self.memory = loaded, loaded.config, topology, loaded.instance_memory
         self.log_dir, self.settings, self.progress = log_dir, settings, progress
         self.key = loaded.api_key
         self.runs_as = (loaded.runs_as if loaded.kind == BackendKind.PROCESS
@@ -79,13 +79,13 @@ class Measurer:
         return cfg, self._plan(cfg)
 
     def _plan(self, cfg: Config) -> Instance:
-        (instance,) = make_plan(cfg, self.topology, self.model_size, source="tune").instances
+        (instance,) = make_plan(cfg, self.topology, self.memory, source="tune").instances
         return instance
 
     def measure(self, node: int, candidate: Candidate, port: int) -> Result:
         cfg, instance = self.instance_for(node, candidate.threads, port)
         backend = ProcessBackend(self.log_dir)
-        backend.sync(self._candidate(cfg, make_plan(cfg, self.topology, self.model_size, source="tune")))
+        backend.sync(self._candidate(cfg, make_plan(cfg, self.topology, self.memory, source="tune")))
         self.progress(f"node {node}, {candidate.threads} threads ({candidate.label}): starting the server")
         backend.start(instance)
         try:
@@ -130,7 +130,7 @@ class Measurer:
         cfg = self.config.model_copy(update={
             "placement": placement, "server": self.config.server.model_copy(update={"base_port": port}),
             "frontend": self.config.frontend.model_copy(update={"listen": ""})})
-        plan = make_plan(cfg, self.topology, self.model_size, source="tune")
+        plan = make_plan(cfg, self.topology, self.memory, source="tune")
         backend = ProcessBackend(self.log_dir)
         backend.sync(self._candidate(cfg, plan))
         self.progress(f"layout {layout.name}: starting {len(plan.instances)} instance(s)")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from numad_infer.config.schema import Config
 from numad_infer.host.identity import BackendKind
+from numad_infer.plan.memory_fit import InstanceMemory
 from numad_infer.plan.model import Instance
 from numad_infer.plan.placement import make_plan, reserved_cores, unreserved_cores
 from numad_infer.topology.cgroup_limits import within
@@ -90,8 +91,8 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     finally:
         fleet.drop()
     if request.layouts:
-        _measure_layouts(report, measurer, fleet, config, topology, size, len(node_obj.l3_groups) or 1, len(cores),
-                         progress)
+        _measure_layouts(report, measurer, fleet, config, topology, loaded.instance_memory,
+                         len(node_obj.l3_groups) or 1, len(cores), progress)
     # For the daemon: status then shows llama-server's decode as a share of this bandwidth.
     try:
         bandwidthfile.save(request.state_file.parent / bandwidthfile.RESULTS_NAME,
@@ -125,8 +126,8 @@ def _refuse_cutting_clients_off(request: TuneRequest, config: Config, fleet: Fle
                         "it is measured, or stop numa-infer first")
 
 
-def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: Config, topology: Topology, size: int,
-                     l3_groups: int, cores: int, progress: Callable[[str], None]) -> None:
+def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: Config, topology: Topology,
+                     memory: InstanceMemory, l3_groups: int, cores: int, progress: Callable[[str], None]) -> None:
     from numad_infer.errors import ConfigError
     from numad_infer.tune.choice import layouts
 
@@ -141,7 +142,7 @@ def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: C
         placement = config.placement.model_copy(update={"mode": layout.mode,
                                                       "instances_per_node": layout.instances_per_node})
         try:
-            most = max(most, len(make_plan(config.model_copy(update={"placement": placement}), topology, size,
+            most = max(most, len(make_plan(config.model_copy(update={"placement": placement}), topology, memory,
                                            source="tune").instances))
         except ConfigError as exc:
             progress(f"layout {layout.name}: not possible here ({exc}); skipped")

@@ -25,6 +25,7 @@ from numad_infer.host.identity import BackendKind, instances_run_as, systemd_fro
 from numad_infer.host.pinning import memory_calls
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.file import artifact_id, read_model
+from numad_infer.model.memory import estimate
 from numad_infer.plan.model import Plan
 from numad_infer.plan.placement import make_plan
 from numad_infer.systemd.unitdir import SYSTEM_UNIT_DIRS, check_unit_names
@@ -34,7 +35,7 @@ from numad_infer.topology.model import Topology
 from numad_infer.topology.sysfs import SysfsReader
 from numad_infer.units.render import render_units
 from numad_infer.validate.host_check import InstanceHost, host_warnings, memory_call_warnings
-from numad_infer.validate.loaded import Loaded
+from numad_infer.validate.loaded import Loaded, instance_memory
 
 
 def load(source: str, kind: BackendKind, sysfs: SysfsReader | str = "/",
@@ -67,7 +68,8 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     engine_warnings = engine.check_host(config, source, InstanceHost(runs_as))
     engine_cpu = engine.cpu(config, InstanceHost(runs_as))
     engine_warnings += _idle_unit_warnings(engine_cpu)
-    plan = make_plan(config, topology, model.size, source=source, allowed=allowed)
+    memory = estimate(model.header.weight_bytes(), model.header.dims, engine.context(config), engine.overhead)
+    plan = make_plan(config, topology, instance_memory(config, engine, memory), source=source, allowed=allowed)
     check_haproxy(config, source)
     api_key = read_api_key(config, source)
     _check_frontdoor_config(config, plan)
@@ -76,8 +78,8 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     # Processes are always this machine's, even with --fsroot.
     warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as),
                 *memory_call_warnings(memory_calls(), kind))
-    return Loaded(source, config, topology, plan, kind, runs_as, engine, model.size, model.header.decode_bytes(),
-                  allowed, engine_cpu, warnings, api_key, frontdoor_user, units,
+    return Loaded(source, config, topology, plan, kind, runs_as, engine, model.size, memory,
+                  model.header.decode_bytes(), allowed, engine_cpu, warnings, api_key, frontdoor_user, units,
                   artifacts(config, engine, model.artifact_id))
 
 

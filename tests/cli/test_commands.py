@@ -66,8 +66,19 @@ def test_plan_render_check_happy_path(tmp_path: Path, fs: Path, model: Path) -> 
     config = write_config(tmp_path, model)
     plan = json.loads(run("--config", str(config), "--fsroot", str(fs), "plan", "--json", check=True).stdout)
     assert [(i["name"], i["threads"], i["port"]) for i in plan["instances"]] == [("infer@0", 32, 8080), ("infer@1", 32, 8081)]
+    # What one instance holds (a header with no tensors and no dimensions: the engine's own
+    # overhead alone), and per node the sum against the node's memory.
+    assert plan["memory"]["per_instance"] == {"weights": 0, "kv_cache": 0, "overhead": 28 << 20, "total": 28 << 20,
+                                              "kv_cache_counted": False}
+    assert [(n["node"], n["need"], n["instances"]) for n in plan["memory"]["nodes"]] == [
+        (0, 28 << 20, ["infer@0"]), (1, 28 << 20, ["infer@1"])]
+    text = run("--config", str(config), "--fsroot", str(fs), "plan", check=True).stdout
+    assert ("memory per instance (tiny.gguf): weights 0 MiB + overhead 28 MiB = 28 MiB, KV cache not counted: no "
+            "attention shape in the header\nnode 0: 1 instance(s) need 28 MiB of 230.4 GiB (256.0 GiB less 10%)\n"
+            "node 1: 1 instance(s) need 28 MiB of 230.4 GiB (256.0 GiB less 10%)") in text
     out = run("--config", str(config), "--fsroot", str(fs), "check", check=True).stdout
     assert "valid for this machine" in out and "3 to write" not in out and "4 to write" in out
+    assert "node 1: 1 instance(s) need 28 MiB of 230.4 GiB" in out
     # Which engine and binary every instance runs, and that it is the default.
     assert f"engine: llama-server (the default; server.engine), every instance runs {llama_server_binary()} " \
            "(server.llama_server)" in out

@@ -125,7 +125,7 @@ def test_a_plugged_in_engine_is_planned_rendered_probed_and_read(tmp_path: Path,
     d = dict(directives(render_units(cfg, plan)[f"{instance.unit}.d/50-numa-infer.conf"]))
     assert systemd_split(d["ExecStart"])[-2:] == ["--threads", str(instance.threads)]
     front = cfg.model_copy(update={"frontend": cfg.frontend.model_copy(update={"listen": "127.0.0.1:9000"})})
-    text = render_haproxy(front, make_plan(front, topology, 1024), Paths(Path("/c"), Path("/s"), Path("/k")))
+    text = render_haproxy(front, make_plan(front, topology), Paths(Path("/c"), Path("/s"), Path("/k")))
     assert "option httpchk GET /alive" in text and " maxconn 3 " in text
     server = subprocess.Popen(engine_of(cfg).argv(cfg, instance))
     try:

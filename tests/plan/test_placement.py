@@ -8,6 +8,7 @@ import pytest
 
 from numad_infer.config.load import parse_config
 from numad_infer.errors import ConfigError
+from numad_infer.plan.memory_fit import InstanceMemory
 from numad_infer.plan.model import diff_plans
 from numad_infer.plan.placement import make_plan
 from numad_infer.topology.model import Topology
@@ -130,10 +131,13 @@ def test_config_that_does_not_fit_this_machine_names_key_and_fix(machine, sectio
 
 
 def test_model_bigger_than_node_memory_suggests_interleave(machine) -> None:
-    topo = machine(fakesys.memoryless_cpu_node)  # 8 GiB nodes
-    with pytest.raises(ConfigError, match='placement.mode = "per-node": the model .* set mode = "interleave"'):
-        make_plan(config(), topo, model_size=int(7.5 * 2**30))
-    assert make_plan(config(placement='mode = "interleave"'), topo, model_size=int(7.5 * 2**30)).instances
+    topo = machine(fakesys.memoryless_cpu_node)  # 8 GiB nodes 0 and 2; node 1 allocates on node 2
+    memory = InstanceMemory("m.gguf", int(7.5 * 2**30), "weights 7.5 GiB")
+    with pytest.raises(ConfigError, match="node 0's memory cannot hold its instances: infer@0 .* "
+                                          'placement.mode = "interleave"'):
+        make_plan(config(), topo, memory)
+    # Interleaved: half of it on each node with memory.
+    assert make_plan(config(placement='mode = "interleave"'), topo, memory).instances
 
 
 def test_plan_json_shape(machine) -> None:

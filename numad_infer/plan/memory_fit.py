@@ -1,0 +1,119 @@
+"""Do the instances fit in their nodes' memory? Per node, the sum of what each instance whose
+memory is bound there holds (model/memory.py's estimate, in bytes) against the node's memory
+less a reserve. Pure.
+
+Over a list of instances, each with its own need: the instances of several models on one
+host sum the same way as today's one model's. An instance bound to several nodes (an
+interleaved one, or one whose CPUs' node has no memory and that allocates on several
+nearest ones) puts an equal share on each, as the kernel's interleave spreads its pages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from numad_infer.errors import ConfigError
+from numad_infer.plan.model import Instance
+from numad_infer.topology.model import Topology
+
+# Of each node's memory, what the instances may not count on: the kernel's own per node
+# (its watermarks, which scale with the node's memory, and the instances' page tables and
+# slab), the daemon, HAProxy and the rest of the host, and the page cache a model file goes
+# through while an instance reads it (mmap off). 10 %, the share the planner left before it
+# counted more than the weights: 0.8 GiB of an 8 GiB node, 26 GiB of a 256 GiB one.
+RESERVE_FRACTION = 0.10
+
+
+@dataclass(frozen=True)
+class InstanceMemory:
+    """What one instance holds, as the check sums it and a refusal shows it."""
+
+    model: str  # the model, as a refusal names it
+    bytes: int
+    detail: str  # how it adds up (MemoryEstimate.describe)
+    shrink: str = "a smaller model.context_size"  # the engine's own ways to hold less
+
+
+@dataclass(frozen=True)
+class NodeFit:
+    node: int
+    need: int  # bytes, summed over the instances bound to it
+    total: int  # the node's memory (0: unknown, not checked)
+    instances: tuple[str, ...]
+    models: tuple[str, ...]
+
+    @property
+    def available(self) -> int:
+        return int(self.total * (1 - RESERVE_FRACTION))
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= 0 or self.need <= self.available
+
+    def describe(self) -> str:
+        """`node 0: 2 instance(s) need 448 MiB of 7.2 GiB (8.0 GiB less 10 %)`."""
+        needs = f"node {self.node}: {len(self.instances)} instance(s) need {_gib(self.need)}"
+        if self.total <= 0:
+            return f"{needs}; its memory size is unknown, not checked"
+        return f"{needs} of {_gib(self.available)} ({_gib(self.total)} less {RESERVE_FRACTION:.0%})"
+
+
+def node_fits(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topology) -> list[NodeFit]:
+    """Per memory node the instances are bound to, in node order: what they need there."""
+    need: dict[int, int] = {}
+    names: dict[int, list[str]] = {}
+    models: dict[int, list[str]] = {}
+    for instance, memory in instances:
+        for node in instance.mems:
+            need[node] = need.get(node, 0) + memory.bytes // max(1, len(instance.mems))
+            names.setdefault(node, []).append(instance.name)
+            if memory.model not in models.setdefault(node, []):
+                models[node].append(memory.model)
+    totals = {n.id: n.memory_total_bytes for n in topo.nodes}
+    return [NodeFit(node, need[node], max(totals.get(node, 0), 0), tuple(names[node]), tuple(models[node]))
+            for node in sorted(need)]
+
+
+def check_fit(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topology, source: str,
+              instances_per_node: int = 1) -> None:
+    """ConfigError for the first node whose instances need more than it has for them: the
+    node, the models, the bytes needed and available, and what to change. A node whose
+    memory size is unknown (0) is not checked."""
+    for fit in node_fits(instances, topo):
+        if fit.fits:
+            continue
+        here = [(i, m) for i, m in instances if fit.node in i.mems]
+        each = "; ".join(dict.fromkeys(f"{m.model}: {m.detail}" for _, m in here))
+        raise ConfigError(
+            source, None,
+            f"node {fit.node}'s memory cannot hold its instances: {', '.join(fit.instances)} "
+            f"({', '.join(fit.models)}) need {_gib(fit.need)} ({fit.need} bytes), the node has {_gib(fit.available)} "
+            f"for them ({fit.available} bytes: {_gib(fit.total)} less a {RESERVE_FRACTION:.0%} reserve); per "
+            f"instance {each}; use {_or(_fixes(fit, here, topo, instances_per_node))}",
+        )
+
+
+def _fixes(fit: NodeFit, here: list[tuple[Instance, InstanceMemory]], topo: Topology,
+           instances_per_node: int) -> list[str]:
+    """What would make the node's instances fit, most specific first."""
+    fixes = dict.fromkeys(m.shrink for _, m in here)
+    if instances_per_node > 1:
+        fixes[f"fewer placement.instances_per_node (now {instances_per_node})"] = None
+    fixes["a smaller quantisation of the model"] = None
+    elsewhere = sorted({i.node for i, _ in here if i.node is not None and i.node != fit.node})
+    if elsewhere:  # CPUs of a node without memory of its own, allocating here
+        fixes[f"leaving node {', '.join(map(str, elsewhere))} out of placement.nodes (its instance allocates on "
+              f"node {fit.node})"] = None
+    bound = any(i.node is not None for i, _ in here)
+    if bound and sum(1 for n in topo.nodes if n.memory_total_bytes > 0) > 1:
+        fixes['placement.mode = "interleave" (one instance, its memory spread over every node)'] = None
+    return list(fixes)
+
+
+def _or(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 1 << 30 else f"{n / 2**20:.0f} MiB"

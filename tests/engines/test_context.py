@@ -1,0 +1,63 @@
+"""Engine.context: the KV cache and batch one instance's command line asks for, as each
+engine reads its own arguments (numa-infer's argv, then server.extra_args, the last winning)."""
+
+from __future__ import annotations
+
+import pytest
+
+from numad_infer.config.load import parse_config
+from numad_infer.engines import get
+from numad_infer.engines.base import last_option
+from numad_infer.model.ggml import CACHE_TYPES
+from numad_infer.model.memory import EngineContext
+
+F32, F16, Q8_0, Q4_0 = CACHE_TYPES["f32"], CACHE_TYPES["f16"], CACHE_TYPES["q8_0"], CACHE_TYPES["q4_0"]
+
+
+def config(engine: str, server: str = "", context: int = 4096):
+    keys = 'llama_server = "/bin/llama-server"\n' if engine == "llama-server" else 'python = "/usr/bin/python3"\n'
+    return parse_config(f'[model]\npath = "/m.gguf"\ncontext_size = {context}\n[server]\nengine = "{engine}"\n'
+                        f"{keys}{server}", "/etc/numa-infer.toml")
+
+
+@pytest.mark.parametrize("server, expected", [
+    ("", EngineContext(4096, 4096, F16, F16, 512)),
+    # The slots share --ctx-size = context_size x parallel: each its context_size.
+    ("parallel = 4\n", EngineContext(16384, 4096, F16, F16, 512)),
+    ('parallel = 2\nextra_args = ["--cache-type-k", "q8_0", "-ctv", "Q4_0"]\n', EngineContext(8192, 4096, Q8_0, Q4_0)),
+    ('extra_args = ["--cache-type-k=q8_0"]\n', EngineContext(4096, 4096, Q8_0, F16)),
+    # Given after numa-infer's own, a --ctx-size or -ub in extra_args is what the server takes.
+    ('parallel = 2\nextra_args = ["-c", "2048", "-ub", "256"]\n', EngineContext(2048, 1024, F16, F16, 256)),
+    # One pool every slot attends over: the same cells, each slot's attention over all of them.
+    ('parallel = 2\nextra_args = ["--kv-unified"]\n', EngineContext(8192, 8192, F16, F16)),
+    # A type no cache takes is counted as the largest (the server refuses it at start).
+    ('extra_args = ["-ctk", "q2_k", "-c", "zero"]\n', EngineContext(4096, 4096, F32, F16)),
+])
+def test_llama_server_context(server: str, expected: EngineContext) -> None:
+    assert get("llama-server").context(config("llama-server", server)) == expected
+
+
+@pytest.mark.parametrize("server, expected", [
+    ("", EngineContext(4096, 4096, F16, F16, 512)),
+    (f'extra_args = ["--type_k", "{Q8_0}", "--type_v", "0", "--n_ubatch", "128"]\n',
+     EngineContext(4096, 4096, Q8_0, F32, 128)),
+    ('extra_args = ["--n_ctx", "8192", "--type_k", "99"]\n', EngineContext(8192, 8192, F32, F16)),
+])
+def test_llama_cpp_python_context(server: str, expected: EngineContext) -> None:
+    assert get("llama-cpp-python").context(config("llama-cpp-python", server)) == expected
+
+
+def test_the_context_matches_what_argv_passes() -> None:
+    from numad_infer.plan.model import Instance, Policy
+
+    cfg = config("llama-server", "parallel = 3\n", context=1024)
+    instance = Instance("infer@0", 0, (0,), ((0,),), (0,), Policy.BIND, 1, 8080, 1)
+    argv = get("llama-server").argv(cfg, instance)
+    assert int(last_option(argv, "--ctx-size") or 0) == get("llama-server").context(cfg).tokens == 3072
+
+
+def test_last_option_takes_the_last_in_either_spelling() -> None:
+    assert last_option(["-c", "1", "--ctx-size=2", "-c", "3"], "-c", "--ctx-size") == "3"
+    assert last_option(["--ctx-size=2"], "-c", "--ctx-size") == "2"
+    assert last_option(["-c"], "-c") is None  # no value after it
+    assert last_option(["--other", "x"], "-c") is None

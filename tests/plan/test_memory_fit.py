@@ -1,0 +1,105 @@
+"""Per node, the instances bound there against its memory (plan/memory_fit.py), through the
+planner on synthetic machines: the sum, the even split of an instance over several nodes,
+and the refusal naming the node, the models, the bytes and what to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from numad_infer.config.load import parse_config
+from numad_infer.errors import ConfigError
+from numad_infer.plan.memory_fit import InstanceMemory, node_fits
+from numad_infer.plan.placement import make_plan
+from numad_infer.topology.model import Topology
+from numad_infer.topology.sysfs import read_topology
+from tests import fakesys
+
+GiB = 1 << 30
+
+
+def config(placement: str = ""):
+    return parse_config(f'[model]\npath = "/m.gguf"\n[placement]\n{placement}\n', "/etc/numa-infer.toml")
+
+
+@pytest.fixture
+def machine(tmp_path: Path):
+    made: list[Path] = []
+
+    def read(factory) -> Topology:
+        made.append(tmp_path / f"{factory.__name__}-{len(made)}")
+        return read_topology(fakesys.write_tree(made[-1], factory()))
+    return read
+
+
+def need(gib: float, model: str = "m.gguf") -> InstanceMemory:
+    return InstanceMemory(model, int(gib * GiB), f"weights {gib} GiB",
+                          "a smaller model.context_size or server.parallel")
+
+
+def fits(cfg, topo: Topology, memory: InstanceMemory) -> list[tuple[int, int, int]]:
+    plan = make_plan(cfg, topo, memory)
+    return [(f.node, f.need, len(f.instances)) for f in node_fits([(i, memory) for i in plan.instances], topo)]
+
+
+def test_each_node_sums_its_instances(machine) -> None:
+    topo = machine(fakesys.dual_socket_smt)  # 256 GiB nodes
+    assert fits(config("instances_per_node = 4"), topo, need(50)) == [(0, 200 * GiB, 4), (1, 200 * GiB, 4)]
+    # 5 x 50 GiB is more than 90 % of 256 GiB (230.4 GiB).
+    with pytest.raises(ConfigError) as refused:
+        make_plan(config("instances_per_node = 5"), topo, need(50), source="/etc/numa-infer.toml")
+    message = str(refused.value)
+    assert message.startswith("/etc/numa-infer.toml: node 0's memory cannot hold its instances: infer@0.0, infer@0.1, "
+                              "infer@0.2, infer@0.3, infer@0.4 (m.gguf) need 250.0 GiB (268435456000 bytes), the node "
+                              "has 230.4 GiB for them (247390116249 bytes: 256.0 GiB less a 10% reserve); per instance "
+                              "m.gguf: weights 50 GiB; use a smaller model.context_size or server.parallel, fewer "
+                              "placement.instances_per_node (now 5), a smaller quantisation of the model or "
+                              'placement.mode = "interleave"')
+    assert "\n" not in message
+
+
+def test_an_instance_over_several_nodes_puts_an_equal_share_on_each(machine) -> None:
+    topo = machine(fakesys.memoryless_cpu_node)  # nodes 0 and 2: 8 GiB; node 1: CPUs, no memory
+    # Interleaved over the two nodes with memory: half on each.
+    assert fits(config('mode = "interleave"'), topo, need(10)) == [(0, 5 * GiB, 1), (2, 5 * GiB, 1)]
+    # Per node, node 1's instance allocates on node 2, the nearest: two instances there.
+    assert fits(config(), topo, need(3)) == [(0, 3 * GiB, 1), (2, 6 * GiB, 2)]
+
+
+def test_a_node_holding_another_nodes_instance_names_it_in_the_fix(machine) -> None:
+    with pytest.raises(ConfigError) as refused:
+        make_plan(config(), machine(fakesys.memoryless_cpu_node), need(4))
+    message = str(refused.value)
+    # 4 GiB fits node 0 (7.2 GiB for the instances); node 2 holds its own and node 1's: 8 GiB.
+    assert "node 2's memory cannot hold its instances: infer@1, infer@2 (m.gguf) need 8.0 GiB" in message
+    assert "leaving node 1 out of placement.nodes (its instance allocates on node 2)" in message
+    assert make_plan(config("nodes = [0, 2]"), machine(fakesys.memoryless_cpu_node), need(4)).instances
+
+
+def test_instances_of_several_models_on_one_node_are_named_together(machine) -> None:
+    topo = machine(fakesys.dual_socket_smt)
+    plan = make_plan(config(), topo)
+    small, big = need(100, "small.gguf"), need(150, "big.gguf")
+    together = [(plan.instances[0], small), (plan.instances[0], big), (plan.instances[1], small)]
+    assert [(f.node, f.need, f.models, f.fits) for f in node_fits(together, topo)] == [
+        (0, 250 * GiB, ("small.gguf", "big.gguf"), False), (1, 100 * GiB, ("small.gguf",), True)]
+
+
+def test_a_node_whose_memory_size_is_unknown_is_not_checked(machine) -> None:
+    # A capture (or a kernel) that gives no node meminfo: size 0.
+    bare = fakesys.FakeMachine(nodes={0: fakesys.FakeNode((0, 1), 0, (10,))}, siblings=((0,), (1,)), l3=((0, 1),),
+                               offline=())
+    topo = machine(lambda: bare)
+    plan = make_plan(config(), topo, need(1000))
+    (fit,) = node_fits([(i, need(1000)) for i in plan.instances], topo)
+    assert fit.fits
+    assert fit.describe() == "node 0: 1 instance(s) need 1000.0 GiB; its memory size is unknown, not checked"
+
+
+def test_the_fit_as_plan_prints_it(machine) -> None:
+    topo = machine(fakesys.round_robin_sockets)  # 32 GiB nodes
+    plan = make_plan(config(), topo, need(0.5))
+    lines = [f.describe() for f in node_fits([(i, need(0.5)) for i in plan.instances], topo)]
+    assert lines == ["node 0: 1 instance(s) need 512 MiB of 28.8 GiB (32.0 GiB less 10%)",
+                     "node 1: 1 instance(s) need 512 MiB of 28.8 GiB (32.0 GiB less 10%)"]

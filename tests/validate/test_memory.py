@@ -1,0 +1,91 @@
+"""The validation pipeline sizes one instance from the model's header and the engine's
+command line (weights, KV cache, overhead), and refuses a plan whose instances do not fit
+in a node's memory: one line naming the node, the model, the bytes and what to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from numad_infer.config.load import parse_config
+from numad_infer.engines.llama_server import OVERHEAD
+from numad_infer.errors import ConfigError
+from numad_infer.host.identity import BackendKind
+from numad_infer.topology.sysfs import read_topology
+from numad_infer.validate.pipeline import validate
+from tests import fakesys
+from tests.conftest import searchable_by_others
+
+gguf = pytest.importorskip("gguf")
+np = pytest.importorskip("numpy")
+MiB = 1 << 20
+SOURCE = "/etc/numa-infer.toml"
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> tuple[Path, Path]:
+    """A model with Llama 3 8B's attention (32 layers, 8 of 32 heads for K and V: 128 KiB of
+    f16 KV cache a token) and a few small tensors; a stand-in llama-server."""
+    searchable_by_others(tmp_path)
+    model = tmp_path / "llama3ish.gguf"
+    w = gguf.GGUFWriter(model, "llama")
+    for key, value in (("block_count", 32), ("embedding_length", 4096), ("attention.head_count", 32),
+                       ("attention.head_count_kv", 8)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_tensor("token_embd.weight", np.zeros((256, 4096), dtype=np.float16))  # 2 MiB, vocab 256
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    model.chmod(0o644)
+    server = tmp_path / "llama-server"
+    server.write_text("#!/bin/sh\ncase \"$1\" in\n--version) echo 'version: 1 (fake)' ;;\n"
+                      "--help) echo '--api-key-file' ;;\n*) exit 0 ;;\nesac\n")
+    server.chmod(0o755)
+    return model, server
+
+
+def small_nodes(tmp_path: Path, gib: int):
+    machine = fakesys.FakeMachine(
+        nodes={0: fakesys.FakeNode((0, 1), gib * fakesys.GiB_KB, (10, 20)),
+               1: fakesys.FakeNode((2, 3), gib * fakesys.GiB_KB, (20, 10))},
+        siblings=((0,), (1,), (2,), (3,)), l3=((0, 1), (2, 3)), offline=())
+    return read_topology(fakesys.write_tree(tmp_path / "fs", machine))
+
+
+def config(model: Path, server: Path, context: int, parallel: int, extra: str = ""):
+    return parse_config(f'[model]\npath = "{model}"\ncontext_size = {context}\n[server]\nllama_server = "{server}"\n'
+                        f'parallel = {parallel}\n{extra}[frontend]\nlisten = ""\n', SOURCE)
+
+
+def test_an_instance_is_sized_from_the_header_and_the_engines_context(tmp_path: Path, host) -> None:
+    model, server = host
+    loaded = validate(config(model, server, 2048, 2), SOURCE, small_nodes(tmp_path, 4), BackendKind.PROCESS,
+                      unit_dirs=())
+    m = loaded.memory
+    assert m.weights == 256 * 4096 * 2
+    assert m.kv_cache == 2048 * 2 * 128 * 1024  # context_size x parallel cells, 128 KiB each
+    # llama-server's: its runtime + 160 B x 256 vocabulary entries + 512 x (48 B x 4096 + 2 B x 2048 per slot).
+    assert m.overhead == OVERHEAD.runtime + 160 * 256 + 512 * (48 * 4096 + 2 * 2048)
+    assert loaded.instance_memory.bytes == m.total and loaded.instance_memory.model == "llama3ish.gguf"
+
+
+def test_instances_that_do_not_fit_a_node_are_refused_naming_node_bytes_and_fix(tmp_path: Path, host) -> None:
+    model, server = host
+    # 8192 x 4 cells = 4 GiB of KV cache per instance (and 28 MiB + 160 x 256 + 512 x (48 x 4096 +
+    # 2 x 8192) B of overhead); a 4 GiB node has 3.6 GiB for its instances.
+    with pytest.raises(ConfigError) as refused:
+        validate(config(model, server, 8192, 4), SOURCE, small_nodes(tmp_path, 4), BackendKind.PROCESS, unit_dirs=())
+    message = str(refused.value)
+    assert message.startswith(f"{SOURCE}: node 0's memory cannot hold its instances: infer@0 (llama3ish.gguf) need "
+                              "4.1 GiB (4435517440 bytes), the node has 3.6 GiB for them (3865470566 bytes: 4.0 GiB "
+                              "less a 10% reserve); per instance llama3ish.gguf: weights 2 MiB + KV cache 4.0 GiB + "
+                              "overhead 132 MiB = 4.1 GiB; use a smaller model.context_size or server.parallel, a "
+                              'smaller quantisation of the model or placement.mode = "interleave" (one instance, its memory spread '
+                              "over every node)")
+    assert "\n" not in message
+    # A q8_0 cache (34 bytes per 32 values, not 64) halves it: then it fits.
+    fitted = validate(config(model, server, 8192, 4, 'extra_args = ["-ctk", "q8_0", "-ctv", "q8_0"]\n'), SOURCE,
+                      small_nodes(tmp_path / "again", 4), BackendKind.PROCESS, unit_dirs=())
+    assert fitted.memory.kv_cache == 8192 * 4 * 32 * 2 * 1024 // 32 * 34
