@@ -17,11 +17,12 @@ from numad_infer.host.cpufeatures import EngineCpuReport
 from numad_infer.host.identity import BackendKind, RunAs
 from numad_infer.host.portowner import Holder, PortOwner
 from numad_infer.model.memory import MemoryEstimate
+from numad_infer.config.models import served_models
 from numad_infer.plan.model import Plan
 from numad_infer.topology.cgroup_limits import UNRESTRICTED
 from numad_infer.topology.model import RawCpu, RawNode, SysfsSnapshot, Topology, build_topology
 from numad_infer.units.render import render_units
-from numad_infer.validate.loaded import Loaded
+from numad_infer.validate.loaded import Loaded, LoadedModel
 
 
 def loaded_for(config: Config, plan: Plan, *, api_key: str | None = None, kind: BackendKind = BackendKind.PROCESS,
@@ -29,8 +30,9 @@ def loaded_for(config: Config, plan: Plan, *, api_key: str | None = None, kind: 
     """What `validate` would return for `config` and `plan`, without reading the host: the
     key as given (not read from a file), units rendered as the systemd backend writes them."""
     units = render_units(config, plan) if kind == BackendKind.SYSTEMD else {}
+    models = tuple(LoadedModel(served, 0, MemoryEstimate(0, 0, 0), 0) for served in served_models(config))
     return Loaded("/etc/numa-infer.toml", config, topology or three_nodes(), plan, kind, runs_as, engine_of(config),
-                  0, MemoryEstimate(0, 0, 0), 0, UNRESTRICTED, EngineCpuReport(None, "test", ""), (), api_key, None, units)
+                  models, UNRESTRICTED, EngineCpuReport(None, "test", ""), (), api_key, None, units)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from numad_infer.backends.base import Observation
 from numad_infer.backends.childlog import ChildOutput, InstanceLogs
 from numad_infer.config.apikey import fingerprint
 from numad_infer.config.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
+from numad_infer.config.models import view_of
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
 from numad_infer.frontdoor.control import FrontdoorRunner
@@ -93,8 +94,9 @@ class ProcessBackend:
 
     def specs(self, loaded: Loaded) -> dict[str, str]:
         key, user, config = fingerprint(loaded.api_key), loaded.runs_as, loaded.config
-        return {i.name: json.dumps({"argv": loaded.engine.argv(config, i), "env": instance_environment(i),
-                                    "key": key, "artifacts": loaded.artifacts, "cpus": i.cpus, "mems": i.mems,
+        return {i.name: json.dumps({"argv": loaded.engine.argv(view_of(config, i.model), i),
+                                    "env": instance_environment(i), "key": key,
+                                    "artifacts": loaded.artifacts_of(i.name), "cpus": i.cpus, "mems": i.mems,
                                     "policy": i.policy.value, "user": None if user is None else user.name},
                                    sort_keys=True)
                 for i in loaded.plan.instances}
@@ -116,7 +118,7 @@ class ProcessBackend:
             return
         assert self.config is not None and self.engine is not None
         engine = self.engine
-        argv = engine.argv(self.config, instance)
+        argv = engine.argv(view_of(self.config, instance.model), instance)
         env = server_environment(engine, instance, self.api_key, self.runs_as, os.environ)
         switch = self.runs_as.popen_kwargs() if self.runs_as is not None else {}
         cpus, mems, policy = frozenset(instance.cpus), instance.mems, instance.policy

@@ -56,8 +56,9 @@ class SystemdBackend:
         template = files[template_unit(loaded.config.systemd.template)]
         # A template change (mlock, hardening) changes every instance; so does a new API key,
         # which is not in the unit text (a credential is read at start).
-        key = fingerprint(loaded.api_key) + loaded.artifacts
-        return {i.name: template + files[dropin(i.name)] + key for i in loaded.plan.instances}
+        key = fingerprint(loaded.api_key)
+        return {i.name: template + files[dropin(i.name)] + key + loaded.artifacts_of(i.name)
+                for i in loaded.plan.instances}
 
     def current_specs(self, loaded: Loaded) -> dict[str, str]:
         """Specs of the units on disk: what a previous daemon left running (adoption), with
@@ -65,14 +66,15 @@ class SystemdBackend:
         unit_dir = Path(loaded.config.systemd.unit_dir)
         # The model and engine as they are now: a daemon restarted after the model was
         # replaced adopts the running instances (a reload or the next change rolls them).
-        key = fingerprint(loaded.api_key) + loaded.artifacts
+        key = fingerprint(loaded.api_key)
         specs: dict[str, str] = {}
         for rel in managed_files(unit_dir):
             if rel.endswith(DROPIN_NAME):
                 name = name_of_dropin(rel)
                 template_path = unit_dir / template_unit(template_of(name))
                 try:
-                    specs[name] = template_path.read_text() + (unit_dir / rel).read_text() + key
+                    specs[name] = (template_path.read_text() + (unit_dir / rel).read_text() + key
+                                  + loaded.artifacts_of(name))
                 except OSError:
                     specs[name] = ""
         return specs

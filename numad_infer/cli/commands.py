@@ -30,7 +30,7 @@ from numad_infer.status.statefile import read_status
 from numad_infer.util.printable import EscapingFormatter, printable
 
 if TYPE_CHECKING:
-    from numad_infer.plan.memory_fit import NodeFit
+    from numad_infer.plan.memory_fit import InstanceMemory
     from numad_infer.validate.loaded import Loaded
 
 # The config schema (pydantic), planner and renderer are imported by the commands that
@@ -55,23 +55,23 @@ def cmd_topology(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     loaded = load_all(args)
     if args.json:
-        m = loaded.memory
-        memory = {"per_instance": {"weights": m.weights, "kv_cache": m.kv_cache, "overhead": m.overhead,
-                                   "total": m.total, "kv_cache_counted": m.dims_known},
-                  "nodes": [{"node": f.node, "need": f.need, "available": f.available, "total": f.total,
-                             "instances": list(f.instances)} for f in _fits(loaded)]}
+        each = {m.served.name: {"weights": m.memory.weights, "kv_cache": m.memory.kv_cache,
+                                "overhead": m.memory.overhead, "total": m.memory.total,
+                                "kv_cache_counted": m.memory.dims_known} for m in loaded.models}
+        # One model: its instance's figures; several: per model name.
+        per = {"per_instance": next(iter(each.values()))} if loaded.config.model else {"per_model": each}
+        memory = {**per, "nodes": [{"node": f.node, "need": f.need, "available": f.available, "total": f.total,
+                                    "instances": list(f.instances)} for f in loaded.fits()]}
         print(json.dumps({**loaded.plan.to_dict(), "allowed": loaded.allowed.to_dict(), "memory": memory}, indent=2))
     else:
-        print("\n".join([format_plan(loaded.plan), *format_memory(loaded.instance_memory, _fits(loaded)),
+        print("\n".join([format_plan(loaded.plan), *format_memory(_needs(loaded), loaded.fits()),
                          *format_allowed(loaded.topology, loaded.allowed)]))
     return 0
 
 
-def _fits(loaded: Loaded) -> list[NodeFit]:
-    """Per node, what the plan's instances need of its memory (the sum validation checked)."""
-    from numad_infer.plan.memory_fit import node_fits
-
-    return node_fits([(i, loaded.instance_memory) for i in loaded.plan.instances], loaded.topology)
+def _needs(loaded: Loaded) -> list[InstanceMemory]:
+    """What one instance of each model holds."""
+    return [loaded.memory_of(m.served.name) for m in loaded.models]
 
 
 def cmd_render(args: argparse.Namespace) -> int:
@@ -102,7 +102,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(printable(f"{args.config}: valid for this machine"))
     print(format_engine(loaded.config, loaded.engine))
     print(format_plan(loaded.plan, loaded.warnings))
-    print("\n".join(format_memory(loaded.instance_memory, _fits(loaded))))
+    print("\n".join(format_memory(_needs(loaded), loaded.fits())))
     pending = plan_write(Path(loaded.config.systemd.unit_dir),
                          render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
     if pending.changed:

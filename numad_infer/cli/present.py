@@ -55,9 +55,9 @@ def format_plan(plan: Plan, warnings: tuple[str, ...] | None = None) -> str:
     return printable_lines(lines)
 
 
-def format_memory(memory: InstanceMemory, fits: Sequence[NodeFit]) -> list[str]:
-    """What one instance holds, then per node what its instances need against its memory."""
-    return [f"memory per instance ({memory.model}): {memory.detail}", *(fit.describe() for fit in fits)]
+def format_memory(memory: Sequence[InstanceMemory], fits: Sequence[NodeFit]) -> list[str]:
+    """What one instance of each model holds, then per node what its instances need against its memory."""
+    return [*(f"memory per instance ({m.model}): {m.detail}" for m in memory), *(fit.describe() for fit in fits)]
 
 
 def format_engine(config: Config, engine: Engine) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from numad_infer.config.defaults import DEFAULT_CONFIG_PATH
+from numad_infer.config.models import check_models
 from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
 
@@ -92,6 +93,7 @@ def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
             first = ConfigError(source, None,
                                 f"{first.args[0].removeprefix(source + ': ')} (and {len(errors) - 1} more problem(s))")
         raise first from None
+    check_models(config, source)
     return config
 
 

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from numad_infer.config.frontend import FrontendSection
+from numad_infer.config.models import ModelEntry
 from numad_infer.config.server import ServerSection
 from numad_infer.config.values import (
     NodeSelection,
@@ -266,10 +267,21 @@ class MetricsSection(Section):
 
 # Each table's description heads its section of numa-infer.toml(5) and of the shipped file.
 class Config(Section):
-    model: ModelSection = Field(
+    model: ModelSection | None = Field(
+        None,
         description=(
             "the model every instance serves; each instance reads its own copy of the weights into its nodes' "
-            "memory (mmap is off, so no page of them lands on another node)"
+            "memory (mmap is off, so no page of them lands on another node). For several models, use `[[models]]` "
+            "instead"
+        ),
+    )
+    models: list[ModelEntry] = Field(
+        default_factory=list,
+        description=(
+            "several models on one host, one `[[models]]` table each, instead of `[model]`: each gets its own "
+            "instances on its own cores of its nodes (`placement`'s other keys apply to all), its units are "
+            "`<template>@<name>-<node>`, and the front door routes each request by its JSON `model` (or an alias) "
+            "to that model's instances"
         ),
     )
     placement: PlacementSection = Field(
@@ -302,5 +314,13 @@ class Config(Section):
             "and drives"
         ),
     )
+
+    @property
+    def one_model(self) -> ModelSection:
+        """`[model]`: of a single-model file, or of one model's view (config/models.py). A
+        `[[models]]` file as a whole has none: what reads one model takes a view."""
+        if self.model is None:
+            raise LookupError("a [[models]] configuration has no single model: take a view (config.models.view_of)")
+        return self.model
 
 

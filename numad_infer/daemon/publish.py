@@ -36,12 +36,17 @@ def status_line(runtimes: list[Runtime], last_reload: ReloadResult | None) -> st
 
 def instances(runtimes: list[Runtime], now: float, frontdoor: Frontdoor, loaded: Loaded | None,
               tuned: Results) -> tuple[InstanceStatus, ...]:
-    # The slots column only for an engine that reports its busy slots.
-    slots = (loaded.engine.slots(loaded.config) if loaded is not None and loaded.engine.metrics_path else None)
-    weights = 0 if loaded is None else loaded.decode_bytes
     cpu = None if loaded is None or loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe()
-    return tuple(replace(_instance_status(rt, now, frontdoor, slots, _efficiency(rt, weights, tuned)), cpu_backend=cpu)
-                 for rt in runtimes)
+
+    def status(rt: Runtime) -> InstanceStatus:
+        # The slots column only for an engine that reports its busy slots; both per model.
+        model = None if loaded is None else loaded.model(rt.instance.model)
+        slots = (loaded.engine.slots(model.served.view) if loaded is not None and model is not None
+                 and loaded.engine.metrics_path else None)
+        weights = 0 if model is None else model.decode_bytes
+        return replace(_instance_status(rt, now, frontdoor, slots, _efficiency(rt, weights, tuned)), cpu_backend=cpu)
+
+    return tuple(status(rt) for rt in runtimes)
 
 
 def allowed_line(loaded: Loaded | None) -> str | None:

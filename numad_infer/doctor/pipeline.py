@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from numad_infer.doctor.host_facts import HostReader, Sampler
 from numad_infer.doctor.verdicts import Check, HostFacts, Needs, diagnose
 from numad_infer.host.procfs import ProcReader
-from numad_infer.plan.memory_fit import node_fits
 
 if TYPE_CHECKING:
     from numad_infer.status.records import Status
@@ -20,11 +19,14 @@ if TYPE_CHECKING:
 def plan_needs(loaded: Loaded) -> Needs:
     """The inference CPUs and what each node must hold for its instances (weights, KV cache,
     overhead; an interleaved instance's spread evenly over its nodes), from the validated plan."""
-    fits = node_fits([(i, loaded.instance_memory) for i in loaded.plan.instances], loaded.topology)
+    fits = loaded.fits()
+    views = [m.served.view.one_model for m in loaded.models]
     return Needs(cpus=frozenset(c for i in loaded.plan.instances for c in i.cpus),
                  online_cpus=frozenset(c for n in loaded.topology.nodes for c in n.cpus),
-                 need_bytes={f.node: f.need for f in fits}, model_path=loaded.config.model.path,
-                 mlock=loaded.config.model.mlock, engine=loaded.engine.name, per_instance=loaded.memory.describe())
+                 need_bytes={f.node: f.need for f in fits}, model_path=" and ".join(v.path for v in views),
+                 mlock=all(v.mlock for v in views), engine=loaded.engine.name,
+                 per_instance="; ".join(f"{m.served.name}: {m.memory.describe()}" if m.served.key != "model"
+                                        else m.memory.describe() for m in loaded.models))
 
 
 def read_facts(loaded: Loaded, fsroot: str | os.PathLike[str], status: Status | None, sample_s: float,

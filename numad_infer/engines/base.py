@@ -101,7 +101,7 @@ class Engine(ABC):
     def context(self, config: Config) -> EngineContext:
         """The KV cache and batch one instance's command line asks for (model/memory.py sizes
         them): by default one slot of `model.context_size` tokens, llama.cpp's f16 cache."""
-        size, f16 = config.model.context_size, CACHE_TYPES[DEFAULT_CACHE_TYPE]
+        size, f16 = config.one_model.context_size, CACHE_TYPES[DEFAULT_CACHE_TYPE]
         return EngineContext(size, size, f16, f16)
 
     def key_environment(self, key: str) -> dict[str, str]:

@@ -79,27 +79,27 @@ class LlamaCppPython(Engine):
                  else ["-m", "llama_cpp.server"])
         return [
             config.server.python, *start,
-            "--model", config.model.path,
+            "--model", config.one_model.path,
             "--host", config.server.host,
             "--port", str(instance.port),
-            "--n_ctx", str(config.model.context_size),
+            "--n_ctx", str(config.one_model.context_size),
             "--n_threads", str(instance.threads),
             "--n_threads_batch", str(instance.threads_batch),
             # With mmap every instance would share one page cache of the file, on whichever
             # node read it first: each instance must own a copy of the weights on its node.
             "--use_mmap", "false",
-            "--use_mlock", "true" if config.model.mlock else "false",
+            "--use_mlock", "true" if config.one_model.mlock else "false",
             # The default (true) ends a running stream whenever another request arrives:
             # concurrent clients, or a probe, would cut answers short.
             "--interrupt_requests", "false",
-            *(["--model_alias", config.model.name] if config.model.name else []),
+            *(["--model_alias", config.one_model.name] if config.one_model.name else []),
             *config.server.extra_args,
         ]
 
     def context(self, config: Config) -> EngineContext:
         # One sequence of --n_ctx tokens; server.extra_args come after argv's and win.
         extra = config.server.extra_args
-        tokens = positive(last_option(extra, "--n_ctx"), config.model.context_size)
+        tokens = positive(last_option(extra, "--n_ctx"), config.one_model.context_size)
         return EngineContext(tokens, tokens, _cache_type(last_option(extra, "--type_k")),
                              _cache_type(last_option(extra, "--type_v")),
                              positive(last_option(extra, "--n_ubatch"), 512))

@@ -61,20 +61,20 @@ class LlamaServer(Engine):
         parallel = config.server.parallel
         return [
             config.server.llama_server,
-            "--model", config.model.path,
+            "--model", config.one_model.path,
             "--host", config.server.host,
             "--port", str(instance.port),
             # The context is shared by the slots: each gets context_size tokens.
-            "--ctx-size", str(config.model.context_size * parallel),
+            "--ctx-size", str(config.one_model.context_size * parallel),
             "--parallel", str(parallel),
             "--threads", str(instance.threads),
             "--threads-batch", str(instance.threads_batch),
             # Not mmap (this llama.cpp spells --no-mmap as a load mode): the weights are read
             # into the instance's own memory, allocated under its NUMA policy, on its node.
-            "--load-mode", "mlock" if config.model.mlock else "none",
+            "--load-mode", "mlock" if config.one_model.mlock else "none",
             "--metrics",
             "--no-webui",
-            *(["--alias", config.model.name] if config.model.name else []),
+            *(["--alias", config.one_model.name] if config.one_model.name else []),
             *config.server.extra_args,
         ]
 
@@ -87,7 +87,7 @@ class LlamaServer(Engine):
         # f32, the largest: the server refuses it anyway). Each slot attends over its
         # n_ctx / parallel of them, or over all with --kv-unified.
         extra, parallel = config.server.extra_args, config.server.parallel
-        tokens = positive(last_option(extra, "-c", "--ctx-size"), config.model.context_size * parallel)
+        tokens = positive(last_option(extra, "-c", "--ctx-size"), config.one_model.context_size * parallel)
         unified = any(a in ("-kvu", "--kv-unified") for a in extra)
         k, v = (last_option(extra, *flags) or DEFAULT_CACHE_TYPE for flags in (("-ctk", "--cache-type-k"),
                                                                               ("-ctv", "--cache-type-v")))

@@ -247,7 +247,7 @@ def _defaults(front: FrontendSection) -> list[str]:
 
 def body_buffer(config: Config) -> int:
     """HAProxy's tune.bufsize for affinity = "user": the longest prompt an instance accepts fits."""
-    wanted = config.model.context_size * _BYTES_PER_TOKEN + _HEADER_ROOM
+    wanted = config.one_model.context_size * _BYTES_PER_TOKEN + _HEADER_ROOM
     return max(_MIN_BUFFER, -(-wanted // 1024) * 1024)
 
 

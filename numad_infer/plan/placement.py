@@ -5,13 +5,15 @@ Pure. Every refusal is a `ConfigError` naming the key an operator must change.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 
+from numad_infer.config.models import ServedModel, multi, served_models
 from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
 from numad_infer.plan.memory_fit import InstanceMemory, check_fit
 from numad_infer.plan.model import Instance, Plan, Policy
+from numad_infer.plan.multi import Want, instance_ident, split_node
 from numad_infer.plan.ports import assign_ports, check_ports, exposure_warnings
 from numad_infer.systemd import unitnames
 from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed, within
@@ -62,7 +64,10 @@ def _threads_of(cores: list[tuple[int, ...]], smt: bool) -> tuple[tuple[int, ...
     return firsts, tuple((c,) for c in firsts)
 
 
-def make_plan(config: Config, topo: Topology, memory: InstanceMemory | None = None, source: str = "config",
+MemoryOf = InstanceMemory | Mapping[str, InstanceMemory]  # one for all, or per model name (Instance.model)
+
+
+def make_plan(config: Config, topo: Topology, memory: MemoryOf | None = None, source: str = "config",
               allowed: Allowed = UNRESTRICTED) -> Plan:
     """The plan, in the order the kubelet's CPU allocator reads: within what the cgroup
     allows, which nodes, which of their cores, how the cores become instances, whether
@@ -70,21 +75,72 @@ def make_plan(config: Config, topo: Topology, memory: InstanceMemory | None = No
     checked), then ports and threads. Each step refuses what it cannot do."""
     warnings: list[str] = list(topo.warnings)
     view = within(topo, allowed)  # step 0: only the CPUs and memory the instances may use
-    selected = _select_nodes(config, topo, view, allowed, warnings, source)
     reserved = _reserved_cores(config, topo, warnings, source)
-    usable = _usable_cores(config, view, selected, reserved, warnings, source)
-    if config.placement.mode == "interleave":
-        instances = _interleaved_instance(config, selected, usable)
+    if multi(config):
+        instances = _models_instances(config, topo, view, allowed, reserved, warnings, source)
     else:
-        instances = _per_node_instances(config, view, usable, warnings, source)
+        selected = _select_nodes(config, topo, view, allowed, warnings, source)
+        usable = _usable_cores(config, view, selected, reserved, warnings, source)
+        if config.placement.mode == "interleave":
+            instances = _interleaved_instance(config, selected, usable)
+        else:
+            instances = _per_node_instances(config, view, usable, warnings, source)
     if memory is not None:  # step 4c: every node's instances fit in its memory
-        check_fit([(i, memory) for i in instances], topo, source, config.placement.instances_per_node)
+        def need(i: Instance) -> InstanceMemory:
+            return memory if isinstance(memory, InstanceMemory) else memory[i.model]
+        per_node = max(s.view.placement.instances_per_node for s in served_models(config))
+        check_fit([(i, need(i)) for i in instances], topo, source, per_node)
     instances = assign_ports(config, instances, source, _machine_ports(config, topo, source, allowed))
     instances = _thread_counts(config, instances, source)
     instances = _quota_cap(config, instances, allowed, warnings)
     check_ports(config, instances, source)
     warnings += exposure_warnings(config)
-    return Plan(instances=tuple(instances), warnings=tuple(warnings))
+    return Plan(instances=tuple(instances), warnings=tuple(dict.fromkeys(warnings)))
+
+
+def _models_instances(config: Config, topo: Topology, view: Topology, allowed: Allowed,
+                      reserved: set[tuple[int, ...]], warnings: list[str], source: str) -> list[Instance]:
+    """Steps 1, 3 and 4b for `[[models]]`: each model's nodes and usable cores as one model's
+    are, then each node's cores split between the models there (plan/multi.py); instances
+    in the file's order of models, then nodes."""
+    served = served_models(config)
+    usable: dict[str, dict[int, list[tuple[int, ...]]]] = {}
+    for model in served:
+        try:
+            selected = _select_nodes(model.view, topo, view, allowed, warnings, source)
+            usable[model.name] = _usable_cores(model.view, view, selected, reserved, warnings, source)
+        except ConfigError as exc:
+            raise _rekeyed(exc, model) from None
+    known = {n.id: n for n in view.nodes}
+    cores_of: dict[tuple[str, int], list[list[tuple[int, ...]]]] = {}
+    mems: dict[int, tuple[int, ...]] = {}
+    for node_id in sorted({n for u in usable.values() for n in u}):
+        here = [m for m in served if node_id in usable[m.name]]
+        wants = [Want(m, m.view.placement.instances_per_node, m.cores_per_instance) for m in here]
+        cores = next(usable[m.name][node_id] for m in here)  # the same for every model: reserve_cpus is global
+        for model, groups in zip(here, split_node(known[node_id], cores, wants, source), strict=True):
+            cores_of[(model.name, node_id)] = groups
+        mems[node_id] = _memory_nodes(known[node_id], view, warnings)
+    instances = []
+    for model in served:
+        per_node = model.view.placement.instances_per_node
+        for node_id in sorted(usable[model.name]):
+            for j, group in enumerate(cores_of[(model.name, node_id)]):
+                cpus, places = _threads_of(group, config.placement.smt)
+                ident = instance_ident(model.name, node_id, j, per_node)
+                name = unitnames.instance_name(config.systemd.template, ident)
+                instances.append(Instance(name, node_id, cpus, places, mems[node_id], Policy.BIND, len(cpus), 0,
+                                          model=model.name))
+    return instances
+
+
+def _rekeyed(exc: ConfigError, model: ServedModel) -> ConfigError:
+    """A refusal of one model's placement, naming its `[[models]]` keys, not `placement`'s."""
+    for key in ("nodes", "instances_per_node"):
+        if exc.key == f"placement.{key}":
+            problem = exc.problem.replace(f"placement.{key}", f"{model.key}.{key}")
+            return ConfigError(exc.source, f"{model.key}.{key}", problem, exc.value, exc.value is not None)
+    return exc
 
 
 def _select_nodes(config: Config, topo: Topology, view: Topology, allowed: Allowed, warnings: list[str],

@@ -56,13 +56,13 @@ class Measurer:
                  progress: Callable[[str], None]) -> None:
         """`loaded`: the configuration as the pipeline checked it (its key and engine are the
         ones used); `topology`: the part of the machine the instances may use."""
-        self.loaded, self.config, self.topology, self.memory = loaded, loaded.config, topology, loaded.instance_memory
+        self.loaded, self.config, self.topology, self.memory = loaded, loaded.config, topology, loaded.memory_of("")
         self.log_dir, self.settings, self.progress = log_dir, settings, progress
         self.key = loaded.api_key
         self.runs_as = (loaded.runs_as if loaded.kind == BackendKind.PROCESS
                         else instances_run_as(self.config.server.user, loaded.source, BackendKind.PROCESS))
         self.proc = ProcReader()
-        self.no_stop = loaded.engine.no_stop_fields(stop_token_ids(self.config.model.path))
+        self.no_stop = loaded.engine.no_stop_fields(stop_token_ids(self.config.one_model.path))
 
     def _candidate(self, cfg: Config, plan: Plan) -> Loaded:
         # A measuring server's configuration is the validated one with tune's own placement
@@ -93,7 +93,7 @@ class Measurer:
             client = Client(cfg.server.host, instance.port, self.key, self.no_stop)
             _, probe_tokens, _ = client.complete(client.fresh(20), 4)  # warm up, and the tokens per word
             # The prompt fills at most ~70 % of the context (the generated models tokenise "wordN" into several).
-            words = max(8, min(PROMPT_WORDS, int(0.7 * cfg.model.context_size * 21 / max(probe_tokens, 1))))
+            words = max(8, min(PROMPT_WORDS, int(0.7 * cfg.one_model.context_size * 21 / max(probe_tokens, 1))))
             decode, prompt = [], []
             for sample in range(self.settings.samples):
                 self.progress(f"node {node}, {candidate.threads} threads: sample {sample + 1}/{self.settings.samples}")

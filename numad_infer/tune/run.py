@@ -52,7 +52,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     from numad_infer.validate.pipeline import load
 
     loaded = load(request.config_path, request.kind, request.fsroot)
-    config, plan, size = loaded.config, loaded.plan, loaded.model_bytes
+    config, plan, size = loaded.config, loaded.plan, loaded.models[0].model_bytes
     # Measuring servers run where the instances may: only the CPUs and memory the cgroup allows.
     topology = within(loaded.topology, loaded.allowed)
     planned = {i.node: i for i in plan.instances if i.node is not None}
@@ -74,7 +74,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     for value in current.values():
         if value not in {c.threads for c in grid}:
             grid.append(Candidate(value, "current setting"))
-    report = Report(model=config.model.path, weight_bytes=size, decode_bytes=loaded.decode_bytes,
+    report = Report(model=config.one_model.path, weight_bytes=size, decode_bytes=loaded.models[0].decode_bytes,
                     engine=config.server.engine, node=node, cpus=instance.cpus,
                     engine_cpu=None if loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe())
     try:
@@ -91,7 +91,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     finally:
         fleet.drop()
     if request.layouts:
-        _measure_layouts(report, measurer, fleet, config, topology, loaded.instance_memory,
+        _measure_layouts(report, measurer, fleet, config, topology, loaded.memory_of(""),
                          len(node_obj.l3_groups) or 1, len(cores), progress)
     # For the daemon: status then shows llama-server's decode as a share of this bandwidth.
     try:

@@ -14,6 +14,7 @@ import re
 import sys
 
 from numad_infer.config.defaults import FRONTDOOR_USER
+from numad_infer.config.models import served_models, view_of
 from numad_infer.config.schema import Config
 from numad_infer.engines import KEY_CREDENTIAL, engine_of
 from numad_infer.errors import NumaInferError
@@ -137,7 +138,7 @@ def render_template(config: Config) -> str:
         "Environment=HOME=/tmp",
         "Environment=PYTHONUNBUFFERED=1",
     ]
-    if config.model.mlock:
+    if any(m.view.one_model.mlock for m in served_models(config)):  # allowed here, asked per model (argv)
         lines.append("LimitMEMLOCK=infinity")
     if config.server.api_key_file:
         lines.append(f"LoadCredential={KEY_CREDENTIAL}:{escape_value(config.server.api_key_file)}")
@@ -158,7 +159,8 @@ def render_dropin(config: Config, instance: Instance) -> str:
         f"NUMAMask={format_list(instance.mems)}",
         f"Environment={env}",
         "ExecStart=" + " ".join(quote_arg(a)
-                                for a in engine_of(config).argv(config, instance, key_from_credential=True)),
+                                for a in engine_of(config).argv(view_of(config, instance.model), instance,
+                                                                key_from_credential=True)),
     ]
     return "\n".join(lines) + "\n"
 

@@ -9,15 +9,31 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
 from numad_infer.host.cpufeatures import EngineCpuReport
 from numad_infer.host.identity import BackendKind, RunAs
 from numad_infer.model.memory import MemoryEstimate
-from numad_infer.plan.memory_fit import InstanceMemory
+from numad_infer.plan.memory_fit import InstanceMemory, NodeFit, node_fits
 from numad_infer.plan.model import Plan
 from numad_infer.topology.cgroup_limits import Allowed
 from numad_infer.topology.model import Topology
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """One served model as the pipeline read it."""
+
+    served: ServedModel
+    model_bytes: int  # the file's size (tune's report)
+    memory: MemoryEstimate  # what one instance holds: weights, KV cache, overhead
+    decode_bytes: int  # what one decoded token reads (decode efficiency's numerator)
+    # Which model file and engine program its instances load (device, inode, size, mtime):
+    # part of each of its instances' definition, so another file at the same path restarts
+    # that model's instances, one at a time behind the front door, and no other model's.
+    artifacts: str = ""
+    need: InstanceMemory | None = None  # `memory` as the planner sums it per node
 
 
 @dataclass(frozen=True)
@@ -29,9 +45,7 @@ class Loaded:
     kind: BackendKind  # where the instances run
     runs_as: RunAs | None  # who they run as (None: the daemon's own user)
     engine: Engine
-    model_bytes: int  # the file's size (tune's report)
-    memory: MemoryEstimate  # what one instance holds: weights, KV cache, overhead (the planner fits it per node)
-    decode_bytes: int  # what one decoded token reads (decode efficiency's numerator)
+    models: tuple[LoadedModel, ...]  # in the file's order; one in the single-[model] form
     allowed: Allowed  # what the instances' cgroup lets them use (planned within it)
     engine_cpu: EngineCpuReport  # the CPU kernels the engine runs here, or why it cannot tell
     # What does not stop the plan but undoes its work or may stop an instance: the
@@ -44,19 +58,40 @@ class Loaded:
     # Unit file name -> text, rendered once (systemd backend; empty for the process backend):
     # what the rollout compares and what is written are the same text.
     units: dict[str, str]
-    # Which model file and engine program the instances load (device, inode, size, mtime):
-    # part of every instance's definition, so another file at the same path restarts them,
-    # one at a time behind the front door, as a changed definition does.
-    artifacts: str = ""
+
+    def model(self, name: str) -> LoadedModel:
+        """The model an instance serves (`Instance.model`)."""
+        for loaded in self.models:
+            if loaded.served.name == name or len(self.models) == 1:
+                return loaded
+        raise KeyError(f"no model {name!r} is loaded")
+
+    def memory_of(self, name: str) -> InstanceMemory:
+        found = self.model(name)
+        return found.need or instance_memory(found.served.view, self.engine, found.memory, found.served.key)
+
+    def artifacts_of(self, instance: str) -> str:
+        """The artifacts of the model that instance (a name) serves; "" for one not in the plan."""
+        for i in self.plan.instances:
+            if i.name == instance:
+                return self.model(i.model).artifacts
+        return ""
+
+    def fits(self) -> list[NodeFit]:
+        """Per node, what the plan's instances need of its memory (the sum validation checked)."""
+        return node_fits([(i, self.memory_of(i.model)) for i in self.plan.instances], self.topology)
 
     @property
-    def instance_memory(self) -> InstanceMemory:
-        return instance_memory(self.config, self.engine, self.memory)
+    def artifacts(self) -> str:
+        """Every model's artifacts, in order: a change anywhere is a change to roll out."""
+        return "; ".join(m.artifacts for m in self.models)
 
 
-def instance_memory(config: Config, engine: Engine, memory: MemoryEstimate) -> InstanceMemory:
+def instance_memory(view: Config, engine: Engine, memory: MemoryEstimate, key: str = "model") -> InstanceMemory:
     """One instance's estimate as the planner sums it per node, with the engine's own ways to
-    hold less (a shorter context; with llama-server, fewer slots too)."""
-    shrink = "a smaller model.context_size" + (" or server.parallel" if "parallel" in engine.own_keys else "")
-    return InstanceMemory(config.model.name or os.path.basename(config.model.path), memory.total, memory.describe(),
-                          shrink)
+    hold less (a shorter context; with llama-server, fewer slots too). `view`: the model's
+    (config/models.py), configured at `key` ("model" or "models[k]")."""
+    slots = "server.parallel" if key == "model" else f"{key}.parallel"
+    shrink = f"a smaller {key}.context_size" + (f" or {slots}" if "parallel" in engine.own_keys else "")
+    model = view.one_model
+    return InstanceMemory(model.name or os.path.basename(model.path), memory.total, memory.describe(), shrink)

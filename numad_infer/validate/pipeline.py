@@ -14,14 +14,16 @@ from pathlib import Path
 
 from numad_infer.config.apikey import read_api_key
 from numad_infer.config.load import load_config
+from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.engines.keys import check_engine_keys
+from numad_infer.errors import ConfigError
 from numad_infer.frontdoor import haproxy
 from numad_infer.frontdoor.haproxy import check_haproxy
 from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy
 from numad_infer.host.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_units
-from numad_infer.host.identity import BackendKind, instances_run_as, systemd_frontdoor_user
+from numad_infer.host.identity import BackendKind, RunAs, instances_run_as, systemd_frontdoor_user
 from numad_infer.host.pinning import memory_calls
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.file import artifact_id, read_model
@@ -35,7 +37,7 @@ from numad_infer.topology.model import Topology
 from numad_infer.topology.sysfs import SysfsReader
 from numad_infer.units.render import render_units
 from numad_infer.validate.host_check import InstanceHost, host_warnings, memory_call_warnings
-from numad_infer.validate.loaded import Loaded, instance_memory
+from numad_infer.validate.loaded import Loaded, LoadedModel, instance_memory
 
 
 def load(source: str, kind: BackendKind, sysfs: SysfsReader | str = "/",
@@ -63,13 +65,13 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     check_engine_keys(config, source)
     check_unit_names(config, source, unit_dirs)
     runs_as = instances_run_as(config.server.user, source, kind)
-    model = read_model(config.model.path, source, runs_as)
     engine = engine_of(config)
+    models = tuple(_read_model(served, engine, source, runs_as) for served in served_models(config))
     engine_warnings = engine.check_host(config, source, InstanceHost(runs_as))
     engine_cpu = engine.cpu(config, InstanceHost(runs_as))
     engine_warnings += _idle_unit_warnings(engine_cpu)
-    memory = estimate(model.header.weight_bytes(), model.header.dims, engine.context(config), engine.overhead)
-    plan = make_plan(config, topology, instance_memory(config, engine, memory), source=source, allowed=allowed)
+    needs = {m.served.name: m.need for m in models if m.need is not None}
+    plan = make_plan(config, topology, needs, source=source, allowed=allowed)
     check_haproxy(config, source)
     api_key = read_api_key(config, source)
     _check_frontdoor_config(config, plan)
@@ -78,17 +80,37 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     # Processes are always this machine's, even with --fsroot.
     warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as),
                 *memory_call_warnings(memory_calls(), kind))
-    return Loaded(source, config, topology, plan, kind, runs_as, engine, model.size, memory,
-                  model.header.decode_bytes(), allowed, engine_cpu, warnings, api_key, frontdoor_user, units,
-                  artifacts(config, engine, model.artifact_id))
+    return Loaded(source, config, topology, plan, kind, runs_as, engine, models, allowed, engine_cpu, warnings,
+                  api_key, frontdoor_user, units)
+
+
+def _read_model(served: ServedModel, engine: Engine, source: str, runs_as: RunAs | None) -> LoadedModel:
+    """One model's file read and its instance's memory estimated (its view's context and slots)."""
+    view = served.view
+    try:
+        model = read_model(view.one_model.path, source, runs_as)
+    except ConfigError as exc:
+        raise _rekeyed(exc, served) from None
+    memory = estimate(model.header.weight_bytes(), model.header.dims, engine.context(view), engine.overhead)
+    return LoadedModel(served, model.size, memory, model.header.decode_bytes(),
+                       artifacts(view, engine, model.artifact_id), instance_memory(view, engine, memory, served.key))
+
+
+def _rekeyed(exc: ConfigError, served: ServedModel) -> ConfigError:
+    """A refusal of `model.path` that is a `[[models]]` table's, named as that table's key."""
+    if served.key == "model" or exc.key != "model.path":
+        return exc
+    return ConfigError(exc.source, f"{served.key}.path", exc.problem, exc.value, exc.value is not None)
 
 
 def artifacts(config: Config, engine: Engine, model_id: str | None = None) -> str:
-    """The model file and engine program the instances would load now (model/file.artifact_id).
-    `model_id`: the model as the pipeline read it (its descriptor's fstat), not whatever is at
-    the path a moment later."""
+    """The model files and engine program the instances would load now (model/file.artifact_id),
+    every model's in order. `model_id`: the one model as the pipeline read it (its
+    descriptor's fstat), not whatever is at the path a moment later."""
     program = engine.program(config)
-    model = model_id if model_id is not None else artifact_id(config.model.path)
+    if config.model is None:
+        return "; ".join(artifacts(m.view, engine) for m in served_models(config))
+    model = model_id if model_id is not None else artifact_id(config.one_model.path)
     return f"model {model}" + (f"; engine {artifact_id(program)}" if program else "")
 
 
