@@ -52,7 +52,8 @@ class PlanState:
 
     def load(self) -> Loaded:
         """The pipeline every command uses (loading.py); refused there, nothing changes here."""
-        return loading.load(self.config_path, self.backend.kind, self.sysfs)
+        running = () if self.loaded is None else self.loaded.plan.instances
+        return loading.load(self.config_path, self.backend.kind, self.sysfs, running=running)
 
     def apply(self, loaded: Loaded, why: str) -> bool:
         """Bring everything to the plan; False (reported like a refused reload) if the unit

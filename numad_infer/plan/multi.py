@@ -4,9 +4,11 @@ instances. Pure.
 The split, per node, as the kubelet's CPU manager hands out exclusive CPUs:
 1. the models with `cores_per_instance` take that many physical cores per instance;
 2. the models without it share what is left evenly between all their instances there;
-3. each instance then gets whole cores (SMT siblings stay together), inside one shared-L3
-   group where one has room for it (best fit: the fullest group that still holds it, so
-   big instances keep whole groups), else the next free cores in L3 order.
+3. an instance of the running plan whose cores are still free and still as many keeps
+   them: a reload that adds or removes one model leaves the others' processes alone;
+4. each other instance then gets whole cores (SMT siblings stay together), inside one
+   shared-L3 group where one has room for it (best fit: the fullest group that still holds
+   it, so big instances keep whole groups), else the next free cores in L3 order.
 No core is given twice, and the reserved ones were taken out before (placement.py).
 """
 
@@ -29,6 +31,7 @@ class Want:
     model: ServedModel
     instances: int  # instances_per_node
     cores: int  # cores per instance; 0: a share of what is left
+    had: tuple[tuple[Core, ...], ...] = ()  # per instance, its cores in the running plan (kept if still right)
 
 
 def instance_ident(model: str, node: int, k: int, per_node: int) -> str:
@@ -44,7 +47,8 @@ def split_node(node: Node, cores: Sequence[Core], wants: Sequence[Want], source:
     shared = [w for w in wants if w.cores == 0]
     sharers = sum(w.instances for w in shared)
     if sized > len(cores) or (sharers and len(cores) - sized < sharers):
-        raise ConfigError(source, _key_to_change(wants), _too_few(node, len(cores), wants, sized, sharers))
+        raise ConfigError(source, _key_to_change(wants, sized > len(cores)),
+                          _too_few(node, len(cores), wants, sized, sharers))
     share, extra = divmod(len(cores) - sized, sharers) if sharers else (0, 0)
     sizes: list[list[int]] = []
     for w in wants:
@@ -61,8 +65,17 @@ def split_node(node: Node, cores: Sequence[Core], wants: Sequence[Want], source:
     # Biggest first, so that the big instances get whole L3 groups; ties in the file's order.
     order = sorted(((size, i, j) for i, row in enumerate(sizes) for j, size in enumerate(row)),
                    key=lambda t: (-t[0], t[1], t[2]))
+    free = {c for g in groups for c in g}
     for size, i, j in order:
-        result[i][j] = _take(groups, size)
+        had = wants[i].had[j] if j < len(wants[i].had) else ()
+        if len(had) == size and free.issuperset(had):
+            result[i][j] = list(had)
+            free -= set(had)
+            for group in groups:
+                group[:] = [c for c in group if c not in had]
+    for size, i, j in order:
+        if not result[i][j]:
+            result[i][j] = _take(groups, size)
     return result
 
 
@@ -88,9 +101,13 @@ def _take(groups: list[list[Core]], size: int) -> list[Core]:
     return taken
 
 
-def _key_to_change(wants: Sequence[Want]) -> str:
+def _key_to_change(wants: Sequence[Want], over: bool) -> str:
+    """`over`: the models with cores_per_instance alone ask for more than the node has."""
     sized = [w for w in wants if w.cores]
-    return f"{sized[-1].model.key}.cores_per_instance" if sized else f"{wants[-1].model.key}.instances_per_node"
+    many = [w for w in wants if not w.cores and w.instances > 1]
+    if sized and (over or not many):
+        return f"{sized[-1].model.key}.cores_per_instance"
+    return f"{(many or list(wants))[-1].model.key}.instances_per_node"
 
 
 def _too_few(node: Node, have: int, wants: Sequence[Want], sized: int, sharers: int) -> str:

@@ -5,7 +5,7 @@ Pure. Every refusal is a `ConfigError` naming the key an operator must change.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from numad_infer.config.models import ServedModel, multi, served_models
@@ -13,7 +13,7 @@ from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
 from numad_infer.plan.memory_fit import InstanceMemory, check_fit
 from numad_infer.plan.model import Instance, Plan, Policy
-from numad_infer.plan.multi import Want, instance_ident, split_node
+from numad_infer.plan.multi import Core, Want, instance_ident, split_node
 from numad_infer.plan.ports import assign_ports, check_ports, exposure_warnings
 from numad_infer.systemd import unitnames
 from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed, within
@@ -68,16 +68,17 @@ MemoryOf = InstanceMemory | Mapping[str, InstanceMemory]  # one for all, or per 
 
 
 def make_plan(config: Config, topo: Topology, memory: MemoryOf | None = None, source: str = "config",
-              allowed: Allowed = UNRESTRICTED) -> Plan:
+              allowed: Allowed = UNRESTRICTED, running: Sequence[Instance] = ()) -> Plan:
     """The plan, in the order the kubelet's CPU allocator reads: within what the cgroup
     allows, which nodes, which of their cores, how the cores become instances, whether
     they fit in their nodes' memory (`memory`: what one instance holds; None: not
-    checked), then ports and threads. Each step refuses what it cannot do."""
+    checked), then ports and threads. `running`: the plan running now, whose instances keep
+    their cores and ports with `[[models]]` where they can. Each step refuses what it cannot do."""
     warnings: list[str] = list(topo.warnings)
     view = within(topo, allowed)  # step 0: only the CPUs and memory the instances may use
     reserved = _reserved_cores(config, topo, warnings, source)
     if multi(config):
-        instances = _models_instances(config, topo, view, allowed, reserved, warnings, source)
+        instances = _models_instances(config, topo, view, allowed, reserved, warnings, source, running)
     else:
         selected = _select_nodes(config, topo, view, allowed, warnings, source)
         usable = _usable_cores(config, view, selected, reserved, warnings, source)
@@ -90,7 +91,8 @@ def make_plan(config: Config, topo: Topology, memory: MemoryOf | None = None, so
             return memory if isinstance(memory, InstanceMemory) else memory[i.model]
         per_node = max(s.view.placement.instances_per_node for s in served_models(config))
         check_fit([(i, need(i)) for i in instances], topo, source, per_node)
-    instances = assign_ports(config, instances, source, _machine_ports(config, topo, source, allowed))
+    instances = assign_ports(config, instances, source, _machine_ports(config, topo, source, allowed),
+                             {i.name: i.port for i in running})
     instances = _thread_counts(config, instances, source)
     instances = _quota_cap(config, instances, allowed, warnings)
     check_ports(config, instances, source)
@@ -99,7 +101,8 @@ def make_plan(config: Config, topo: Topology, memory: MemoryOf | None = None, so
 
 
 def _models_instances(config: Config, topo: Topology, view: Topology, allowed: Allowed,
-                      reserved: set[tuple[int, ...]], warnings: list[str], source: str) -> list[Instance]:
+                      reserved: set[tuple[int, ...]], warnings: list[str], source: str,
+                      running: Sequence[Instance]) -> list[Instance]:
     """Steps 1, 3 and 4b for `[[models]]`: each model's nodes and usable cores as one model's
     are, then each node's cores split between the models there (plan/multi.py); instances
     in the file's order of models, then nodes."""
@@ -116,7 +119,8 @@ def _models_instances(config: Config, topo: Topology, view: Topology, allowed: A
     mems: dict[int, tuple[int, ...]] = {}
     for node_id in sorted({n for u in usable.values() for n in u}):
         here = [m for m in served if node_id in usable[m.name]]
-        wants = [Want(m, m.view.placement.instances_per_node, m.cores_per_instance) for m in here]
+        wants = [Want(m, m.view.placement.instances_per_node, m.cores_per_instance, _had(m, node_id, view, running))
+                 for m in here]
         cores = next(usable[m.name][node_id] for m in here)  # the same for every model: reserve_cpus is global
         for model, groups in zip(here, split_node(known[node_id], cores, wants, source), strict=True):
             cores_of[(model.name, node_id)] = groups
@@ -132,6 +136,18 @@ def _models_instances(config: Config, topo: Topology, view: Topology, allowed: A
                 instances.append(Instance(name, node_id, cpus, places, mems[node_id], Policy.BIND, len(cpus), 0,
                                           model=model.name))
     return instances
+
+
+def _had(model: ServedModel, node: int, topo: Topology, running: Sequence[Instance]) -> tuple[tuple[Core, ...], ...]:
+    """The cores each of the model's instances on the node has in the running plan (by k)."""
+    per_node = model.view.placement.instances_per_node
+    by_name = {i.name: i for i in running}
+    had = []
+    for k in range(per_node):
+        old = by_name.get(unitnames.instance_name(model.view.systemd.template,
+                                                  instance_ident(model.name, node, k, per_node)))
+        had.append(tuple(dict.fromkeys(c for c in map(topo.sibling_core, old.cpus) if c)) if old else ())
+    return tuple(had)
 
 
 def _rekeyed(exc: ConfigError, model: ServedModel) -> ConfigError:

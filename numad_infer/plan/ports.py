@@ -6,21 +6,25 @@ Pure. Every refusal is a `ConfigError` naming the key an operator must change.""
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Mapping
 from dataclasses import replace
 
 from numad_infer.config.schema import Config
 from numad_infer.config.values import parse_listen
 from numad_infer.errors import ConfigError
-
-# Weights are private per instance (mmap off); leave room for KV cache, the OS and Python.
 from numad_infer.plan.model import Instance
 
 
-def assign_ports(config: Config, instances: list[Instance], source: str, kept: dict[str, int]) -> list[Instance]:
+def assign_ports(config: Config, instances: list[Instance], source: str, kept: Mapping[str, int],
+                 running: Mapping[str, int] | None = None) -> list[Instance]:
     """Step 5: the k-th instance listens on base_port + k (k counted on the whole machine,
-    `kept`, where every instance has a port there)."""
+    `kept`, where every instance has a port there). With `[[models]]`, `running` (the ports of the plan
+    running now): an instance there keeps its port, so a reload that adds or removes a model
+    leaves every other model's instances as they are; a new one takes the lowest free port."""
     if kept and all(i.name in kept for i in instances):
         return [replace(i, port=kept[i.name]) for i in instances]
+    if running and any(i.model for i in instances):
+        return _keep_running(config, instances, source, running)
     base = config.server.base_port
     last = base + len(instances) - 1
     if last > 65535:
@@ -30,6 +34,28 @@ def assign_ports(config: Config, instances: list[Instance], source: str, kept: d
             base, True,
         )
     return [replace(i, port=base + k) for k, i in enumerate(instances)]
+
+
+def _keep_running(config: Config, instances: list[Instance], source: str,
+                  running: Mapping[str, int]) -> list[Instance]:
+    base = config.server.base_port
+    ports: dict[str, int] = {}
+    for i in instances:  # first come first kept: two can only share a port after a base_port change
+        port = running.get(i.name)
+        if port is not None and port >= base and port not in ports.values():
+            ports[i.name] = port
+    taken, free = set(ports.values()), base
+    for i in instances:
+        if i.name in ports:
+            continue
+        while free in taken:
+            free += 1
+        if free > 65535:
+            raise ConfigError(source, "server.base_port", f"{len(instances)} instances need ports from {base}, past "
+                              f"65535; use at most {65536 - len(instances)}", base, True)
+        ports[i.name] = free
+        taken.add(free)
+    return [replace(i, port=ports[i.name]) for i in instances]
 
 
 def exposure_warnings(config: Config) -> list[str]:

@@ -10,6 +10,7 @@ refuses, all of them refuse, and nothing is written or changed before it passes.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from numad_infer.config.apikey import read_api_key
@@ -28,7 +29,7 @@ from numad_infer.host.pinning import memory_calls
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.file import artifact_id, read_model
 from numad_infer.model.memory import estimate
-from numad_infer.plan.model import Plan
+from numad_infer.plan.model import Instance, Plan
 from numad_infer.plan.placement import make_plan
 from numad_infer.systemd.unitdir import SYSTEM_UNIT_DIRS, check_unit_names
 from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed
@@ -41,10 +42,11 @@ from numad_infer.validate.loaded import Loaded, LoadedModel, instance_memory
 
 
 def load(source: str, kind: BackendKind, sysfs: SysfsReader | str = "/",
-         unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS) -> Loaded:
-    """Read the file at `source` and validate it on this machine (ConfigError otherwise)."""
+         unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS, running: Sequence[Instance] = ()) -> Loaded:
+    """Read the file at `source` and validate it on this machine (ConfigError otherwise).
+    `running`: the running plan's instances, whose cores and ports are kept where they can be."""
     reader = sysfs if isinstance(sysfs, SysfsReader) else SysfsReader(sysfs)
-    return validate(load_config(source), source, reader.topology(), kind, unit_dirs, read_allowed(kind))
+    return validate(load_config(source), source, reader.topology(), kind, unit_dirs, read_allowed(kind), running)
 
 
 def read_allowed(kind: BackendKind) -> Allowed:
@@ -56,7 +58,8 @@ def read_allowed(kind: BackendKind) -> Allowed:
 
 
 def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
-             unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS, allowed: Allowed = UNRESTRICTED) -> Loaded:
+             unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS, allowed: Allowed = UNRESTRICTED,
+             running: Sequence[Instance] = ()) -> Loaded:
     """Every check a configuration must pass before anything runs it; changes nothing.
 
     The order is the order an operator fixes things in: the engine's keys and the names, then what the instances
@@ -71,7 +74,7 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     engine_cpu = engine.cpu(config, InstanceHost(runs_as))
     engine_warnings += _idle_unit_warnings(engine_cpu)
     needs = {m.served.name: m.need for m in models if m.need is not None}
-    plan = make_plan(config, topology, needs, source=source, allowed=allowed)
+    plan = make_plan(config, topology, needs, source=source, allowed=allowed, running=running)
     check_haproxy(config, source)
     api_key = read_api_key(config, source)
     _check_frontdoor_config(config, plan)
