@@ -994,6 +994,122 @@ def e2_instances_elsewhere() -> str:
     return f"instances on {address}, front door allows {' '.join(allowed)}; {len(answers)} requests through :{FRONT_PORT}"
 
 
+# -- several models on one host (issue 31): placed per node, routed by `model` -----------------------
+
+SECOND_MODEL = "/var/lib/numa-infer/models/small.gguf"
+
+
+def write_models_config(*tables: str) -> None:
+    """[[models]] tables (name, path, placement), the engine group's server, TCG's monitor."""
+    CONFIG.write_text(
+        "".join(f"[[models]]\n{t}context_size = 256\n" for t in tables)
+        + f'[server]\n{ENGINE_KEYS[ENGINE]}\n'
+        "[monitor]\ninterval_s = 2.0\nprobe_timeout_s = 5.0\nstartup_grace_s = 240\nunhealthy_after = 2\n"
+        "restart_backoff_s = 1.0\nmax_restarts = 10\n[frontend]\n"
+    )
+
+
+def ask(model, timeout: float = 240) -> tuple[int, dict]:
+    """(status, JSON body) of one completion through the front door naming `model`."""
+    req = urllib.request.Request(f"http://127.0.0.1:{FRONT_PORT}/v1/completions", method="POST",
+                                 data=json.dumps({"model": model, "prompt": "numa", "max_tokens": 4}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def models_in_rotation(names: list[str], timeout: float = 400) -> dict:
+    return wait(lambda: (s := status()).get("frontdoor") and s["frontdoor"]["up"]
+                and sorted(i["name"] for i in s["instances"]) == sorted(names)
+                and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in s["instances"]) and s,
+                timeout, f"{names} healthy and in rotation", interval=2)
+
+
+class ModelLoad(Load):
+    """Clients asking one model by name; every answer must come from that model."""
+
+    def __init__(self, model: str, clients: int = 1) -> None:
+        super().__init__(clients)
+        self.model = model
+
+    def _client(self, limit: int) -> None:
+        for _ in range(limit):
+            if self._stop.is_set():
+                return
+            try:
+                code, body = ask(self.model, timeout=300)
+                if code != 200 or body.get("model") != self.model:
+                    raise Fail(f"{code} from model {body.get('model')!r}: {str(body)[:200]}")
+                with self._lock:
+                    self.ok += 1
+            except Exception as exc:  # every kind of failure counts
+                with self._lock:
+                    self.failures.append(f"{type(exc).__name__}: {exc}")
+
+
+@scenario("e4-two-models")
+def e4_two_models() -> str:
+    """Two models on the 2-node guest under systemd: both answer through the front door by
+    name and alias, an unknown one gets a JSON 404; a reload that adds a third model starts
+    only its instance; kill -9 of one model's instance fails none of the other's requests."""
+    sh("systemctl", "stop", "numa-infer", timeout=300)
+    sh("cp", MODEL, SECOND_MODEL)
+    sh("chmod", "0644", SECOND_MODEL)
+    chat = f'name = "chat"\naliases = ["gpt-x"]\npath = "{MODEL}"\ncores_per_instance = 1\n'
+    small = f'name = "small"\npath = "{SECOND_MODEL}"\nnodes = [0]\n'
+    write_models_config(chat, small)
+    sh(NI, "check", timeout=120)
+    t0 = time.monotonic()
+    sh("systemctl", "start", "numa-infer", timeout=300)
+    first = ["infer@chat-0", "infer@chat-1", "infer@small-0"]
+    models_in_rotation(first)
+    took = time.monotonic() - t0
+    for name in first:  # each on its own core of its node
+        cpus = cpulist(sh("systemctl", "show", "-p", "CPUAffinity", "--value", name).replace(" ", ","))
+        if len(cpus) != 1:
+            raise Fail(f"{name} has CPUs {sorted(cpus)}, not one core")
+    routed = {m: ask(m) for m in ("chat", "gpt-x", "small")}
+    wrong = {m: r for m, r in routed.items() if r[0] != 200 or r[1].get("model") != {"gpt-x": "chat"}.get(m, m)}
+    if wrong:
+        raise Fail(f"not answered by the named model: {wrong}")
+    code, body = ask("nope")
+    if code != 404 or body.get("error", {}).get("code") != "model_not_found" or "small" not in str(body):
+        raise Fail(f"an unknown model got {code}: {body}")
+    with urllib.request.urlopen(f"http://127.0.0.1:{FRONT_PORT}/v1/models", timeout=30) as resp:
+        listed = sorted(m["id"] for m in json.load(resp)["data"])
+    if not {"chat", "small"} <= set(listed):
+        raise Fail(f"/v1/models at the front door lists {listed}")
+    # A third model on node 1's free core: a reload starts it alone.
+    pids = {n: main_pid(n) for n in first}
+    third = f'name = "third"\npath = "{SECOND_MODEL}"\nnodes = [1]\n'
+    write_models_config(chat, small, third)
+    sh(NI, "reload", timeout=300)
+    models_in_rotation([*first, "infer@third-1"])
+    moved = {n: (pids[n], main_pid(n)) for n in first if main_pid(n) != pids[n]}
+    if moved:
+        raise Fail(f"adding a model restarted other instances: {moved}")
+    if ask("third")[1].get("model") != "third":
+        raise Fail("the third model does not answer by name")
+    # kill -9 of small's instance while chat is asked: no chat request fails.
+    victim = main_pid("infer@small-0")
+
+    def kill_small() -> None:
+        os.kill(victim, signal.SIGKILL)
+        wait(lambda: (i := inst(status(), "infer@small-0"))["state"] == "healthy" and i["pid"] not in (None, victim),
+             300, "infer@small-0 back", interval=2)
+
+    with ModelLoad("chat") as load:
+        time.sleep(3)
+        kill_small()
+        time.sleep(3)
+    verdict = load.verdict("kill -9 of infer@small-0, asking chat")
+    return (f"3 instances healthy {took:.0f}s after start; chat, gpt-x, small routed right, unknown -> 404; "
+            f"/v1/models {listed}; reload added infer@third-1 alone; {verdict}")
+
+
 # -- chaos: random faults under a steady load, under systemd (bench/chaos.py on the host) ------------
 
 def chaos_request(stream: bool) -> str:
@@ -1493,7 +1609,7 @@ GROUPS = {
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
     "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, e3_model_rollout, e2_instances_elsewhere,
-               s9_stop],
+               e4_two_models, s9_stop],
     "bench": [b1_aggregate],
     "filter-cost": [b2_filter_cost],
     # Not in CI: repeats the daemon replacements that must keep instances (a flake hunt).
