@@ -141,6 +141,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "engines/llama_server": (CORE, "llama.cpp's llama-server as an `Engine`"),
     # -- frontdoor ---------------------------------------------------------------------------------
     "frontdoor/__init__": (CORE, PACKAGE_INIT),
+    "frontdoor/routing": (CORE, "several models behind one front door: a backend per model, routing by the "
+                                "body's `model`, GET /v1/models"),
     "frontdoor/haproxy_config": (CORE, "haproxy.cfg from the plan"),
     "frontdoor/control": (EDGE, "the daemon's handle on the running HAProxy: apply, observe, rotation"),
     "frontdoor/handover": (EDGE, "what HAProxy's unit runs: takes the daemon's socket, then executes HAProxy"),

@@ -25,10 +25,12 @@ from numad_infer.frontdoor.haproxy import (
     HaproxyError,
     NoRuntimeAnswer,
     RuntimeAPI,
+    merged,
 )
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
 from numad_infer.frontdoor.listener import TWIN_FD_VARIABLE, HeldListener
 from numad_infer.frontdoor.request_log import RequestLog
+from numad_infer.frontdoor.routing import backends
 from numad_infer.plan.model import Instance, Plan
 from numad_infer.util.atomicfile import write_atomic
 from numad_infer.util.histogram import Histogram
@@ -68,32 +70,14 @@ class Frontdoor:
         self.api = RuntimeAPI(str(runner.socket_path))
         self.listen = ""
         self.binary = ""
-        self.stats: BackendStat | None = None  # last pass's counters, None when unreadable
+        self.stats: BackendStat | None = None  # last pass's counters, None when unreadable (every model's)
+        self.model_stats: dict[str, BackendStat] = {}  # the same per model name; empty when unreadable
+        self.backends: dict[str, str] = {"": BACKEND}  # model name -> its backend, of the applied config
         self.answers: FrontendStat | None = None  # the listener's answers by class, read with `stats`
         self.queue_size = 0  # frontend.queue_size of the applied config: a full queue answers 503
         self.error = ""  # why the last apply or read failed, for status
         assert self.paths.requests is not None
         self.requests = RequestLog(self.paths.requests, runner.haproxy_uids)  # per-request timings
-
-    def _hold(self, config: Config) -> bool:
-        """Hold the listening sockets at the configured address. True when one is new: a
-        HAProxy running on the old ones must be restarted."""
-        listener = self.runner.listener
-        address = config.frontend.address
-        if listener.address == address:
-            return False
-        try:
-            return listener.hold(*address)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE and self.runner.running():
-                # A HAProxy started by an older numa-infer binds the port itself: once, it
-                # is restarted on the daemon's socket (its open connections are cut).
-                log.warning("front door: haproxy holds %s itself: restarting it on the daemon's socket",
-                            config.frontend.listen)
-                self.runner.stop()
-                return self._hold(config)
-            raise HaproxyError(f"cannot listen on frontend.listen = \"{config.frontend.listen}\": {exc.strerror}; "
-                               "free the port or choose another") from None
 
     def _candidate(self, config: Config, plan: Plan) -> Path:
         candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
@@ -126,13 +110,14 @@ class Frontdoor:
                 self.runner.stop()
             self.runner.listener.release()
             self.listen, self.stats, self.answers = "", None, None
+            self.model_stats = {}
             return False
         try:
             self.requests.start()
         except OSError as exc:  # the front door works without its timings; say why they are missing
             log.error("front door: cannot receive request timings on %s: %s", self.paths.requests, exc.strerror)
         running = self.runner.running()
-        if self._hold(config) and running:
+        if _hold(self.runner, config) and running:
             # A new address is a new socket: HAProxy cannot take it on a reload.
             log.info("front door: listening on %s now: restarting haproxy", config.frontend.listen)
             self.runner.stop()
@@ -146,14 +131,17 @@ class Frontdoor:
         self.queue_size = config.frontend.queue_size
         if running and current == text:
             self.listen = config.frontend.listen
+            self.backends = backends(config)
             return False
         candidate = self._candidate(config, plan)
         if running:
-            self._save_server_states()
+            _save_server_states(self.api, self.paths.state)
         elif not self.paths.state.exists():
             # An empty state file (version line only): HAProxy warns about a missing one.
             write_atomic(self.paths.state, "1\n", durable=False)
         os.replace(candidate, self.paths.config)
+        # From here on the running HAProxy has (or is about to have) these backends.
+        self.backends = backends(config)
         if running:
             log.info("front door: plan changed: reloading haproxy seamlessly")
             self.runner.reload()
@@ -165,17 +153,10 @@ class Frontdoor:
         self.error = ""
         return True
 
-    def _save_server_states(self) -> None:
-        # Read back by `load-server-state-from-file`: drain/maint survive the reload.
-        try:
-            write_atomic(self.paths.state, self.api.servers_state(), durable=False)
-        except (HaproxyError, OSError) as exc:
-            log.warning("front door: cannot save server states before the reload: %s", exc)
-
     def observe(self) -> BackendStat | None:
         """Read the counters once for this pass (None while HAProxy is not answering)."""
         if not self.listen:
-            self.stats = self.answers = None
+            self._unread()
             return None
         if not self.runner.restarted_by_manager and not self.runner.running():
             log.error("front door: haproxy exited: starting it again")
@@ -183,16 +164,29 @@ class Frontdoor:
                 # On the held socket: what clients sent while it was dead waits there for it.
                 self.runner.start(self.binary, self.paths.config)
             except HaproxyError as exc:
-                self.stats, self.error = None, str(exc)
+                self._unread(str(exc))
                 log.error("front door: %s", exc)
                 return None
         try:
-            self.stats, self.answers = self.api.counters(BACKEND, FRONTEND)
-            self.error = ""
+            per_backend, self.answers = self.api.backends(list(self.backends.values()), FRONTEND)
         except HaproxyError as exc:
-            self.stats = self.answers = None
-            self.error = str(exc)
+            self._unread(str(exc))
+            return None
+        self.model_stats = {model: per_backend[backend] for model, backend in self.backends.items()}
+        self.stats = merged(list(per_backend.values()))
+        self.error = ""
         return self.stats
+
+    def _unread(self, error: str | None = None) -> None:
+        """No counters this pass (HAProxy off, or not answering: `error` says why)."""
+        self.stats = self.answers = None
+        self.model_stats = {}
+        if error is not None:
+            self.error = error
+
+    def backend_of(self, instance: Instance) -> str:
+        """The backend holding the instance's server: its model's."""
+        return self.backends.get(instance.model, BACKEND)
 
     def timings(self, instance: Instance) -> tuple[Histogram, Histogram] | None:
         """The instance's time to first token and request duration, from HAProxy's log."""
@@ -212,21 +206,25 @@ class Frontdoor:
         stat = self.stats.servers.get(name)
         if stat is None or stat.admin == state:
             return
+        backend = self.backend_of(instance)
         try:
-            self.api.set_state(BACKEND, name, state)
+            self.api.set_state(backend, name, state)
         except NoRuntimeAnswer as exc:
             # Not answering now: so for the rest of the pass, as when `observe` finds it so.
             # Every later call of the pass would wait out its own deadline for nothing.
             log.error("front door: %s", exc)
-            self.stats = self.answers = None
-            self.error = str(exc)
+            self._unread(str(exc))
             return
         except HaproxyError as exc:
             log.error("front door: %s", exc)
             return
         log.info("front door: %s -> %s", name, state.value)
         # Until the next pass reads HAProxy again, this pass's view shows the new state.
-        self.stats.servers[name] = replace(stat, status=_STATUS_OF[state])
+        now = replace(stat, status=_STATUS_OF[state])
+        self.stats.servers[name] = now
+        for model in self.model_stats.values():
+            if name in model.servers:
+                model.servers[name] = now
 
     def close(self) -> bool:
         """Stop taking connections, keep serving the ones open: the port is closed, so a
@@ -249,10 +247,10 @@ class Frontdoor:
     def requests_left(self) -> int | None:
         """Requests queued or in flight through HAProxy now (None: it does not answer)."""
         try:
-            stat = self.api.backend(BACKEND)
+            per_backend, _ = self.api.backends(list(self.backends.values()), FRONTEND)
         except HaproxyError:
             return None
-        return stat.queued + stat.in_flight
+        return sum(stat.queued + stat.in_flight for stat in per_backend.values())
 
     def stop(self) -> None:
         if self.runner.running():
@@ -261,3 +259,31 @@ class Frontdoor:
         self.runner.hand_back()
         self.runner.listener.release()
 
+
+def _hold(runner: FrontdoorRunner, config: Config) -> bool:
+    """Hold the listening sockets at the configured address. True when one is new: a
+    HAProxy running on the old ones must be restarted."""
+    listener = runner.listener
+    address = config.frontend.address
+    if listener.address == address:
+        return False
+    try:
+        return listener.hold(*address)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE and runner.running():
+            # A HAProxy started by an older numa-infer binds the port itself: once, it
+            # is restarted on the daemon's socket (its open connections are cut).
+            log.warning("front door: haproxy holds %s itself: restarting it on the daemon's socket",
+                        config.frontend.listen)
+            runner.stop()
+            return _hold(runner, config)
+        raise HaproxyError(f"cannot listen on frontend.listen = \"{config.frontend.listen}\": {exc.strerror}; "
+                           "free the port or choose another") from None
+
+
+def _save_server_states(api: RuntimeAPI, state: Path) -> None:
+    # Read back by `load-server-state-from-file`: drain/maint survive the reload (every backend's).
+    try:
+        write_atomic(state, api.servers_state(), durable=False)
+    except (HaproxyError, OSError) as exc:
+        log.warning("front door: cannot save server states before the reload: %s", exc)

@@ -13,7 +13,7 @@ import io
 import os
 import re
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -153,6 +153,11 @@ class RuntimeAPI:
         rows = self._show_stat()
         return _backend(rows, backend), _frontend(rows, frontend)
 
+    def backends(self, names: Sequence[str], frontend: str) -> tuple[dict[str, BackendStat], FrontendStat]:
+        """Each named backend's servers, and the frontend's answers, from one `show stat`."""
+        rows = self._show_stat()
+        return {name: _backend(rows, name) for name in names}, _frontend(rows, frontend)
+
     def _show_stat(self) -> list[dict[str, str]]:
         text = self.command("show stat")
         if not text.startswith("# "):
@@ -186,6 +191,13 @@ def _backend(rows: list[dict[str, str]], name: str) -> BackendStat:
     if not found:
         raise HaproxyError(f"runtime API: no backend {name!r} in show stat")
     return BackendStat(queued, in_flight, servers)
+
+
+def merged(stats: Sequence[BackendStat]) -> BackendStat:
+    """Several backends as one: queued and in flight summed, the servers side by side (their
+    names differ: each is an instance's)."""
+    return BackendStat(sum(s.queued for s in stats), sum(s.in_flight for s in stats),
+                       {name: server for s in stats for name, server in s.servers.items()})
 
 
 def _frontend(rows: list[dict[str, str]], name: str) -> FrontendStat:

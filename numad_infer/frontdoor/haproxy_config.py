@@ -19,7 +19,9 @@ Why these HAProxy settings (each one is a finding, see issue 9):
   OpenAI's error shape: an OpenAI client parses the body of a failure, and HAProxy's
   default pages are HTML.
 - affinity on the `user` field: HAProxy reads the body from its buffer only, so the
-  buffer is sized for the longest prompt an instance accepts (`_body_buffer`).
+  buffer is sized for the longest prompt an instance accepts (`body_buffer`).
+- with `[[models]]`, one backend per model and the frontend routes by the body's `model`
+  (routing.py says why).
 - health checks on the engine's path that never waits on the model
   (`Engine.liveness_path`): a busy server is not a down server.
 - `load-server-state-from-file`: a reload keeps the drain/maint states the daemon set.
@@ -32,15 +34,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.config.frontend import Affinity, FrontendSection
+from numad_infer.config.models import ServedModel, multi, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import engine_of
 from numad_infer.errors import ConfigError
-from numad_infer.plan.model import Plan
+from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
+from numad_infer.frontdoor.routing import backend_of, health, route, routed
+from numad_infer.plan.model import Instance, Plan
 from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
 from numad_infer.systemd.unitnames import FRONTDOOR_TWIN_FD_VARIABLE as TWIN_FD_VARIABLE
 from numad_infer.util.addresses import connect_host, host_port
 
-BACKEND = "instances"
 FRONTEND = "openai"  # the one listener; the daemon closes it first on stop (Frontdoor.close)
 MARKER = "# Managed by numa-infer: rewritten by the daemon on every plan change; do not edit."
 # llama-cpp-python runs one request at a time (it serialises on its model lock).
@@ -136,22 +140,45 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
     """haproxy.cfg for this plan. `held`: the daemon holds the listening socket and HAProxy
     takes it as the inherited descriptor that NUMA_INFER_FRONTDOOR_FD names (listener.py
     says why), instead of binding the address itself (`check`'s scratch copy does). `twin`:
-    it holds one on the other loopback address too, in NUMA_INFER_FRONTDOOR_TWIN_FD."""
+    it holds one on the other loopback address too, in NUMA_INFER_FRONTDOOR_TWIN_FD.
+
+    One backend per model (routing.py): the single `[model]` form's is `instances`."""
     front: FrontendSection = config.frontend
     host, port = front.address
-    target = connect_host(config.server.host)
+    served = served_models(config)
     engine = engine_of(config)
-    per_server = engine.slots(config)
-    maxconn = len(plan.instances) * per_server + front.queue_size + SPARE_CONNECTIONS
+    # Each backend queues up to queue_size requests of its own.
+    maxconn = (sum(len(_instances_of(config, plan, s.name)) * engine.slots(s.view) for s in served)
+               + len(served) * front.queue_size + SPARE_CONNECTIONS)
+    if routed(config):
+        pick = route(config, body_buffer(config))
+    else:
+        pick = [f"    default_backend {backend_of(config, served[0].name)}"]
     lines = [MARKER, *_global(config, paths, maxconn), "", *_defaults(front), "",
              f"frontend {FRONTEND}",
              f"    bind {HELD_BIND if held else host_port(host, port)}",
              *([f"    bind {TWIN_BIND}"] if held and twin else []),
              *_timing_log(paths),
-             *_health(front),
-             f"    default_backend {BACKEND}",
-             "",
-             f"backend {BACKEND}",
+             *_health(config),
+             *pick]
+    for model in served:
+        lines += ["", *_backend(config, model, _instances_of(config, plan, model.name))]
+    return "\n".join(lines) + "\n"
+
+
+def _instances_of(config: Config, plan: Plan, model: str) -> list[Instance]:
+    # The single form's instances carry no model name (Instance.model == "").
+    return [i for i in plan.instances if i.model == model] if multi(config) else list(plan.instances)
+
+
+def _backend(config: Config, model: ServedModel, instances: list[Instance]) -> list[str]:
+    """One model's backend: its servers, each taking as many requests as that model's engine
+    has slots (`parallel` of its view)."""
+    front = config.frontend
+    backend = backend_of(config, model.name)
+    engine = engine_of(config)
+    target = connect_host(config.server.host)
+    lines = [f"backend {backend}",
              "    balance leastconn",
              *_first_byte(front),
              # Needed for retries (the request is replayed from the buffer) and for json_query.
@@ -162,15 +189,15 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
              # A POST that reached a server is not replayed: it may be what killed it.
              "    http-request disable-l7-retry if !METH_GET",
              f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
-             f"hdr Retry-After 1 if {{ queue({BACKEND}) ge {front.queue_size} }}",
+             f"hdr Retry-After 1 if {{ queue({backend}) ge {front.queue_size} }}",
              f"    option httpchk GET {engine.liveness_path}",
              "    http-check expect status 200",
-             f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {per_server} "
+             f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {engine.slots(model.view)} "
              "observe layer4 error-limit 1 on-error mark-down"]
     lines += _affinity(front)
-    for instance in plan.instances:
+    for instance in instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _timing_log(paths: Paths) -> list[str]:
@@ -193,12 +220,16 @@ def _first_byte(front: FrontendSection) -> list[str]:
             "    http-response set-var(txn.first_byte_ms) date(0,ms),sub(txn.started_ms)"]
 
 
-def _health(front: FrontendSection) -> list[str]:
+def _health(config: Config) -> list[str]:
     """frontend.health_path, answered here: nbsrv counts the servers HAProxy would send a
     request to (up, not drained, not in maintenance), so a host whose every instance is
-    starting, draining or down says 503, and one busy instance does not delay the answer."""
+    starting, draining or down says 503, and one busy instance does not delay the answer.
+    With `[[models]]`, every model needs one (routing.health)."""
+    front = config.frontend
     if not front.health_path:
         return []
+    if multi(config):
+        return health(config, front.health_path, _HEALTHY)
     when = f"{{ path {front.health_path} }}"
     return [f"    http-request return status 200 content-type application/json string '{_HEALTHY}' "
             f"if {when} {{ nbsrv({BACKEND}) ge 1 }}",
@@ -216,7 +247,7 @@ def _global(config: Config, paths: Paths, maxconn: int) -> list[str]:
              f"    server-state-file {quoted(paths.state)}",
              # Server up/down changes reach the journal (or the process backend's log file).
              "    log stderr format short local0 notice"]
-    if config.frontend.affinity == Affinity.USER:
+    if config.frontend.affinity == Affinity.USER or routed(config):
         lines.append(f"    tune.bufsize {body_buffer(config)}")
     return lines
 
@@ -246,8 +277,10 @@ def _defaults(front: FrontendSection) -> list[str]:
 
 
 def body_buffer(config: Config) -> int:
-    """HAProxy's tune.bufsize for affinity = "user": the longest prompt an instance accepts fits."""
-    wanted = config.one_model.context_size * _BYTES_PER_TOKEN + _HEADER_ROOM
+    """HAProxy's tune.bufsize for affinity = "user" or routing by `model`: the longest prompt
+    an instance of any model accepts fits."""
+    context = max(s.view.one_model.context_size for s in served_models(config))
+    wanted = context * _BYTES_PER_TOKEN + _HEADER_ROOM
     return max(_MIN_BUFFER, -(-wanted // 1024) * 1024)
 
 
