@@ -86,6 +86,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "config/example": (CORE, "the shipped etc/numa-infer.toml generated from the schema: every key, its "
                              "description, its default or the listed override and why"),
     "config/frontend": (CORE, "the [frontend] table: the front door's address, queue, timeouts, affinity, limits"),
+    "config/model_tables": (CORE, "one [[models]] table: the model's file, names, placement and engine keys"),
+    "config/models": (CORE, "the served models, each with its view of the configuration; checks across tables"),
     "config/load": (CORE, "TOML text -> a validated `Config`, each error one line naming the file, key and fix"),
     "config/schema": (CORE, "the schema of /etc/numa-infer.toml, table by table, and `Config`"),
     "config/server": (CORE, "the [server] table: engine, program, ports, slots, user, key file, extra arguments"),
@@ -111,6 +113,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "plan/memory_fit": (CORE, "do the instances fit in their nodes' memory: per node, the sum of what each "
                                "instance bound there holds against the node's memory less a reserve"),
     "plan/placement": (CORE, "config + topology -> the plan: nodes, cores, instances, threads; the reserved-core rule"),
+    "plan/multi": (CORE, "several models on a node: its cores split between their instances, along L3"),
     "plan/ports": (CORE, "the plan's ports: base_port + k, the front door's and metrics' apart, exposure warnings"),
     # -- host --------------------------------------------------------------------------------------
     "host/__init__": (CORE, PACKAGE_INIT),

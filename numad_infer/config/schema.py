@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from numad_infer.config.frontend import FrontendSection
-from numad_infer.config.models import ModelEntry
+from numad_infer.config.model_tables import ModelEntry
 from numad_infer.config.server import ServerSection
 from numad_infer.config.values import (
     NodeSelection,

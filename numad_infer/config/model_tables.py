@@ -1,0 +1,88 @@
+"""One `[[models]]` table: a model's file, its names, its placement and its engine keys.
+What the served models become (each with its view of the configuration) is
+config/models.py. Pure."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, field_validator
+
+from numad_infer.config.values import NodeSelection, SafeStr, Section
+
+# A name is a unit instance name's part (`infer@<name>-<node>`), an HAProxy backend name, a
+# Prometheus label and what a client sends: letters, digits and `. _ : -` are valid in all
+# four with no escaping. It starts with a letter so that no JSON number (`"model": 7`) reads
+# as a name at the front door.
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9._:-]{0,63}")
+NAME_RULE = ("1-64 letters, digits or . _ : -, starting with a letter, e.g. \"llama-3.1-8b\" (it becomes part of "
+             "the unit names, the front door's routes and the metrics' `model` label)")
+
+
+def _check_name(value: str) -> str:
+    if not _NAME.fullmatch(value):
+        raise ValueError(f"must be {NAME_RULE}")
+    return value
+
+
+class ModelEntry(Section):
+    """One `[[models]]` table."""
+
+    name: str = Field(
+        description="the id clients send as `model`, and the model's part of its unit names; unique",
+        json_schema_extra={"kind": "name"},
+    )
+    aliases: list[str] = Field(
+        default_factory=list,
+        description="other ids that route to this model at the front door, e.g. `[\"gpt-4o-mini\"]`",
+        json_schema_extra={"kind": "list of names"},
+    )
+    path: SafeStr = Field(
+        description="the GGUF file this model's instances load, as `model.path`",
+        json_schema_extra={"kind": "absolute path"},
+    )
+    context_size: int = Field(4096, ge=64, le=1_048_576, description="as `model.context_size`, for this model")
+    mlock: bool = Field(False, description="as `model.mlock`, for this model")
+    nodes: NodeSelection = Field(
+        "all",
+        description="the nodes this model has instances on, as `placement.nodes`",
+        json_schema_extra={"kind": "`\"all\"` or list of node ids"},
+    )
+    instances_per_node: int = Field(1, ge=1, le=256, description="this model's instances on each of its nodes")
+    cores_per_instance: int = Field(
+        0, ge=0, le=4096,
+        description=(
+            "physical cores per instance; `0`: an even share of what the models with a number leave on the node "
+            "(split between every instance of the models with `0` there)"
+        ),
+    )
+    parallel: int = Field(
+        0, ge=0, le=64,
+        description="llama-server only: this model's slots per instance; `0`: `server.parallel`",
+    )
+    extra_args: list[SafeStr] = Field(
+        default_factory=list,
+        description=(
+            "more arguments for this model's instances, after `server.extra_args` (the last of an option wins); "
+            "the same rules as `server.extra_args`"
+        ),
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        return _check_name(value)
+
+    @field_validator("aliases")
+    @classmethod
+    def _aliases(cls, value: list[str]) -> list[str]:
+        for alias in value:
+            _check_name(alias)
+        return value
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/"):
+            raise ValueError("must be an absolute path, e.g. /var/lib/numa-infer/models/model.gguf")
+        return value
