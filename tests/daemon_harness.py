@@ -222,7 +222,7 @@ class DaemonRun:
                  machine: fakesys.FakeMachine | None = None, extra_config: str = "", interval_s: float = 0.5,
                  backoff_s: float = 0.2, frontend: str | None = None, context_size: int = 256,
                  engine: str = "llama-cpp-python", cgroup: Path | None = None, run_args: tuple[str, ...] = (),
-                 seccomp_refuse: tuple[str, ...] = ()) -> None:
+                 seccomp_refuse: tuple[str, ...] = (), models: str = "") -> None:
         """`cgroup`: a cgroup v1 directory (a cpuset) the daemon, and so its servers, start in.
         `run_args`: more options for `numa-infer run`.
         `seccomp_refuse`: system calls a real seccomp filter refuses (EPERM) to the daemon and
@@ -237,6 +237,7 @@ class DaemonRun:
         self.context_size = context_size
         self.server_extra = ""  # more [server] keys
         self.engine = engine
+        self.models = models  # [[models]] tables instead of [model] ("{model}" stands for the model's path)
         # The front door on a port of its own per run (tests may run while another daemon does).
         self.frontend_port = self.base_port + 500
         # `frontend`: the [frontend] keys; "{port}" stands for that port.
@@ -271,9 +272,10 @@ class DaemonRun:
         )
 
     def write_config(self, placement: str = "", monitor: str = "", extra: str = "") -> None:
+        model = (self.models.replace("{model}", str(self.model)) if self.models
+                 else f'[model]\npath = "{self.model}"\ncontext_size = {self.context_size}\n')
         self.config.write_text(
-            f'[model]\npath = "{self.model}"\ncontext_size = {self.context_size}\n'
-            f"[placement]\n{placement}\n"
+            f"{model}[placement]\n{placement}\n"
             f'[server]\nbase_port = {self.base_port}\n{engine_keys(self.engine)}{self.server_extra}\n'
             f"[monitor]\ninterval_s = {self.interval_s}\nprobe_timeout_s = 1.0\nstartup_grace_s = 60\nunhealthy_after = 2\n"
             f"restart_backoff_s = {self.backoff_s}\nnuma_maps_interval_s = 1\n{monitor}\n"

@@ -1,0 +1,103 @@
+"""Several models on one host, end to end: the real daemon (process backend), real HAProxy,
+real llama-server instances, two [[models]] on the fake 2-node topology (tests/daemon_harness.py:
+these hosts have two CPUs), each model on its own node's core. Routing is checked on the
+answer's `model`, which each instance sets itself (`--alias`), not the front door."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_harness import DaemonRun, daemons, generated_model
+
+ALPHA = '[[models]]\nname = "alpha"\naliases = ["a1"]\npath = "{model}"\ncontext_size = 256\nnodes = [0]\n'
+BETA = '[[models]]\nname = "beta"\npath = "{model}"\ncontext_size = 256\nnodes = [1]\n'
+
+
+@pytest.fixture
+def run(tmp_path: Path):
+    with daemons(tmp_path, generated_model("tiny")) as start:
+        yield start(engine="llama-server", models=ALPHA + BETA)
+
+
+def ask(port: int, model: object, timeout: float = 60) -> tuple[int, dict]:
+    body = {"prompt": "hello", "max_tokens": 2} | ({} if model is None else {"model": model})
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def in_rotation(run: DaemonRun, names: list[str], timeout: float = 120) -> dict:
+    return run.wait(lambda s: sorted(i["name"] for i in s["instances"]) == sorted(names)
+                    and (s.get("frontdoor") or {}).get("up")
+                    and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in s["instances"]),
+                    timeout, f"{names} healthy and in rotation")
+
+
+def test_two_models_are_placed_apart_and_routed_by_name_and_alias(run: DaemonRun) -> None:
+    state = in_rotation(run, ["infer@alpha-0", "infer@beta-1"])
+    assert {i["name"]: i["cpus"] for i in state["instances"]} == {"infer@alpha-0": [0], "infer@beta-1": [1]}
+    port = run.frontend_port
+    assert [ask(port, m)[1].get("model") for m in ("alpha", "a1", "beta")] == ["alpha", "alpha", "beta"]
+    for wrong in ("gamma", None, 7, ["alpha"]):
+        code, body = ask(port, wrong)
+        assert code == 404 and body["error"]["code"] == "model_not_found", (wrong, code, body)
+        assert "alpha" in body["error"]["message"] and "beta" in body["error"]["message"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=10) as resp:
+        assert {"alpha", "beta"} <= {m["id"] for m in json.load(resp)["data"]}
+
+
+def test_a_killed_instance_of_one_model_fails_no_request_of_the_other(run: DaemonRun) -> None:
+    state = in_rotation(run, ["infer@alpha-0", "infer@beta-1"])
+    victim = run.instance(state, "infer@beta-1")["pid"]
+    outcomes: list[tuple[int, str | None]] = []
+    done = threading.Event()
+
+    def client() -> None:
+        while not done.is_set() and len(outcomes) < 400:
+            code, body = ask(run.frontend_port, "alpha")
+            outcomes.append((code, body.get("model")))
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    try:
+        time.sleep(1)
+        os.kill(victim, signal.SIGKILL)
+        run.wait(lambda s: (i := run.instance(s, "infer@beta-1"))["state"] == "healthy" and i["pid"] != victim,
+                 60, "beta's instance back")
+    finally:
+        done.set()
+        thread.join(60)
+    assert outcomes and all(o == (200, "alpha") for o in outcomes), outcomes[:5]
+
+
+def test_a_reload_that_adds_and_removes_a_model_leaves_the_other_alone(run: DaemonRun) -> None:
+    state = in_rotation(run, ["infer@alpha-0", "infer@beta-1"])
+    alpha = run.instance(state, "infer@alpha-0")
+    run.models = ALPHA
+    run.write_config()
+    assert run.cli("reload").returncode == 0
+    state = in_rotation(run, ["infer@alpha-0"])
+    kept = run.instance(state, "infer@alpha-0")
+    assert (kept["pid"], kept["port"]) == (alpha["pid"], alpha["port"])
+    # One model left: any name routes to it, as with a single [model].
+    assert ask(run.frontend_port, "beta")[1].get("model") == "alpha"
+    run.models = ALPHA + BETA
+    run.write_config()
+    assert run.cli("reload").returncode == 0
+    state = in_rotation(run, ["infer@alpha-0", "infer@beta-1"])
+    kept = run.instance(state, "infer@alpha-0")
+    assert (kept["pid"], kept["port"]) == (alpha["pid"], alpha["port"])
+    assert ask(run.frontend_port, "beta")[1].get("model") == "beta"
