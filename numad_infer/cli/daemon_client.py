@@ -125,12 +125,14 @@ def cmd_restart(args: argparse.Namespace) -> int:
 
 
 def _instance_names(given: list[str], status: Status) -> tuple[str, ...] | str:
-    """The instances named (`infer@1`, or the node's number `1`); empty for all; a str
+    """The instances named (`infer@1`, the node's number `1`, with `[[models]]` also
+    `chat-1` or a model's name, `chat`, for all of its instances); empty for all; a str
     saying which name matches none."""
     known = [i.name for i in status.instances]
     names: list[str] = []
     for name in given:
-        match = [k for k in known if k == name or k.rsplit("@", 1)[-1] == name]
+        # An instance's part after "@" is `<node>[.<k>]`, or `<model>-<node>[.<k>]` with [[models]].
+        match = [k for k in known if name in (k, k.rsplit("@", 1)[-1], k.rsplit("@", 1)[-1].rpartition("-")[0])]
         if not match:
             return f"no instance named {name!r}; the instances are {', '.join(known) or 'none'}"
         names.extend(match)

@@ -126,7 +126,8 @@ def _add_probe_commands(sub: _Subparsers, common: argparse.ArgumentParser) -> No
                        help="restart instances one at a time behind the front door (drained first; the next once the "
                             "last is healthy), e.g. to load a model file changed in place; follows the roll")
     p.add_argument("instances", nargs="*", metavar="INSTANCE",
-                   help="instance names as `status` shows them (infer@1) or node numbers (1); default: all")
+                   help="instance names as `status` shows them (infer@1), node numbers (1), or with [[models]] "
+                   "a model's name (chat) for all of its instances; default: all")
     p.add_argument("--pid", type=int, metavar="PID", help="daemon PID (default: from the state file)")
     p.add_argument("--timeout", type=float, default=900.0, metavar="SECONDS",
                    help="how long to follow the roll before giving up waiting; the daemon goes on (default 900)")

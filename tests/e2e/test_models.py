@@ -101,3 +101,14 @@ def test_a_reload_that_adds_and_removes_a_model_leaves_the_other_alone(run: Daem
     kept = run.instance(state, "infer@alpha-0")
     assert (kept["pid"], kept["port"]) == (alpha["pid"], alpha["port"])
     assert ask(run.frontend_port, "beta")[1].get("model") == "beta"
+
+
+def test_restart_by_model_name_rolls_that_models_instances_alone(run: DaemonRun) -> None:
+    state = in_rotation(run, ["infer@alpha-0", "infer@beta-1"])
+    pids = {i["name"]: i["pid"] for i in state["instances"]}
+    out = run.cli("restart", "--timeout", "120", "beta")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[-1] == "restarted: infer@beta-1"
+    state = in_rotation(run, ["infer@alpha-0", "infer@beta-1"])
+    now = {i["name"]: i["pid"] for i in state["instances"]}
+    assert now["infer@alpha-0"] == pids["infer@alpha-0"] and now["infer@beta-1"] != pids["infer@beta-1"]
