@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def offline_status(args: argparse.Namespace) -> Status:
     """The daemon is down: still show the plan and what the units are doing."""
-    from numad_infer.status.records import DaemonState, DaemonStatus, InstanceStatus, Status
+    from numad_infer.status.records import DaemonState, DaemonStatus, InstanceStatus, Status, group_models
 
     try:
         loaded = load_all(args)
@@ -41,4 +41,7 @@ def offline_status(args: argparse.Namespace) -> Status:
                                              State.UNSUPERVISED if seen[i.name].pid else State.STOPPED,
                                              unit_state=seen[i.name].description)
                       for i in loaded.plan.instances)
-    return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=tuple(warnings)), instances)
+    served = tuple((m.served.name, m.served.aliases) for m in loaded.models)
+    # No daemon, no front door it runs: no model is in rotation, each says why.
+    return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=tuple(warnings)), instances,
+                  models=group_models(served, instances, True))

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from numad_infer.engines import Engine
     from numad_infer.plan.memory_fit import InstanceMemory, NodeFit
     from numad_infer.plan.model import Plan
-    from numad_infer.status.records import Status
+    from numad_infer.status.records import InstanceStatus, Status
     from numad_infer.topology.cgroup_limits import Allowed
     from numad_infer.topology.model import Topology
 
@@ -121,9 +121,45 @@ def format_status(status: Status) -> str:
             lines.append(f"front door: http://{front.listen} DOWN" + (f": {front.error}" if front.error else ""))
     # The engine's own columns only where an instance has them (llama-server).
     engine = any(i.slots is not None for i in status.instances)
+    if status.multi:
+        lines += _by_model(status, engine)
+    else:
+        lines += _instance_table(status.instances, engine)
+    for i in status.instances:
+        for label, event in (("last drift", i.last_drift), ("last repair", i.last_repair)):
+            if event is not None:
+                when = time.strftime("%H:%M:%S", time.localtime(event.at))
+                lines.append(f"  {i.name}: {label} {when} [{event.kind}] {event.detail}")
+        if i.error:
+            lines.append(f"  {i.name}: error: {i.error}")
+        if i.unit_state:
+            lines.append(f"  {i.name}: unit {i.unit_state}")
+    return printable_lines(lines)
+
+
+def _by_model(status: Status, engine: bool) -> list[str]:
+    """[[models]]: a line per model (its health, its queue), then its instances' table."""
+    lines: list[str] = []
+    placed: set[str] = set()
+    for model in status.models:
+        aliases = f" (aliases: {', '.join(model.aliases)})" if model.aliases else ""
+        health = "healthy" if model.healthy else f"NOT SERVING: {model.problem}"
+        load = "" if model.in_flight is None else f", {model.in_flight} in flight, {model.queued} queued"
+        lines.append(f"model {model.name}{aliases}: {health}{load}")
+        mine = tuple(i for i in status.instances if i.name in model.instances)
+        placed.update(i.name for i in mine)
+        lines += ["  " + row for row in _instance_table(mine, engine)]
+    rest = tuple(i for i in status.instances if i.name not in placed)
+    if rest:  # a model a reload removed, its instances still draining
+        lines.append("not in the configuration:")
+        lines += ["  " + row for row in _instance_table(rest, engine)]
+    return lines
+
+
+def _instance_table(instances: tuple[InstanceStatus, ...], engine: bool) -> list[str]:
     rows = [("INSTANCE", "NODE", "CPUS", "PORT", "PID", "STATE", "UPTIME", "RESTARTS", "LOCAL-MEM", "PROBE",
              "ROTATION", "INFLIGHT", "QUEUED") + (("SLOTS", "TOK/S", "BW-EFF") if engine else ())]
-    for i in status.instances:
+    for i in instances:
         frac = i.local_memory_fraction
         row: tuple[str, ...] = (i.name, _dash(i.node), format_list(i.cpus), str(i.port), _dash(i.pid),
                i.state.value + (" drifting" if i.drifting else ""), _age(i.uptime_s), str(i.restarts),
@@ -135,17 +171,7 @@ def format_status(status: Status) -> str:
                     "-" if i.decode_tokens_per_s is None else f"{i.decode_tokens_per_s:.1f}",
                     "-" if i.decode_efficiency is None else f"{i.decode_efficiency:.0%}")
         rows.append(row)
-    lines += format_table(rows)
-    for i in status.instances:
-        for label, event in (("last drift", i.last_drift), ("last repair", i.last_repair)):
-            if event is not None:
-                when = time.strftime("%H:%M:%S", time.localtime(event.at))
-                lines.append(f"  {i.name}: {label} {when} [{event.kind}] {event.detail}")
-        if i.error:
-            lines.append(f"  {i.name}: error: {i.error}")
-        if i.unit_state:
-            lines.append(f"  {i.name}: unit {i.unit_state}")
-    return printable_lines(lines)
+    return format_table(rows)
 
 
 def _dash(value: object) -> str:

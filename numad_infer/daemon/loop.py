@@ -110,8 +110,9 @@ class Daemon:
             allowed=snapshot.allowed_line(self.plan.loaded),
             min_local_fraction=config.monitor.min_local_fraction if config else None)
         runtimes = list(self.reconciler.runtimes.values())
-        return Status(daemon, snapshot.instances(runtimes, now, self.frontdoor, self.plan.loaded, self.tuned),
-                      snapshot.frontdoor_status(self.frontdoor))
+        instances = snapshot.instances(runtimes, now, self.frontdoor, self.plan.loaded, self.tuned)
+        return Status(daemon, instances, snapshot.frontdoor_status(self.frontdoor),
+                      snapshot.models(instances, self.frontdoor, self.plan.loaded))
 
     def publish(self, now: float) -> None:
         self.latest = self.snapshot(now)

@@ -8,7 +8,14 @@ from dataclasses import replace
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy_config import server_name
 from numad_infer.lifecycle.states import State
-from numad_infer.status.records import FrontdoorStatus, InstanceStatus, MemoryStatus, ReloadResult
+from numad_infer.status.records import (
+    FrontdoorStatus,
+    InstanceStatus,
+    MemoryStatus,
+    ModelStatus,
+    ReloadResult,
+    group_models,
+)
 from numad_infer.supervision.health import KeyCheck
 from numad_infer.supervision.instance import Runtime
 from numad_infer.topology.cgroup_limits import left_out
@@ -47,6 +54,30 @@ def instances(runtimes: list[Runtime], now: float, frontdoor: Frontdoor, loaded:
         return replace(_instance_status(rt, now, frontdoor, slots, _efficiency(rt, weights, tuned)), cpu_backend=cpu)
 
     return tuple(status(rt) for rt in runtimes)
+
+
+def models(instances: tuple[InstanceStatus, ...], frontdoor: Frontdoor,
+           loaded: Loaded | None) -> tuple[ModelStatus, ...]:
+    """The instances grouped by the model they serve, each with its health and its queue at
+    the front door."""
+    if loaded is None:
+        return ()
+    served = tuple((m.served.name, m.served.aliases) for m in loaded.models)
+    load: dict[str, tuple[int, int]] = {}
+    stats = frontdoor.stats if frontdoor.listen else None
+    # One backend per model at the front door (frontdoor/control.py's model_stats); before
+    # it, or with one model, the front door's one backend is the model's.
+    per_model = getattr(frontdoor, "model_stats", None) if stats is not None else None
+    for name, _ in served:
+        stat = per_model.get(name) if isinstance(per_model, dict) else None
+        if stat is not None:
+            load[name] = (stat.queued, stat.in_flight)
+        elif stats is not None and len(served) == 1:
+            load[name] = (stats.queued, stats.in_flight)
+        elif stats is not None:
+            mine = [i for i in instances if i.model == name]
+            load[name] = (sum(i.queued or 0 for i in mine), sum(i.in_flight or 0 for i in mine))
+    return group_models(served, instances, bool(frontdoor.listen), load)
 
 
 def allowed_line(loaded: Loaded | None) -> str | None:
@@ -97,6 +128,8 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
         rotation=None if stat is None else stat.status, in_flight=None if stat is None else stat.in_flight,
         queued=None if stat is None else stat.queued, served=None if stat is None else stat.served,
         slots=slots, busy_slots=None if rt.counters is None else rt.counters.busy_slots,
+        kv_cache_tokens=None if rt.counters is None else rt.counters.kv_cache_tokens,
+        kv_cache_size=None if rt.counters is None else rt.counters.kv_cache_size,
         decode_tokens_per_s=None if rt.decode_tokens_per_s is None else round(rt.decode_tokens_per_s, 1),
         decode_efficiency=None if efficiency is None else round(efficiency, 4),
         time_to_first_token=None if timings is None else timings[0],

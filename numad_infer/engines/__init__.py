@@ -9,6 +9,7 @@ from numad_infer.engines.base import (
     Engine,
     EngineCounters,
     HostAccess,
+    KvCacheUse,
     engine_of,
     engines,
     get,
@@ -24,5 +25,5 @@ from numad_infer.engines.llama_server import LlamaServer
 register(LlamaCppPython())
 DEFAULT = register(LlamaServer()).name
 
-__all__ = ["DEFAULT", "KEY_CREDENTIAL", "Engine", "EngineCounters", "HostAccess", "LlamaCppPython", "LlamaServer",
-           "engine_of", "engines", "get", "names", "register", "unregister"]
+__all__ = ["DEFAULT", "KEY_CREDENTIAL", "Engine", "EngineCounters", "HostAccess", "KvCacheUse", "LlamaCppPython",
+           "LlamaServer", "engine_of", "engines", "get", "names", "register", "unregister"]

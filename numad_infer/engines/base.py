@@ -43,6 +43,17 @@ class EngineCounters:
 
     tokens_predicted: float  # counter: tokens generated since the server started
     busy_slots: int  # requests being worked on right now
+    # The KV cache (`Engine.kv_cache_path`): tokens the busy slots hold, cells of all slots.
+    kv_cache_tokens: int | None = None
+    kv_cache_size: int | None = None
+
+
+@dataclass(frozen=True)
+class KvCacheUse:
+    """How full an engine's KV cache is: tokens held by requests in progress, of its cells."""
+
+    tokens: int
+    size: int
 
 
 class HostAccess(Protocol):
@@ -73,6 +84,8 @@ class Engine(ABC):
     key_check_path: ClassVar[str] = "/v1/models"
     # The server's own Prometheus counters, None when it has none.
     metrics_path: ClassVar[str | None] = None
+    # A route that says how full its KV cache is (`parse_kv_cache`), None when it has none.
+    kv_cache_path: ClassVar[str | None] = None
     # How to get CPU kernels for this host's wide units ("" when the engine has no way).
     cpu_fix: ClassVar[str] = ""
     # The server.* key naming the program every instance executes (`check` shows it, and a
@@ -121,6 +134,10 @@ class Engine(ABC):
 
     def parse_metrics(self, text: str) -> EngineCounters | None:
         """The counters in a scrape of `metrics_path`, None when they are not all there."""
+        return None
+
+    def parse_kv_cache(self, text: str) -> KvCacheUse | None:
+        """The KV cache's use in an answer of `kv_cache_path`, None when it does not say."""
         return None
 
     def cpu(self, config: Config, host: HostAccess) -> EngineCpuReport:

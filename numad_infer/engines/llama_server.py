@@ -3,11 +3,20 @@ Decoding is memory-bound, so several sequences read the weights once per step.""
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from typing import TYPE_CHECKING, ClassVar
 
-from numad_infer.engines.base import KEY_CREDENTIAL, Engine, EngineCounters, HostAccess, last_option, positive
+from numad_infer.engines.base import (
+    KEY_CREDENTIAL,
+    Engine,
+    EngineCounters,
+    HostAccess,
+    KvCacheUse,
+    last_option,
+    positive,
+)
 from numad_infer.errors import ConfigError
 from numad_infer.host.cpufeatures import VARIANT_FEATURES, EngineCpuReport, declined_by, from_backend_log
 from numad_infer.model.ggml import CACHE_TYPES, DEFAULT_CACHE_TYPE
@@ -53,6 +62,10 @@ class LlamaServer(Engine):
     key_env = "LLAMA_API_KEY"
     program_key = "llama_server"
     metrics_path = "/metrics"
+    # Its /metrics no longer has the KV cache's use (llamacpp:kv_cache_usage_ratio is gone);
+    # /slots (on unless --no-slots) says per slot its cells (`n_ctx`) and, once a task has
+    # run in it, the tokens it holds (`n_prompt_tokens`: the prompt and what it generated).
+    kv_cache_path = "/slots"
     overhead = OVERHEAD
     cpu_fix = ("build server.llama_server with `NUMA_INFER_CPU_VARIANTS=all scripts/build-llama-server` (one CPU "
                "backend per x86 level, the best chosen at start), or with scripts/build-llama-server on this machine")
@@ -160,3 +173,26 @@ class LlamaServer(Engine):
         if len(found) != len(_COUNTERS):
             return None
         return EngineCounters(found["tokens_predicted"], int(found["busy_slots"]))
+
+    def parse_kv_cache(self, text: str) -> KvCacheUse | None:
+        """/slots -> the tokens held by the slots working on a request, of every slot's
+        `n_ctx` cells. An idle slot keeps its last prompt for reuse (`n_prompt_tokens` stays),
+        but the next request takes those cells back at once: counted free, as a scheduler
+        should see them. Field names checked on the built server: tests/engines."""
+        try:
+            slots = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(slots, list) or not slots:
+            return None
+        tokens = size = 0
+        for slot in slots:
+            if not isinstance(slot, dict):
+                return None
+            n_ctx, held = slot.get("n_ctx"), slot.get("n_prompt_tokens", 0)
+            if type(n_ctx) is not int or type(held) is not int or n_ctx < 0 or held < 0:
+                return None
+            size += n_ctx
+            if slot.get("is_processing") is True:
+                tokens += min(held, n_ctx)
+        return KvCacheUse(tokens, size)

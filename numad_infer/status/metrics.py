@@ -39,13 +39,16 @@ class SnapshotCollector(Collector):
         snap = self.snapshot()
         if snap is None:
             return
-        yield from _instance_metrics(snap.instances)
+        models = {i.name: snap.model_of(i) for i in snap.instances}
+        yield from _instance_metrics(snap.instances, models)
+        yield from _model_metrics(snap)
         yield from _daemon_metrics(snap)
 
 
 # `server`, not `instance`: Prometheus's own target label is `instance` (the host), and a
-# daemon's `instance` would be renamed `exported_instance` on every scrape.
-_LABELS = ["server", "node"]
+# daemon's `instance` would be renamed `exported_instance` on every scrape. `model`: the
+# name clients send ([[models]] name; model.name with a single [model], "" without one).
+_LABELS = ["server", "node", "model"]
 
 # Per-instance gauges: (name, help, the value, None when the instance has none).
 _GAUGES: tuple[tuple[str, str, Callable[[InstanceStatus], float | None]], ...] = (
@@ -74,10 +77,17 @@ _GAUGES: tuple[tuple[str, str, Callable[[InstanceStatus], float | None]], ...] =
      lambda i: i.busy_slots),
     ("numa_infer_instance_slots", "Requests the instance can work on at once (engines that report it)",
      lambda i: i.slots),
+    ("numa_infer_instance_kv_cache_usage_ratio",
+     "Share of the instance's KV cache held by requests in progress, 0 to 1 (llama-server's /slots)",
+     lambda i: None if not i.kv_cache_size or i.kv_cache_tokens is None else i.kv_cache_tokens / i.kv_cache_size),
 )
 
 
-def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator[Metric]:
+def _key(inst: InstanceStatus, models: dict[str, str]) -> list[str]:
+    return [inst.name, "" if inst.node is None else str(inst.node), models.get(inst.name, inst.model)]
+
+
+def _instance_metrics(instances: tuple[InstanceStatus, ...], models: dict[str, str]) -> Iterator[Metric]:
     gauges = [(GaugeMetricFamily(name, text, labels=_LABELS), value) for name, text, value in _GAUGES]
     state = GaugeMetricFamily("numa_infer_instance_state", "1 for the instance's current state",
                               labels=[*_LABELS, "state"])
@@ -90,7 +100,7 @@ def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator[Metric]
                             "The engine's CPU kernels: ggml's variant and its wide units",
                             labels=[*_LABELS, "cpu_backend"])
     for inst in instances:
-        key = [inst.name, "" if inst.node is None else str(inst.node)]
+        key = _key(inst, models)
         for family, value in gauges:
             found = value(inst)
             if found is not None:
@@ -105,10 +115,10 @@ def _instance_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator[Metric]
             repairs.add_metric([*key, kind.value], inst.repairs.get(kind.value, 0))
     yield from (family for family, _ in gauges)
     yield from (state, restarts, drifts, repairs, cpu)
-    yield from _latency_metrics(instances)
+    yield from _latency_metrics(instances, models)
 
 
-def _latency_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator[Metric]:
+def _latency_metrics(instances: tuple[InstanceStatus, ...], models: dict[str, str]) -> Iterator[Metric]:
     """Per instance, from the front door's log of each request (request_log.py says how)."""
     first = HistogramMetricFamily(
         "numa_infer_time_to_first_token_seconds",
@@ -119,11 +129,40 @@ def _latency_metrics(instances: tuple[InstanceStatus, ...]) -> Iterator[Metric]:
         "numa_infer_request_duration_seconds",
         "From the front door receiving a request to the last byte of its answer, queue included", labels=_LABELS)
     for inst in instances:
-        key = [inst.name, "" if inst.node is None else str(inst.node)]
+        key = _key(inst, models)
         for family, histogram in ((first, inst.time_to_first_token), (whole, inst.request_duration)):
             if histogram is not None:
                 family.add_metric(key, histogram.cumulative(), histogram.sum)
     yield from (first, whole)
+
+
+def _model_metrics(snap: Status) -> Iterator[Metric]:
+    """Per model: what the Kubernetes inference gateway's endpoint picker weighs (its
+    --total-queued-requests-metric, --total-running-requests-metric and
+    --kv-cache-usage-percentage-metric name them, with `{model=NAME}`: docs/kubernetes.md)."""
+    healthy = GaugeMetricFamily("numa_infer_model_healthy",
+                                "1 while at least one of the model's instances is in rotation", labels=["model"])
+    queued = GaugeMetricFamily("numa_infer_model_requests_queued",
+                               "Requests for the model waiting at the front door for one of its instances",
+                               labels=["model"])
+    running = GaugeMetricFamily("numa_infer_model_requests_running",
+                                "Requests for the model the front door has sent to its instances and not finished",
+                                labels=["model"])
+    kv = GaugeMetricFamily("numa_infer_model_kv_cache_usage_ratio",
+                           "Share of the KV cache of the model's instances in rotation held by requests in progress, "
+                           "0 to 1 (llama-server's /slots)", labels=["model"])
+    for model in snap.models:
+        healthy.add_metric([model.name], 1.0 if model.healthy else 0.0)
+        if model.in_flight is not None:
+            queued.add_metric([model.name], model.queued or 0)
+            running.add_metric([model.name], model.in_flight)
+        # Of the instances that can take its next request: a drained one's cache is no room.
+        mine = [i for i in snap.instances if i.name in model.instances and i.kv_cache_size
+                and i.kv_cache_tokens is not None and (snap.frontdoor is None or in_rotation(i.rotation))]
+        if mine:
+            kv.add_metric([model.name], sum(i.kv_cache_tokens or 0 for i in mine) / sum(i.kv_cache_size or 0
+                                                                                         for i in mine))
+    yield from (healthy, queued, running, kv)
 
 
 def _daemon_metrics(snap: Status) -> Iterator[Metric]:

@@ -91,6 +91,7 @@ class InstanceStatus:
     port: int
     pid: int | None
     state: State
+    model: str = ""  # the [[models]] name it serves; "" with a single [model]
     unit_state: str | None = None  # what systemd says, when no daemon supervises
     uptime_s: float | None = None
     restarts: int = 0
@@ -122,13 +123,30 @@ class InstanceStatus:
     request_duration: Histogram | None = None
     # The CPU kernels the engine runs: ggml's variant and its wide units, e.g. "haswell (AVX2)"
     cpu_backend: str | None = None
+    # KV cache (llama-server's /slots): tokens its busy slots hold, and the cells of all its slots.
+    kv_cache_tokens: int | None = None
+    kv_cache_size: int | None = None
 
     @classmethod
     def planned(cls, instance: Instance, pid: int | None, state: State, **observed: Any) -> InstanceStatus:
         """What the plan says of `instance` (its place and port) plus what was observed of it:
         the one projection of a planned instance, for the daemon and for `status` without one."""
         return cls(name=instance.name, node=instance.node, cpus=instance.cpus, mems=instance.mems,
-                   threads=instance.threads, port=instance.port, pid=pid, state=state, **observed)
+                   threads=instance.threads, port=instance.port, pid=pid, state=state, model=instance.model,
+                   **observed)
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One served model: the ids that route to it, its instances, and whether it answers."""
+    name: str  # what clients send ("" with a single [model] that has no model.name)
+    aliases: tuple[str, ...] = ()
+    instances: tuple[str, ...] = ()
+    healthy: bool = False  # at least one of its instances in rotation (`model_health`)
+    problem: str | None = None  # why not, when not
+    # The front door's queue and requests in its instances, for this model (None without one).
+    queued: int | None = None
+    in_flight: int | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +195,20 @@ class Status:
     daemon: DaemonStatus
     instances: tuple[InstanceStatus, ...]
     frontdoor: FrontdoorStatus | None = None
+    # Grouped by model (one entry with a single [model]); `instances` stays the flat list.
+    models: tuple[ModelStatus, ...] = ()
+
+    @property
+    def multi(self) -> bool:
+        """The [[models]] form: its instances carry the model's name."""
+        return any(i.model for i in self.instances)
+
+    def model_of(self, instance: InstanceStatus) -> str:
+        """The served model's name of an instance (model.name with a single [model])."""
+        for model in self.models:
+            if instance.name in model.instances:
+                return model.name
+        return instance.model
 
     @property
     def healthy(self) -> bool:
@@ -215,6 +247,37 @@ class Status:
             return decode(cls, body, "state")
         except DecodeError as exc:
             raise StatusError(f"{source}: not a numa-infer state file ({exc})") from None
+
+
+def model_health(instances: tuple[InstanceStatus, ...], frontdoor: bool) -> tuple[bool, str | None]:
+    """A model answers while at least one of its instances is in rotation (healthy, where
+    there is no front door); otherwise what is wrong, as counts of its instances' states."""
+    healthy = [i for i in instances if i.state == State.HEALTHY]
+    answering = any(in_rotation(i.rotation) for i in healthy) if frontdoor else bool(healthy)
+    if answering:
+        return True, None
+    if not instances:
+        return False, "no instance planned"
+    counts: dict[str, int] = {}
+    for i in instances:
+        word = "healthy, out of rotation" if i.state == State.HEALTHY else i.state.value
+        counts[word] = counts.get(word, 0) + 1
+    states = ", ".join(f"{n} {word}" for word, n in sorted(counts.items()))
+    return False, f"no instance in rotation ({states})"
+
+
+def group_models(served: tuple[tuple[str, tuple[str, ...]], ...], instances: tuple[InstanceStatus, ...],
+                 frontdoor: bool, load: dict[str, tuple[int, int]] | None = None) -> tuple[ModelStatus, ...]:
+    """`served`: (name, aliases) per model, in the configuration's order; with one model every
+    instance is its own (their `model` is "" in the single form). `load`: the front door's
+    (queued, in flight) per model name."""
+    out = []
+    for name, aliases in served:
+        mine = tuple(i for i in instances if i.model == name or len(served) == 1)
+        healthy, problem = model_health(mine, frontdoor)
+        queued, in_flight = (load or {}).get(name, (None, None))
+        out.append(ModelStatus(name, aliases, tuple(i.name for i in mine), healthy, problem, queued, in_flight))
+    return tuple(out)
 
 
 def _plain(value: Any) -> Any:

@@ -18,7 +18,7 @@ a time must not hold the daemon's pass.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from numad_infer.engines import Engine, EngineCounters
@@ -26,7 +26,8 @@ from numad_infer.util.addresses import connect_host
 from numad_infer.util.peer import NoAnswer, PeerError, http_get
 
 # The engine's counters: llama-server's /metrics is about 2 KiB; a scrape past this is no
-# server of ours, and is refused before the rest of it is read.
+# server of ours, and is refused before the rest of it is read. Its /slots is about 1.5 KiB
+# a slot (each slot's sampling parameters): 64 slots, the most server.parallel allows, fit.
 METRICS_CAP = 1 << 20
 
 
@@ -77,14 +78,25 @@ def probe(host: str, port: int, timeout_s: float, path: str) -> ProbeResult:
 def read_engine_metrics(engine: Engine, host: str, port: int, key: str | None,
                         timeout_s: float) -> EngineCounters | None:
     """The server's own counters, or None (none at all, not answering within `timeout_s`, a
-    refused key, a scrape longer than METRICS_CAP)."""
+    refused key, a scrape longer than METRICS_CAP); with its KV cache's use where the engine
+    has a route for it, both calls within the one `timeout_s`."""
     if engine.metrics_path is None:
         return None
+    deadline = time.monotonic() + timeout_s
+    body = _get(host, port, engine.metrics_path, key, timeout_s)
+    counters = None if body is None else engine.parse_metrics(body)
+    if counters is None or engine.kv_cache_path is None:
+        return counters
+    left = deadline - time.monotonic()
+    body = _get(host, port, engine.kv_cache_path, key, left) if left > 0 else None
+    kv = None if body is None else engine.parse_kv_cache(body)
+    return counters if kv is None else replace(counters, kv_cache_tokens=kv.tokens, kv_cache_size=kv.size)
+
+
+def _get(host: str, port: int, path: str, key: str | None, timeout_s: float) -> str | None:
     headers = {} if key is None else {"Authorization": f"Bearer {key}"}
     try:
-        answer = http_get(connect_host(host), port, engine.metrics_path, headers, timeout_s, METRICS_CAP)
+        answer = http_get(connect_host(host), port, path, headers, timeout_s, METRICS_CAP)
     except (OSError, PeerError):
         return None
-    if answer.status != 200:
-        return None
-    return engine.parse_metrics(answer.body.decode("utf-8", "replace"))
+    return answer.body.decode("utf-8", "replace") if answer.status == 200 else None

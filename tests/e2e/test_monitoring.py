@@ -37,7 +37,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from numad_infer.lifecycle.states import State
 from numad_infer.status.metrics import SnapshotCollector
-from numad_infer.status.records import DaemonState, DaemonStatus, FrontdoorStatus, InstanceStatus, Status
+from numad_infer.status.records import (
+    DaemonState,
+    DaemonStatus,
+    FrontdoorStatus,
+    InstanceStatus,
+    ModelStatus,
+    Status,
+)
 from numad_infer.tune import bandwidth_file as bandwidthfile
 from numad_infer.util.histogram import REQUEST_DURATION_BOUNDS, TIME_TO_FIRST_TOKEN_BOUNDS, Histogram, Recorder
 from tests.daemon_harness import ROOT, DaemonRun, daemons, free_port_block, generated_model
@@ -56,7 +63,8 @@ EXPECTED_EMPTY_WHEN_HEALTHY: dict[str, tuple[str, ...]] = {
     "NumaInferDaemonAbsent": ('numa_infer_config_ok',),
     "NumaInferInstanceFailed": ('numa_infer_instance_state{state="failed"}',),
     "NumaInferInstanceUnhealthy": ('numa_infer_instance_healthy',),
-    "NumaInferNodeOutOfRotation": ('max by (job, instance, node) (numa_infer_instance_in_rotation)',),
+    "NumaInferNodeOutOfRotation": ('max by (job, instance, model, node) (numa_infer_instance_in_rotation)',),
+    "NumaInferModelDown": ('numa_infer_model_healthy',),
     "NumaInferMemoryNotLocal": ('numa_infer_local_memory_fraction',
                                 'numa_infer_min_local_fraction'),
     "NumaInferRestartLoop": ('increase(numa_infer_instance_restarts_total[15m])',),
@@ -70,7 +78,7 @@ EXPECTED_EMPTY_WHEN_HEALTHY: dict[str, tuple[str, ...]] = {
         'sum by (job, instance, server, le) (rate(numa_infer_time_to_first_token_seconds_bucket[10m]))',),
 }
 # Grafana's own variables, as the dashboard's "All" would send them.
-DASHBOARD_VARIABLES = {"$instance": ".*", "$node": ".*", "$__rate_interval": "1m"}
+DASHBOARD_VARIABLES = {"$instance": ".*", "$node": ".*", "$model": ".*", "$__rate_interval": "1m"}
 
 
 def _tool(name: str) -> str:
@@ -112,7 +120,8 @@ def _full_status() -> Status:
     inst = InstanceStatus(name="infer@0", node=0, cpus=(0,), mems=(0,), threads=1, port=8080, pid=1,
                           state=State.HEALTHY, local_memory_fraction=0.8, probe_latency_ms=3.0, drift_events={"memory": 1},
                           repairs={"memory": 1}, rotation="UP 1/2", in_flight=1, queued=0, served=5, slots=2,
-                          busy_slots=1, decode_tokens_per_s=10.0, decode_efficiency=0.4,
+                          busy_slots=1, decode_tokens_per_s=10.0, decode_efficiency=0.4, kv_cache_tokens=64,
+                          kv_cache_size=512,
                           time_to_first_token=_histogram(TIME_TO_FIRST_TOKEN_BOUNDS, 0.3, 2.0),
                           request_duration=_histogram(REQUEST_DURATION_BOUNDS, 1.5, 4.0))
     out = InstanceStatus(name="infer@1", node=1, cpus=(1,), mems=(1,), threads=1, port=8081, pid=2,
@@ -120,7 +129,8 @@ def _full_status() -> Status:
     front = FrontdoorStatus("127.0.0.1:8000", True, queued=3, in_flight=1, queue_size=64,
                             responses={"2xx": 40, "5xx": 2})
     daemon = DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml", pass_duration_s=0.01, min_local_fraction=0.9)
-    return Status(daemon, (inst, out), front)
+    models = (ModelStatus("", (), ("infer@0", "infer@1"), True, None, queued=3, in_flight=1),)
+    return Status(daemon, (inst, out), front, models)
 
 
 def _histogram(bounds: tuple[float, ...], *values: float) -> Histogram:
@@ -132,11 +142,11 @@ def _histogram(bounds: tuple[float, ...], *values: float) -> Histogram:
 
 def test_the_request_timings_are_published_as_prometheus_histograms() -> None:
     text = _published(_full_status())
-    assert 'numa_infer_time_to_first_token_seconds_bucket{le="0.25",node="0",server="infer@0"} 0.0' in text
-    assert 'numa_infer_time_to_first_token_seconds_bucket{le="0.5",node="0",server="infer@0"} 1.0' in text
-    assert 'numa_infer_time_to_first_token_seconds_bucket{le="+Inf",node="0",server="infer@0"} 2.0' in text
-    assert 'numa_infer_time_to_first_token_seconds_count{node="0",server="infer@0"} 2.0' in text
-    assert 'numa_infer_request_duration_seconds_sum{node="0",server="infer@0"} 5.5' in text
+    assert 'numa_infer_time_to_first_token_seconds_bucket{le="0.25",model="",node="0",server="infer@0"} 0.0' in text
+    assert 'numa_infer_time_to_first_token_seconds_bucket{le="0.5",model="",node="0",server="infer@0"} 1.0' in text
+    assert 'numa_infer_time_to_first_token_seconds_bucket{le="+Inf",model="",node="0",server="infer@0"} 2.0' in text
+    assert 'numa_infer_time_to_first_token_seconds_count{model="",node="0",server="infer@0"} 2.0' in text
+    assert 'numa_infer_request_duration_seconds_sum{model="",node="0",server="infer@0"} 5.5' in text
     assert 'server="infer@1"' not in "".join(line for line in text.splitlines() if "_seconds_" in line)
 
 
@@ -149,8 +159,8 @@ def _published(status: Status) -> str:
 def test_metrics_publish_rotation_queue_size_answers_and_the_locality_floor() -> None:
     text = _published(_full_status())
     # "UP 1/2" is still in rotation (one failed check of the two it takes to go DOWN).
-    assert 'numa_infer_instance_in_rotation{node="0",server="infer@0"} 1.0' in text
-    assert 'numa_infer_instance_in_rotation{node="1",server="infer@1"} 0.0' in text
+    assert 'numa_infer_instance_in_rotation{model="",node="0",server="infer@0"} 1.0' in text
+    assert 'numa_infer_instance_in_rotation{model="",node="1",server="infer@1"} 0.0' in text
     assert "numa_infer_frontdoor_queue_size 64.0" in text
     assert "numa_infer_frontdoor_requests_in_flight 1.0" in text
     assert 'numa_infer_frontdoor_responses_total{code="5xx"} 2.0' in text
@@ -381,3 +391,27 @@ def test_the_deb_ships_the_dashboard_the_rules_and_their_tests_side_by_side() ->
     assert shipped[str(DASHBOARD.relative_to(ROOT))] == "usr/share/numa-infer/grafana/"
     assert shipped[rules] == shipped[tests] == "usr/share/numa-infer/prometheus/"
     assert yaml.safe_load(RULES_TEST.read_text())["rule_files"] == [RULES.name]
+
+
+def test_two_models_label_every_instance_and_publish_queue_running_and_kv_cache_per_model() -> None:
+    """[[models]]: each instance's series carry its model; the endpoint picker's three
+    metrics are per model, the KV cache over the model's instances in rotation only."""
+    chat = InstanceStatus(name="infer@chat-0", node=0, cpus=(0,), mems=(0,), threads=1, port=8080, pid=1,
+                          state=State.HEALTHY, model="chat", rotation="UP", in_flight=2, queued=0,
+                          kv_cache_tokens=300, kv_cache_size=1000)
+    drained = replace(chat, name="infer@chat-1", node=1, rotation="DRAIN", kv_cache_tokens=1000)
+    small = InstanceStatus(name="infer@small-0", node=0, cpus=(1,), mems=(0,), threads=1, port=8082, pid=3,
+                           state=State.FAILED, model="small", rotation="MAINT", in_flight=0, queued=0)
+    models = (ModelStatus("chat", ("gpt-4o",), ("infer@chat-0", "infer@chat-1"), True, None, 4, 2),
+              ModelStatus("small", (), ("infer@small-0",), False, "no instance in rotation (1 failed)", 0, 0))
+    full = _full_status()
+    text = _published(Status(full.daemon, (chat, drained, small), full.frontdoor, models))
+    assert 'numa_infer_instance_healthy{model="chat",node="0",server="infer@chat-0"} 1.0' in text
+    assert 'numa_infer_instance_healthy{model="small",node="0",server="infer@small-0"} 0.0' in text
+    assert 'numa_infer_model_healthy{model="chat"} 1.0' in text
+    assert 'numa_infer_model_healthy{model="small"} 0.0' in text
+    assert 'numa_infer_model_requests_queued{model="chat"} 4.0' in text
+    assert 'numa_infer_model_requests_running{model="chat"} 2.0' in text
+    assert 'numa_infer_model_kv_cache_usage_ratio{model="chat"} 0.3' in text
+    assert 'numa_infer_model_kv_cache_usage_ratio{model="small"}' not in text  # no instance says
+    assert 'numa_infer_instance_kv_cache_usage_ratio{model="chat",node="1",server="infer@chat-1"} 1.0' in text

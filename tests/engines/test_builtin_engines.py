@@ -226,3 +226,60 @@ def test_the_model_name_is_what_the_engine_reports_as_model(tmp_path: Path, serv
 def test_an_unsafe_model_name_is_refused_with_the_rule(name: str) -> None:
     with pytest.raises(ConfigError, match=r"model.name = .*: must be 1-64 letters, digits or \. _ : -"):
         parse_config(f'[model]\npath = "/m.gguf"\nname = "{name}"\n', "/etc/numa-infer.toml")
+
+
+SLOTS = ('[{"id":0,"n_ctx":256,"is_processing":false,"n_prompt_tokens":243},'
+         '{"id":1,"n_ctx":256,"is_processing":true,"n_prompt_tokens":56}]')
+
+
+def test_the_kv_cache_use_is_what_the_busy_slots_hold_of_every_slot_s_cells() -> None:
+    from numad_infer.engines import KvCacheUse
+    parse = LlamaServer().parse_kv_cache
+    # The idle slot keeps its last 243 tokens for reuse: free for the next request.
+    assert parse(SLOTS) == KvCacheUse(56, 512)
+    assert parse('[{"id":0,"n_ctx":256,"is_processing":false}]') == KvCacheUse(0, 256)
+    for bad in ("", "{}", "[]", '[{"n_ctx":"256"}]', '[{"n_ctx":256,"n_prompt_tokens":-1}]', "[1]"):
+        assert parse(bad) is None, bad
+
+
+def test_the_real_llama_server_s_slots_say_the_tokens_a_request_holds(tmp_path: Path) -> None:
+    """The field names (`n_ctx`, `is_processing`, `n_prompt_tokens`) on the built server."""
+    import json
+    import subprocess
+    import threading
+    import time
+    import urllib.request
+
+    from numad_infer.supervision.health import read_engine_metrics
+    from tests.daemon_harness import free_port_block, generated_model, llama_server_binary
+
+    port = free_port_block(1)
+    proc = subprocess.Popen([str(llama_server_binary()), "--model", str(generated_model("tiny")), "--host",
+                             "127.0.0.1", "--port", str(port), "--ctx-size", "1024", "--parallel", "2",
+                             "--threads", "1", "--metrics", "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        engine = LlamaServer()
+        deadline = time.monotonic() + 60
+        idle = None
+        while idle is None and time.monotonic() < deadline:
+            idle = read_engine_metrics(engine, "127.0.0.1", port, None, 2.0)
+            time.sleep(0.2)
+        assert idle is not None and (idle.kv_cache_tokens, idle.kv_cache_size) == (0, 1024)
+        body = json.dumps({"prompt": "hello world", "n_predict": 480, "ignore_eos": True, "n_probs": 50}).encode()
+
+        def complete() -> None:
+            urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/completion", body), timeout=60)
+
+        worker = threading.Thread(target=complete)
+        worker.start()
+        seen = []
+        while worker.is_alive():
+            got = read_engine_metrics(engine, "127.0.0.1", port, None, 2.0)
+            if got is not None and got.kv_cache_tokens:
+                seen.append(got.kv_cache_tokens)
+        worker.join()
+        assert seen and all(0 < n <= 512 for n in seen) and seen == sorted(seen), seen
+    finally:
+        proc.terminate()
+        proc.wait(10)

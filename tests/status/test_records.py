@@ -1,0 +1,62 @@
+"""status/records.py: instances grouped by model, each model's health, the JSON's `models`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from numad_infer.cli.present import format_status
+from numad_infer.lifecycle.states import State
+from numad_infer.status.records import (
+    DaemonState,
+    DaemonStatus,
+    FrontdoorStatus,
+    InstanceStatus,
+    Status,
+    group_models,
+)
+
+
+def _inst(name: str, model: str, state: State = State.HEALTHY, rotation: str | None = "UP") -> InstanceStatus:
+    return InstanceStatus(name=name, node=0, cpus=(0,), mems=(0,), threads=1, port=8080, pid=1, state=state,
+                          model=model, rotation=rotation, in_flight=0, queued=0)
+
+
+SERVED = (("chat", ("gpt-4o",)), ("small", ()))
+
+
+def test_a_model_is_healthy_while_one_of_its_instances_is_in_rotation_and_says_why_when_not() -> None:
+    instances = (_inst("infer@chat-0", "chat"), _inst("infer@chat-1", "chat", State.FAILED, "MAINT"),
+                 _inst("infer@small-0", "small", State.HEALTHY, "DRAIN"),
+                 _inst("infer@small-1", "small", State.STARTING, "DOWN"))
+    chat, small = group_models(SERVED, instances, True, {"chat": (3, 1)})
+    assert (chat.name, chat.aliases, chat.instances, chat.healthy) == ("chat", ("gpt-4o",),
+                                                                       ("infer@chat-0", "infer@chat-1"), True)
+    assert (chat.queued, chat.in_flight) == (3, 1)
+    assert not small.healthy and small.problem == "no instance in rotation (1 healthy, out of rotation, 1 starting)"
+    # Without a front door, a healthy instance is enough.
+    assert group_models(SERVED, instances, False)[1].healthy
+
+
+def test_status_json_carries_the_models_and_keeps_the_flat_instances_list() -> None:
+    instances = (_inst("infer@chat-0", "chat"), _inst("infer@small-0", "small", State.FAILED, "MAINT"))
+    status = Status(DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml"), instances,
+                    FrontdoorStatus("127.0.0.1:8000", True, 0, 0), group_models(SERVED, instances, True))
+    data = json.loads(json.dumps(status.to_json()))
+    assert [i["name"] for i in data["instances"]] == ["infer@chat-0", "infer@small-0"]
+    assert [(m["name"], m["aliases"], m["healthy"], m["instances"]) for m in data["models"]] == [
+        ("chat", ["gpt-4o"], True, ["infer@chat-0"]), ("small", [], False, ["infer@small-0"])]
+    assert Status.from_json(data) == status
+
+
+def test_status_groups_by_model_only_with_models_and_the_single_form_reads_as_before() -> None:
+    instances = (_inst("infer@chat-0", "chat"), _inst("infer@small-0", "small", State.FAILED, "MAINT"))
+    daemon = DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml")
+    text = format_status(Status(daemon, instances, None, group_models(SERVED, instances, True)))
+    lines = text.splitlines()
+    at = lines.index("model chat (aliases: gpt-4o): healthy")
+    assert lines[at + 2].startswith("  infer@chat-0 ")
+    assert "model small: NOT SERVING: no instance in rotation (1 failed)" in lines
+    single = tuple(replace(i, model="") for i in instances)
+    plain = format_status(Status(daemon, single, None, group_models((("", ()),), single, True)))
+    assert format_status(Status(daemon, single)) == plain and "model " not in plain
