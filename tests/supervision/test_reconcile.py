@@ -528,8 +528,12 @@ def test_another_model_file_changes_every_instances_definition_and_rolls_them_on
     config = cfg()
     plan = make_plan(config, three_nodes())
     before, after = loaded_for(config, plan), loaded_for(config, plan)
-    before = dataclasses.replace(before, artifacts="model /m.gguf: 1:10:100:1")
-    after = dataclasses.replace(after, artifacts="model /m.gguf: 1:11:100:2")
+    def with_artifacts(loaded, artifacts: str):
+        (model,) = loaded.models
+        return dataclasses.replace(loaded, models=(dataclasses.replace(model, artifacts=artifacts),))
+
+    before = with_artifacts(before, "model /m.gguf: 1:10:100:1")
+    after = with_artifacts(after, "model /m.gguf: 1:11:100:2")
     process = ProcessBackend(Path("/nonexistent"))
     assert process.specs(before) != process.specs(after)
     backend, front = RecordingBackend(), FakeFrontdoor()
@@ -542,3 +546,27 @@ def test_another_model_file_changes_every_instances_definition_and_rolls_them_on
     diff = rec.apply(after, 1.0)
     assert set(diff.changed) == {"infer@0", "infer@1", "infer@2"}
     assert backend.calls == [("restart", "infer@0")]  # the others wait for it to be healthy
+
+
+def test_another_file_for_one_of_several_models_rolls_that_models_instances_alone(probes_answer) -> None:
+    """[[models]]: each instance's definition carries its own model's file identity, so a new
+    file for one model restarts its instances, and no other model's (both backends)."""
+    from numad_infer.backends.process import ProcessBackend
+    from numad_infer.backends.systemd import SystemdBackend
+    from numad_infer.backends.base import BackendKind
+    from numad_infer.config.load import parse_config
+
+    config = parse_config('[[models]]\nname = "a"\npath = "/m/a.gguf"\nnodes = [0, 1]\n'
+                          '[[models]]\nname = "b"\npath = "/m/b.gguf"\nnodes = [2]\n', "/etc/numa-infer.toml")
+    plan = make_plan(config, three_nodes())
+
+    def with_b(kind, b_file: str):
+        loaded = loaded_for(config, plan, kind=kind)
+        a, b = loaded.models
+        return dataclasses.replace(loaded, models=(dataclasses.replace(a, artifacts="model a: 1"),
+                                                   dataclasses.replace(b, artifacts=f"model b: {b_file}")))
+
+    for backend, kind in ((ProcessBackend(Path("/nonexistent")), BackendKind.PROCESS),
+                          (SystemdBackend.__new__(SystemdBackend), BackendKind.SYSTEMD)):
+        old, new = backend.specs(with_b(kind, "1")), backend.specs(with_b(kind, "2"))
+        assert sorted(n for n in new if new[n] != old[n]) == ["infer@b-2"], kind

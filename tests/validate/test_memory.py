@@ -63,12 +63,13 @@ def test_an_instance_is_sized_from_the_header_and_the_engines_context(tmp_path: 
     model, server = host
     loaded = validate(config(model, server, 2048, 2), SOURCE, small_nodes(tmp_path, 4), BackendKind.PROCESS,
                       unit_dirs=())
-    m = loaded.memory
+    (one,) = loaded.models
+    m = one.memory
     assert m.weights == 256 * 4096 * 2
     assert m.kv_cache == 2048 * 2 * 128 * 1024  # context_size x parallel cells, 128 KiB each
     # llama-server's: its runtime + 160 B x 256 vocabulary entries + 512 x (48 B x 4096 + 2 B x 2048 per slot).
     assert m.overhead == OVERHEAD.runtime + 160 * 256 + 512 * (48 * 4096 + 2 * 2048)
-    assert loaded.instance_memory.bytes == m.total and loaded.instance_memory.model == "llama3ish.gguf"
+    assert loaded.memory_of("").bytes == m.total and loaded.memory_of("").model == "llama3ish.gguf"
 
 
 def test_instances_that_do_not_fit_a_node_are_refused_naming_node_bytes_and_fix(tmp_path: Path, host) -> None:
@@ -88,4 +89,4 @@ def test_instances_that_do_not_fit_a_node_are_refused_naming_node_bytes_and_fix(
     # A q8_0 cache (34 bytes per 32 values, not 64) halves it: then it fits.
     fitted = validate(config(model, server, 8192, 4, 'extra_args = ["-ctk", "q8_0", "-ctv", "q8_0"]\n'), SOURCE,
                       small_nodes(tmp_path / "again", 4), BackendKind.PROCESS, unit_dirs=())
-    assert fitted.memory.kv_cache == 8192 * 4 * 32 * 2 * 1024 // 32 * 34
+    assert fitted.models[0].memory.kv_cache == 8192 * 4 * 32 * 2 * 1024 // 32 * 34
