@@ -8,7 +8,7 @@ import re
 
 from pydantic import Field, field_validator
 
-from numad_infer.config.values import NodeSelection, SafeStr, Section
+from numad_infer.config.values import NodeSelection, SafeStr, Section, ThreadCount
 
 # A name is a unit instance name's part (`infer@<name>-<node>`), an HAProxy backend name, a
 # Prometheus label and what a client sends: letters, digits and `. _ : -` are valid in all
@@ -29,7 +29,10 @@ class ModelEntry(Section):
     """One `[[models]]` table."""
 
     name: str = Field(
-        description="the id clients send as `model`, and the model's part of its unit names; unique",
+        description=(
+            "the id clients send as `model`, and the model's part of its unit names: 1-64 letters, digits or "
+            "`. _ : -`, starting with a letter; unique among every model's name and aliases"
+        ),
         json_schema_extra={"kind": "name"},
     )
     aliases: list[str] = Field(
@@ -55,6 +58,18 @@ class ModelEntry(Section):
             "physical cores per instance; `0`: an even share of what the models with a number leave on the node "
             "(split between every instance of the models with `0` there)"
         ),
+    )
+    # Threads are the model's own: its instances have their own number of cores, and `tune --model`
+    # measures and writes each model's.
+    threads: ThreadCount | None = Field(
+        None,
+        description="as `placement.threads`, for this model's instances; `numa-infer tune --model NAME` writes it",
+        json_schema_extra={"kind": '`"auto"` or int >= 1', "default": "placement.threads"},
+    )
+    threads_batch: ThreadCount | None = Field(
+        None,
+        description="as `placement.threads_batch`, for this model's instances",
+        json_schema_extra={"kind": '`"auto"` or int >= 1', "default": "placement.threads_batch"},
     )
     parallel: int = Field(
         0, ge=0, le=64,
