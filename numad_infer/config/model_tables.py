@@ -5,8 +5,9 @@ config/models.py. Pure."""
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
 from numad_infer.config.values import NodeSelection, SafeStr, Section, ThreadCount
 
@@ -25,6 +26,10 @@ def _check_name(value: str) -> str:
     return value
 
 
+# Checked item by item, so that a refusal names `models[0].aliases[1]`, not the whole list.
+Name = Annotated[str, AfterValidator(_check_name)]
+
+
 class ModelEntry(Section):
     """One `[[models]]` table."""
 
@@ -35,7 +40,7 @@ class ModelEntry(Section):
         ),
         json_schema_extra={"kind": "name"},
     )
-    aliases: list[str] = Field(
+    aliases: list[Name] = Field(
         default_factory=list,
         description="other ids that route to this model at the front door, e.g. `[\"gpt-4o-mini\"]`",
         json_schema_extra={"kind": "list of names"},
@@ -87,13 +92,6 @@ class ModelEntry(Section):
     @classmethod
     def _name(cls, value: str) -> str:
         return _check_name(value)
-
-    @field_validator("aliases")
-    @classmethod
-    def _aliases(cls, value: list[str]) -> list[str]:
-        for alias in value:
-            _check_name(alias)
-        return value
 
     @field_validator("path")
     @classmethod
