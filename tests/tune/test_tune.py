@@ -471,8 +471,8 @@ def _models_setup(tmp_path: Path, tables: str) -> tuple[Path, Path]:
         (home / f"{name}.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(4088))
         (home / f"{name}.gguf").chmod(0o644)
     path = tmp_path / "numa-infer.toml"
-    path.write_text(f'[server]\nllama_server = "{llama_server_binary()}"\n[frontend]\nlisten = ""\n'
-                    + tables.replace("/big.gguf", str(home / "big.gguf")).replace("/small.gguf", str(home / "small.gguf")))
+    tables = tables.replace("/big.gguf", str(home / "big.gguf")).replace("/small.gguf", str(home / "small.gguf"))
+    path.write_text(f'[server]\nllama_server = "{llama_server_binary()}"\n[frontend]\nlisten = ""\n' + tables)
     return path, fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())
 
 
@@ -528,3 +528,27 @@ def test_tune_model_on_a_single_model_file_is_refused_unless_it_names_that_model
     with pytest.raises(ConfigError, match=r"--model chat: no such model in the file; the models are none \(the "
                                           r"\[model\] table has no name: leave out --model\)"):
         model_to_tune(TuneRequest(**{**request.__dict__, "model": "chat"}), loaded)
+
+
+def test_tune_model_measures_that_models_instance_on_its_own_cores_only(daemon) -> None:
+    # This host (2 cores, one node) split between two models of one core each: the grid of
+    # model b is its one core (the whole node's would be 2 and 1), and the choice is its key.
+    from bench.serving import host_machine
+    from tests.daemon_harness import engine_keys
+
+    run = daemon(machine=host_machine(), frontend='listen = ""\n')
+    run.stop()
+    tables = "".join(f'[[models]]\nname = "{name}"\npath = "{run.model}"\ncontext_size = {run.context_size}\n'
+                     "cores_per_instance = 1\n" for name in ("a", "b"))
+    run.config.write_text(f'[server]\nbase_port = {run.base_port}\n{engine_keys(run.engine)}\n[frontend]\nlisten = ""\n'
+                          + tables)
+    refused = tune(run, "--quick")
+    assert refused.returncode == 1 and "pass --model NAME, one of a, b" in refused.stderr, refused.stderr
+    done = tune(run, "--model", "b", "--quick", "--json", "--samples", "1", "--tokens", "8")
+    assert done.returncode == 0, done.stderr[-1500:]
+    report = json.loads(done.stdout)
+    assert [c["threads"] for c in report["candidates"]] == [1] and report["cpus"] == [1]
+    assert report["candidates"][0]["decode_tokens_per_s"]["median"] > 0
+    assert [c["key"] for c in report["choices"]] == ["models[1].threads", "models[1].threads_batch"]
+    applied = tune(run, "--model", "b", "--quick", "--samples", "1", "--tokens", "8", "--apply")
+    assert applied.returncode == 0 and "unchanged" in applied.stdout, applied.stderr[-1500:]
