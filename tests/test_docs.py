@@ -32,7 +32,13 @@ def test_the_contributing_layout_names_every_module_as_the_layer_map_says() -> N
 
 def test_every_key_has_a_description_and_the_limits_are_shown() -> None:
     docs = {d.key: d for d in configref.keys()}
-    assert set(docs) == {f"{s}.{k}" for s, f in Config.model_fields.items() for k in f.annotation.model_fields}
+    expected = set()
+    for section in Config.model_fields:
+        table, array = configref.table_of(section)
+        expected |= {f"{section}{'[]' if array else ''}.{k}" for k in table.model_fields}
+    assert set(docs) == expected and "models[].cores_per_instance" in docs and "model.path" in docs
+    assert configref.table_of("model")[1] is False and configref.heading("models") == "[[models]]"
+    assert docs["models[].threads"].default == "placement.threads" and docs["models[].name"].default is None
     assert all(d.meaning for d in docs.values()), [k for k, d in docs.items() if not d.meaning]
     assert [name for name, about in configref.tables() if about] == list(Config.model_fields)
     assert docs["model.context_size"].kind == "int 64..1048576"
@@ -149,8 +155,9 @@ def test_every_configuration_key_the_docs_name_exists() -> None:
     key fails here, not in an operator's config."""
     import re
 
-    sections = {name: info.annotation for name, info in Config.model_fields.items()}
-    pattern = re.compile(r"\b(%s)\.([a-z_]+)\b" % "|".join(sections))
+    sections = {name: configref.table_of(name)[0] for name in Config.model_fields}
+    # `models[].name`, `models[1].path` and `models[k].parallel` name a key of the [[models]] tables.
+    pattern = re.compile(r"\b(%s)(?:\[\w*\])?\.([a-z_]+)\b" % "|".join(sections))
     man_pages = {"systemd.exec", "systemd.resource", "systemd.service", "systemd.unit"}  # `systemd.exec (5)`
     unknown = set()
     for name, text in _documents().items():

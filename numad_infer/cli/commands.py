@@ -169,7 +169,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     request = tuner.TuneRequest(args.config, args.fsroot, Path(args.state_file), args.nodes, args.quick, args.apply,
                                 args.stop_instances, args.samples, args.tokens, args.layouts,
-                                backend_kind(args.backend))
+                                backend_kind(args.backend), args.model)
     try:
         report, edits = tuner.run(request, progress)
     except TuneError as exc:
@@ -186,7 +186,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                         "noise)"))
         return 0
     backup = tuner.write_tuned(args.config, args.fsroot, request.kind, edits)
-    print(printable(f"{args.config}: " + ", ".join(f"{e.section}.{e.key} = {json.dumps(e.value)}" for e in edits)
+    print(printable(f"{args.config}: " + ", ".join(f"{e.name} = {json.dumps(e.value)}" for e in edits)
                     + f" (previous file kept as {backup})"))
     status = read_status(Path(args.state_file))
     if status is not None and status.daemon.state.live:

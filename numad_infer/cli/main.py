@@ -85,6 +85,9 @@ def _add_host_commands(sub: _Subparsers, common: argparse.ArgumentParser) -> Non
                        help="measure threads and memory bandwidth with this model; pick the fastest")
     p.add_argument("--nodes", type=lambda v: [int(n) for n in v.split(",")], default=None, metavar="N,...",
                    help="nodes to measure, e.g. 0,1 (default: the first planned node; the grid runs on the first)")
+    p.add_argument("--model", default=None, metavar="NAME",
+                   help="with [[models]]: the model to measure, on its own cores, and whose threads to write "
+                        "(models[k].threads); required when there are several")
     p.add_argument("--quick", action="store_true", help="fewer candidates, samples and tokens")
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
     p.add_argument("--apply", action="store_true",

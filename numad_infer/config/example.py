@@ -12,13 +12,14 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
-from numad_infer.config.reference import KeyDoc, keys, tables
+from numad_infer.config.reference import EXCLUSIVE, MODELS_EXAMPLE, MODELS_EXAMPLE_ABOUT, KeyDoc, keys, table_of, tables
 
 PATH = "etc/numa-infer.toml"  # in the source tree
 WIDTH = 88  # a terminal's width, less an editor's line numbers
 
 HEADER = (
-    "numa-infer configuration. Every key is optional except model.path.",
+    "numa-infer configuration. Every key is optional except model.path (or, for several",
+    "models, each [[models]] table's name and path: see [[models]] below).",
     "Reference: numa-infer.toml(5) and README.md. Validate with `numa-infer check`.",
     "Each key's comment is its text in that reference, then in [brackets] its type and,",
     "where the value here is another, its default. A key commented out is at its default.",
@@ -45,6 +46,14 @@ SHIPPED: dict[str, Shipped] = {
         'clients send one id, "model", whichever file is loaded; the default, the file\'s path, names a '
         "directory layout and changes when the file moves",
         '"model"'),
+    "placement.nodes": Shipped(
+        "with [[models]] each model has its own (models[].nodes) and a set placement.nodes is refused: left "
+        "unset, uncommenting the [[models]] example is all it takes to switch",
+        commented=True),
+    "placement.instances_per_node": Shipped(
+        "with [[models]] each model has its own (models[].instances_per_node) and a set one is refused: left "
+        "unset for the same reason as placement.nodes",
+        commented=True),
     "server.parallel": Shipped(
         "llama-server is the shipped engine for its slots (more tokens/s under concurrency, bench/README.md); "
         "with one slot the front door would queue every request behind the one in progress",
@@ -86,11 +95,33 @@ def _key(doc: KeyDoc) -> list[str]:
     return [*_comment(doc.meaning, "; ".join(facts)), f"{'# ' if commented else ''}{doc.name} = {value}"]
 
 
+def _facts(doc: KeyDoc) -> str:
+    facts = [] if doc.kind in _PLAIN_KINDS else [doc.kind]
+    facts.append("required" if doc.default is None else f"default {doc.default}")
+    return "; ".join(facts)
+
+
+def _array(table: str, about: str, docs: list[KeyDoc]) -> list[str]:
+    """An array of tables (`[[models]]`), all commented out: the file's active form is the
+    single `[model]`. Each key's description as a paragraph, then the worked example, which
+    uncommented (and `[model]` removed) is a valid file."""
+    lines = ["", *_comment(f"[[{table}]]: {about}. {EXCLUSIVE}. To serve several models, remove [{table[:-1]}] "
+                           f"above and uncomment the [[{table}]] tables below. Each table's keys:")]
+    for doc in docs:
+        if doc.section == table:
+            lines += ["#", *_comment(f"{doc.key}: {doc.meaning}", _facts(doc))]
+    lines += ["#", *_comment(MODELS_EXAMPLE_ABOUT + ":"), "#"]
+    return lines + [f"# {line}".rstrip() for line in MODELS_EXAMPLE.splitlines()]
+
+
 def example_toml() -> str:
     """The whole file."""
     lines = ["# " + line for line in HEADER]
     docs = keys()
     for table, about in tables():
+        if table_of(table)[1]:
+            lines += _array(table, about, docs)
+            continue
         lines += ["", *_comment(about), f"[{table}]"]
         for doc in docs:
             if doc.section == table:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,8 +39,8 @@ _TYPE_NAMES = {
 }
 
 
-# Keys whose values an error never shows.
-_UNSHOWN_KEYS = ("server.extra_args",)
+# Keys whose values an error never shows: every argument list (server's, and each [[models]] table's).
+_UNSHOWN_KEYS = re.compile(r"(server|models\[\d+\])\.extra_args\b")
 
 
 def _error_to_config_error(source: str, raw: dict[str, Any], error: Mapping[str, Any]) -> ConfigError:
@@ -56,7 +57,7 @@ def _error_to_config_error(source: str, raw: dict[str, Any], error: Mapping[str,
         return ConfigError(source, key, f"unknown key{hint} (allowed here: {', '.join(allowed)})")
     if kind == "missing":
         return ConfigError(source, key, "is required")
-    if key.startswith(_UNSHOWN_KEYS):
+    if _UNSHOWN_KEYS.match(key):
         # An argument list may hold a secret (an API key typed into it): name the key, never the value.
         return ConfigError(source, key, error["msg"].removeprefix("Value error, "))
     value = error.get("input")

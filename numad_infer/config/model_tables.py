@@ -5,10 +5,11 @@ config/models.py. Pure."""
 from __future__ import annotations
 
 import re
+from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import AfterValidator, Field, field_validator
 
-from numad_infer.config.values import NodeSelection, SafeStr, Section
+from numad_infer.config.values import NodeSelection, SafeStr, Section, ThreadCount
 
 # A name is a unit instance name's part (`infer@<name>-<node>`), an HAProxy backend name, a
 # Prometheus label and what a client sends: letters, digits and `. _ : -` are valid in all
@@ -25,14 +26,21 @@ def _check_name(value: str) -> str:
     return value
 
 
+# Checked item by item, so that a refusal names `models[0].aliases[1]`, not the whole list.
+Name = Annotated[str, AfterValidator(_check_name)]
+
+
 class ModelEntry(Section):
     """One `[[models]]` table."""
 
     name: str = Field(
-        description="the id clients send as `model`, and the model's part of its unit names; unique",
+        description=(
+            "the id clients send as `model`, and the model's part of its unit names: 1-64 letters, digits or "
+            "`. _ : -`, starting with a letter; unique among every model's name and aliases"
+        ),
         json_schema_extra={"kind": "name"},
     )
-    aliases: list[str] = Field(
+    aliases: list[Name] = Field(
         default_factory=list,
         description="other ids that route to this model at the front door, e.g. `[\"gpt-4o-mini\"]`",
         json_schema_extra={"kind": "list of names"},
@@ -56,6 +64,18 @@ class ModelEntry(Section):
             "(split between every instance of the models with `0` there)"
         ),
     )
+    # Threads are the model's own: its instances have their own number of cores, and `tune --model`
+    # measures and writes each model's.
+    threads: ThreadCount | None = Field(
+        None,
+        description="as `placement.threads`, for this model's instances; `numa-infer tune --model NAME` writes it",
+        json_schema_extra={"kind": '`"auto"` or int >= 1', "default": "placement.threads"},
+    )
+    threads_batch: ThreadCount | None = Field(
+        None,
+        description="as `placement.threads_batch`, for this model's instances",
+        json_schema_extra={"kind": '`"auto"` or int >= 1', "default": "placement.threads_batch"},
+    )
     parallel: int = Field(
         0, ge=0, le=64,
         description="llama-server only: this model's slots per instance; `0`: `server.parallel`",
@@ -72,13 +92,6 @@ class ModelEntry(Section):
     @classmethod
     def _name(cls, value: str) -> str:
         return _check_name(value)
-
-    @field_validator("aliases")
-    @classmethod
-    def _aliases(cls, value: list[str]) -> list[str]:
-        for alias in value:
-            _check_name(alias)
-        return value
 
     @field_validator("path")
     @classmethod

@@ -51,11 +51,14 @@ def _served(config: Config, k: int, entry: ModelEntry) -> ServedModel:
     server_update: dict[str, object] = {"extra_args": [*server.extra_args, *entry.extra_args]}
     if entry.parallel:
         server_update["parallel"] = entry.parallel
+    placement_update: dict[str, object] = {"nodes": entry.nodes, "instances_per_node": entry.instances_per_node}
+    for key in ("threads", "threads_batch"):
+        if getattr(entry, key) is not None:
+            placement_update[key] = getattr(entry, key)
     view = config.model_copy(update={
         "model": ModelSection(path=entry.path, name=entry.name, context_size=entry.context_size, mlock=entry.mlock),
         "models": [],
-        "placement": config.placement.model_copy(update={"nodes": entry.nodes,
-                                                          "instances_per_node": entry.instances_per_node}),
+        "placement": config.placement.model_copy(update=placement_update),
         "server": server.model_copy(update=server_update),
     })
     return ServedModel(entry.name, tuple(entry.aliases), view, entry.cores_per_instance, f"models[{k}]")

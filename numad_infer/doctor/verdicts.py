@@ -98,6 +98,7 @@ class Needs:
     mlock: bool
     engine: str
     per_instance: str = ""  # how one instance's estimate adds up (MemoryEstimate.describe)
+    context_keys: str = "model.context_size"  # the keys a fix names: each [[models]] table's own
 
 
 @dataclass(frozen=True)
@@ -240,7 +241,7 @@ def check_node_memory(f: HostFacts, plan: Needs) -> list[Check]:
             checks.append(Check(name, Level.FAIL, seen, wanted,
                                 "the instances do not fit: one spills to another node or fails to load",
                                 "free memory on the node (stop what uses it), use a smaller quantisation or "
-                                "model.context_size, or plan fewer instances on it (numa-infer plan)"))
+                                f"{plan.context_keys}, or plan fewer instances on it (numa-infer plan)"))
     return checks
 
 

@@ -17,7 +17,10 @@ def check_engine_keys(config: Config, source: str) -> None:
     if server.engine not in names():
         choices = ", ".join(repr(name) for name in names())
         raise ConfigError(source, "server.engine", f"must be one of {choices}", server.engine, True)
-    _check_key_flags(server.extra_args, source)
+    _check_key_flags(server.extra_args, source, "server.extra_args")
+    # Each [[models]] table's engine keys, as server's: its extra_args reach the same argv.
+    for k, entry in enumerate(config.models):
+        _check_key_flags(entry.extra_args, source, f"models[{k}].extra_args")
     for engine in engines():
         if engine.name == server.engine:
             continue
@@ -26,9 +29,14 @@ def check_engine_keys(config: Config, source: str) -> None:
             raise ConfigError(source, f"server.{key}", f"applies to server.engine = \"{engine.name}\" only, and "
                               f"server.engine is \"{server.engine}\"; remove the key or change the engine",
                               getattr(server, key), True)
+        for k, entry in enumerate(config.models):
+            for key in sorted(entry.model_fields_set & engine.own_keys):
+                raise ConfigError(source, f"models[{k}].{key}", f"applies to server.engine = \"{engine.name}\" only, "
+                                  f"and server.engine is \"{server.engine}\"; remove the key from this [[models]] "
+                                  "table or change the engine", getattr(entry, key), True)
 
 
-def _check_key_flags(extra_args: list[str], source: str) -> None:
+def _check_key_flags(extra_args: list[str], source: str, key: str) -> None:
     # Every engine's spellings, whichever engine is chosen: switching engines must not turn
     # a refused argument into an accepted one.
     flags = frozenset().union(*(engine.key_flags for engine in engines()))
@@ -39,7 +47,7 @@ def _check_key_flags(extra_args: list[str], source: str) -> None:
             # argv is world-readable (/proc/PID/cmdline) and so are the rendered units.
             # Only the flag's name is shown (never the value): its value, or the next
             # argument, may be the key.
-            raise ConfigError(source, "server.extra_args",
+            raise ConfigError(source, key,
                               f"item {index} is {name}, which hands the server an API key (or key file) on the "
                               "command line, where every user on the host can read it, and behind the daemon's "
                               "back; remove it and put the key in a root-only file (mode 600) named by "

@@ -33,6 +33,7 @@ class InstanceMemory:
     bytes: int
     detail: str  # how it adds up (MemoryEstimate.describe)
     shrink: str = "a smaller model.context_size"  # the engine's own ways to hold less
+    key: str = "model"  # where the model is configured, as a fix names it: "model" or "models[k]"
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ def check_fit(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topolo
 def _fixes(fit: NodeFit, here: list[tuple[Instance, InstanceMemory]], topo: Topology,
            instances_per_node: int) -> list[str]:
     """What would make the node's instances fit, most specific first."""
+    if any(i.model for i, _ in here):
+        return _models_fixes(fit, here)
     fixes = dict.fromkeys(m.shrink for _, m in here)
     if instances_per_node > 1:
         fixes[f"fewer placement.instances_per_node (now {instances_per_node})"] = None
@@ -108,6 +111,25 @@ def _fixes(fit: NodeFit, here: list[tuple[Instance, InstanceMemory]], topo: Topo
     bound = any(i.node is not None for i, _ in here)
     if bound and sum(1 for n in topo.nodes if n.memory_total_bytes > 0) > 1:
         fixes['placement.mode = "interleave" (one instance, its memory spread over every node)'] = None
+    return list(fixes)
+
+
+def _models_fixes(fit: NodeFit, here: list[tuple[Instance, InstanceMemory]]) -> list[str]:
+    """`_fixes` for `[[models]]`: each model's own keys (`models[k].context_size`, its
+    instances_per_node, its nodes); interleave is not one ([[models]] is per-node only)."""
+    fixes = dict.fromkeys(m.shrink for _, m in here)
+    keys = list(dict.fromkeys(m.key for _, m in here))
+    for key in keys:
+        count = sum(1 for _, m in here if m.key == key)
+        if count > 1:
+            fixes[f"fewer {key}.instances_per_node ({count} instances on node {fit.node})"] = None
+    fixes["a smaller quantisation of " + ("the model" if len(keys) == 1 else "one of the models")] = None
+    elsewhere = sorted({i.node for i, _ in here if i.node is not None and i.node != fit.node})
+    if elsewhere:  # CPUs of a node without memory of its own, allocating here
+        fixes[f"leaving node {', '.join(map(str, elsewhere))} out of {_or([f'{k}.nodes' for k in keys])} (its "
+              f"instances allocate on node {fit.node})"] = None
+    if len(keys) > 1:
+        fixes[f"fewer models on node {fit.node} (leave it out of {_or([f'{k}.nodes' for k in keys])})"] = None
     return list(fixes)
 
 

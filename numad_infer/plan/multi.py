@@ -14,12 +14,19 @@ No core is given twice, and the reserved ones were taken out before (placement.p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from numad_infer.config.models import ServedModel
+from numad_infer.config.models import ServedModel, multi, served_models
 from numad_infer.errors import ConfigError
+from numad_infer.plan.model import Instance
 from numad_infer.topology.model import Node
+
+if TYPE_CHECKING:
+    from numad_infer.config.schema import Config
+
+ThreadStep = Callable[["Config", list[Instance], str, tuple[str, str]], list[Instance]]
 
 Core = tuple[int, ...]
 
@@ -120,3 +127,19 @@ def _too_few(node: Node, have: int, wants: Sequence[Want], sized: int, sharers: 
                 "instance(s) that share them (at least one core each)")
     return (f"node {node.id} has {have} usable physical core(s) ({asks}); {need}; lower cores_per_instance or "
             "instances_per_node, leave the node out of a model's nodes, or reserve fewer CPUs (placement.reserve_cpus)")
+
+
+def each_models_threads(config: Config, instances: list[Instance], source: str, step: ThreadStep) -> list[Instance]:
+    """The thread step per model: each model's instances get its view's counts (its own
+    `models[k].threads` and `threads_batch`, else `placement`'s), and a refusal names the key
+    that set the count. The instances keep their order."""
+    if not multi(config):
+        return step(config, instances, source, ("placement.threads", "placement.threads_batch"))
+    done: dict[str, Instance] = {}
+    for entry, served in zip(config.models, served_models(config), strict=True):
+        keys = tuple(f"{served.key}.{k}" if getattr(entry, k) is not None else f"placement.{k}"
+                     for k in ("threads", "threads_batch"))
+        mine = [i for i in instances if i.model == served.name]
+        if mine:
+            done |= {i.name: i for i in step(served.view, mine, source, (keys[0], keys[1]))}
+    return [done[i.name] for i in instances]

@@ -13,7 +13,7 @@ from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
 from numad_infer.plan.memory_fit import InstanceMemory, check_fit
 from numad_infer.plan.model import Instance, Plan, Policy
-from numad_infer.plan.multi import Core, Want, instance_ident, split_node
+from numad_infer.plan.multi import Core, Want, each_models_threads, instance_ident, split_node
 from numad_infer.plan.ports import assign_ports, check_ports, exposure_warnings
 from numad_infer.systemd import unitnames
 from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed, within
@@ -93,7 +93,7 @@ def make_plan(config: Config, topo: Topology, memory: MemoryOf | None = None, so
         check_fit([(i, need(i)) for i in instances], topo, source, per_node)
     instances = assign_ports(config, instances, source, _machine_ports(config, topo, source, allowed),
                              {i.name: i.port for i in running})
-    instances = _thread_counts(config, instances, source)
+    instances = each_models_threads(config, instances, source, _thread_counts)
     instances = _quota_cap(config, instances, allowed, warnings)
     check_ports(config, instances, source)
     warnings += exposure_warnings(config)
@@ -317,11 +317,13 @@ def _machine_ports(config: Config, topo: Topology, source: str, allowed: Allowed
 
 
 
-def _thread_counts(config: Config, instances: list[Instance], source: str) -> list[Instance]:
+def _thread_counts(config: Config, instances: list[Instance], source: str,
+                   keys: tuple[str, str] = ("placement.threads", "placement.threads_batch")) -> list[Instance]:
     """Step 6: threads (generation) and threads_batch (prompt): one per CPU of the instance
-    ("auto"), or the configured count, which no instance may have more of than CPUs."""
+    ("auto"), or the configured count, which no instance may have more of than CPUs. `keys`:
+    where the counts are set, as a refusal names them."""
     placement = config.placement
-    for key, wanted in (("placement.threads", placement.threads), ("placement.threads_batch", placement.threads_batch)):
+    for key, wanted in zip(keys, (placement.threads, placement.threads_batch), strict=True):
         if wanted == "auto":
             continue
         short = min(instances, key=lambda i: len(i.cpus))

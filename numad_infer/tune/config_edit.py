@@ -27,6 +27,19 @@ class Edit:
     section: str
     key: str
     value: Any
+    index: int | None = None  # the k of `models[k]`: a table of an array of tables
+
+    @property
+    def name(self) -> str:
+        """The key as messages and the reference spell it: `placement.threads`, `models[1].threads`."""
+        return f"{self.section}{'' if self.index is None else f'[{self.index}]'}.{self.key}"
+
+    @classmethod
+    def at(cls, name: str, value: Any) -> Edit:
+        """The edit of `name`, spelt as `name` spells it (`placement.threads`, `models[1].threads`)."""
+        table, _, key = name.rpartition(".")
+        section, _, index = table.partition("[")
+        return cls(section, key, value, int(index.rstrip("]")) if index else None)
 
 
 def edited_text(text: str, edits: list[Edit]) -> str:
@@ -34,6 +47,11 @@ def edited_text(text: str, edits: list[Edit]) -> str:
 
     document = tomlkit.parse(text)
     for edit in edits:
+        if edit.index is not None:
+            # One table of `[[models]]`: it exists (tune measured its model), and its
+            # neighbours, comments and order stay as they are.
+            document[edit.section][edit.index][edit.key] = edit.value
+            continue
         if edit.section not in document:
             document[edit.section] = tomlkit.table()
         document[edit.section][edit.key] = edit.value

@@ -53,10 +53,14 @@ def candidate_config(config: Config, node: int, threads: int, port: int, smt: bo
 
 class Measurer:
     def __init__(self, loaded: Loaded, topology: Topology, log_dir: Path, settings: Settings,
-                 progress: Callable[[str], None]) -> None:
+                 progress: Callable[[str], None], model: str = "", config: Config | None = None) -> None:
         """`loaded`: the configuration as the pipeline checked it (its key and engine are the
-        ones used); `topology`: the part of the machine the instances may use."""
-        self.loaded, self.config, self.topology, self.memory = loaded, loaded.config, topology, loaded.memory_of("")
+        ones used); `topology`: the part of the machine the instances may use; `model`: the
+        model measured (`Instance.model`), `config` its view as tune plans it (default: the
+        model's view)."""
+        self.loaded, self.topology, self.memory = loaded, topology, loaded.memory_of(model)
+        self.model = loaded.model(model)
+        self.config = config if config is not None else self.model.served.view
         self.log_dir, self.settings, self.progress = log_dir, settings, progress
         self.key = loaded.api_key
         self.runs_as = (loaded.runs_as if loaded.kind == BackendKind.PROCESS
@@ -71,7 +75,7 @@ class Measurer:
         # DynamicUser, which only systemd can create, so the process backend's user is
         # worked out for them (once, here).
         return dataclasses.replace(self.loaded, config=cfg, plan=plan, units={}, kind=BackendKind.PROCESS,
-                                   runs_as=self.runs_as)
+                                   runs_as=self.runs_as, models=(self.model,))
 
     def instance_for(self, node: int, threads: int, port: int) -> tuple[Config, Instance]:
         physical = len(self._plan(candidate_config(self.config, node, 1, port, smt=False)).cpus)

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from numad_infer.config.models import multi
 from numad_infer.config.schema import Config
 from numad_infer.host.identity import BackendKind
 from numad_infer.plan.memory_fit import InstanceMemory
 from numad_infer.plan.model import Instance
 from numad_infer.plan.placement import make_plan, reserved_cores, unreserved_cores
-from numad_infer.topology.cgroup_limits import within
+from numad_infer.topology.cgroup_limits import Allowed, within
 from numad_infer.topology.model import Topology
 from numad_infer.tune import bandwidth_file as bandwidthfile
 from numad_infer.tune.choice import Candidate, Layout, Report
@@ -26,6 +27,7 @@ from numad_infer.tune.measure import Measurer, Settings
 
 if TYPE_CHECKING:
     from numad_infer.tune.config_edit import Edit
+    from numad_infer.validate.loaded import Loaded, LoadedModel
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class TuneRequest:
     tokens: int | None
     layouts: bool = False
     kind: BackendKind = BackendKind.PROCESS  # the daemon's backend: decides who the instances run as
+    model: str | None = None  # --model: which [[models]] model to measure (required when there are several)
 
 
 def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, list[Edit]]:
@@ -52,11 +55,9 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     from numad_infer.validate.pipeline import load
 
     loaded = load(request.config_path, request.kind, request.fsroot)
-    config, plan, size = loaded.config, loaded.plan, loaded.models[0].model_bytes
-    # Measuring servers run where the instances may: only the CPUs and memory the cgroup allows.
-    topology = within(loaded.topology, loaded.allowed)
-    planned = {i.node: i for i in plan.instances if i.node is not None}
-    nodes = _nodes_to_measure(request, config, planned)
+    chosen = model_to_tune(request, loaded)
+    several, ident, size = multi(loaded.config), chosen.served.name if multi(loaded.config) else "", chosen.model_bytes
+    config, topology, planned, nodes = _target(request, loaded, chosen, ident)
     fleet = Fleet(request.state_file, progress)
     _refuse_cutting_clients_off(request, config, fleet)
     settings = Settings(samples=request.samples or (3 if request.quick else 5),
@@ -64,13 +65,16 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
                         startup_timeout_s=config.monitor.startup_grace_s or 300.0)
     log_dir = Path(tempfile.mkdtemp(prefix="numa-infer-tune-"))
     log_dir.chmod(0o700)
-    measurer = Measurer(loaded, topology, log_dir, settings, progress)
+    measurer = Measurer(loaded, topology, log_dir, settings, progress, model=ident, config=config)
     node = nodes[0]
     instance = planned[node]
     node_obj = next(n for n in topology.nodes if n.id == node)
     cores = unreserved_cores(node_obj, reserved_cores(topology, config.placement.reserved))
-    grid = thread_grid(len(cores), sum(len(c) for c in cores), request.quick)
-    current = {"placement.threads": instance.threads, "placement.threads_batch": instance.threads_batch}
+    # placement.smt is every model's: tune --model measures only what its own cores give without it.
+    logical = len(cores) if several and not config.placement.smt else sum(len(c) for c in cores)
+    grid = thread_grid(len(cores), logical, request.quick)
+    prefix = f"{chosen.served.key}." if several else "placement."
+    current = {f"{prefix}threads": instance.threads, f"{prefix}threads_batch": instance.threads_batch}
     for value in current.values():
         if value not in {c.threads for c in grid}:
             grid.append(Candidate(value, "current setting"))
@@ -91,7 +95,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     finally:
         fleet.drop()
     if request.layouts:
-        _measure_layouts(report, measurer, fleet, config, topology, loaded.memory_of(""),
+        _measure_layouts(report, measurer, fleet, config, topology, loaded.memory_of(ident),
                          len(node_obj.l3_groups) or 1, len(cores), progress)
     # For the daemon: status then shows llama-server's decode as a share of this bandwidth.
     try:
@@ -99,19 +103,69 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
                        {k: f.median for k, f in report.bandwidth.items()})
     except OSError as exc:
         log.warning("cannot keep the bandwidth figures for the daemon: %s", exc)
-    return report, _edits(report, config, current, len(cores))
+    return report, _edits(report, config, current, len(cores), prefix)
 
 
-def _nodes_to_measure(request: TuneRequest, config: Config, planned: dict[int, Instance]) -> list[int]:
+def model_to_tune(request: TuneRequest, loaded: Loaded) -> LoadedModel:
+    """The model `--model` names (by name or alias); without it, the only one. Refused, with
+    the names to choose from, when it is missing with several models or names none."""
+    from numad_infer.errors import ConfigError
+
+    names = [m.served.name for m in loaded.models if m.served.name]
+    if request.model is None:
+        if len(loaded.models) == 1:
+            return loaded.models[0]
+        raise ConfigError(request.config_path, "models", f"has {len(loaded.models)} models and tune measures one "
+                          f"at a time: pass --model NAME, one of {', '.join(names)}")
+    for found in loaded.models:
+        if request.model in found.served.ids:
+            return found
+    choices = f"one of {', '.join(names)}" if names else "none (the [model] table has no name: leave out --model)"
+    raise ConfigError(request.config_path, None, f"--model {request.model}: no such model in the file; the models "
+                      f"are {choices}")
+
+
+def _target(request: TuneRequest, loaded: Loaded, chosen: LoadedModel,
+            ident: str) -> tuple[Config, Topology, dict[int, Instance], list[int]]:
+    """What tune measures: the model's view (a one-model configuration whose [model] and
+    placement are its own), the topology its servers may use (what the cgroup allows), its
+    planned instances by node, and the nodes to measure."""
+    config = chosen.served.view
+    topology = within(loaded.topology, loaded.allowed)
+    planned = {i.node: i for i in loaded.plan.instances if i.node is not None and i.model == ident}
+    nodes = _nodes_to_measure(request, config, planned, chosen.served.key)
+    if multi(loaded.config):
+        if request.layouts:
+            raise TuneError("--layouts measures the single-[model] form's layouts; with [[models]] each model's "
+                            "cores are its cores_per_instance: leave out --layouts to tune this model's threads")
+        # The model's instances share their nodes with the other models: measured on the cores
+        # the plan gives them (and those cores' SMT siblings), not on the whole node.
+        topology, config = _own_cores(topology, planned, nodes, config)
+    return config, topology, planned, nodes
+
+
+def _own_cores(topology: Topology, planned: dict[int, Instance], nodes: list[int],
+               config: Config) -> tuple[Topology, Config]:
+    """The topology cut to the measured nodes' instances' cores (with their SMT siblings),
+    and the view planning on it: nothing of it is reserved any more (the plan kept the
+    reserved cores out already)."""
+    own = {cpu for node in topology.nodes if node.id in nodes for core in node.cores
+           if set(core) & set(planned[node.id].cpus) for cpu in core}
+    cut = within(topology, Allowed(frozenset(own), None))
+    return cut, config.model_copy(update={"placement": config.placement.model_copy(update={"reserve_cpus": ""})})
+
+
+def _nodes_to_measure(request: TuneRequest, config: Config, planned: dict[int, Instance], key: str) -> list[int]:
     from numad_infer.errors import ConfigError
 
     if config.placement.mode != "per-node":
         raise ConfigError(request.config_path, "placement.mode", "tune measures per-node instances; "
                           "set mode = \"per-node\" to tune threads (layouts are not measured yet)")
     nodes = request.nodes if request.nodes else [min(planned)]
+    nodes_key = "placement.nodes" if key == "model" else f"{key}.nodes"
     for node in nodes:
         if node not in planned:
-            raise ConfigError(request.config_path, "placement.nodes", f"node {node} hosts no instance in the plan "
+            raise ConfigError(request.config_path, nodes_key, f"node {node} hosts no instance in the plan "
                               f"(planned nodes: {', '.join(map(str, sorted(planned)))})")
     return nodes
 
@@ -158,21 +212,23 @@ def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: C
         fleet.drop()
 
 
-def _edits(report: Report, config: Config, current: dict[str, int], cores: int) -> list[Edit]:
-    """What to write into the file: only what beat the current setting by more than the noise."""
+def _edits(report: Report, config: Config, current: dict[str, int], cores: int,
+           prefix: str = "placement.") -> list[Edit]:
+    """What to write into the file: only what beat the current setting by more than the noise.
+    `prefix`: where the threads go, `placement.` or one model's `models[k].`."""
     from numad_infer.tune.choice import Choice, Verdict, choose, choose_layout
     from numad_infer.tune.config_edit import Edit
 
-    choices: list[Choice] = [choose(report.results, "placement.threads", "decode", current["placement.threads"]),
-                             choose(report.results, "placement.threads_batch", "prompt",
-                                    current["placement.threads_batch"])]
+    choices: list[Choice] = [choose(report.results, f"{prefix}threads", "decode", current[f"{prefix}threads"]),
+                             choose(report.results, f"{prefix}threads_batch", "prompt",
+                                    current[f"{prefix}threads_batch"])]
     report.choices = choices
     edits: list[Edit] = []
     if any(c.verdict == Verdict.CHANGE for c in choices):
         threads, batch = choices[0].value, choices[1].value
         if max(threads, batch) > cores and not config.placement.smt:
             edits.append(Edit("placement", "smt", True))
-        edits += [Edit("placement", "threads", threads), Edit("placement", "threads_batch", batch)]
+        edits += [Edit.at(f"{prefix}threads", threads), Edit.at(f"{prefix}threads_batch", batch)]
     if report.layout_results and report.current_layout is not None:
         best, _, _, verdict = choose_layout(report.layout_results, report.current_layout)
         if verdict == Verdict.CHANGE:

@@ -94,4 +94,4 @@ def instance_memory(view: Config, engine: Engine, memory: MemoryEstimate, key: s
     slots = "server.parallel" if key == "model" else f"{key}.parallel"
     shrink = f"a smaller {key}.context_size" + (f" or {slots}" if "parallel" in engine.own_keys else "")
     model = view.one_model
-    return InstanceMemory(model.name or os.path.basename(model.path), memory.total, memory.describe(), shrink)
+    return InstanceMemory(model.name or os.path.basename(model.path), memory.total, memory.describe(), shrink, key)

@@ -28,6 +28,10 @@ _numa_infer()
             COMPREPLY=($(compgen -W 'file stdout' -- "$cur"))
             return
             ;;
+        --model)
+            :
+            return
+            ;;
         --nodes)
             :
             return
@@ -67,7 +71,7 @@ _numa_infer()
     local i command=""
     for ((i = 1; i < cword; i++)); do
         case ${words[i]} in
-            --backend | --config | --fsroot | --instance-logs | --nodes | --output | --pid | --sample | --samples | --state-file | --timeout | --tokens)
+            --backend | --config | --fsroot | --instance-logs | --model | --nodes | --output | --pid | --sample | --samples | --state-file | --timeout | --tokens)
                 ((i++))
                 ;;
             -*) ;;
@@ -95,7 +99,7 @@ _numa_infer()
         check) opts="" ;;
         run) opts="-v --verbose --instance-logs" ;;
         status) opts="--json" ;;
-        tune) opts="--nodes --quick --json --apply --stop-instances --layouts --samples --tokens" ;;
+        tune) opts="--nodes --model --quick --json --apply --stop-instances --layouts --samples --tokens" ;;
         doctor) opts="--json --sample" ;;
         health) opts="--live --ready" ;;
         reload) opts="--pid --timeout" ;;

@@ -25,14 +25,35 @@ SRC = "/etc/numa-infer.toml"
 
 
 def _values(config: Config) -> dict[str, Any]:
-    return {f"{section}.{key}": value for section, table in config.model_dump().items()
-            for key, value in table.items()}
+    """`section.key` -> value, and `models[k].key` for each [[models]] table."""
+    found: dict[str, Any] = {}
+    for section, table in config.model_dump().items():
+        if isinstance(table, list):
+            found |= {f"{section}[{k}].{key}": value for k, entry in enumerate(table) for key, value in entry.items()}
+        elif table is not None:
+            found |= {f"{section}.{key}": value for key, value in table.items()}
+    return found
+
+
+def _array_block() -> tuple[int, int]:
+    """Where the commented-out [[models]] block lies: its first line and the line after it."""
+    lines = SHIPPED_FILE.read_text().splitlines()
+    start = next(k for k, line in enumerate(lines) if line.startswith("# [[models]]: "))
+    end = next(k for k in range(start, len(lines)) if not lines[k].startswith("#"))
+    return start, end
+
+
+def _active_lines() -> list[str]:
+    """The file without the [[models]] block: the single-[model] file it is."""
+    lines = SHIPPED_FILE.read_text().splitlines()
+    start, end = _array_block()
+    return lines[:start] + lines[end:]
 
 
 def _commented() -> dict[str, str]:
     """`section.key` -> the TOML value of each key the file shows commented out."""
     found, section = {}, ""
-    for line in SHIPPED_FILE.read_text().splitlines():
+    for line in _active_lines():
         if table := re.fullmatch(r"\[(\w+)\]", line):
             section = table[1]
         elif key := re.fullmatch(r"# (\w+) = (.+)", line):
@@ -77,7 +98,7 @@ def test_every_override_names_a_key_and_says_why() -> None:
 def _blocks() -> list[tuple[str, str]]:
     """(what a comment block heads: `[table]` or a key, the block's text joined), in file order."""
     blocks, comment = [], []
-    for line in SHIPPED_FILE.read_text().splitlines():
+    for line in _active_lines():
         if setting := re.fullmatch(r"(?:# )?(\w+) = .*", line):
             blocks.append((setting[1], " ".join(comment)))
             comment = []
@@ -93,8 +114,10 @@ def _blocks() -> list[tuple[str, str]]:
 
 def test_every_table_and_key_is_in_schema_order_under_its_own_description() -> None:
     expected = []
-    docs = keys()
+    docs = [doc for doc in keys() if not doc.array]  # the [[models]] block: its own tests below
     for table, about in tables():
+        if table == "models":
+            continue
         expected.append((f"[{table}]", about))
         expected += [(doc.name, doc.meaning) for doc in docs if doc.section == table]
     blocks = _blocks()
@@ -106,12 +129,69 @@ def test_every_table_and_key_is_in_schema_order_under_its_own_description() -> N
 
 def test_an_override_shows_the_default_it_replaces_and_the_rest_none() -> None:
     comments = dict(_blocks())
-    for doc in keys():
+    for doc in (doc for doc in keys() if not doc.array):
         entry = example.SHIPPED.get(doc.key)
         replaced = entry is not None and entry.value is not None and doc.default is not None
         assert (f"default {doc.default}]" in comments[doc.name]) == replaced, doc.key
     assert comments["parallel"].endswith("[int 1..64; default 1]")
     assert comments["path"].endswith("[absolute path; required]")
+
+
+def _array_paragraphs() -> list[str]:
+    """The [[models]] block's comment paragraphs, each joined into one line, uncommented."""
+    lines = SHIPPED_FILE.read_text().splitlines()
+    start, end = _array_block()
+    text = "\n".join(line.removeprefix("#").removeprefix(" ") for line in lines[start:end])
+    return [" ".join(paragraph.split("\n")) for paragraph in text.split("\n\n")]
+
+
+def test_the_models_block_describes_every_models_key_in_schema_order() -> None:
+    paragraphs = _array_paragraphs()
+    about = dict(tables())["models"].replace("`", "")
+    assert paragraphs[0].startswith(f"[[models]]: {about}. [model] and [[models]] are exclusive")
+    described = [p for p in paragraphs if p.startswith("models[].")]
+    docs = [doc for doc in keys() if doc.array]
+    assert [p.split(":", 1)[0] for p in described] == [doc.key for doc in docs] and len(docs) >= 10
+    for paragraph, doc in zip(described, docs, strict=True):
+        assert paragraph.startswith(f"{doc.key}: {doc.meaning.replace('`', '')}"), doc.key
+        assert paragraph.endswith("; required]" if doc.default is None else f"default {doc.default}]"), doc.key
+
+
+def test_the_models_example_uncommented_in_place_of_model_is_a_valid_file_and_plans_28_and_4_cores(
+        tmp_path: Path) -> None:
+    """What an operator does to switch: delete [model], uncomment the example. The shipped
+    file leaves placement.nodes and instances_per_node unset, which [[models]] refuses."""
+    from numad_infer.config.models import served_models
+    from numad_infer.config.reference import MODELS_EXAMPLE
+    from numad_infer.plan.placement import make_plan
+    from numad_infer.topology.sysfs import read_topology
+    from tests import fakesys
+
+    lines = SHIPPED_FILE.read_text().splitlines()
+    start, end = _array_block()
+    example_start = next(k for k in range(start, end) if lines[k] == "# [[models]]")
+    uncommented = [line.removeprefix("#").removeprefix(" ") for line in lines[example_start:end]]
+    assert "\n".join(uncommented) + "\n" == MODELS_EXAMPLE
+    model_table = lines.index("[model]")
+    switched = "\n".join(lines[:model_table] + uncommented + lines[end:]) + "\n"
+    config = parse_config(switched, SRC)
+    check_engine_keys(config, SRC)
+    assert config.model is None
+    assert [(m.name, m.aliases, m.cores_per_instance) for m in served_models(config)] == [
+        ("llama-3.1-70b", ("gpt-4o",), 28), ("llama-3.1-8b", ("gpt-4o-mini",), 4)]
+    # The machine the example describes: 2 sockets, 32 cores (64 CPUs with SMT) per node.
+    topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
+    plan = make_plan(config, topo, source=SRC)
+    cores = sorted((i.model, i.node, len(i.cpus)) for i in plan.instances)
+    assert cores == [("llama-3.1-70b", 0, 28), ("llama-3.1-70b", 1, 28), ("llama-3.1-8b", 0, 4),
+                     ("llama-3.1-8b", 1, 4)]
+    for node in (0, 1):
+        here = [set(i.cpus) for i in plan.instances if i.node == node]
+        assert not here[0] & here[1]
+    # The shipped file with the example uncommented and [model] kept: refused in one line.
+    both = "\n".join(lines[:example_start] + uncommented + lines[end:]) + "\n"
+    with pytest.raises(ConfigError, match=r"models: and \[model\] are both set"):
+        parse_config(both, SRC)
 
 
 def test_a_required_key_without_a_shipped_value_stops_the_generator() -> None:

@@ -419,3 +419,136 @@ def test_tune_measures_as_the_process_backends_user_even_when_systemd_runs_the_f
     assert backend.runs_as == candidate.runs_as
     with pytest.raises(ValueError, match="validated for systemd"):
         backend.sync(fleet)  # the fleet's user is not one this backend can run as
+
+
+# -- tune --model: several models ([[models]]) -------------------------------------------------
+
+MODELS_CONFIG = """# two models on this box
+[[models]]
+name = "big"     # the chat model
+path = "/big.gguf"
+cores_per_instance = 28
+
+[[models]]
+name = "small"
+aliases = ["gpt-4o-mini"]
+path = "/small.gguf"
+# threads = 3   (tried by hand)
+"""
+
+
+def test_apply_writes_one_models_threads_into_its_own_table_keeping_comments(tmp_path: Path) -> None:
+    path = tmp_path / "numa-infer.toml"
+    path.write_text(MODELS_CONFIG)
+    topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
+    edits = [Edit.at("models[1].threads", 3), Edit.at("models[1].threads_batch", 4)]
+    assert [e.name for e in edits] == ["models[1].threads", "models[1].threads_batch"] and edits[0].index == 1
+    apply_edits(path, edits, lambda cfg: make_plan(cfg, topo) and None)
+    text = path.read_text()
+    for kept in ("# two models on this box", 'name = "big"     # the chat model', "# threads = 3   (tried by hand)"):
+        assert kept in text
+    config = parse_config(text, "x")
+    big, small = config.models
+    assert (big.threads, big.threads_batch) == (None, None) and (small.threads, small.threads_batch) == (3, 4)
+    assert "threads" not in text.split("[[models]]")[1] and config.placement.model_fields_set == set()
+    plan = make_plan(config, topo)
+    assert {(i.model, i.threads, i.threads_batch) for i in plan.instances} == {("big", 28, 28), ("small", 3, 4)}
+    # More threads than the model's own cores: refused as the plan refuses it, nothing written.
+    with pytest.raises(ConfigError, match=r"the tuned settings were refused, nothing written: models\[1\]\.threads = "
+                                          r"5: infer@small-0 has only 4 CPUs"):
+        apply_edits(path, [Edit.at("models[1].threads", 5)], lambda cfg: make_plan(cfg, topo) and None)
+    assert parse_config(path.read_text(), "x").models[1].threads == 3
+    assert Edit.at("placement.threads", 8) == Edit("placement", "threads", 8)
+
+
+def _models_setup(tmp_path: Path, tables: str) -> tuple[Path, Path]:
+    """A [[models]] configuration `check` accepts on the fake 2-node machine (no front door)."""
+    from tests.conftest import searchable_by_others
+    from tests.daemon_harness import llama_server_binary
+
+    home = searchable_by_others(tmp_path)
+    for name in ("big", "small"):
+        (home / f"{name}.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(4088))
+        (home / f"{name}.gguf").chmod(0o644)
+    path = tmp_path / "numa-infer.toml"
+    tables = tables.replace("/big.gguf", str(home / "big.gguf")).replace("/small.gguf", str(home / "small.gguf"))
+    path.write_text(f'[server]\nllama_server = "{llama_server_binary()}"\n[frontend]\nlisten = ""\n' + tables)
+    return path, fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())
+
+
+def test_tune_model_is_required_with_several_models_and_names_one_of_them(tmp_path: Path) -> None:
+    from numad_infer.host.identity import BackendKind
+    from numad_infer.tune.run import TuneRequest, _own_cores, model_to_tune
+    from numad_infer.validate.pipeline import load
+
+    path, fsroot = _models_setup(tmp_path, MODELS_CONFIG)
+    loaded = load(str(path), BackendKind.PROCESS, str(fsroot))
+
+    def request(model: str | None) -> TuneRequest:
+        return TuneRequest(str(path), str(fsroot), tmp_path / "state.json", None, True, False, False, None, None,
+                           model=model)
+
+    with pytest.raises(ConfigError) as missing:
+        model_to_tune(request(None), loaded)
+    assert str(missing.value) == (f"{path}: models: has 2 models and tune measures one at a time: pass --model NAME, "
+                                  "one of big, small")
+    with pytest.raises(ConfigError) as unknown:
+        model_to_tune(request("medium"), loaded)
+    assert str(unknown.value) == f"{path}: --model medium: no such model in the file; the models are one of big, small"
+    assert model_to_tune(request("small"), loaded).served.key == "models[1]"
+    assert model_to_tune(request("gpt-4o-mini"), loaded).served.name == "small"  # an alias names it too
+    # The small model is measured on its own cores (32 - 28 = 4 on node 0, with their SMT siblings), not the node's.
+    planned = {i.node: i for i in loaded.plan.instances if i.model == "small"}
+    view = model_to_tune(request("small"), loaded).served.view
+    cut, config = _own_cores(within_all(loaded), planned, [0], view)
+    node0 = next(n for n in cut.nodes if n.id == 0)
+    assert len(node0.cores) == 4 and set(planned[0].cpus) < set(node0.cpus) and len(node0.cpus) == 8
+    assert not next(n for n in cut.nodes if n.id == 1).cpus and config.placement.reserve_cpus == ""
+    # The CLI says the same and measures nothing.
+    done = _numa_infer("--config", str(path), "--fsroot", str(fsroot), "--state-file", str(tmp_path / "s.json"),
+                       "tune", "--quick")
+    assert done.returncode == 1 and "pass --model NAME, one of big, small" in done.stderr, done.stderr
+
+
+def within_all(loaded):
+    from numad_infer.topology.cgroup_limits import within
+
+    return within(loaded.topology, loaded.allowed)
+
+
+def test_tune_model_on_a_single_model_file_is_refused_unless_it_names_that_model(tmp_path: Path) -> None:
+    from numad_infer.host.identity import BackendKind
+    from numad_infer.tune.run import TuneRequest, model_to_tune
+    from numad_infer.validate.pipeline import load
+
+    path, fsroot = _checked_setup(tmp_path)
+    loaded = load(str(path), BackendKind.PROCESS, str(fsroot))
+    request = TuneRequest(str(path), str(fsroot), tmp_path / "s.json", None, True, False, False, None, None)
+    assert model_to_tune(request, loaded) is loaded.models[0]  # without --model: unchanged
+    with pytest.raises(ConfigError, match=r"--model chat: no such model in the file; the models are none \(the "
+                                          r"\[model\] table has no name: leave out --model\)"):
+        model_to_tune(TuneRequest(**{**request.__dict__, "model": "chat"}), loaded)
+
+
+def test_tune_model_measures_that_models_instance_on_its_own_cores_only(daemon) -> None:
+    # This host (2 cores, one node) split between two models of one core each: the grid of
+    # model b is its one core (the whole node's would be 2 and 1), and the choice is its key.
+    from bench.serving import host_machine
+    from tests.daemon_harness import engine_keys
+
+    run = daemon(machine=host_machine(), frontend='listen = ""\n')
+    run.stop()
+    tables = "".join(f'[[models]]\nname = "{name}"\npath = "{run.model}"\ncontext_size = {run.context_size}\n'
+                     "cores_per_instance = 1\n" for name in ("a", "b"))
+    run.config.write_text(f'[server]\nbase_port = {run.base_port}\n{engine_keys(run.engine)}\n[frontend]\nlisten = ""\n'
+                          + tables)
+    refused = tune(run, "--quick")
+    assert refused.returncode == 1 and "pass --model NAME, one of a, b" in refused.stderr, refused.stderr
+    done = tune(run, "--model", "b", "--quick", "--json", "--samples", "1", "--tokens", "8")
+    assert done.returncode == 0, done.stderr[-1500:]
+    report = json.loads(done.stdout)
+    assert [c["threads"] for c in report["candidates"]] == [1] and report["cpus"] == [1]
+    assert report["candidates"][0]["decode_tokens_per_s"]["median"] > 0
+    assert [c["key"] for c in report["choices"]] == ["models[1].threads", "models[1].threads_batch"]
+    applied = tune(run, "--model", "b", "--quick", "--samples", "1", "--tokens", "8", "--apply")
+    assert applied.returncode == 0 and "unchanged" in applied.stdout, applied.stderr[-1500:]
