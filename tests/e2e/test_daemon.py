@@ -206,8 +206,8 @@ def test_metrics_follow_what_happened(daemon) -> None:
     run = daemon(extra_config=f'[metrics]\nlisten = "127.0.0.1:{port}"\n')
     state = run.all_healthy(2)
     before = scrape(port)
-    assert before['numa_infer_instance_healthy{node="1",server="infer@1"}'] == 1.0
-    assert before['numa_infer_instance_restarts_total{node="1",server="infer@1"}'] == 0.0
+    assert before['numa_infer_instance_healthy{model="",node="1",server="infer@1"}'] == 1.0
+    assert before['numa_infer_instance_restarts_total{model="",node="1",server="infer@1"}'] == 0.0
     assert before["numa_infer_pass_duration_seconds"] > 0
     # Which CPU kernels each instance's engine runs, as an info metric.
     assert [k for k in before if k.startswith('numa_infer_instance_cpu_backend_info{') and 'server="infer@1"' in k
@@ -216,10 +216,10 @@ def test_metrics_follow_what_happened(daemon) -> None:
     run.wait(lambda s: run.instance(s, "infer@1")["restarts"] == 1 and run.instance(s, "infer@1")["state"] == "healthy",
              60, "restart")
     after = scrape(port)
-    assert after['numa_infer_instance_restarts_total{node="1",server="infer@1"}'] == 1.0
-    assert after['numa_infer_instance_restarts_total{node="0",server="infer@0"}'] == 0.0
-    assert after['numa_infer_repairs_total{kind="health",node="1",server="infer@1"}'] == 1.0
-    assert after['numa_infer_local_memory_fraction{node="0",server="infer@0"}'] == 1.0
+    assert after['numa_infer_instance_restarts_total{model="",node="1",server="infer@1"}'] == 1.0
+    assert after['numa_infer_instance_restarts_total{model="",node="0",server="infer@0"}'] == 0.0
+    assert after['numa_infer_repairs_total{kind="health",model="",node="1",server="infer@1"}'] == 1.0
+    assert after['numa_infer_local_memory_fraction{model="",node="0",server="infer@0"}'] == 1.0
 
 
 def test_cpu_going_offline_changes_the_plan(daemon) -> None:

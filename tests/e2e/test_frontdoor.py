@@ -329,7 +329,7 @@ def test_status_and_metrics_show_the_front_door(daemon) -> None:
     assert "ROTATION" in text.stdout and "INFLIGHT" in text.stdout
     body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
     assert "numa_infer_frontdoor_up 1.0" in body
-    assert 'numa_infer_instance_requests_in_flight{node="0",server="infer@0"} 0.0' in body
+    assert 'numa_infer_instance_requests_in_flight{model="",node="0",server="infer@0"} 0.0' in body
 
 
 def test_a_front_door_config_haproxy_refuses_is_a_refused_reload(daemon, tmp_path: Path) -> None:
