@@ -4,11 +4,18 @@ fault strikes every few seconds; prints what the clients saw and how fast the fl
 
     .venv/bin/python bench/chaos.py [--minutes 10] [--every 8] [--clients 4] [--seed 1]
                                     [--faults kill-instance,drip-admin,...] [--stop-s 20] [--drip-s 20]
+                                    [--models 2]
 
 Real daemon (process backend), real llama-cpp-python servers (the test harness's engine)
 on a tiny generated model, real HAProxy, the fake 2-node topology of the host tests
 (node 0 = CPU 0, node 1 = CPU 1). Every fault kind chosen strikes once, in a random
 order, then random ones; the next strikes only once the fleet healed from the last.
+
+--models 2 (issue 31): two [[models]], alpha on node 0 and beta on node 1 (one instance
+each), the clients split between them, each asking its model by name. Every count is kept
+per model; a fault on an instance is put down to that instance's model, and the requests of
+the other model that failed after it are counted on a line of their own (goal 0).
+reload-one then drops beta's table and restores it.
 
 The faults:
 - kill-instance: SIGKILL of an instance;
@@ -91,11 +98,26 @@ class Tally:
     cut_streams: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     fault: str = "none"  # the fault struck last: the likely cause of what fails now
+    # --models 2: the model these requests ask for, and the model whose instance the last
+    # fault struck ("" for a fault on what every model shares: HAProxy, the daemon, reloads).
+    model: str = ""
+    fault_model: str = ""
+    other_model_failed: Counter = field(default_factory=Counter)  # failures during another model's fault
+    own_model_failed: int = 0  # failures after a fault on an instance of this very model
+
+    def strike(self, fault: str, model: str = "") -> None:
+        """A fault struck (on an instance of `model`, when it names one)."""
+        with self.lock:
+            self.fault, self.fault_model = fault, model
 
     def add(self, outcome: str, cause: str = "") -> bool:
         """Count one outcome; True when the request was answered in full."""
         with self.lock:
             self.sent += 1
+            if outcome != "ok" and self.fault_model and self.fault_model != self.model:
+                self.other_model_failed[f"{cause or outcome} (after {self.fault} of {self.fault_model})"] += 1
+            elif outcome != "ok" and self.fault_model:
+                self.own_model_failed += 1
             if outcome == "ok":
                 self.ok += 1
             elif outcome == "before":
@@ -109,7 +131,9 @@ class Tally:
 
 
 def one_request(port: int, stream: bool, tally: Tally) -> bool:
-    body = json.dumps({"prompt": "numa node", "max_tokens": 16, "temperature": 0, "stream": stream}).encode()
+    """One completion; with --models 2 it names the tally's model."""
+    asked = {"prompt": "numa node", "max_tokens": 16, "temperature": 0, "stream": stream}
+    body = json.dumps(asked | ({"model": tally.model} if tally.model else {})).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
                                      headers={"Content-Type": "application/json"})
     got_bytes = False
@@ -150,6 +174,7 @@ class Strike:
     at: float
     detail: str = ""
     target: str = ""  # the instance struck, by name
+    model: str = ""  # --models 2: the model whose instance was struck ("" for what all share)
     end: Callable[[], str] | None = None  # ends a fault that lasts (a peer's drip); says what the peer did
     over: float = 0.0  # when the fault was over: `at`, or when the peer stopped dripping
     until: float = 0.0  # when the heal was seen, or given up on
@@ -199,26 +224,36 @@ class Watcher:
 
 
 class Chaos:
-    def __init__(self, run: DaemonRun, rng: random.Random, stop_s: float, flags: Path | None) -> None:
+    def __init__(self, run: DaemonRun, rng: random.Random, stop_s: float, flags: Path | None,
+                 dropped_model: str = "") -> None:
+        """`dropped_model`: with --models 2, the [[models]] table reload-one drops and restores."""
         self.run, self.rng, self.stop_s = run, rng, stop_s
         self.flags = flags  # where drip_relay.py looks for its flag files (None: no relay)
         self.good_config = run.config.read_text()
+        self.dropped_model = dropped_model
+        self.model = ""  # the model whose instance the strike under way hit
 
     def instances(self) -> list[dict]:
         return (self.run.state() or {"instances": []})["instances"]
 
     def some_pid(self) -> int | None:
-        pids = [i["pid"] for i in self.instances() if i.get("pid")]
-        return self.rng.choice(pids) if pids else None
+        running = [i for i in self.instances() if i.get("pid")]
+        if not running:
+            return None
+        inst = self.rng.choice(running)
+        self.model = inst.get("model") or ""
+        return int(inst["pid"])
 
     def strike(self, fault: str) -> Strike:
         struck = Strike(fault, time.time())
+        self.model = ""
         if fault == "drip-admin":
             self.drip_admin(struck)
         elif fault == "drip-instance":
             self.drip_instance(struck)
         else:
             struck.detail = self.strike_once(fault)
+        struck.model = self.model
         return struck
 
     def strike_once(self, fault: str) -> str:
@@ -239,7 +274,20 @@ class Chaos:
                 # The host has one real node: a "remote" page cannot be made here, so this is
                 # the daemon's memory reading under a migrate_pages it did not ask for.
                 _try(lambda: os.system(f"migratepages {pid} 0 0 >/dev/null 2>&1"))
-            return f"pid {pid}"
+            return f"pid {pid}" + (f" ({self.model})" if self.model else "")
+        if fault == "reload-one" and self.dropped_model:
+            # Two models: a reload that removes one model (its instances drain and stop; the
+            # other's stay, same pid and port), then one that adds it back.
+            self.model = self.dropped_model
+            table = model_table(self.good_config, self.dropped_model)
+            run.config.write_text(self.good_config.replace(table, ""))
+            os.kill(run.proc.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and len(self.instances()) != 1:
+                time.sleep(0.1)
+            run.config.write_text(self.good_config)
+            os.kill(run.proc.pid, signal.SIGHUP)
+            return f"model {self.dropped_model} dropped, back"
         if fault == "reload-one":
             # The host's fake nodes have one CPU each, so no reload can change one instance's
             # CPUs alone: drop node 1 (its instance leaves, finishing its requests), then plan
@@ -310,6 +358,7 @@ class Chaos:
             struck.detail = "no instance running"
             return
         inst = self.rng.choice(running)
+        self.model = inst.get("model") or ""
         flag = self.flags / f"drip-{inst['port']}"
         flag.touch()
 
@@ -430,6 +479,9 @@ def main() -> int:
                         help="the fault kinds, comma-separated (each strikes once first, then random ones); "
                              "default: all of " + ",".join(FAULTS))
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--models", type=int, choices=(1, 2), default=1,
+                        help="2: two [[models]] (alpha on node 0, beta on node 1), the clients split between them "
+                             "by name, counts per model")
     args = parser.parse_args()
     faults = [f.strip() for f in args.faults.split(",") if f.strip()]
     if not faults or set(faults) - set(FAULTS):
@@ -441,8 +493,12 @@ def main() -> int:
     if "drip-instance" in faults:
         wrapper, flags = relayed_python(daemon_harness.server_python())
         daemon_harness.server_python = lambda: wrapper  # what DaemonRun's config names as server.python
-    run = DaemonRun(tmp / "d", generated_model("tiny"), interval_s=1.0, monitor="max_restarts = 1000", backoff_s=0.5)
-    tally, stop = Tally(), threading.Event()
+    two = args.models == 2
+    run = DaemonRun(tmp / "d", generated_model("tiny"), interval_s=1.0, monitor="max_restarts = 1000", backoff_s=0.5,
+                    models=TWO_MODELS if two else "")
+    names = MODEL_NAMES if two else ("",)
+    tallies = {name: Tally(model=name) for name in names}
+    stop = threading.Event()
     strikes: list[Strike] = []
     watcher: Watcher | None = None
     current: Strike | None = None
@@ -450,23 +506,28 @@ def main() -> int:
         run.wait(lambda s: bool(s.get("frontdoor")) and s["frontdoor"]["up"] and len(s["instances"]) == 2
                  and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in s["instances"]), 180, "ready")
         watcher = Watcher(run)
-        chaos = Chaos(run, rng, args.stop_s, flags)
-        clients = [threading.Thread(target=client, args=(run.frontend_port, k % 2 == 1, tally, stop), daemon=True)
+        chaos = Chaos(run, rng, args.stop_s, flags, dropped_model=MODEL_NAMES[1] if two else "")
+        # Half of them stream; with two models, clients 0 and 1 ask alpha, 2 and 3 beta, and so on.
+        clients = [threading.Thread(target=client, args=(run.frontend_port, k % 2 == 1,
+                                                         tallies[names[(k // 2) % len(names)]], stop), daemon=True)
                    for k in range(args.clients)]
         for c in clients:
             c.start()
         deadline = time.monotonic() + args.minutes * 60
         print(f"# {args.minutes:g} min, a fault every {args.every:g}s, {args.clients} clients (half streaming), "
               f"seed {args.seed}; host {os.cpu_count()} CPUs; faults {','.join(faults)}"
+              + (f"; models {', '.join(names)}" if two else "")
               + ("; instances behind drip_relay.py" if flags else ""), flush=True)
         order = rng.sample(faults, len(faults))  # every kind once first, in a random order
         while time.monotonic() < deadline:
             time.sleep(args.every)
             fault = order.pop(0) if order else rng.choice(faults)
-            with tally.lock:
-                tally.fault = fault
+            for tally in tallies.values():
+                tally.strike(fault)
             over = time.monotonic()
             current = struck = chaos.strike(fault)
+            for tally in tallies.values():
+                tally.strike(fault, struck.model)  # the model whose instance it hit, now it is chosen
             struck.over, said = struck.at, ""
             if struck.end is not None:  # a drip: over when the peer stops
                 time.sleep(args.drip_s)
@@ -511,8 +572,38 @@ def main() -> int:
     left = [pid for pid in [*server_pids, *haproxy] if psutil.pid_exists(pid)
             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     probe_timeout_s = tomllib.loads(run.config.read_text())["monitor"]["probe_timeout_s"]
-    report(tally, strikes, watcher, faults, placement, left, code, interval_s, probe_timeout_s)
+    if two:
+        for name, tally in tallies.items():
+            print(f"\n## model {name}: requests that asked for it")
+            report_requests(tally)
+            struck = Counter(s.fault for s in strikes if s.model == name)
+            print(f"faults on its instances           {sum(struck.values())}"
+                  + (f"  ({', '.join(f'{f} {n}' for f, n in sorted(struck.items()))})" if struck else ""))
+            print(f"its requests failed after those   {tally.own_model_failed}   (of all its failures above)")
+            others = Counter()
+            for other in tallies.values():
+                if other is not tally:
+                    others.update(other.other_model_failed)
+            print(f"requests of the other model failed during its faults: {sum(others.values())}   (goal 0)")
+            for cause, n in others.most_common():
+                print(f"    {n:5}  {cause}")
+        print("\n## the fleet")
+        report_faults(strikes, watcher, faults, placement, left, code, interval_s, probe_timeout_s)
+    else:
+        report(tallies[""], strikes, watcher, faults, placement, left, code, interval_s, probe_timeout_s)
     return 0
+
+
+MODEL_NAMES = ("alpha", "beta")
+TWO_MODELS = "".join(f'[[models]]\nname = "{name}"\npath = "{{model}}"\ncontext_size = 256\nnodes = [{node}]\n'
+                     for node, name in enumerate(MODEL_NAMES))
+
+
+def model_table(config: str, name: str) -> str:
+    """The text of the [[models]] table named `name` in `config` (up to the next table)."""
+    start = config.index(f'[[models]]\nname = "{name}"\n')
+    end = config.find("\n[", start + 1)
+    return config[start:] if end < 0 else config[start:end + 1]
 
 
 # Failures before a first byte that no front door can prevent, by the fault before them.
@@ -537,6 +628,11 @@ def by_design(cause: str) -> str | None:
 
 def report(tally: Tally, strikes: list[Strike], watcher: Watcher | None, faults: list[str], placement: str,
            left: list[int], code: int | None, interval_s: float, probe_timeout_s: float) -> None:
+    report_requests(tally)
+    report_faults(strikes, watcher, faults, placement, left, code, interval_s, probe_timeout_s)
+
+
+def report_requests(tally: Tally) -> None:
     failed_before = sum(tally.before_first_byte.values())
     failed_in = sum(tally.in_flight.values()) - tally.cut_streams
     print(f"\nrequests sent                     {tally.sent}")
@@ -555,6 +651,10 @@ def report(tally: Tally, strikes: list[Strike], watcher: Watcher | None, faults:
     print(f"streams cut without finish_reason {tally.cut_streams}")
     for cause, n in tally.in_flight.most_common():
         print(f"    {n:5}  {cause}")
+
+
+def report_faults(strikes: list[Strike], watcher: Watcher | None, faults: list[str], placement: str,
+                  left: list[int], code: int | None, interval_s: float, probe_timeout_s: float) -> None:
     unhealed = Counter(s.fault for s in strikes if not s.healed)
     print(f"faults injected / healed          {len(strikes)} / {len(strikes) - sum(unhealed.values())}"
           + (f"  not healed: {dict(unhealed)}" if unhealed else ""))

@@ -5,6 +5,7 @@ answer's `model`, which each instance sets itself (`--alias`), not the front doo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -81,6 +82,84 @@ def test_a_killed_instance_of_one_model_fails_no_request_of_the_other(run: Daemo
         done.set()
         thread.join(60)
     assert outcomes and all(o == (200, "alpha") for o in outcomes), outcomes[:5]
+
+
+class Asking:
+    """A client asking `model` through the front door without pause until ended; what it got."""
+
+    def __init__(self, run: DaemonRun, model: str) -> None:
+        self.outcomes: list[tuple[int, str | None]] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._loop, args=(run.frontend_port, model))
+        self.thread.start()
+
+    def _loop(self, port: int, model: str) -> None:
+        while not self.done.is_set():
+            try:
+                code, body = ask(port, model)
+                self.outcomes.append((code, body.get("model")))
+            except OSError as exc:  # a connection refused or cut is a failure too, not a dead thread
+                self.outcomes.append((0, repr(exc)))
+
+    def end(self) -> list[tuple[int, str | None]]:
+        self.done.set()
+        self.thread.join(90)
+        return self.outcomes
+
+
+def test_a_stopped_instance_of_one_model_fails_no_request_of_the_other(run: DaemonRun) -> None:
+    """SIGSTOP of beta's instance until the daemon finds it hung and restarts it: every
+    request for alpha meanwhile is answered, by alpha."""
+    state = in_rotation(run, ["infer@alpha-0", "infer@beta-1"])
+    victim = run.instance(state, "infer@beta-1")["pid"]
+    client = Asking(run, "alpha")
+    try:
+        time.sleep(1)
+        os.kill(victim, signal.SIGSTOP)
+        run.wait(lambda s: run.instance(s, "infer@beta-1")["state"] != "healthy", 30, "beta's instance found hung")
+        state = run.wait(lambda s: (i := run.instance(s, "infer@beta-1"))["state"] == "healthy" and i["pid"] != victim,
+                         90, "beta's instance restarted")
+        time.sleep(1)
+    finally:
+        outcomes = client.end()
+        with contextlib.suppress(ProcessLookupError):  # the daemon killed it; if not, it must not stay stopped
+            os.kill(victim, signal.SIGCONT)
+    assert run.instance(state, "infer@alpha-0")["restarts"] == 0
+    assert outcomes and all(o == (200, "alpha") for o in outcomes), [o for o in outcomes if o != (200, "alpha")][:5]
+    assert ask(run.frontend_port, "beta")[1].get("model") == "beta"
+
+
+def test_affinity_drift_of_one_models_instance_is_repaired_and_fails_no_request_of_the_other(run: DaemonRun) -> None:
+    """Every thread of beta's instance moved onto alpha's CPU: the daemon pins them back to
+    beta's own, and every request for alpha meanwhile is answered, by alpha."""
+    state = in_rotation(run, ["infer@alpha-0", "infer@beta-1"])
+    beta = run.instance(state, "infer@beta-1")
+    alpha_cpus, beta_cpus = set(run.instance(state, "infer@alpha-0")["cpus"]), set(beta["cpus"])
+    pid = beta["pid"]
+    client = Asking(run, "alpha")
+    try:
+        time.sleep(1)
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        for tid in tids:
+            os.sched_setaffinity(tid, alpha_cpus)
+        state = run.wait(lambda s: (run.instance(s, "infer@beta-1")["last_repair"] or {}).get("kind") == "affinity",
+                         30, "beta's threads re-pinned")
+        deadline = time.monotonic() + 10
+        while any(os.sched_getaffinity(t) != beta_cpus for t in _live(pid, tids)):
+            assert time.monotonic() < deadline, {t: os.sched_getaffinity(t) for t in _live(pid, tids)}
+            time.sleep(0.05)
+        time.sleep(1)
+    finally:
+        outcomes = client.end()
+    now = run.instance(run.state() or state, "infer@beta-1")
+    assert now["pid"] == pid  # re-pinned, not restarted
+    assert run.instance(run.state() or state, "infer@alpha-0")["last_repair"] is None
+    assert outcomes and all(o == (200, "alpha") for o in outcomes), [o for o in outcomes if o != (200, "alpha")][:5]
+    assert ask(run.frontend_port, "beta")[1].get("model") == "beta"
+
+
+def _live(pid: int, tids: list[int]) -> list[int]:
+    return [t for t in tids if os.path.exists(f"/proc/{pid}/task/{t}")]
 
 
 def test_a_reload_that_adds_and_removes_a_model_leaves_the_other_alone(run: DaemonRun) -> None:
