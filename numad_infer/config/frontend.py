@@ -101,7 +101,8 @@ class FrontendSection(Section):
         "/healthz",
         description=(
             "answered by the front door itself, without waiting for an instance: `200` while at least one "
-            "instance is in rotation, `503` when none is; for outer load balancers and probes; `\"\"`: off"
+            "instance is in rotation (with several `[[models]]`: one of every model), `503` when none is (naming "
+            "the model); for outer load balancers and probes; `\"\"`: off"
         ),
         json_schema_extra={"kind": "URL path or `\"\"`"},
     )

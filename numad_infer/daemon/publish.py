@@ -25,7 +25,8 @@ from numad_infer.validate.loaded import Loaded
 
 
 def status_line(runtimes: list[Runtime], last_reload: ReloadResult | None) -> str:
-    """One line: `2/2 instances healthy (1 starting, 1 drifting); config error ...`."""
+    """One line: `2/2 instances healthy (1 starting, 1 drifting); config error ...`; with
+    several models also `; 1/2 models serving (beta not)`."""
     healthy = sum(rt.supervision.state == State.HEALTHY for rt in runtimes)
     text = f"{healthy}/{len(runtimes)} instances healthy"
     by_state: dict[str, int] = {}
@@ -36,6 +37,12 @@ def status_line(runtimes: list[Runtime], last_reload: ReloadResult | None) -> st
     extras = [f"{n} {s}" for s, n in sorted(by_state.items())] + ([f"{drifting} drifting"] if drifting else [])
     if extras:
         text += " (" + ", ".join(extras) + ")"
+    models = list(dict.fromkeys(rt.instance.model for rt in runtimes if rt.instance.model))
+    if len(models) > 1:  # a model with no healthy instance answers nothing, whatever the others do
+        down = [m for m in models if not any(rt.instance.model == m and rt.supervision.state == State.HEALTHY
+                                             for rt in runtimes)]
+        text += f"; {len(models) - len(down)}/{len(models)} models serving" + (f" ({', '.join(down)} not)" if down
+                                                                               else "")
     if last_reload is not None and not last_reload.ok:
         text += f"; config error, running previous plan: {last_reload.error}"
     return text
