@@ -236,6 +236,17 @@ class Chaos:
     def instances(self) -> list[dict]:
         return (self.run.state() or {"instances": []})["instances"]
 
+    def _reload_without(self, run, smaller: str) -> None:
+        """A reload to a configuration with one instance fewer, then, once it is gone, back
+        to the whole one, so that the next fault meets the whole fleet."""
+        run.config.write_text(smaller)
+        os.kill(run.proc.pid, signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(self.instances()) != 1:
+            time.sleep(0.1)
+        run.config.write_text(self.good_config)
+        os.kill(run.proc.pid, signal.SIGHUP)
+
     def some_pid(self) -> int | None:
         running = [i for i in self.instances() if i.get("pid")]
         if not running:
@@ -280,25 +291,13 @@ class Chaos:
             # other's stay, same pid and port), then one that adds it back.
             self.model = self.dropped_model
             table = model_table(self.good_config, self.dropped_model)
-            run.config.write_text(self.good_config.replace(table, ""))
-            os.kill(run.proc.pid, signal.SIGHUP)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and len(self.instances()) != 1:
-                time.sleep(0.1)
-            run.config.write_text(self.good_config)
-            os.kill(run.proc.pid, signal.SIGHUP)
+            self._reload_without(run, self.good_config.replace(table, ""))
             return f"model {self.dropped_model} dropped, back"
         if fault == "reload-one":
             # The host's fake nodes have one CPU each, so no reload can change one instance's
             # CPUs alone: drop node 1 (its instance leaves, finishing its requests), then plan
             # it again once it is gone, so the next fault meets the whole fleet.
-            run.config.write_text(self.good_config.replace("[placement]\n", "[placement]\nnodes = [0]\n"))
-            os.kill(run.proc.pid, signal.SIGHUP)
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and len(self.instances()) != 1:
-                time.sleep(0.1)
-            run.config.write_text(self.good_config)
-            os.kill(run.proc.pid, signal.SIGHUP)
+            self._reload_without(run, self.good_config.replace("[placement]\n", "[placement]\nnodes = [0]\n"))
             return "node 1 dropped, back"
         if fault == "reload-invalid":
             current = run.config.read_text()

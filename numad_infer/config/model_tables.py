@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, field_validator
 
-from numad_infer.config.values import NodeSelection, SafeStr, Section, ThreadCount
+from numad_infer.config.values import ModelPath, NodeSelection, SafeStr, Section, ThreadCount
 
 # A name is a unit instance name's part (`infer@<name>-<node>`), an HAProxy backend name, a
 # Prometheus label and what a client sends: letters, digits and `. _ : -` are valid in all
@@ -45,7 +45,7 @@ class ModelEntry(Section):
         description="other ids that route to this model at the front door, e.g. `[\"gpt-4o-mini\"]`",
         json_schema_extra={"kind": "list of names"},
     )
-    path: SafeStr = Field(
+    path: ModelPath = Field(
         description="the GGUF file this model's instances load, as `model.path`",
         json_schema_extra={"kind": "absolute path"},
     )
@@ -93,9 +93,3 @@ class ModelEntry(Section):
     def _name(cls, value: str) -> str:
         return _check_name(value)
 
-    @field_validator("path")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError("must be an absolute path, e.g. /var/lib/numa-infer/models/model.gguf")
-        return value

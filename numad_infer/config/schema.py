@@ -18,6 +18,7 @@ from numad_infer.config.frontend import FrontendSection
 from numad_infer.config.model_tables import ModelEntry
 from numad_infer.config.server import ServerSection
 from numad_infer.config.values import (
+    ModelPath,
     NodeSelection,
     SafeStr,
     Section,
@@ -28,7 +29,7 @@ from numad_infer.util.cpuset import CpuListError, parse_list
 
 
 class ModelSection(Section):
-    path: SafeStr = Field(
+    path: ModelPath = Field(
         description="GGUF model every instance loads; must be a readable regular file, also for the instances' user",
         json_schema_extra={"kind": "absolute path"},
     )
@@ -51,13 +52,6 @@ class ModelSection(Section):
         False,
         description="lock the weights in RAM; the units then get `LimitMEMLOCK=infinity`",
     )
-
-    @field_validator("path")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError("must be an absolute path, e.g. /var/lib/numa-infer/models/model.gguf")
-        return value
 
     @field_validator("name")
     @classmethod

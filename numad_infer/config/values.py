@@ -39,6 +39,15 @@ def _node_selection(value: Any) -> Any:
     return value
 
 
+def _absolute_model_path(value: str) -> str:
+    if not value.startswith("/"):
+        raise ValueError("must be an absolute path, e.g. /var/lib/numa-infer/models/model.gguf")
+    return value
+
+
+# A model file's path (`model.path`, `models[k].path`): absolute, so that it means the same
+# file to the daemon, the units and the instances, whatever their working directory.
+ModelPath = Annotated[SafeStr, AfterValidator(_absolute_model_path)]
 NodeSelection = Annotated[Literal["all"] | list[int], BeforeValidator(_node_selection)]
 # "auto" (threads = the instance's CPUs: today's rule) or a count, which the planner checks
 # against each instance's CPUs.
