@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from numad_infer.backends.base import Backend
 from numad_infer.config.schema import Config
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor.control import Frontdoor
+from numad_infer.plan.model import Placed
 from numad_infer.status import metrics
 from numad_infer.status.records import ReloadResult
+from numad_infer.status.statefile import read_status
 from numad_infer.supervision import holds
 from numad_infer.supervision.reconcile import Reconciler
 from numad_infer.topology.cgroup_limits import Allowed
@@ -52,8 +55,19 @@ class PlanState:
 
     def load(self) -> Loaded:
         """The pipeline every command uses (loading.py); refused there, nothing changes here."""
-        running = () if self.loaded is None else self.loaded.plan.instances
+        running = self.loaded.plan.instances if self.loaded is not None else self._left_running()
         return loading.load(self.config_path, self.backend.kind, self.sysfs, running=running)
+
+    def _left_running(self) -> Sequence[Placed]:
+        """At start: the instances the last daemon ran, as its state file says (kept across
+        a daemon restart; a reboot empties /run). With `[[models]]`, where they still fit,
+        they keep their cores and ports, so the instances a restarted daemon adopts are not
+        restarted because a reload before it had removed a model."""
+        try:
+            left = read_status(self.state_file)
+        except NumaInferError:  # not a state file of ours: nothing to keep, and the start says so later
+            return ()
+        return () if left is None else left.instances
 
     def apply(self, loaded: Loaded, why: str) -> bool:
         """Bring everything to the plan; False (reported like a refused reload) if the unit

@@ -57,10 +57,12 @@ def _compact(doc: object) -> str:
 
 def models_list(config: Config) -> str:
     """GET /v1/models's body: every name, then every alias (with its model as `parent`)."""
-    served = served_models(config)
+    return _compact({"object": "list", "data": _entries(served_models(config))})
+
+
+def _entries(served: tuple[ServedModel, ...]) -> list[dict[str, object]]:
     data: list[dict[str, object]] = [_entry(s.name) for s in served]
-    data += [{**_entry(alias), "parent": s.name} for s in served for alias in s.aliases]
-    return _compact({"object": "list", "data": data})
+    return data + [{**_entry(alias), "parent": s.name} for s in served for alias in s.aliases]
 
 
 def _entry(ident: str) -> dict[str, object]:
@@ -97,6 +99,9 @@ def route(config: Config, buffer: int) -> list[str]:
     every = " ".join(ident for s in served for ident in s.ids)
     lines = [f"    http-request return status 200 content-type application/json string '{models_list(config)}' "
              f"if {{ path {MODELS_PATH} }} METH_GET",
+             # OpenAI's "retrieve model": one entry, by name or alias.
+             *(f"    http-request return status 200 content-type application/json string '{_compact(entry)}' "
+               f"if {{ path {MODELS_PATH}/{entry['id']} }} METH_GET" for entry in _entries(served)),
              # The whole body (up to tune.bufsize) is read before the rules below run.
              "    option http-buffer-request",
              "    http-request set-var(txn.model) req.body,json_query('$.model')",

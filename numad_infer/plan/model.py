@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from numad_infer.systemd import unitnames
 
@@ -45,6 +45,19 @@ class Instance:
         for key in ("cpus", "mems"):
             data[key] = list(data[key])
         return data
+
+
+class Placed(Protocol):
+    """An instance as the running plan had it: what the planner keeps of it with
+    `[[models]]` (its cores, its port). An `Instance`, or its `status` record as the last
+    daemon left it in the state file."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def cpus(self) -> tuple[int, ...]: ...
+    @property
+    def port(self) -> int: ...
 
 
 @dataclass(frozen=True)

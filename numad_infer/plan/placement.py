@@ -12,7 +12,7 @@ from numad_infer.config.models import ServedModel, multi, served_models
 from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
 from numad_infer.plan.memory_fit import InstanceMemory, check_fit
-from numad_infer.plan.model import Instance, Plan, Policy
+from numad_infer.plan.model import Instance, Placed, Plan, Policy
 from numad_infer.plan.multi import Core, Want, each_models_threads, instance_ident, split_node
 from numad_infer.plan.ports import assign_ports, check_ports, exposure_warnings
 from numad_infer.systemd import unitnames
@@ -68,7 +68,7 @@ MemoryOf = InstanceMemory | Mapping[str, InstanceMemory]  # one for all, or per 
 
 
 def make_plan(config: Config, topo: Topology, memory: MemoryOf | None = None, source: str = "config",
-              allowed: Allowed = UNRESTRICTED, running: Sequence[Instance] = ()) -> Plan:
+              allowed: Allowed = UNRESTRICTED, running: Sequence[Placed] = ()) -> Plan:
     """The plan, in the order the kubelet's CPU allocator reads: within what the cgroup
     allows, which nodes, which of their cores, how the cores become instances, whether
     they fit in their nodes' memory (`memory`: what one instance holds; None: not
@@ -102,7 +102,7 @@ def make_plan(config: Config, topo: Topology, memory: MemoryOf | None = None, so
 
 def _models_instances(config: Config, topo: Topology, view: Topology, allowed: Allowed,
                       reserved: set[tuple[int, ...]], warnings: list[str], source: str,
-                      running: Sequence[Instance]) -> list[Instance]:
+                      running: Sequence[Placed]) -> list[Instance]:
     """Steps 1, 3 and 4b for `[[models]]`: each model's nodes and usable cores as one model's
     are, then each node's cores split between the models there (plan/multi.py); instances
     in the file's order of models, then nodes."""
@@ -138,7 +138,7 @@ def _models_instances(config: Config, topo: Topology, view: Topology, allowed: A
     return instances
 
 
-def _had(model: ServedModel, node: int, topo: Topology, running: Sequence[Instance]) -> tuple[tuple[Core, ...], ...]:
+def _had(model: ServedModel, node: int, topo: Topology, running: Sequence[Placed]) -> tuple[tuple[Core, ...], ...]:
     """The cores each of the model's instances on the node has in the running plan (by k)."""
     per_node = model.view.placement.instances_per_node
     by_name = {i.name: i for i in running}

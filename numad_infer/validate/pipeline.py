@@ -29,7 +29,7 @@ from numad_infer.host.pinning import memory_calls
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.file import artifact_id, read_model
 from numad_infer.model.memory import estimate
-from numad_infer.plan.model import Instance, Plan
+from numad_infer.plan.model import Placed, Plan
 from numad_infer.plan.placement import make_plan
 from numad_infer.systemd.unitdir import SYSTEM_UNIT_DIRS, check_unit_names
 from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed
@@ -42,7 +42,7 @@ from numad_infer.validate.loaded import Loaded, LoadedModel, instance_memory
 
 
 def load(source: str, kind: BackendKind, sysfs: SysfsReader | str = "/",
-         unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS, running: Sequence[Instance] = ()) -> Loaded:
+         unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS, running: Sequence[Placed] = ()) -> Loaded:
     """Read the file at `source` and validate it on this machine (ConfigError otherwise).
     `running`: the running plan's instances, whose cores and ports are kept where they can be."""
     reader = sysfs if isinstance(sysfs, SysfsReader) else SysfsReader(sysfs)
@@ -59,7 +59,7 @@ def read_allowed(kind: BackendKind) -> Allowed:
 
 def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
              unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS, allowed: Allowed = UNRESTRICTED,
-             running: Sequence[Instance] = ()) -> Loaded:
+             running: Sequence[Placed] = ()) -> Loaded:
     """Every check a configuration must pass before anything runs it; changes nothing.
 
     The order is the order an operator fixes things in: the engine's keys and the names, then what the instances

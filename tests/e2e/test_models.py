@@ -191,3 +191,23 @@ def test_restart_by_model_name_rolls_that_models_instances_alone(run: DaemonRun)
     state = in_rotation(run, ["infer@alpha-0", "infer@beta-1"])
     now = {i["name"]: i["pid"] for i in state["instances"]}
     assert now["infer@alpha-0"] == pids["infer@alpha-0"] and now["infer@beta-1"] != pids["infer@beta-1"]
+
+
+def test_a_restarted_daemon_keeps_the_ports_a_reload_left(run: DaemonRun) -> None:
+    """After a reload removed the first model, the second keeps its port; a daemon started
+    again (killed here: a crash, an upgrade) plans it on the same port, from the state file
+    the last one left, not on the file's order (which would restart what it adopts)."""
+    state = in_rotation(run, ["infer@alpha-0", "infer@beta-1"])
+    beta_port = run.instance(state, "infer@beta-1")["port"]
+    assert beta_port == run.base_port + 1
+    run.models = BETA
+    run.write_config()
+    assert run.cli("reload").returncode == 0
+    assert run.instance(in_rotation(run, ["infer@beta-1"]), "infer@beta-1")["port"] == beta_port
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.proc.wait(30)
+    run.proc = run.spawn()
+    state = run.wait(lambda s: s["daemon"]["pid"] == run.proc.pid and s["instances"]
+                     and s["instances"][0]["state"] == "healthy", 60, "the new daemon's instance healthy")
+    assert [(i["name"], i["port"]) for i in state["instances"]] == [("infer@beta-1", beta_port)]
+    assert ask(run.frontend_port, "beta")[1].get("model") == "beta"

@@ -148,6 +148,12 @@ def test_the_model_list_is_answered_with_every_instance_down_or_busy(door) -> No
     status, doc, took = _get(door.port, "/v1/models")
     assert status == 200 and [m["id"] for m in doc["data"]] == ["alpha", "beta", "gpt-4o-mini", "b:latest"]
     assert took < 1.0
+    # One model by id, as OpenAI's "retrieve model"; an alias names its model as parent.
+    assert _get(door.port, "/v1/models/beta")[:2] == (200, {"id": "beta", "object": "model", "created": 0,
+                                                            "owned_by": "numa-infer"})
+    assert _get(door.port, "/v1/models/b:latest")[1]["parent"] == "beta"
+    status, doc, _ = _get(door.port, "/v1/models/gamma")
+    assert status == 404 and doc["error"]["code"] == "model_not_found"
     door.start_stub(0)
     door.start_stub(2)
     api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
