@@ -57,11 +57,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         each = {m.served.name: {"weights": m.memory.weights, "kv_cache": m.memory.kv_cache,
                                 "overhead": m.memory.overhead, "total": m.memory.total,
-                                "kv_cache_counted": m.memory.dims_known} for m in loaded.models}
+                                "kv_cache_counted": m.memory.dims_known,
+                                # Not in total: what use may add (null: no limit).
+                                "prompt_cache": m.memory.prompt_cache} for m in loaded.models}
         # One model: its instance's figures; several: per model name.
         per = {"per_instance": next(iter(each.values()))} if loaded.config.model else {"per_model": each}
         memory = {**per, "nodes": [{"node": f.node, "need": f.need, "available": f.available, "total": f.total,
-                                    "instances": list(f.instances)} for f in loaded.fits()]}
+                                    "instances": list(f.instances), "prompt_cache": f.growth}
+                                   for f in loaded.fits()]}
         print(json.dumps({**loaded.plan.to_dict(), "allowed": loaded.allowed.to_dict(), "memory": memory}, indent=2))
     else:
         print("\n".join([format_plan(loaded.plan), *format_memory(_needs(loaded), loaded.fits()),

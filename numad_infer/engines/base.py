@@ -94,6 +94,9 @@ class Engine(ABC):
     # What an instance holds besides the weights and the KV cache (model/memory.py), as
     # measured for this engine (bench/memory.py): the per-node memory check counts it.
     overhead: ClassVar[Overhead] = UNMEASURED
+    # The extra_args that bound its prompt cache (EngineContext.prompt_cache), as a warning on
+    # a node it could overfill names them; "" for an engine that keeps none.
+    prompt_cache_args: ClassVar[str] = ""
 
     @abstractmethod
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:

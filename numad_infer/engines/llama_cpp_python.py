@@ -34,6 +34,16 @@ _FROM_CREDENTIAL = ("import os, runpy; "
 OVERHEAD = Overhead(runtime=80 << 20, per_embedding=48, per_vocab=8, per_context=24, kept_logits=4, tokenizer=160)
 
 
+def _prompt_cache(extra: list[str]) -> int:
+    """Its cache of evaluated prompts: off unless `--cache true`; in memory (LlamaRAMCache)
+    up to --cache_size bytes (2 GiB unless set) with `--cache_type ram`, its default. A
+    disk cache holds its states in files, not in the process."""
+    on = (last_option(extra, "--cache") or "").strip().lower() in {"1", "on", "t", "true", "y", "yes"}
+    if not on or (last_option(extra, "--cache_type") or "ram") != "ram":
+        return 0
+    return positive(last_option(extra, "--cache_size"), 2 << 30)
+
+
 def _cache_type(value: str | None) -> int:
     """--type_k/--type_v's ggml type id: unset, f16; one no cache takes, f32 (the largest)."""
     if value is None:
@@ -70,6 +80,7 @@ class LlamaCppPython(Engine):
     key_env = "API_KEY"
     program_key = "python"
     overhead = OVERHEAD
+    prompt_cache_args = '"--cache_size", "BYTES"'
     cpu_fix = ("reinstall llama-cpp-python into server.python built for this CPU (CMAKE_ARGS='-DGGML_NATIVE=ON' pip "
                "install --force-reinstall --no-binary :all: llama-cpp-python), or use server.engine = \"llama-server\" "
                "with scripts/build-llama-server's build")
@@ -102,7 +113,7 @@ class LlamaCppPython(Engine):
         tokens = positive(last_option(extra, "--n_ctx"), config.one_model.context_size)
         return EngineContext(tokens, tokens, _cache_type(last_option(extra, "--type_k")),
                              _cache_type(last_option(extra, "--type_v")),
-                             positive(last_option(extra, "--n_ubatch"), 512))
+                             positive(last_option(extra, "--n_ubatch"), 512), _prompt_cache(extra))
 
     def cpu(self, config: Config, host: HostAccess) -> EngineCpuReport:
         python = config.server.python

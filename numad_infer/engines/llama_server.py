@@ -42,9 +42,25 @@ _HINT = "build it with scripts/build-llama-server or install Debian's llama.cpp 
 # (all of the compute buffer touched): 20 MiB on the tiny model (vocabulary 512; 16 MiB of
 # it program and libraries, file-backed), 24.3 on the small (4,096), 30.0 on the medium
 # (32,000): 28 MiB and 160 B per vocabulary entry (the tokenizer's tables, the samplers'
-# candidates) cover all three. Not counted: the prompt cache of idle slots (--cache-ram,
-# at most 8 GiB by default), which grows with use, not at load.
+# candidates) cover all three. Not in it: the prompt cache (below), which grows with use.
 OVERHEAD = Overhead(runtime=28 << 20, per_embedding=48, per_vocab=0, per_context=2, tokenizer=160)
+
+# The prompt cache's limit unless --cache-ram says otherwise (its --help; -1: none, 0: off).
+# When a slot takes a new prompt, the old one's state (its KV cells) is copied there, and
+# kept until the limit: 24 distinct 370-610-token prompts to one slot of the small model
+# left 85 MiB cached at 8192 and 29 MiB at 32 (-lv 4's "cache state", 2026-12-03), the
+# process's RSS growing by the same. Per instance, so plan/memory_fit.py warns on it.
+CACHE_RAM_MIB = 8192
+
+
+def _prompt_cache(value: str | None) -> int | None:
+    """--cache-ram's bytes: its default when absent or not a number (the server refuses
+    that), None for a negative one (no limit)."""
+    try:
+        mib = int(value) if value is not None else CACHE_RAM_MIB
+    except ValueError:
+        mib = CACHE_RAM_MIB
+    return None if mib < 0 else mib << 20
 
 
 def _exists(host: HostAccess, path: str) -> bool:
@@ -67,6 +83,7 @@ class LlamaServer(Engine):
     # run in it, the tokens it holds (`n_prompt_tokens`: the prompt and what it generated).
     kv_cache_path = "/slots"
     overhead = OVERHEAD
+    prompt_cache_args = '"--cache-ram", "MIB"'  # 0 turns it off
     cpu_fix = ("build server.llama_server with `NUMA_INFER_CPU_VARIANTS=all scripts/build-llama-server` (one CPU "
                "backend per x86 level, the best chosen at start), or with scripts/build-llama-server on this machine")
 
@@ -107,7 +124,8 @@ class LlamaServer(Engine):
         return EngineContext(tokens, tokens if unified else tokens // parallel,
                              CACHE_TYPES.get(k.lower(), CACHE_TYPES["f32"]),
                              CACHE_TYPES.get(v.lower(), CACHE_TYPES["f32"]),
-                             positive(last_option(extra, "-ub", "--ubatch-size"), 512))
+                             positive(last_option(extra, "-ub", "--ubatch-size"), 512),
+                             _prompt_cache(last_option(extra, "-cram", "--cache-ram")))
 
     def credential_environment(self) -> dict[str, str]:
         # It reads the key from the file this variable names: the credential itself.

@@ -67,6 +67,9 @@ class EngineContext:
     type_k: int  # ggml types of the cache (model/ggml.py, CACHE_TYPES)
     type_v: int
     batch: int = 512  # tokens the engine computes at once (llama.cpp's n_ubatch): its buffers scale with it
+    # What it may keep besides, growing with use rather than at load: llama-server's cache of
+    # idle slots' prompts (--cache-ram), in bytes; None: no limit.
+    prompt_cache: int | None = 0
 
 
 @dataclass(frozen=True)
@@ -101,27 +104,37 @@ class MemoryEstimate:
     kv_cache: int  # 0 when the header does not give the attention's shape (dims_known)
     overhead: int
     dims_known: bool = True
+    # Not in `total`: a bound on what use adds (EngineContext.prompt_cache), None for none.
+    # The node check warns on it rather than refusing (plan/memory_fit.py, growth_warnings).
+    prompt_cache: int | None = 0
 
     @property
     def total(self) -> int:
         return self.weights + self.kv_cache + self.overhead
 
     def describe(self) -> str:
-        """`weights 126 MiB + KV cache 48 MiB + overhead 48 MiB = 222 MiB` (one line)."""
+        """`weights 126 MiB + KV cache 48 MiB + overhead 48 MiB = 222 MiB, and a prompt cache
+        of up to 8.0 GiB with use` (one line)."""
         if not self.dims_known:
             return (f"weights {mib(self.weights)} + overhead {mib(self.overhead)} = {mib(self.total)}, KV cache not "
-                    "counted: no attention shape in the header")
+                    f"counted: no attention shape in the header{self.describe_growth()}")
         return (f"weights {mib(self.weights)} + KV cache {mib(self.kv_cache)} + overhead {mib(self.overhead)} = "
-                f"{mib(self.total)}")
+                f"{mib(self.total)}{self.describe_growth()}")
+
+    def describe_growth(self) -> str:
+        if self.prompt_cache is None:
+            return ", and a prompt cache with no limit"
+        return f", and a prompt cache of up to {mib(self.prompt_cache)} with use" if self.prompt_cache else ""
 
 
 def estimate(weights: int, dims: ModelDims | None, context: EngineContext, overhead: Overhead) -> MemoryEstimate:
     """One instance of a model whose tensors take `weights` bytes, run as `context` says, by
     an engine with `overhead`."""
     if dims is None:
-        return MemoryEstimate(weights, 0, overhead.bytes(dims, context), dims_known=False)
+        return MemoryEstimate(weights, 0, overhead.bytes(dims, context), dims_known=False,
+                              prompt_cache=context.prompt_cache)
     kv = max(context.tokens, 0) * dims.kv_bytes_per_token(context.type_k, context.type_v)
-    return MemoryEstimate(weights, kv, overhead.bytes(dims, context))
+    return MemoryEstimate(weights, kv, overhead.bytes(dims, context), prompt_cache=context.prompt_cache)
 
 
 def mib(n: int) -> str:

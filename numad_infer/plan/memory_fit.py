@@ -34,6 +34,10 @@ class InstanceMemory:
     detail: str  # how it adds up (MemoryEstimate.describe)
     shrink: str = "a smaller model.context_size"  # the engine's own ways to hold less
     key: str = "model"  # where the model is configured, as a fix names it: "model" or "models[k]"
+    # What use may add (a prompt cache: MemoryEstimate.prompt_cache), None: no bound; and the
+    # key and arguments that bound it, as a warning names them.
+    grows: int | None = 0
+    grows_fix: str = ""
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class NodeFit:
     total: int  # the node's memory (0: unknown, not checked)
     instances: tuple[str, ...]
     models: tuple[str, ...]
+    growth: int | None = 0  # what use may add to `need` there (prompt caches); None: no bound
 
     @property
     def available(self) -> int:
@@ -57,23 +62,55 @@ class NodeFit:
         needs = f"node {self.node}: {len(self.instances)} instance(s) need {_gib(self.need)}"
         if self.total <= 0:
             return f"{needs}; its memory size is unknown, not checked"
-        return f"{needs} of {_gib(self.available)} ({_gib(self.total)} less {RESERVE_FRACTION:.0%})"
+        return f"{needs} of {_gib(self.available)} ({_gib(self.total)} less {RESERVE_FRACTION:.0%}){self._grows()}"
+
+    @property
+    def overfills(self) -> bool:
+        """Fits once loaded, and what use may add would not: a warning, not a refusal."""
+        return self.total > 0 and self.fits and (self.growth is None or self.need + self.growth > self.available)
+
+    def _grows(self) -> str:
+        if self.growth is None:
+            return "; with use, prompt caches with no limit"
+        return f"; with use, prompt caches up to {_gib(self.growth)} more" if self.growth else ""
 
 
 def node_fits(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topology) -> list[NodeFit]:
     """Per memory node the instances are bound to, in node order: what they need there."""
     need: dict[int, int] = {}
+    growth: dict[int, int | None] = {}
     names: dict[int, list[str]] = {}
     models: dict[int, list[str]] = {}
     for instance, memory in instances:
         for node in instance.mems:
             need[node] = need.get(node, 0) + memory.bytes // max(1, len(instance.mems))
+            had, grows = growth.get(node, 0), memory.grows
+            growth[node] = None if had is None or grows is None else had + grows // max(1, len(instance.mems))
             names.setdefault(node, []).append(instance.name)
             if memory.model not in models.setdefault(node, []):
                 models[node].append(memory.model)
     totals = {n.id: n.memory_total_bytes for n in topo.nodes}
-    return [NodeFit(node, need[node], max(totals.get(node, 0), 0), tuple(names[node]), tuple(models[node]))
-            for node in sorted(need)]
+    return [NodeFit(node, need[node], max(totals.get(node, 0), 0), tuple(names[node]), tuple(models[node]),
+                    growth[node]) for node in sorted(need)]
+
+
+def growth_warnings(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topology) -> list[str]:
+    """Per node whose instances fit once loaded but whose prompt caches could grow past its
+    memory under traffic: a warning naming the bound to set. Not a refusal: the caches
+    fill only with many distinct prompts, and the engines' own default limits are what
+    runs today (refusing would stop a configuration that serves at upgrade)."""
+    warnings = []
+    for fit in node_fits(instances, topo):
+        if not fit.overfills:
+            continue
+        here = [m for i, m in instances if fit.node in i.mems]
+        grow = ("have no limit on their prompt cache" if fit.growth is None else
+                f"can grow by up to {_gib(fit.growth)} more with use (their prompt caches, each to its limit)")
+        fixes = _or(list(dict.fromkeys(m.grows_fix for m in here if m.grows_fix))) or "a smaller prompt cache"
+        warnings.append(f"node {fit.node}: its instances ({', '.join(fit.instances)}) need {_gib(fit.need)} once "
+                        f"loaded, which fits, but {grow}, past the {_gib(fit.available)} the node has for them: the "
+                        f"kernel would then reclaim or kill; bound it with {fixes}")
+    return warnings
 
 
 def check_fit(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topology, source: str,
@@ -134,6 +171,8 @@ def _models_fixes(fit: NodeFit, here: list[tuple[Instance, InstanceMemory]]) -> 
 
 
 def _or(items: list[str]) -> str:
+    if not items:
+        return ""
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 from numad_infer.config.models import ServedModel, multi, served_models
 from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
-from numad_infer.plan.memory_fit import InstanceMemory, check_fit
+from numad_infer.plan.memory_fit import InstanceMemory, check_fit, growth_warnings
 from numad_infer.plan.model import Instance, Placed, Plan, Policy
 from numad_infer.plan.multi import Core, Want, each_models_threads, instance_ident, split_node
 from numad_infer.plan.ports import assign_ports, check_ports, exposure_warnings
@@ -91,6 +91,7 @@ def make_plan(config: Config, topo: Topology, memory: MemoryOf | None = None, so
             return memory if isinstance(memory, InstanceMemory) else memory[i.model]
         per_node = max(s.view.placement.instances_per_node for s in served_models(config))
         check_fit([(i, need(i)) for i in instances], topo, source, per_node)
+        warnings += growth_warnings([(i, need(i)) for i in instances], topo)
     instances = assign_ports(config, instances, source, _machine_ports(config, topo, source, allowed),
                              {i.name: i.port for i in running})
     instances = each_models_threads(config, instances, source, _thread_counts)

@@ -94,4 +94,8 @@ def instance_memory(view: Config, engine: Engine, memory: MemoryEstimate, key: s
     slots = "server.parallel" if key == "model" else f"{key}.parallel"
     shrink = f"a smaller {key}.context_size" + (f" or {slots}" if "parallel" in engine.own_keys else "")
     model = view.one_model
-    return InstanceMemory(model.name or os.path.basename(model.path), memory.total, memory.describe(), shrink, key)
+    # The prompt cache is bounded in the engine's own arguments: the model's table's, or server's.
+    args = "server.extra_args" if key == "model" else f"{key}.extra_args"
+    grows_fix = f"{args} = [..., {engine.prompt_cache_args}]" if engine.prompt_cache_args else ""
+    return InstanceMemory(model.name or os.path.basename(model.path), memory.total, memory.describe(), shrink, key,
+                          memory.prompt_cache, grows_fix)

@@ -69,13 +69,15 @@ def test_plan_render_check_happy_path(tmp_path: Path, fs: Path, model: Path) -> 
     # What one instance holds (a header with no tensors and no dimensions: the engine's own
     # overhead alone), and per node the sum against the node's memory.
     assert plan["memory"]["per_instance"] == {"weights": 0, "kv_cache": 0, "overhead": 28 << 20, "total": 28 << 20,
-                                              "kv_cache_counted": False}
-    assert [(n["node"], n["need"], n["instances"]) for n in plan["memory"]["nodes"]] == [
-        (0, 28 << 20, ["infer@0"]), (1, 28 << 20, ["infer@1"])]
+                                              "kv_cache_counted": False, "prompt_cache": 8192 << 20}
+    assert [(n["node"], n["need"], n["instances"], n["prompt_cache"]) for n in plan["memory"]["nodes"]] == [
+        (0, 28 << 20, ["infer@0"], 8192 << 20), (1, 28 << 20, ["infer@1"], 8192 << 20)]
     text = run("--config", str(config), "--fsroot", str(fs), "plan", check=True).stdout
     assert ("memory per instance (tiny.gguf): weights 0 MiB + overhead 28 MiB = 28 MiB, KV cache not counted: no "
-            "attention shape in the header\nnode 0: 1 instance(s) need 28 MiB of 230.4 GiB (256.0 GiB less 10%)\n"
-            "node 1: 1 instance(s) need 28 MiB of 230.4 GiB (256.0 GiB less 10%)") in text
+            "attention shape in the header, and a prompt cache of up to 8.0 GiB with use\nnode 0: 1 instance(s) need "
+            "28 MiB of 230.4 GiB (256.0 GiB less 10%); with use, prompt caches up to 8.0 GiB more\n"
+            "node 1: 1 instance(s) need 28 MiB of 230.4 GiB (256.0 GiB less 10%); with use, prompt caches up to 8.0 GiB "
+            "more") in text
     out = run("--config", str(config), "--fsroot", str(fs), "check", check=True).stdout
     assert "valid for this machine" in out and "3 to write" not in out and "4 to write" in out
     assert "node 1: 1 instance(s) need 28 MiB of 230.4 GiB" in out

@@ -220,7 +220,8 @@ def test_node_memory_against_the_instances_estimate(tmp_path: Path, free_kb: int
     assert checks["memory on node 0"].level == Level.OK
     assert checks["memory on node 1"].wanted.startswith(">= 28.0 MiB for ")
     assert checks["memory on node 1"].wanted.endswith("; per instance weights 0 MiB + overhead 28 MiB = 28 MiB, KV cache "
-                                                      "not counted: no attention shape in the header")
+                                                      "not counted: no attention shape in the header, and a prompt "
+                                                      "cache of up to 8.0 GiB with use")
 
 
 def _irq_on(cpu: str, count: int = 5000, effective: bool = True) -> Mutate:

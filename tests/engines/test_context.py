@@ -12,6 +12,7 @@ from numad_infer.model.ggml import CACHE_TYPES
 from numad_infer.model.memory import EngineContext
 
 F32, F16, Q8_0, Q4_0 = CACHE_TYPES["f32"], CACHE_TYPES["f16"], CACHE_TYPES["q8_0"], CACHE_TYPES["q4_0"]
+CRAM = 8192 << 20  # llama-server's --cache-ram unless set (its --help)
 
 
 def config(engine: str, server: str = "", context: int = 4096):
@@ -21,17 +22,21 @@ def config(engine: str, server: str = "", context: int = 4096):
 
 
 @pytest.mark.parametrize("server, expected", [
-    ("", EngineContext(4096, 4096, F16, F16, 512)),
+    ("", EngineContext(4096, 4096, F16, F16, 512, CRAM)),
     # The slots share --ctx-size = context_size x parallel: each its context_size.
-    ("parallel = 4\n", EngineContext(16384, 4096, F16, F16, 512)),
-    ('parallel = 2\nextra_args = ["--cache-type-k", "q8_0", "-ctv", "Q4_0"]\n', EngineContext(8192, 4096, Q8_0, Q4_0)),
-    ('extra_args = ["--cache-type-k=q8_0"]\n', EngineContext(4096, 4096, Q8_0, F16)),
+    ("parallel = 4\n", EngineContext(16384, 4096, F16, F16, 512, CRAM)),
+    ('parallel = 2\nextra_args = ["--cache-type-k", "q8_0", "-ctv", "Q4_0"]\n', EngineContext(8192, 4096, Q8_0, Q4_0, 512, CRAM)),
+    ('extra_args = ["--cache-type-k=q8_0"]\n', EngineContext(4096, 4096, Q8_0, F16, 512, CRAM)),
     # Given after numa-infer's own, a --ctx-size or -ub in extra_args is what the server takes.
-    ('parallel = 2\nextra_args = ["-c", "2048", "-ub", "256"]\n', EngineContext(2048, 1024, F16, F16, 256)),
+    ('parallel = 2\nextra_args = ["-c", "2048", "-ub", "256"]\n', EngineContext(2048, 1024, F16, F16, 256, CRAM)),
     # One pool every slot attends over: the same cells, each slot's attention over all of them.
-    ('parallel = 2\nextra_args = ["--kv-unified"]\n', EngineContext(8192, 8192, F16, F16)),
+    ('parallel = 2\nextra_args = ["--kv-unified"]\n', EngineContext(8192, 8192, F16, F16, 512, CRAM)),
     # A type no cache takes is counted as the largest (the server refuses it at start).
-    ('extra_args = ["-ctk", "q2_k", "-c", "zero"]\n', EngineContext(4096, 4096, F32, F16)),
+    ('extra_args = ["-ctk", "q2_k", "-c", "zero"]\n', EngineContext(4096, 4096, F32, F16, 512, CRAM)),
+    # Its prompt cache, which grows with use up to --cache-ram MiB; -1: no limit.
+    ('extra_args = ["--cache-ram", "64"]\n', EngineContext(4096, 4096, F16, F16, 512, 64 << 20)),
+    ('extra_args = ["-cram=0"]\n', EngineContext(4096, 4096, F16, F16, 512, 0)),
+    ('extra_args = ["--cache-ram", "-1"]\n', EngineContext(4096, 4096, F16, F16, 512, None)),
 ])
 def test_llama_server_context(server: str, expected: EngineContext) -> None:
     assert get("llama-server").context(config("llama-server", server)) == expected
@@ -42,6 +47,12 @@ def test_llama_server_context(server: str, expected: EngineContext) -> None:
     (f'extra_args = ["--type_k", "{Q8_0}", "--type_v", "0", "--n_ubatch", "128"]\n',
      EngineContext(4096, 4096, Q8_0, F32, 128)),
     ('extra_args = ["--n_ctx", "8192", "--type_k", "99"]\n', EngineContext(8192, 8192, F32, F16)),
+    # Its prompt cache is off unless --cache is true; then 2 GiB in memory unless --cache_size
+    # says otherwise, and none in memory with the disk cache.
+    ('extra_args = ["--cache", "True"]\n', EngineContext(4096, 4096, F16, F16, 512, 2 << 30)),
+    ('extra_args = ["--cache=on", "--cache_size", "1000"]\n', EngineContext(4096, 4096, F16, F16, 512, 1000)),
+    ('extra_args = ["--cache", "yes", "--cache_type", "disk"]\n', EngineContext(4096, 4096, F16, F16, 512, 0)),
+    ('extra_args = ["--cache", "false", "--cache_size", "1000"]\n', EngineContext(4096, 4096, F16, F16, 512, 0)),
 ])
 def test_llama_cpp_python_context(server: str, expected: EngineContext) -> None:
     assert get("llama-cpp-python").context(config("llama-cpp-python", server)) == expected

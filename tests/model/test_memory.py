@@ -191,3 +191,61 @@ def test_the_estimate_is_what_llama_server_allocates(tmp_path: Path, cache_args:
     assert header.dims is not None
     once = (engine.overhead.runtime + engine.overhead.tokenizer * header.dims.vocab) / MiB
     assert compute == pytest.approx(got.overhead / MiB - once, rel=0.1)
+
+
+@pytest.mark.skipif(_built_llama_server() is None, reason="no llama-server built by scripts/build-llama-server "
+                                                            "on this machine (~/.cache/numa-infer/llama-server)")
+def test_llama_servers_prompt_cache_grows_with_distinct_prompts_to_the_bound_counted(tmp_path: Path) -> None:
+    """What the node check warns on (plan/memory_fit.py, growth_warnings): each distinct
+    prompt a slot leaves is kept (its KV cells) until --cache-ram is reached, whatever the
+    context. Started as numa-infer starts it, with a 1 MiB bound in server.extra_args; its
+    own "cache state" lines at -lv 4 say what it holds."""
+    import json
+    import random
+    import urllib.request
+
+    from tests.model.test_gguf import make_model_module
+
+    mm = make_model_module()
+    model = tmp_path / "gqa.gguf"
+    mm.write_model(model, mm.Spec(layers=3, embd=384, ff=1024, heads=6, kv_heads=2, vocab=4096, ctx=2048,
+                                  dtype="f16"), 0, "gqa")
+    config = parse_config(f'[model]\npath = "{model}"\ncontext_size = 1024\n[server]\nllama_server = '
+                          '"/bin/llama-server"\nextra_args = ["--cache-ram", "1"]\n', "/etc/numa-infer.toml")
+    engine = engine_named("llama-server")
+    header = read_header(str(model))
+    assert estimate(header.weight_bytes(), header.dims, engine.context(config), engine.overhead).prompt_cache == MiB
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [*engine.argv(config, Instance("infer@0", 0, (0,), ((0,),), (0,), Policy.BIND, 1, port, 1)), "-lv", "4"]
+    argv[0] = str(_built_llama_server())
+    log = tmp_path / "log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "new slot" not in log.read_text() and "model loaded" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        rng = random.Random(7)
+        for _ in range(8):  # distinct prompts, about 250 tokens (~375 KiB of K and V) each
+            text = " ".join(f"{rng.choice(['alpha', 'beta', 'gamma', 'delta'])}{rng.randrange(1000)}" for _ in range(60))
+            body = json.dumps({"prompt": text, "n_predict": 1}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/completion", body,
+                                             {"Content-Type": "application/json"})
+            for attempt in range(50):  # 503 while the model loads
+                try:
+                    urllib.request.urlopen(request, timeout=60).read()
+                    break
+                except OSError:
+                    time.sleep(0.2)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    states = [(int(n), float(size)) for n, size in
+              re.findall(r"cache state: (\d+) prompts, ([\d.]+) MiB \(limits: 1\.000 MiB", log.read_text())]
+    assert states, log.read_text()[-2000:]
+    assert max(n for n, _ in states) >= 2  # it keeps several prompts: it grows with use
+    assert max(size for _, size in states) <= 1.0  # never past the bound counted
+    assert "removing oldest entry" in log.read_text()  # and it reached it

@@ -103,3 +103,53 @@ def test_the_fit_as_plan_prints_it(machine) -> None:
     lines = [f.describe() for f in node_fits([(i, need(0.5)) for i in plan.instances], topo)]
     assert lines == ["node 0: 1 instance(s) need 512 MiB of 28.8 GiB (32.0 GiB less 10%)",
                      "node 1: 1 instance(s) need 512 MiB of 28.8 GiB (32.0 GiB less 10%)"]
+
+
+def grows(gib: float, by: float | None, fix: str = 'server.extra_args = [..., "--cache-ram", "MIB"]') -> InstanceMemory:
+    return InstanceMemory("m.gguf", int(gib * GiB), f"weights {gib} GiB", "a smaller model.context_size", "model",
+                          None if by is None else int(by * GiB), fix)
+
+
+def test_prompt_caches_that_could_outgrow_a_node_are_a_warning_naming_the_bound(machine) -> None:
+    topo = machine(fakesys.round_robin_sockets)  # 32 GiB nodes: 28.8 GiB for the instances
+    # 2 x 4 GiB loaded fits; with 2 x 12 GiB of prompt cache it would not (8 + 24 > 28.8).
+    plan = make_plan(config("instances_per_node = 2"), topo, grows(4, 12))
+    (first, second) = [w for w in plan.warnings if "prompt caches" in w]
+    assert first == ("node 0: its instances (infer@0.0, infer@0.1) need 8.0 GiB once loaded, which fits, but can "
+                     "grow by up to 24.0 GiB more with use (their prompt caches, each to its limit), past the 28.8 GiB "
+                     "the node has for them: the kernel would then reclaim or kill; bound it with server.extra_args = "
+                     '[..., "--cache-ram", "MIB"]')
+    assert second.startswith("node 1: its instances (infer@1.0, infer@1.1)")
+    (fit, _) = node_fits([(i, grows(4, 12)) for i in plan.instances], topo)
+    assert fit.describe() == ("node 0: 2 instance(s) need 8.0 GiB of 28.8 GiB (32.0 GiB less 10%); with use, prompt "
+                              "caches up to 24.0 GiB more")
+    # Bounded to what fits: no warning; a refusal stays a refusal, loaded sizes alone.
+    assert not [w for w in make_plan(config("instances_per_node = 2"), topo, grows(4, 2)).warnings if "prompt" in w]
+    with pytest.raises(ConfigError, match="node 0's memory cannot hold"):
+        make_plan(config("instances_per_node = 2"), topo, grows(15, 0))
+
+
+def test_a_prompt_cache_without_a_limit_is_a_warning_whatever_the_node(machine) -> None:
+    topo = machine(fakesys.dual_socket_smt)  # 256 GiB nodes
+    plan = make_plan(config(), topo, grows(1, None))
+    warned = [w for w in plan.warnings if "prompt cache" in w]
+    assert len(warned) == 2 and "need 1.0 GiB once loaded, which fits, but have no limit on their prompt cache" in warned[0]
+    assert not [w for w in make_plan(config(), topo, grows(1, 8)).warnings if "prompt" in w]
+
+
+def test_with_several_models_the_fix_names_each_models_own_extra_args() -> None:
+    from numad_infer.config.models import served_models
+    from numad_infer.engines import get
+    from numad_infer.model.memory import MemoryEstimate
+    from numad_infer.validate.loaded import instance_memory
+
+    cfg = parse_config('[[models]]\nname = "a"\npath = "/a.gguf"\n[[models]]\nname = "b"\npath = "/b.gguf"\n'
+                       'extra_args = ["--cache-ram", "512"]\n[server]\nllama_server = "/bin/llama-server"\n',
+                       "/etc/numa-infer.toml")
+    engine = get("llama-server")
+    got = [instance_memory(s.view, engine, MemoryEstimate(GiB, 0, 0, prompt_cache=engine.context(s.view).prompt_cache),
+                           s.key) for s in served_models(cfg)]
+    assert [(m.grows, m.grows_fix) for m in got] == [
+        (8 << 30, 'models[0].extra_args = [..., "--cache-ram", "MIB"]'),
+        (512 << 20, 'models[1].extra_args = [..., "--cache-ram", "MIB"]')]
+    assert got[1].detail.endswith(", and a prompt cache of up to 512 MiB with use")

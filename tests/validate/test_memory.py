@@ -82,7 +82,7 @@ def test_instances_that_do_not_fit_a_node_are_refused_naming_node_bytes_and_fix(
     assert message.startswith(f"{SOURCE}: node 0's memory cannot hold its instances: infer@0 (llama3ish.gguf) need "
                               "4.1 GiB (4435517440 bytes), the node has 3.6 GiB for them (3865470566 bytes: 4.0 GiB "
                               "less a 10% reserve); per instance llama3ish.gguf: weights 2 MiB + KV cache 4.0 GiB + "
-                              "overhead 132 MiB = 4.1 GiB; use a smaller model.context_size or server.parallel, a "
+                              "overhead 132 MiB = 4.1 GiB, and a prompt cache of up to 8.0 GiB with use; use a smaller model.context_size or server.parallel, a "
                               'smaller quantisation of the model or placement.mode = "interleave" (one instance, its memory spread '
                               "over every node)")
     assert "\n" not in message
@@ -90,3 +90,13 @@ def test_instances_that_do_not_fit_a_node_are_refused_naming_node_bytes_and_fix(
     fitted = validate(config(model, server, 8192, 4, 'extra_args = ["-ctk", "q8_0", "-ctv", "q8_0"]\n'), SOURCE,
                       small_nodes(tmp_path / "again", 4), BackendKind.PROCESS, unit_dirs=())
     assert fitted.models[0].memory.kv_cache == 8192 * 4 * 32 * 2 * 1024 // 32 * 34
+    # It fits once loaded, but llama-server's prompt cache (8 GiB unless bounded) could grow past
+    # the node: a warning naming the argument; bounded to 1 GiB (2.3 + 1 < 3.6 GiB), none.
+    grows = [w for w in fitted.warnings if "prompt caches" in w]
+    assert len(grows) == 2 and grows[0].startswith("node 0: its instances (infer@0) need 2.3 GiB once loaded, which "
+                                                   "fits, but can grow by up to 8.0 GiB more with use")
+    assert grows[0].endswith('bound it with server.extra_args = [..., "--cache-ram", "MIB"]')
+    bounded = validate(config(model, server, 8192, 4, 'extra_args = ["-ctk", "q8_0", "-ctv", "q8_0", "--cache-ram", '
+                              '"1024"]\n'), SOURCE, small_nodes(tmp_path / "bounded", 4), BackendKind.PROCESS,
+                       unit_dirs=())
+    assert not [w for w in bounded.warnings if "prompt cache" in w]
