@@ -90,8 +90,9 @@ def make_plan(config: Config, topo: Topology, memory: MemoryOf | None = None, so
         def need(i: Instance) -> InstanceMemory:
             return memory if isinstance(memory, InstanceMemory) else memory[i.model]
         per_node = max(s.view.placement.instances_per_node for s in served_models(config))
-        check_fit([(i, need(i)) for i in instances], topo, source, per_node)
-        warnings += growth_warnings([(i, need(i)) for i in instances], topo)
+        needs = [(i, need(i)) for i in instances]
+        check_fit(needs, topo, source, per_node)
+        warnings += growth_warnings(needs, topo)
     instances = assign_ports(config, instances, source, _machine_ports(config, topo, source, allowed),
                              {i.name: i.port for i in running})
     instances = each_models_threads(config, instances, source, _thread_counts)
