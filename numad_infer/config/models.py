@@ -33,6 +33,12 @@ class ServedModel:
     key: str  # where it is configured, for messages: "model" or "models[1]"
 
     @property
+    def ident(self) -> str:
+        """What its instances carry as Instance.model: "" in the single form (its unit names
+        carry no model, whatever model.name says), else its name."""
+        return "" if self.key == "model" else self.name
+
+    @property
     def ids(self) -> tuple[str, ...]:
         """Every id that routes to it."""
         return (self.name, *self.aliases) if self.name else self.aliases

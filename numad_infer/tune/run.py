@@ -56,7 +56,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
 
     loaded = load(request.config_path, request.kind, request.fsroot)
     chosen = model_to_tune(request, loaded)
-    several, ident, size = multi(loaded.config), chosen.served.name if multi(loaded.config) else "", chosen.model_bytes
+    several, ident, size = multi(loaded.config), chosen.served.ident, chosen.model_bytes
     config, topology, planned, nodes = _target(request, loaded, chosen, ident)
     fleet = Fleet(request.state_file, progress)
     _refuse_cutting_clients_off(request, config, fleet)

@@ -73,7 +73,7 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     engine_warnings = engine.check_host(config, source, InstanceHost(runs_as))
     engine_cpu = engine.cpu(config, InstanceHost(runs_as))
     engine_warnings += _idle_unit_warnings(engine_cpu)
-    needs = {m.served.name: m.need for m in models if m.need is not None}
+    needs = {m.served.ident: m.need for m in models if m.need is not None}  # as make_plan reads Instance.model
     plan = make_plan(config, topology, needs, source=source, allowed=allowed, running=running)
     check_haproxy(config, source)
     api_key = read_api_key(config, source)

@@ -100,3 +100,18 @@ def test_instances_that_do_not_fit_a_node_are_refused_naming_node_bytes_and_fix(
                               '"1024"]\n'), SOURCE, small_nodes(tmp_path / "bounded", 4), BackendKind.PROCESS,
                        unit_dirs=())
     assert not [w for w in bounded.warnings if "prompt cache" in w]
+
+
+def test_the_single_form_with_a_model_name_is_sized_as_one_without(tmp_path: Path, host: tuple[Path, Path]) -> None:
+    """`model.name` (what clients send; the shipped example and scripts/demo set it) names no
+    unit: the instances carry no model (Instance.model == ""), and the memory check finds
+    their need all the same, as the planner looks it up."""
+    model, server = host
+    named = validate(config(model, server, 512, 1), SOURCE, small_nodes(tmp_path / "a", 4), BackendKind.PROCESS,
+                     unit_dirs=())
+    with_name = parse_config(f'[model]\npath = "{model}"\nname = "llama3"\ncontext_size = 512\n[server]\n'
+                             f'llama_server = "{server}"\n[frontend]\nlisten = ""\n', SOURCE)
+    loaded = validate(with_name, SOURCE, small_nodes(tmp_path / "b", 4), BackendKind.PROCESS, unit_dirs=())
+    assert [i.name for i in loaded.plan.instances] == ["infer@0", "infer@1"]
+    assert [f.need for f in loaded.fits()] == [f.need for f in named.fits()]
+    assert loaded.memory_of("").detail == named.memory_of("").detail
