@@ -142,6 +142,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "engines/keys": (CORE, "a configuration's engine keys checked against the registry: name, key flags, other "
                            "engines' keys"),
     "engines/llama_server": (CORE, "llama.cpp's llama-server as an `Engine`"),
+    "engines/launch": (CORE, "each instance's launch (argv, unit argv, OpenMP environment), worked out once by "
+                       "validation"),
     # -- frontdoor ---------------------------------------------------------------------------------
     "frontdoor/__init__": (CORE, PACKAGE_INIT),
     "frontdoor/routing": (CORE, "several models behind one front door: a backend per model, routing by the "

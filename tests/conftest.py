@@ -38,3 +38,12 @@ def searchable_by_others(path: Path) -> Path:
         if os.geteuid() == directory.stat().st_uid:
             directory.chmod(directory.stat().st_mode | stat.S_IXOTH)
     return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temp_root_searchable(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """pytest's temporary root (/tmp/pytest-of-USER/pytest-N) searchable by the instances'
+    user from the start, so that a test whose model lives in its tmp_path passes alone as
+    it does after another test made the root searchable (searchable_by_others): no test
+    depends on the order it runs in."""
+    searchable_by_others(tmp_path_factory.getbasetemp())

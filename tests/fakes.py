@@ -21,6 +21,7 @@ from numad_infer.config.models import served_models
 from numad_infer.plan.model import Plan
 from numad_infer.topology.cgroup_limits import UNRESTRICTED
 from numad_infer.topology.model import RawCpu, RawNode, SysfsSnapshot, Topology, build_topology
+from numad_infer.engines.launch import launches
 from numad_infer.units.render import render_units
 from numad_infer.validate.loaded import Loaded, LoadedModel
 
@@ -29,10 +30,14 @@ def loaded_for(config: Config, plan: Plan, *, api_key: str | None = None, kind: 
                runs_as: RunAs | None = None, topology: Topology | None = None) -> Loaded:
     """What `validate` would return for `config` and `plan`, without reading the host: the
     key as given (not read from a file), units rendered as the systemd backend writes them."""
-    units = render_units(config, plan) if kind == BackendKind.SYSTEMD else {}
-    models = tuple(LoadedModel(served, 0, MemoryEstimate(0, 0, 0), 0) for served in served_models(config))
-    return Loaded("/etc/numa-infer.toml", config, topology or three_nodes(), plan, kind, runs_as, engine_of(config),
-                  models, UNRESTRICTED, EngineCpuReport(None, "test", ""), (), api_key, None, units)
+    served = served_models(config)
+    engine = engine_of(config)
+    launched = launches(engine, served, plan)
+    units = render_units(config, plan, served=served, launched=launched, engine=engine) \
+        if kind == BackendKind.SYSTEMD else {}
+    models = tuple(LoadedModel(model, 0, MemoryEstimate(0, 0, 0), 0) for model in served)
+    return Loaded("/etc/numa-infer.toml", config, topology or three_nodes(), plan, kind, runs_as, engine,
+                  models, UNRESTRICTED, EngineCpuReport(None, "test", ""), (), api_key, None, units, launched)
 
 
 @dataclass

@@ -312,7 +312,7 @@ def test_a_key_file_changed_after_validation_is_never_half_used(tmp_path: Path) 
     key.write_text("k-CHANGED\n")  # after validation, before the apply
     process = ProcessBackend(tmp_path / "logs")
     process.sync(checked)
-    assert process.api_key == "k-CHECKED"  # what a started instance gets in its environment
+    assert process.loaded is not None and process.loaded.api_key == "k-CHECKED"  # what a started instance gets in its environment
     assert all(json.loads(spec)["key"] == fingerprint("k-CHECKED") for spec in process.specs(checked).values())
     units = loaded_for(config, plan, api_key="k-CHECKED", kind=BackendKind.SYSTEMD)
     assert all(spec.endswith(fingerprint("k-CHECKED")) for spec in SystemdBackend().specs(units).values())
@@ -323,4 +323,4 @@ def test_a_key_file_changed_after_validation_is_never_half_used(tmp_path: Path) 
     reloaded = loaded_for(config, plan, api_key=read_api_key(config, "/etc/numa-infer.toml"))
     rec.apply(reloaded, 1.0)
     process.sync(reloaded)
-    assert rec.api_key == process.api_key == "k-CHANGED"
+    assert process.loaded is not None and rec.api_key == process.loaded.api_key == "k-CHANGED"

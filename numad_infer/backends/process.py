@@ -18,9 +18,9 @@ from numad_infer.backends.base import Observation
 from numad_infer.backends.childlog import ChildOutput, InstanceLogs
 from numad_infer.config.apikey import fingerprint
 from numad_infer.config.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
-from numad_infer.config.models import view_of
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
+from numad_infer.engines.launch import Launch
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.listener import HeldListener
@@ -28,7 +28,6 @@ from numad_infer.host import pinning
 from numad_infer.host.identity import BackendKind, RunAs, frontdoor_runs_as, unreadable_reason
 from numad_infer.host.privdrop import switch_user
 from numad_infer.plan.model import Instance
-from numad_infer.units.render import instance_environment
 from numad_infer.util.cpuset import format_list
 from numad_infer.validate.loaded import Loaded
 
@@ -44,7 +43,7 @@ INHERITED_VARIABLES = ("PATH", "LANG", "LC_ALL")
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def server_environment(engine: Engine, instance: Instance, key: str | None, runs_as: RunAs | None,
+def server_environment(engine: Engine, launch: Launch, key: str | None, runs_as: RunAs | None,
                        daemon_environment: Mapping[str, str]) -> dict[str, str]:
     """The whole environment of one server under the process backend: PATH, HOME, the
     locale, the plan's OpenMP variables and the engine's key variable, nothing else."""
@@ -54,7 +53,7 @@ def server_environment(engine: Engine, instance: Instance, key: str | None, runs
         env.update(HOME=runs_as.home, USER=runs_as.name, LOGNAME=runs_as.name)
     else:
         env["HOME"] = daemon_environment.get("HOME", "/")
-    env.update(instance_environment(instance))
+    env.update(launch.environment)
     if key is not None:
         env.update(engine.key_environment(key))  # readable by the child's user only, not argv
     return env
@@ -87,15 +86,12 @@ class ProcessBackend:
         self.log_dir = log_dir
         self.output = ChildOutput(logs, log_dir)  # instances' and HAProxy's output: files or stdout
         self.children: dict[str, subprocess.Popen[bytes]] = {}
-        self.config: Config | None = None
-        self.engine: Engine | None = None
-        self.api_key: str | None = None
-        self.runs_as: RunAs | None = None
+        self.loaded: Loaded | None = None  # what the next starts use: the daemon's, as it was synced
 
     def specs(self, loaded: Loaded) -> dict[str, str]:
-        key, user, config = fingerprint(loaded.api_key), loaded.runs_as, loaded.config
-        return {i.name: json.dumps({"argv": loaded.engine.argv(view_of(config, i.model), i),
-                                    "env": instance_environment(i), "key": key,
+        key, user = fingerprint(loaded.api_key), loaded.runs_as
+        return {i.name: json.dumps({"argv": list(loaded.launches[i.name].argv),
+                                    "env": loaded.launches[i.name].env, "key": key,
                                     "artifacts": loaded.artifacts_of(i.name), "cpus": i.cpus, "mems": i.mems,
                                     "policy": i.policy.value, "user": None if user is None else user.name},
                                    sort_keys=True)
@@ -109,18 +105,19 @@ class ProcessBackend:
         # user must have been worked out for this backend (a systemd DynamicUser is not one).
         if loaded.kind != BackendKind.PROCESS:
             raise ValueError(f"the process backend was given a configuration validated for {loaded.kind.value}")
-        self.config, self.engine = loaded.config, loaded.engine
-        self.api_key, self.runs_as = loaded.api_key, loaded.runs_as
+        self.loaded = loaded
         return False
 
     def start(self, instance: Instance) -> None:
         if self.main_pid(instance.name) is not None:
             return
-        assert self.config is not None and self.engine is not None
-        engine = self.engine
-        argv = engine.argv(view_of(self.config, instance.model), instance)
-        env = server_environment(engine, instance, self.api_key, self.runs_as, os.environ)
-        switch = self.runs_as.popen_kwargs() if self.runs_as is not None else {}
+        if self.loaded is None:
+            raise ValueError(f"{instance.name}: the process backend was given no configuration (sync) to start it")
+        loaded, runs_as = self.loaded, self.loaded.runs_as
+        launch = loaded.launches[instance.name]
+        argv = list(launch.argv)
+        env = server_environment(loaded.engine, launch, loaded.api_key, runs_as, os.environ)
+        switch = runs_as.popen_kwargs() if runs_as is not None else {}
         cpus, mems, policy = frozenset(instance.cpus), instance.mems, instance.policy
         # Where a seccomp profile refuses set_mempolicy (Kubernetes' RuntimeDefault without
         # CAP_SYS_NICE), trying it in the child would fail every start: the server starts
@@ -142,7 +139,7 @@ class ProcessBackend:
             preexec_fn=pin_in_child, start_new_session=True, close_fds=True, **switch,
         )
         log.info("%s: started pid %d as %s on CPUs %s, memory node(s) %s", instance.name,
-                 self.children[instance.name].pid, "the daemon's user" if self.runs_as is None else self.runs_as.name,
+                 self.children[instance.name].pid, "the daemon's user" if runs_as is None else runs_as.name,
                  format_list(instance.cpus), format_list(instance.mems))
 
     def stop(self, name: str, timeout_s: float = INSTANCE_STOP_S) -> None:

@@ -61,7 +61,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                 # Not in total: what use may add (null: no limit).
                                 "prompt_cache": m.memory.prompt_cache} for m in loaded.models}
         # One model: its instance's figures; several: per model name.
-        per = {"per_instance": next(iter(each.values()))} if loaded.config.model else {"per_model": each}
+        per = {"per_instance": next(iter(each.values()))} if len(each) == 1 and not loaded.config.models \
+            else {"per_model": each}
         memory = {**per, "nodes": [{"node": f.node, "need": f.need, "available": f.available, "total": f.total,
                                     "instances": list(f.instances), "prompt_cache": f.growth}
                                    for f in loaded.fits()]}
@@ -74,17 +75,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _needs(loaded: Loaded) -> list[InstanceMemory]:
     """What one instance of each model holds."""
-    return [loaded.memory_of(m.served.name) for m in loaded.models]
+    return [loaded.memory_of(m.served.ident) for m in loaded.models]
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from numad_infer.host.identity import systemd_frontdoor_user
     from numad_infer.systemd.unitdir import write_units
-    from numad_infer.units.render import render_units
 
     loaded = load_all(args)
     unit_dir = Path(args.output or loaded.config.systemd.unit_dir)
-    result = write_units(unit_dir, render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
+    result = write_units(unit_dir, loaded.units)
     for rel in result.written:
         print(printable(f"wrote {unit_dir / rel}"))
     for rel in result.removed:
@@ -97,17 +96,14 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from numad_infer.host.identity import systemd_frontdoor_user
     from numad_infer.systemd.unitdir import plan_write
-    from numad_infer.units.render import render_units
 
     loaded = load_all(args)
     print(printable(f"{args.config}: valid for this machine"))
     print(format_engine(loaded.config, loaded.engine))
     print(format_plan(loaded.plan, loaded.warnings))
     print("\n".join(format_memory(_needs(loaded), loaded.fits())))
-    pending = plan_write(Path(loaded.config.systemd.unit_dir),
-                         render_units(loaded.config, loaded.plan, systemd_frontdoor_user()))
+    pending = plan_write(Path(loaded.config.systemd.unit_dir), loaded.units)
     if pending.changed:
         print(printable(f"units in {loaded.config.systemd.unit_dir} differ from this plan: "
                         f"{len(pending.written)} to write, {len(pending.removed)} to remove"))

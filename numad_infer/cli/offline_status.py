@@ -41,7 +41,7 @@ def offline_status(args: argparse.Namespace) -> Status:
                                              State.UNSUPERVISED if seen[i.name].pid else State.STOPPED,
                                              unit_state=seen[i.name].description)
                       for i in loaded.plan.instances)
-    served = tuple((m.served.name, m.served.aliases) for m in loaded.models)
+    served = tuple((m.served.ident, m.served.name, m.served.aliases) for m in loaded.models)
     # No daemon, no front door it runs: no model is in rotation, each says why.
     return Status(DaemonStatus(DaemonState.NOT_RUNNING, args.config, warnings=tuple(warnings)), instances,
                   models=group_models(served, instances, True))

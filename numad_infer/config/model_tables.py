@@ -4,30 +4,14 @@ config/models.py. Pure."""
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 
 from pydantic import AfterValidator, Field, field_validator
 
-from numad_infer.config.values import ModelPath, NodeSelection, SafeStr, Section, ThreadCount
-
-# A name is a unit instance name's part (`infer@<name>-<node>`), an HAProxy backend name, a
-# Prometheus label and what a client sends: letters, digits and `. _ : -` are valid in all
-# four with no escaping. It starts with a letter so that no JSON number (`"model": 7`) reads
-# as a name at the front door.
-_NAME = re.compile(r"[A-Za-z][A-Za-z0-9._:-]{0,63}")
-NAME_RULE = ("1-64 letters, digits or . _ : -, starting with a letter, e.g. \"llama-3.1-8b\" (it becomes part of "
-             "the unit names, the front door's routes and the metrics' `model` label)")
-
-
-def _check_name(value: str) -> str:
-    if not _NAME.fullmatch(value):
-        raise ValueError(f"must be {NAME_RULE}")
-    return value
-
+from numad_infer.config.values import ModelPath, NodeSelection, SafeStr, Section, ThreadCount, check_model_name
 
 # Checked item by item, so that a refusal names `models[0].aliases[1]`, not the whole list.
-Name = Annotated[str, AfterValidator(_check_name)]
+Name = Annotated[str, AfterValidator(check_model_name)]
 
 
 class ModelEntry(Section):
@@ -91,5 +75,5 @@ class ModelEntry(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        return _check_name(value)
+        return check_model_name(value)
 

@@ -19,70 +19,92 @@ from numad_infer.config.model_tables import ModelEntry
 from numad_infer.config.schema import Config, ModelSection
 from numad_infer.errors import ConfigError
 
-__all__ = ["ModelEntry", "ServedModel", "check_models", "multi", "served_models", "view_of"]
+__all__ = ["ModelEntry", "ServedModel", "check_models", "find", "served_models"]
 
 
 @dataclass(frozen=True)
 class ServedModel:
-    """One model as the planner, the engines and the front door see it."""
+    """One model as the planner, the engines and the front door see it, whichever form
+    configured it: the single `[model]` is the one-entry list of itself."""
 
     name: str  # what clients send; "" only in the single form without model.name
     aliases: tuple[str, ...]
     view: Config  # the configuration as this model's instances see it
     cores_per_instance: int  # 0: an even share of what is left
-    key: str  # where it is configured, for messages: "model" or "models[1]"
-
-    @property
-    def ident(self) -> str:
-        """What its instances carry as Instance.model: "" in the single form (its unit names
-        carry no model, whatever model.name says), else its name."""
-        return "" if self.key == "model" else self.name
+    key: str  # the table that configures it, for messages: "model" or "models[1]"
+    # The model's one key: what its instances carry as `Instance.model`, what memory needs,
+    # backends, the front door and status are looked up by. "" in the single form (its unit
+    # names carry no model, whatever model.name says), else its name.
+    ident: str = ""
+    # The view's keys that its own table sets (`placement.nodes` is `models[k].nodes`): where
+    # a refusal of that value sends the operator.
+    own: frozenset[str] = frozenset()
+    # The view's keys its own table could set (a fix may name `models[k].parallel` though
+    # the value came from `server.parallel`).
+    settable: frozenset[str] = frozenset()
 
     @property
     def ids(self) -> tuple[str, ...]:
         """Every id that routes to it."""
         return (self.name, *self.aliases) if self.name else self.aliases
 
+    def key_for(self, view_key: str, *, fix: bool = False) -> str:
+        """The key that sets the value its view reads at `view_key`: its own table's
+        (`model.path` -> `models[1].path`, `placement.nodes` -> `models[1].nodes`) where that
+        table sets it, else the shared one; `fix`: the key to set for this model alone, its
+        table's wherever it has one. The single form is its own view."""
+        section, _, field = view_key.partition(".")
+        own = self.settable if fix else self.own
+        return f"{self.key}.{field}" if section == "model" or view_key in own else view_key
+
+    def rekeyed(self, exc: ConfigError) -> ConfigError:
+        """A refusal raised while reading this model's view, naming the key in its own
+        table where it sets the value (the only place that maps view keys to file keys)."""
+        if exc.key is None or self.key_for(exc.key) == exc.key:
+            return exc
+        key = self.key_for(exc.key)
+        return ConfigError(exc.source, key, exc.problem.replace(exc.key, key), exc.value, exc.value is not None)
+
 
 def served_models(config: Config) -> tuple[ServedModel, ...]:
     """The models in the file's order: the single `[model]` as itself, or each `[[models]]`
-    table with its view."""
+    table with its view. Called once per load (validate/pipeline.py): everything after
+    takes the result, carried in `Loaded`."""
     if config.model is not None:
-        return (ServedModel(config.one_model.name, (), config, 0, "model"),)
+        return (ServedModel(config.model.name, (), config, 0, "model"),)
     return tuple(_served(config, k, entry) for k, entry in enumerate(config.models))
 
 
 def _served(config: Config, k: int, entry: ModelEntry) -> ServedModel:
     server = config.server
     server_update: dict[str, object] = {"extra_args": [*server.extra_args, *entry.extra_args]}
+    own = {"placement.nodes", "placement.instances_per_node", "server.extra_args"}
     if entry.parallel:
         server_update["parallel"] = entry.parallel
+        own.add("server.parallel")
     placement_update: dict[str, object] = {"nodes": entry.nodes, "instances_per_node": entry.instances_per_node}
     for key in ("threads", "threads_batch"):
         if getattr(entry, key) is not None:
             placement_update[key] = getattr(entry, key)
+            own.add(f"placement.{key}")
     view = config.model_copy(update={
         "model": ModelSection(path=entry.path, name=entry.name, context_size=entry.context_size, mlock=entry.mlock),
         "models": [],
         "placement": config.placement.model_copy(update=placement_update),
         "server": server.model_copy(update=server_update),
     })
-    return ServedModel(entry.name, tuple(entry.aliases), view, entry.cores_per_instance, f"models[{k}]")
+    settable = {"placement.nodes", "placement.instances_per_node", "placement.threads", "placement.threads_batch",
+                "server.parallel", "server.extra_args"}
+    return ServedModel(entry.name, tuple(entry.aliases), view, entry.cores_per_instance, f"models[{k}]",
+                       entry.name, frozenset(own), frozenset(settable))
 
 
-def multi(config: Config) -> bool:
-    """The `[[models]]` form: names carry the model, the front door routes by `model`."""
-    return config.model is None
-
-
-def view_of(config: Config, model: str) -> Config:
-    """The view of the model an instance serves (`Instance.model`)."""
-    if config.model is not None:
-        return config
-    for served in served_models(config):
-        if served.name == model:
-            return served.view
-    raise KeyError(f"no model {model!r} in the configuration")
+def find(served: tuple[ServedModel, ...], ident: str) -> ServedModel:
+    """The served model whose key is `ident` (`Instance.model`); KeyError for none."""
+    for model in served:
+        if model.ident == ident:
+            return model
+    raise KeyError(f"no model {ident!r} is served")
 
 
 def check_models(config: Config, source: str) -> None:

@@ -23,6 +23,7 @@ from numad_infer.config.values import (
     SafeStr,
     Section,
     ThreadCount,
+    check_model_name,
     parse_listen,
 )
 from numad_infer.util.cpuset import CpuListError, parse_list
@@ -39,7 +40,8 @@ class ModelSection(Section):
         "",
         description=(
             "the model's id: what clients send as `model` and what `/v1/models` lists (llama-server `--alias`, "
-            "llama-cpp-python `--model_alias`); letters, digits and `. _ : -`, at most 64; `\"\"`: the engine's "
+            "llama-cpp-python `--model_alias`); 1-64 letters, digits or `. _ : -`, starting with a letter; "
+            "`\"\"`: the engine's "
             "own id, the file's path"
         ),
         json_schema_extra={"kind": "name or `\"\"`"},
@@ -56,10 +58,7 @@ class ModelSection(Section):
     @field_validator("name")
     @classmethod
     def _model_name(cls, value: str) -> str:
-        if value and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,63}", value):
-            raise ValueError("must be 1-64 letters, digits or . _ : - (starting with a letter or digit), "
-                             "e.g. \"llama-3.1-8b\"")
-        return value
+        return check_model_name(value) if value else value
 
 
 class PlacementSection(Section):
@@ -314,7 +313,8 @@ class Config(Section):
         """`[model]`: of a single-model file, or of one model's view (config/models.py). A
         `[[models]]` file as a whole has none: what reads one model takes a view."""
         if self.model is None:
-            raise LookupError("a [[models]] configuration has no single model: take a view (config.models.view_of)")
+            raise LookupError("a [[models]] configuration has no single model: take a served model's view "
+                              "(config.models.served_models)")
         return self.model
 
 

@@ -22,6 +22,23 @@ def _no_control_chars(value: str) -> str:
 
 SafeStr = Annotated[str, AfterValidator(_no_control_chars)]
 
+# The one rule for a model's name (`model.name`, `models[].name`, `models[].aliases`): it is
+# a unit instance name's part (`infer@<name>-<node>`), an HAProxy backend name, a Prometheus
+# label and what a client sends: letters, digits and `. _ : -` are valid in all four with no
+# escaping. It starts with a letter so that no JSON number (`"model": 7`) reads as a name at
+# the front door. One rule for both forms, so that moving `[model]` into `[[models]]` (the
+# fix `check` suggests) never meets a refusal the single form did not have.
+_MODEL_NAME = re.compile(r"[A-Za-z][A-Za-z0-9._:-]{0,63}")
+MODEL_NAME_RULE = ("1-64 letters, digits or . _ : -, starting with a letter, e.g. \"llama-3.1-8b\" (it becomes part "
+                   "of the unit names, the front door's routes and the metrics' `model` label)")
+
+
+def check_model_name(value: str) -> str:
+    """`value` if it keeps the model-name rule (ValueError naming the rule otherwise)."""
+    if not _MODEL_NAME.fullmatch(value):
+        raise ValueError(f"must be {MODEL_NAME_RULE}")
+    return value
+
 
 def _node_selection(value: Any) -> Any:
     # Checked before pydantic's union so the operator gets one message, not one per branch.

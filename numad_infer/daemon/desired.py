@@ -83,10 +83,11 @@ class PlanState:
             self.last_reload = ReloadResult(time.time(), False, why, f"cannot apply the plan: {exc}")
             return False
         self.loaded = loaded
+        refused = None
         try:
-            self.frontdoor.apply(loaded.config, loaded.plan)
+            self.frontdoor.apply(loaded.config, loaded.plan, loaded.served, loaded.engine)
         except NumaInferError as exc:
-            self.frontdoor.error = str(exc)
+            self.frontdoor.error = refused = str(exc)
             log.error("front door: %s", exc)
         self.endpoint.listen_on(loaded.config.metrics.listen)
         self.warnings = loaded.warnings
@@ -94,8 +95,11 @@ class PlanState:
             log.warning("%s", warning)
         log.info("%s: %d instance(s): added %s, changed %s, removed %s, unchanged %s", why, len(loaded.plan.instances),
                  _names(result.added), _names(result.changed), _names(result.removed), _names(result.unchanged))
-        self.last_reload = ReloadResult(time.time(), True, why, None, result.added, result.changed, result.removed,
-                                        result.unchanged)
+        # A front door that refused the plan is said as the reload's failure: the instances run
+        # the new plan, but clients still reach the old one's front door (or none).
+        self.last_reload = ReloadResult(time.time(), refused is None, why,
+                                        None if refused is None else f"the front door refused the plan: {refused}",
+                                        result.added, result.changed, result.removed, result.unchanged)
         return True
 
     def read_holds(self) -> None:
@@ -150,7 +154,7 @@ class PlanState:
         behind the front door and drained first, as a reload that changes them is."""
         if self.loaded is None:
             return
-        seen = loading.artifacts(self.loaded.config, self.loaded.engine)
+        seen = loading.current_artifacts(self.loaded.served, self.loaded.engine)
         if seen == self.loaded.artifacts:
             self._changed = None
             return

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from numad_infer.frontdoor.control import Frontdoor
+from numad_infer.frontdoor.haproxy import BackendStat
 from numad_infer.frontdoor.haproxy_config import server_name
 from numad_infer.lifecycle.states import State
 from numad_infer.status.records import (
@@ -69,21 +70,19 @@ def models(instances: tuple[InstanceStatus, ...], frontdoor: Frontdoor,
     the front door."""
     if loaded is None:
         return ()
-    served = tuple((m.served.name, m.served.aliases) for m in loaded.models)
+    served = tuple((m.served.ident, m.served.name, m.served.aliases) for m in loaded.models)
     load: dict[str, tuple[int, int]] = {}
     stats = frontdoor.stats if frontdoor.listen else None
-    # One backend per model at the front door (frontdoor/control.py's model_stats); before
-    # it, or with one model, the front door's one backend is the model's.
-    per_model = getattr(frontdoor, "model_stats", None) if stats is not None else None
-    for name, _ in served:
-        stat = per_model.get(name) if isinstance(per_model, dict) else None
+    # One backend per model at the front door, by the model's key (frontdoor/control.py's
+    # model_stats); until it has been read, the instances' own counts.
+    per_model: dict[str, BackendStat] = getattr(frontdoor, "model_stats", {}) if stats is not None else {}
+    for key, _, _ in served:
+        stat = per_model.get(key)
         if stat is not None:
-            load[name] = (stat.queued, stat.in_flight)
-        elif stats is not None and len(served) == 1:
-            load[name] = (stats.queued, stats.in_flight)
+            load[key] = (stat.queued, stat.in_flight)
         elif stats is not None:
-            mine = [i for i in instances if i.model == name]
-            load[name] = (sum(i.queued or 0 for i in mine), sum(i.in_flight or 0 for i in mine))
+            mine = [i for i in instances if i.model == key]
+            load[key] = (sum(i.queued or 0 for i in mine), sum(i.in_flight or 0 for i in mine))
     return group_models(served, instances, bool(frontdoor.listen), load)
 
 

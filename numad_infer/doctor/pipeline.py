@@ -25,9 +25,10 @@ def plan_needs(loaded: Loaded) -> Needs:
                  online_cpus=frozenset(c for n in loaded.topology.nodes for c in n.cpus),
                  need_bytes={f.node: f.need for f in fits}, model_path=" and ".join(v.path for v in views),
                  mlock=all(v.mlock for v in views), engine=loaded.engine.name,
-                 per_instance="; ".join(f"{m.served.name}: {m.memory.describe()}" if m.served.key != "model"
+                 # Named per model only when there are several: one model's figures need no label.
+                 per_instance="; ".join(f"{m.served.name}: {m.memory.describe()}" if len(loaded.models) > 1
                                         else m.memory.describe() for m in loaded.models),
-                 context_keys=" or ".join(f"{m.served.key}.context_size" for m in loaded.models))
+                 context_keys=" or ".join(m.served.key_for("model.context_size") for m in loaded.models))
 
 
 def read_facts(loaded: Loaded, fsroot: str | os.PathLike[str], status: Status | None, sample_s: float,

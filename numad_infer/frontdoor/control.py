@@ -16,7 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
+from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
+from numad_infer.engines import Engine
 from numad_infer.frontdoor import haproxy
 from numad_infer.frontdoor.haproxy import (
     AdminState,
@@ -71,19 +73,20 @@ class Frontdoor:
         self.listen = ""
         self.binary = ""
         self.stats: BackendStat | None = None  # last pass's counters, None when unreadable (every model's)
-        self.model_stats: dict[str, BackendStat] = {}  # the same per model name; empty when unreadable
-        self.backends: dict[str, str] = {"": BACKEND}  # model name -> its backend, of the applied config
+        self.model_stats: dict[str, BackendStat] = {}  # the same per model key; empty when unreadable
+        self.backends: dict[str, str] = {"": BACKEND}  # model key (Instance.model) -> its backend, as applied
         self.answers: FrontendStat | None = None  # the listener's answers by class, read with `stats`
         self.queue_size = 0  # frontend.queue_size of the applied config: a full queue answers 503
         self.error = ""  # why the last apply or read failed, for status
         assert self.paths.requests is not None
         self.requests = RequestLog(self.paths.requests, runner.haproxy_uids)  # per-request timings
 
-    def _candidate(self, config: Config, plan: Plan) -> Path:
+    def _candidate(self, config: Config, text: str) -> Path:
+        """`text` beside the running file, checked by `haproxy -c`: what is renamed into place."""
         candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
         # Renamed into place, never written through: a link planted under this name is
         # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
-        write_atomic(candidate, self._render(config, plan), durable=False)
+        write_atomic(candidate, text, durable=False)
         try:
             haproxy.validate(config.frontend.haproxy, str(candidate), listener_fds=self.runner.listener.fds)
         except HaproxyError:
@@ -91,12 +94,13 @@ class Frontdoor:
             raise
         return candidate
 
-    def _render(self, config: Config, plan: Plan) -> str:
-        # A bind line per socket held: the loopback twin's only where there is one (no IPv6).
-        return render_haproxy(config, plan, self.paths, held=True, twin=TWIN_FD_VARIABLE in self.runner.listener.fds)
+    def _render(self, config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine) -> str:
+        return render_haproxy(config, plan, self.paths, held=True, twin=TWIN_FD_VARIABLE in self.runner.listener.fds,
+                              served=served, engine=engine)
 
-    def apply(self, config: Config, plan: Plan) -> bool:
-        """Bring HAProxy to this plan. HaproxyError leaves the running front door untouched.
+    def apply(self, config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine) -> bool:
+        """Bring HAProxy to this plan (`served`, `engine`: as validated). HaproxyError leaves
+        the running front door untouched.
 
         True when HAProxy was started or reloaded.
         """
@@ -122,7 +126,8 @@ class Frontdoor:
             log.info("front door: listening on %s now: restarting haproxy", config.frontend.listen)
             self.runner.stop()
             running = False
-        text = self._render(config, plan)
+        # Once: compared, checked and written. A bind line per socket held (no twin without IPv6).
+        text = self._render(config, plan, served, engine)
         try:
             current = self.paths.config.read_text(encoding="utf-8")
         except OSError:
@@ -131,9 +136,9 @@ class Frontdoor:
         self.queue_size = config.frontend.queue_size
         if running and current == text:
             self.listen = config.frontend.listen
-            self.backends = backends(config)
+            self.backends = backends(served)
             return False
-        candidate = self._candidate(config, plan)
+        candidate = self._candidate(config, text)
         if running:
             _save_server_states(self.api, self.paths.state)
         elif not self.paths.state.exists():
@@ -141,7 +146,7 @@ class Frontdoor:
             write_atomic(self.paths.state, "1\n", durable=False)
         os.replace(candidate, self.paths.config)
         # From here on the running HAProxy has (or is about to have) these backends.
-        self.backends = backends(config)
+        self.backends = backends(served)
         if running:
             log.info("front door: plan changed: reloading haproxy seamlessly")
             self.runner.reload()
@@ -184,18 +189,17 @@ class Frontdoor:
         if error is not None:
             self.error = error
 
-    def backend_of(self, instance: Instance) -> str:
-        """The backend holding the instance's server: its model's."""
-        return self.backends.get(instance.model, BACKEND)
+    def backend_of(self, instance: Instance) -> str | None:
+        """The backend that held the instance's server when last read (None: none did)."""
+        held = [m for m, stat in self.model_stats.items() if server_name(instance.name) in stat.servers]
+        return self.backends.get(held[0] if held else instance.model)
 
     def timings(self, instance: Instance) -> tuple[Histogram, Histogram] | None:
         """The instance's time to first token and request duration, from HAProxy's log."""
         return self.requests.timings.snapshot().get(server_name(instance.name))
 
     def in_flight(self, instance: Instance) -> int | None:
-        if self.stats is None:
-            return None
-        stat = self.stats.servers.get(server_name(instance.name))
+        stat = None if self.stats is None else self.stats.servers.get(server_name(instance.name))
         return None if stat is None else stat.in_flight
 
     def set_state(self, instance: Instance, state: AdminState) -> None:
@@ -207,6 +211,8 @@ class Frontdoor:
         if stat is None or stat.admin == state:
             return
         backend = self.backend_of(instance)
+        if backend is None:
+            return
         try:
             self.api.set_state(backend, name, state)
         except NoRuntimeAnswer as exc:

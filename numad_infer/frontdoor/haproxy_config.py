@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.config.frontend import Affinity, FrontendSection
-from numad_infer.config.models import ServedModel, multi, served_models
+from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
-from numad_infer.engines import engine_of
+from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
 from numad_infer.frontdoor.routing import backend_of, health, route, routed
@@ -136,47 +136,45 @@ HELD_BIND = '"fd@${' + FD_VARIABLE + '}"'
 TWIN_BIND = '"fd@${' + TWIN_FD_VARIABLE + '}"'
 
 
-def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False, twin: bool = False) -> str:
+def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False, twin: bool = False, *,
+                   served: tuple[ServedModel, ...] | None = None, engine: Engine | None = None) -> str:
     """haproxy.cfg for this plan. `held`: the daemon holds the listening socket and HAProxy
     takes it as the inherited descriptor that NUMA_INFER_FRONTDOOR_FD names (listener.py
     says why), instead of binding the address itself (`check`'s scratch copy does). `twin`:
     it holds one on the other loopback address too, in NUMA_INFER_FRONTDOOR_TWIN_FD.
 
-    One backend per model (routing.py): the single `[model]` form's is `instances`."""
+    One backend per model (routing.py), named by the model's key: the single `[model]`
+    form's is `instances`. `served`, `engine`: as validation read them (None: this
+    configuration's, for a caller that has not validated it)."""
+    models = served if served is not None else served_models(config)
+    engine = engine if engine is not None else engine_of(config)
     front: FrontendSection = config.frontend
     host, port = front.address
-    served = served_models(config)
-    engine = engine_of(config)
     # Each backend queues up to queue_size requests of its own.
-    maxconn = (sum(len(_instances_of(config, plan, s.name)) * engine.slots(s.view) for s in served)
-               + len(served) * front.queue_size + SPARE_CONNECTIONS)
-    if routed(config):
-        pick = route(config, body_buffer(config))
-    else:
-        pick = [f"    default_backend {backend_of(config, served[0].name)}"]
-    lines = [MARKER, *_global(config, paths, maxconn), "", *_defaults(front), "",
+    maxconn = (sum(len(_instances_of(plan, s)) * engine.slots(s.view) for s in models)
+               + len(models) * front.queue_size + SPARE_CONNECTIONS)
+    pick = route(models, body_buffer(models)) if routed(models) else [f"    default_backend {backend_of(models[0])}"]
+    lines = [MARKER, *_global(config, models, paths, maxconn), "", *_defaults(front), "",
              f"frontend {FRONTEND}",
              f"    bind {HELD_BIND if held else host_port(host, port)}",
              *([f"    bind {TWIN_BIND}"] if held and twin else []),
              *_timing_log(paths),
-             *_health(config),
+             *_health(config, models),
              *pick]
-    for model in served:
-        lines += ["", *_backend(config, model, _instances_of(config, plan, model.name))]
+    for model in models:
+        lines += ["", *_backend(config, engine, model, _instances_of(plan, model))]
     return "\n".join(lines) + "\n"
 
 
-def _instances_of(config: Config, plan: Plan, model: str) -> list[Instance]:
-    # The single form's instances carry no model name (Instance.model == "").
-    return [i for i in plan.instances if i.model == model] if multi(config) else list(plan.instances)
+def _instances_of(plan: Plan, model: ServedModel) -> list[Instance]:
+    return [i for i in plan.instances if i.model == model.ident]
 
 
-def _backend(config: Config, model: ServedModel, instances: list[Instance]) -> list[str]:
+def _backend(config: Config, engine: Engine, model: ServedModel, instances: list[Instance]) -> list[str]:
     """One model's backend: its servers, each taking as many requests as that model's engine
     has slots (`parallel` of its view)."""
     front = config.frontend
-    backend = backend_of(config, model.name)
-    engine = engine_of(config)
+    backend = backend_of(model)
     target = connect_host(config.server.host)
     lines = [f"backend {backend}",
              "    balance leastconn",
@@ -220,7 +218,7 @@ def _first_byte(front: FrontendSection) -> list[str]:
             "    http-response set-var(txn.first_byte_ms) date(0,ms),sub(txn.started_ms)"]
 
 
-def _health(config: Config) -> list[str]:
+def _health(config: Config, served: tuple[ServedModel, ...]) -> list[str]:
     """frontend.health_path, answered here: nbsrv counts the servers HAProxy would send a
     request to (up, not drained, not in maintenance), so a host whose every instance is
     starting, draining or down says 503, and one busy instance does not delay the answer.
@@ -228,16 +226,10 @@ def _health(config: Config) -> list[str]:
     front = config.frontend
     if not front.health_path:
         return []
-    if multi(config):
-        return health(config, front.health_path, _HEALTHY)
-    when = f"{{ path {front.health_path} }}"
-    return [f"    http-request return status 200 content-type application/json string '{_HEALTHY}' "
-            f"if {when} {{ nbsrv({BACKEND}) ge 1 }}",
-            f"    http-request return status 503 content-type application/json string '{_NO_INSTANCE}' "
-            f"hdr Retry-After 1 if {when}"]
+    return health(served, front.health_path, _HEALTHY, _NO_INSTANCE)
 
 
-def _global(config: Config, paths: Paths, maxconn: int) -> list[str]:
+def _global(config: Config, served: tuple[ServedModel, ...], paths: Paths, maxconn: int) -> list[str]:
     lines = ["global",
              f"    maxconn {maxconn}",
              # 660: HAProxy runs as its own user; the daemon reaches the socket as root (process
@@ -247,8 +239,8 @@ def _global(config: Config, paths: Paths, maxconn: int) -> list[str]:
              f"    server-state-file {quoted(paths.state)}",
              # Server up/down changes reach the journal (or the process backend's log file).
              "    log stderr format short local0 notice"]
-    if config.frontend.affinity == Affinity.USER or routed(config):
-        lines.append(f"    tune.bufsize {body_buffer(config)}")
+    if config.frontend.affinity == Affinity.USER or routed(served):
+        lines.append(f"    tune.bufsize {body_buffer(served)}")
     return lines
 
 
@@ -276,10 +268,10 @@ def _defaults(front: FrontendSection) -> list[str]:
     return lines
 
 
-def body_buffer(config: Config) -> int:
+def body_buffer(served: tuple[ServedModel, ...]) -> int:
     """HAProxy's tune.bufsize for affinity = "user" or routing by `model`: the longest prompt
     an instance of any model accepts fits."""
-    context = max(s.view.one_model.context_size for s in served_models(config))
+    context = max(s.view.one_model.context_size for s in served)
     wanted = context * _BYTES_PER_TOKEN + _HEADER_ROOM
     return max(_MIN_BUFFER, -(-wanted // 1024) * 1024)
 

@@ -24,28 +24,30 @@ from __future__ import annotations
 
 import json
 
-from numad_infer.config.models import ServedModel, multi, served_models
-from numad_infer.config.schema import Config
+from numad_infer.config.models import ServedModel
 
-BACKEND = "instances"  # the single `[model]` form's one backend
+BACKEND = "instances"  # the backend of the model whose key is "" (the single `[model]` form's)
 _BACKEND_PREFIX = "model-"
 MODELS_PATH = "/v1/models"
 
 
-def backend_of(config: Config, model: str) -> str:
-    """The backend that holds the servers of this model's instances (`Instance.model`)."""
-    return f"{_BACKEND_PREFIX}{model}" if multi(config) else BACKEND
+Served = tuple[ServedModel, ...]
 
 
-def backends(config: Config) -> dict[str, str]:
-    """Model name -> its backend, in the file's order ("" -> BACKEND in the single form
-    without model.name)."""
-    return {served.name: backend_of(config, served.name) for served in served_models(config)}
+def backend_of(model: ServedModel) -> str:
+    """The backend that holds the servers of this model's instances, named by its key
+    (`ServedModel.ident`, what its instances carry as `Instance.model`)."""
+    return f"{_BACKEND_PREFIX}{model.ident}" if model.ident else BACKEND
 
 
-def routed(config: Config) -> bool:
+def backends(served: Served) -> dict[str, str]:
+    """Model key (`Instance.model`) -> its backend, in the file's order."""
+    return {model.ident: backend_of(model) for model in served}
+
+
+def routed(served: Served) -> bool:
     """Requests are routed by `model`: several models are served."""
-    return multi(config) and len(served_models(config)) > 1
+    return len(served) > 1
 
 
 def _compact(doc: object) -> str:
@@ -55,9 +57,9 @@ def _compact(doc: object) -> str:
     return text
 
 
-def models_list(config: Config) -> str:
+def models_list(served: Served) -> str:
     """GET /v1/models's body: every name, then every alias (with its model as `parent`)."""
-    return _compact({"object": "list", "data": _entries(served_models(config))})
+    return _compact({"object": "list", "data": _entries(served)})
 
 
 def _entries(served: tuple[ServedModel, ...]) -> list[dict[str, object]]:
@@ -78,26 +80,23 @@ def _names(served: tuple[ServedModel, ...]) -> str:
     return ", ".join(s.name for s in served)
 
 
-def not_found(config: Config) -> str:
-    served = served_models(config)
+def not_found(served: Served) -> str:
     return _error("the request names no model served here: its JSON body needs a `model` string that is one of "
                   f"the served models or their aliases (GET {MODELS_PATH} lists them); served models: "
                   f"{_names(served)}", "model_not_found")
 
 
-def too_large(config: Config, buffer: int) -> str:
-    served = served_models(config)
+def too_large(served: Served, buffer: int) -> str:
     return _error(f"the request body is longer than the {buffer} bytes the front door reads to find `model`, and "
                   "`model` is not within them: send `model` before `messages` (or `prompt`) in the JSON body; "
                   f"served models: {_names(served)}", "request_too_large")
 
 
-def route(config: Config, buffer: int) -> list[str]:
+def route(served: Served, buffer: int) -> list[str]:
     """The frontend's lines that answer GET /v1/models and send each request to its model's
     backend (only when `routed`)."""
-    served = served_models(config)
     every = " ".join(ident for s in served for ident in s.ids)
-    lines = [f"    http-request return status 200 content-type application/json string '{models_list(config)}' "
+    lines = [f"    http-request return status 200 content-type application/json string '{models_list(served)}' "
              f"if {{ path {MODELS_PATH} }} METH_GET",
              # OpenAI's "retrieve model": one entry, by name or alias.
              *(f"    http-request return status 200 content-type application/json string '{_compact(entry)}' "
@@ -109,25 +108,26 @@ def route(config: Config, buffer: int) -> list[str]:
              f"    acl served_model var(txn.model) -m str {every}",
              # HAProxy read less than the body announced (Content-Length): `model` may lie beyond.
              "    acl body_cut req.body_size,sub(txn.body_read) gt 0",
-             f"    http-request return status 413 content-type application/json string '{too_large(config, buffer)}' "
+             f"    http-request return status 413 content-type application/json string '{too_large(served, buffer)}' "
              "if !served_model body_cut",
-             f"    http-request return status 404 content-type application/json string '{not_found(config)}' "
+             f"    http-request return status 404 content-type application/json string '{not_found(served)}' "
              "if !served_model"]
     for s in served:
-        lines.append(f"    use_backend {backend_of(config, s.name)} if {{ var(txn.model) -m str {' '.join(s.ids)} }}")
+        lines.append(f"    use_backend {backend_of(s)} if {{ var(txn.model) -m str {' '.join(s.ids)} }}")
     return lines
 
 
-def health(config: Config, path: str, healthy: str) -> list[str]:
-    """frontend.health_path with `[[models]]`: 200 only while every model has a server in
-    rotation (nbsrv: up, not drained, not in maintenance), else 503 naming the first model
-    without one (the names are public: GET /v1/models lists them)."""
+def health(served: Served, path: str, healthy: str, none: str) -> list[str]:
+    """frontend.health_path: 200 only while every model has a server in rotation (nbsrv: up,
+    not drained, not in maintenance), else 503 naming the first model without one (the
+    names are public: GET /v1/models lists them); with one model, `none` says it."""
     when = f"{{ path {path} }}"
     lines = []
-    for s in served_models(config):
-        body = _compact({"status": "unavailable",
-                         "reason": f"model {s.name} has no instance in rotation (starting, draining or down)"})
+    for s in served:
+        body = none if len(served) == 1 else _compact(
+            {"status": "unavailable", "reason": f"model {s.name} has no instance in rotation (starting, draining or "
+             "down)"})
         lines.append(f"    http-request return status 503 content-type application/json string '{body}' "
-                     f"hdr Retry-After 1 if {when} !{{ nbsrv({backend_of(config, s.name)}) ge 1 }}")
+                     f"hdr Retry-After 1 if {when} !{{ nbsrv({backend_of(s)}) ge 1 }}")
     lines.append(f"    http-request return status 200 content-type application/json string '{healthy}' if {when}")
     return lines

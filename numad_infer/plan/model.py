@@ -32,7 +32,7 @@ class Instance:
     threads: int  # generation threads (OMP_NUM_THREADS)
     port: int
     threads_batch: int = 0  # prompt-processing threads; set by the planner's thread step
-    model: str = ""  # the `[[models]]` name it serves; "" in the single-`[model]` form
+    model: str = ""  # the key of the model it serves (`ServedModel.ident`): its `[[models]]` name, "" for `[model]`
 
     @property
     def unit(self) -> str:

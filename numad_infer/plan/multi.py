@@ -1,5 +1,5 @@
-"""Several models on one node (`[[models]]`): the node's cores split between the models'
-instances. Pure.
+"""A node's cores split between the instances of the models there: the one allocator for
+both forms (the single `[model]` is one model with `instances_per_node` instances). Pure.
 
 The split, per node, as the kubelet's CPU manager hands out exclusive CPUs:
 1. the models with `cores_per_instance` take that many physical cores per instance;
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from numad_infer.config.models import ServedModel, multi, served_models
+from numad_infer.config.models import ServedModel
 from numad_infer.errors import ConfigError
 from numad_infer.plan.model import Instance
 from numad_infer.topology.model import Node
@@ -42,10 +42,12 @@ class Want:
 
 
 def instance_ident(model: str, node: int, k: int, per_node: int) -> str:
-    """The instance's part of the unit name: `<model>-<node>` or `<model>-<node>.<k>`. What
-    follows the last `-` is always the node (node ids and k have no `-`), so two models'
-    names never meet, whatever `-` their own names hold."""
-    return f"{model}-{node}" if per_node == 1 else f"{model}-{node}.{k}"
+    """The instance's part of the unit name: `<model>-<node>` or `<model>-<node>.<k>`, and
+    `<node>` or `<node>.<k>` for the single form's model (its key is ""). What follows the
+    last `-` is always the node (node ids and k have no `-`), so two models' names never
+    meet, whatever `-` their own names hold."""
+    at = f"{node}" if per_node == 1 else f"{node}.{k}"
+    return f"{model}-{at}" if model else at
 
 
 def split_node(node: Node, cores: Sequence[Core], wants: Sequence[Want], source: str) -> list[list[list[Core]]]:
@@ -54,6 +56,9 @@ def split_node(node: Node, cores: Sequence[Core], wants: Sequence[Want], source:
     shared = [w for w in wants if w.cores == 0]
     sharers = sum(w.instances for w in shared)
     if sized > len(cores) or (sharers and len(cores) - sized < sharers):
+        if len(wants) == 1 and not sized:  # the value is one model's instances_per_node: show it
+            raise ConfigError(source, _key_to_change(wants, False), _too_few(node, len(cores), wants, sized, sharers),
+                              wants[0].instances, True)
         raise ConfigError(source, _key_to_change(wants, sized > len(cores)),
                           _too_few(node, len(cores), wants, sized, sharers))
     share, extra = divmod(len(cores) - sized, sharers) if sharers else (0, 0)
@@ -114,10 +119,12 @@ def _key_to_change(wants: Sequence[Want], over: bool) -> str:
     many = [w for w in wants if not w.cores and w.instances > 1]
     if sized and (over or not many):
         return f"{sized[-1].model.key}.cores_per_instance"
-    return f"{(many or list(wants))[-1].model.key}.instances_per_node"
+    return (many or list(wants))[-1].model.key_for("placement.instances_per_node")
 
 
 def _too_few(node: Node, have: int, wants: Sequence[Want], sized: int, sharers: int) -> str:
+    if len(wants) == 1 and not sized:  # one model sharing the node: nothing else to lower
+        return f"node {node.id} has {have} usable core(s), fewer than {sharers} instances"
     asks = ", ".join(f"{w.model.name} {w.instances} x " + (f"{w.cores}" if w.cores else "a share")
                      for w in wants)
     if sized > have:
@@ -129,17 +136,15 @@ def _too_few(node: Node, have: int, wants: Sequence[Want], sized: int, sharers: 
             "instances_per_node, leave the node out of a model's nodes, or reserve fewer CPUs (placement.reserve_cpus)")
 
 
-def each_models_threads(config: Config, instances: list[Instance], source: str, step: ThreadStep) -> list[Instance]:
+def each_models_threads(served: Sequence[ServedModel], instances: list[Instance], source: str,
+                        step: ThreadStep) -> list[Instance]:
     """The thread step per model: each model's instances get its view's counts (its own
     `models[k].threads` and `threads_batch`, else `placement`'s), and a refusal names the key
     that set the count. The instances keep their order."""
-    if not multi(config):
-        return step(config, instances, source, ("placement.threads", "placement.threads_batch"))
     done: dict[str, Instance] = {}
-    for entry, served in zip(config.models, served_models(config), strict=True):
-        keys = tuple(f"{served.key}.{k}" if getattr(entry, k) is not None else f"placement.{k}"
-                     for k in ("threads", "threads_batch"))
-        mine = [i for i in instances if i.model == served.name]
+    for model in served:
+        keys = (model.key_for("placement.threads"), model.key_for("placement.threads_batch"))
+        mine = [i for i in instances if i.model == model.ident]
         if mine:
-            done |= {i.name: i for i in step(served.view, mine, source, (keys[0], keys[1]))}
+            done |= {i.name: i for i in step(model.view, mine, source, keys)}
     return [done[i.name] for i in instances]

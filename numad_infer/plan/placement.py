@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from numad_infer.config.models import ServedModel, multi, served_models
+from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
 from numad_infer.plan.memory_fit import InstanceMemory, check_fit, growth_warnings
@@ -38,23 +38,6 @@ def _memory_nodes(node: Node, topo: Topology, warnings: list[str]) -> tuple[int,
     return chosen
 
 
-def _split(node: Node, cores: list[tuple[int, ...]], k: int) -> list[list[tuple[int, ...]]]:
-    """k disjoint groups of near-equal size, along shared-L3 boundaries where they divide evenly."""
-    usable = set(cores)
-    l3 = [[c for c in group if c in usable] for group in node.l3_groups]
-    l3 = [g for g in l3 if g]
-    if len(l3) >= k and len(l3) % k == 0 and len({len(g) for g in l3}) == 1:
-        per = len(l3) // k
-        return [[c for g in l3[i * per:(i + 1) * per] for c in g] for i in range(k)]
-    base, extra = divmod(len(cores), k)
-    groups, start = [], 0
-    for i in range(k):
-        size = base + (1 if i < extra else 0)
-        groups.append(cores[start:start + size])
-        start += size
-    return groups
-
-
 def _threads_of(cores: list[tuple[int, ...]], smt: bool) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
     """(cpus, places): smt=false keeps the lowest sibling of each core."""
     if smt:
@@ -64,79 +47,83 @@ def _threads_of(cores: list[tuple[int, ...]], smt: bool) -> tuple[tuple[int, ...
     return firsts, tuple((c,) for c in firsts)
 
 
-MemoryOf = InstanceMemory | Mapping[str, InstanceMemory]  # one for all, or per model name (Instance.model)
+MemoryOf = InstanceMemory | Mapping[str, InstanceMemory]  # one for all, or per model key (Instance.model)
 
 
 def make_plan(config: Config, topo: Topology, memory: MemoryOf | None = None, source: str = "config",
-              allowed: Allowed = UNRESTRICTED, running: Sequence[Placed] = ()) -> Plan:
+              allowed: Allowed = UNRESTRICTED, running: Sequence[Placed] = (),
+              served: Sequence[ServedModel] | None = None) -> Plan:
     """The plan, in the order the kubelet's CPU allocator reads: within what the cgroup
     allows, which nodes, which of their cores, how the cores become instances, whether
     they fit in their nodes' memory (`memory`: what one instance holds; None: not
     checked), then ports and threads. `running`: the plan running now, whose instances keep
-    their cores and ports with `[[models]]` where they can. Each step refuses what it cannot do."""
+    their cores and ports where they can. `served`: the models as validation read them
+    (None: this configuration's, for a caller that has not validated it). Each step refuses
+    what it cannot do. The single `[model]` is planned as the one-entry list of itself."""
+    models = tuple(served) if served is not None else served_models(config)
+    return _plan(config, topo, models, memory, source, allowed, running)
+
+
+def _plan(config: Config, topo: Topology, models: tuple[ServedModel, ...], memory: MemoryOf | None, source: str,
+          allowed: Allowed, running: Sequence[Placed]) -> Plan:
     warnings: list[str] = list(topo.warnings)
     view = within(topo, allowed)  # step 0: only the CPUs and memory the instances may use
     reserved = _reserved_cores(config, topo, warnings, source)
-    if multi(config):
-        instances = _models_instances(config, topo, view, allowed, reserved, warnings, source, running)
+    if config.placement.mode == "interleave":  # the single form only (config/models.check_models)
+        (model,) = models
+        selected = _select_nodes(model, topo, view, allowed, warnings, source)
+        usable = _usable_cores(model, view, selected, reserved, warnings, source)
+        instances = _interleaved_instance(config, selected, usable)
     else:
-        selected = _select_nodes(config, topo, view, allowed, warnings, source)
-        usable = _usable_cores(config, view, selected, reserved, warnings, source)
-        if config.placement.mode == "interleave":
-            instances = _interleaved_instance(config, selected, usable)
-        else:
-            instances = _per_node_instances(config, view, usable, warnings, source)
+        instances = _per_node_instances(config, models, topo, view, allowed, reserved, warnings, source, running)
     if memory is not None:  # step 4c: every node's instances fit in its memory
         def need(i: Instance) -> InstanceMemory:
             return memory if isinstance(memory, InstanceMemory) else memory[i.model]
-        per_node = max(s.view.placement.instances_per_node for s in served_models(config))
+        per_node = max(s.view.placement.instances_per_node for s in models)
         needs = [(i, need(i)) for i in instances]
         check_fit(needs, topo, source, per_node)
         warnings += growth_warnings(needs, topo)
-    instances = assign_ports(config, instances, source, _machine_ports(config, topo, source, allowed),
+    instances = assign_ports(config, instances, source, _machine_ports(config, topo, models, source, allowed),
                              {i.name: i.port for i in running})
-    instances = each_models_threads(config, instances, source, _thread_counts)
+    instances = each_models_threads(models, instances, source, _thread_counts)
     instances = _quota_cap(config, instances, allowed, warnings)
     check_ports(config, instances, source)
     warnings += exposure_warnings(config)
     return Plan(instances=tuple(instances), warnings=tuple(dict.fromkeys(warnings)))
 
 
-def _models_instances(config: Config, topo: Topology, view: Topology, allowed: Allowed,
-                      reserved: set[tuple[int, ...]], warnings: list[str], source: str,
-                      running: Sequence[Placed]) -> list[Instance]:
-    """Steps 1, 3 and 4b for `[[models]]`: each model's nodes and usable cores as one model's
-    are, then each node's cores split between the models there (plan/multi.py); instances
-    in the file's order of models, then nodes."""
-    served = served_models(config)
+def _per_node_instances(config: Config, served: tuple[ServedModel, ...], topo: Topology, view: Topology,
+                        allowed: Allowed, reserved: set[tuple[int, ...]], warnings: list[str], source: str,
+                        running: Sequence[Placed]) -> list[Instance]:
+    """Steps 1, 3 and 4b (mode = "per-node"), one allocator for both forms: each model's
+    nodes and usable cores, then each node's cores split between the instances of the models
+    there (plan/multi.py: along L3, the running plan's cores kept), each bound to the node's
+    memory (or the nearest memory); instances in the file's order of models, then nodes."""
     usable: dict[str, dict[int, list[tuple[int, ...]]]] = {}
     for model in served:
-        try:
-            selected = _select_nodes(model.view, topo, view, allowed, warnings, source)
-            usable[model.name] = _usable_cores(model.view, view, selected, reserved, warnings, source)
-        except ConfigError as exc:
-            raise _rekeyed(exc, model) from None
+        selected = _select_nodes(model, topo, view, allowed, warnings, source)
+        usable[model.ident] = _usable_cores(model, view, selected, reserved, warnings, source)
     known = {n.id: n for n in view.nodes}
     cores_of: dict[tuple[str, int], list[list[tuple[int, ...]]]] = {}
     mems: dict[int, tuple[int, ...]] = {}
     for node_id in sorted({n for u in usable.values() for n in u}):
-        here = [m for m in served if node_id in usable[m.name]]
+        here = [m for m in served if node_id in usable[m.ident]]
         wants = [Want(m, m.view.placement.instances_per_node, m.cores_per_instance, _had(m, node_id, view, running))
                  for m in here]
-        cores = next(usable[m.name][node_id] for m in here)  # the same for every model: reserve_cpus is global
+        cores = next(usable[m.ident][node_id] for m in here)  # the same for every model: reserve_cpus is global
         for model, groups in zip(here, split_node(known[node_id], cores, wants, source), strict=True):
-            cores_of[(model.name, node_id)] = groups
+            cores_of[(model.ident, node_id)] = groups
         mems[node_id] = _memory_nodes(known[node_id], view, warnings)
     instances = []
     for model in served:
         per_node = model.view.placement.instances_per_node
-        for node_id in sorted(usable[model.name]):
-            for j, group in enumerate(cores_of[(model.name, node_id)]):
+        for node_id in sorted(usable[model.ident]):
+            for j, group in enumerate(cores_of[(model.ident, node_id)]):
                 cpus, places = _threads_of(group, config.placement.smt)
-                ident = instance_ident(model.name, node_id, j, per_node)
-                name = unitnames.instance_name(config.systemd.template, ident)
+                name = unitnames.instance_name(config.systemd.template, instance_ident(model.ident, node_id, j,
+                                                                                       per_node))
                 instances.append(Instance(name, node_id, cpus, places, mems[node_id], Policy.BIND, len(cpus), 0,
-                                          model=model.name))
+                                          model=model.ident))
     return instances
 
 
@@ -147,26 +134,18 @@ def _had(model: ServedModel, node: int, topo: Topology, running: Sequence[Placed
     had = []
     for k in range(per_node):
         old = by_name.get(unitnames.instance_name(model.view.systemd.template,
-                                                  instance_ident(model.name, node, k, per_node)))
+                                                  instance_ident(model.ident, node, k, per_node)))
         had.append(tuple(dict.fromkeys(c for c in map(topo.sibling_core, old.cpus) if c)) if old else ())
     return tuple(had)
 
 
-def _rekeyed(exc: ConfigError, model: ServedModel) -> ConfigError:
-    """A refusal of one model's placement, naming its `[[models]]` keys, not `placement`'s."""
-    for key in ("nodes", "instances_per_node"):
-        if exc.key == f"placement.{key}":
-            problem = exc.problem.replace(f"placement.{key}", f"{model.key}.{key}")
-            return ConfigError(exc.source, f"{model.key}.{key}", problem, exc.value, exc.value is not None)
-    return exc
-
-
-def _select_nodes(config: Config, topo: Topology, view: Topology, allowed: Allowed, warnings: list[str],
+def _select_nodes(model: ServedModel, topo: Topology, view: Topology, allowed: Allowed, warnings: list[str],
                   source: str) -> list[Node]:
     """Step 1: the nodes `placement.nodes` names (memory-only nodes only to interleave over),
     as the instances may use them (`view`). A node none of whose CPUs is allowed hosts no
     instance: said with nodes = "all", refused when named."""
-    placement = config.placement
+    placement = model.view.placement
+    nodes_key = model.key_for("placement.nodes")  # `placement.nodes`, or the model's own `models[k].nodes`
     known = {n.id: n for n in view.nodes}
     shut_out = [n.id for n in topo.nodes if n.has_cpus and not known[n.id].has_cpus]
     if placement.nodes == "all":
@@ -177,7 +156,7 @@ def _select_nodes(config: Config, topo: Topology, view: Topology, allowed: Allow
     missing = [n for n in placement.nodes if n not in known]
     if missing:
         raise ConfigError(
-            source, "placement.nodes",
+            source, nodes_key,
             f"node {format_list(missing)} does not exist on this machine (nodes: {format_list(known)})",
             placement.nodes, True,
         )
@@ -185,15 +164,15 @@ def _select_nodes(config: Config, topo: Topology, view: Topology, allowed: Allow
     denied = [n.id for n in selected if n.id in shut_out]
     if denied and placement.mode == "per-node":
         raise ConfigError(
-            source, "placement.nodes",
+            source, nodes_key,
             f"node {format_list(denied)}: none of its CPUs is allowed to the instances ({allowed.describe()}); drop "
-            "it from placement.nodes, or give the instances its CPUs (the container's --cpuset-cpus, the pod's "
+            f"it from {nodes_key}, or give the instances its CPUs (the container's --cpuset-cpus, the pod's "
             "CPUs, the slice's AllowedCPUs=)", placement.nodes, True,
         )
     cpuless = [n.id for n in selected if not n.has_cpus]
     if cpuless and placement.mode == "per-node":
         raise ConfigError(
-            source, "placement.nodes",
+            source, nodes_key,
             f"node {format_list(cpuless)} has no CPUs (memory-only) and cannot host an instance; "
             "remove it, or use mode = \"interleave\" to spread memory over it",
             placement.nodes, True,
@@ -233,11 +212,12 @@ def unreserved_cores(node: Node, reserved: set[tuple[int, ...]]) -> list[tuple[i
     return [core for core in node.cores if not taken.intersection(core)]
 
 
-def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved: set[tuple[int, ...]],
+def _usable_cores(model: ServedModel, topo: Topology, selected: list[Node], reserved: set[tuple[int, ...]],
                   warnings: list[str], source: str) -> dict[int, list[tuple[int, ...]]]:
     """Step 3: per selected node, its cores minus the reserved ones. Rule 1: only nodes with
     cores left host an instance (with nodes = "all"; a node named by id must keep one)."""
-    placement = config.placement
+    placement = model.view.placement
+    nodes_key = model.key_for("placement.nodes")
     known = {n.id: n for n in topo.nodes}
     usable: dict[int, list[tuple[int, ...]]] = {}
     fully_reserved: list[int] = []
@@ -255,7 +235,7 @@ def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved
             source, "placement.reserve_cpus",
             f"reserves every CPU of node {format_list(fully_reserved)} "
             f"({format_list(c for n in fully_reserved for c in known[n].cpus)}); leave it at least one core "
-            "or drop it from placement.nodes",
+            f"or drop it from {nodes_key}",
             placement.reserve_cpus, True,
         )
     if fully_reserved:
@@ -267,7 +247,7 @@ def _usable_cores(config: Config, topo: Topology, selected: list[Node], reserved
             )
         warnings.append(f"reserve_cpus takes every CPU of node {format_list(fully_reserved)}: no instance there")
     if not usable:
-        raise ConfigError(source, "placement.nodes", "selects no node with CPUs", placement.nodes, True)
+        raise ConfigError(source, nodes_key, "selects no node with CPUs", placement.nodes, True)
     return usable
 
 
@@ -281,38 +261,14 @@ def _interleaved_instance(config: Config, selected: list[Node],
                      Policy.INTERLEAVE, len(cpus), 0)]
 
 
-def _per_node_instances(config: Config, topo: Topology, usable: dict[int, list[tuple[int, ...]]],
-                        warnings: list[str], source: str) -> list[Instance]:
-    """Step 4b (mode = "per-node"): `instances_per_node` instances per node, split along L3,
-    each bound to the node's memory (or the nearest memory)."""
-    k = config.placement.instances_per_node
-    known = {n.id: n for n in topo.nodes}
-    instances: list[Instance] = []
-    for node_id in sorted(usable):
-        node = known[node_id]
-        cores = usable[node_id]
-        if k > len(cores):
-            raise ConfigError(
-                source, "placement.instances_per_node",
-                f"node {node_id} has {len(cores)} usable core(s), fewer than {k} instances",
-                k, True,
-            )
-        mems = _memory_nodes(node, topo, warnings)
-        for j, group in enumerate(_split(node, cores, k)):
-            cpus, places = _threads_of(group, config.placement.smt)
-            ident = str(node_id) if k == 1 else f"{node_id}.{j}"
-            instances.append(Instance(unitnames.instance_name(config.systemd.template, ident), node_id, cpus, places,
-                                      mems, Policy.BIND, len(cpus), 0))
-    return instances
-
-
-def _machine_ports(config: Config, topo: Topology, source: str, allowed: Allowed) -> dict[str, int]:
+def _machine_ports(config: Config, topo: Topology, served: tuple[ServedModel, ...], source: str,
+                   allowed: Allowed) -> dict[str, int]:
     """The ports the instances have on the whole machine: when a cgroup takes some nodes
     away, the others keep their ports (and their processes: nothing of theirs changed)."""
     if allowed.cpus is None and allowed.mems is None:
         return {}
     try:
-        return {i.name: i.port for i in make_plan(config, topo, None, source).instances}
+        return {i.name: i.port for i in _plan(config, topo, served, None, source, UNRESTRICTED, ()).instances}
     except ConfigError:
         return {}
 

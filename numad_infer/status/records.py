@@ -266,16 +266,16 @@ def model_health(instances: tuple[InstanceStatus, ...], frontdoor: bool) -> tupl
     return False, f"no instance in rotation ({states})"
 
 
-def group_models(served: tuple[tuple[str, tuple[str, ...]], ...], instances: tuple[InstanceStatus, ...],
+def group_models(served: tuple[tuple[str, str, tuple[str, ...]], ...], instances: tuple[InstanceStatus, ...],
                  frontdoor: bool, load: dict[str, tuple[int, int]] | None = None) -> tuple[ModelStatus, ...]:
-    """`served`: (name, aliases) per model, in the configuration's order; with one model every
-    instance is its own (their `model` is "" in the single form). `load`: the front door's
-    (queued, in flight) per model name."""
+    """`served`: (key, name, aliases) per model, in the configuration's order; an instance is
+    the model's whose key it carries (`Instance.model`: "" in the single form). `load`: the
+    front door's (queued, in flight) per model key."""
     out = []
-    for name, aliases in served:
-        mine = tuple(i for i in instances if i.model == name or len(served) == 1)
+    for key, name, aliases in served:
+        mine = tuple(i for i in instances if i.model == key)
         healthy, problem = model_health(mine, frontdoor)
-        queued, in_flight = (load or {}).get(name, (None, None))
+        queued, in_flight = (load or {}).get(key, (None, None))
         out.append(ModelStatus(name, aliases, tuple(i.name for i in mine), healthy, problem, queued, in_flight))
     return tuple(out)
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.backends.process import ProcessBackend
+from numad_infer.config.models import served_models
 from numad_infer.config.schema import Config
+from numad_infer.engines.launch import launches
 from numad_infer.host import pinning
 from numad_infer.host.identity import BackendKind, instances_run_as
 from numad_infer.host.portowner import Holder
@@ -74,8 +76,11 @@ class Measurer:
         # child processes, whatever runs the fleet: under systemd the fleet's user is a
         # DynamicUser, which only systemd can create, so the process backend's user is
         # worked out for them (once, here).
+        (served,) = served_models(cfg)  # the model's view, as one [model]: its instances carry key ""
+        model = dataclasses.replace(self.model, served=served)
         return dataclasses.replace(self.loaded, config=cfg, plan=plan, units={}, kind=BackendKind.PROCESS,
-                                   runs_as=self.runs_as, models=(self.model,))
+                                   runs_as=self.runs_as, models=(model,),
+                                   launches=launches(self.loaded.engine, (served,), plan))
 
     def instance_for(self, node: int, threads: int, port: int) -> tuple[Config, Instance]:
         physical = len(self._plan(candidate_config(self.config, node, 1, port, smt=False)).cpus)

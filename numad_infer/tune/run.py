@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from numad_infer.config.models import multi
+from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
 from numad_infer.host.identity import BackendKind
 from numad_infer.plan.memory_fit import InstanceMemory
@@ -56,7 +56,8 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
 
     loaded = load(request.config_path, request.kind, request.fsroot)
     chosen = model_to_tune(request, loaded)
-    several, ident, size = multi(loaded.config), chosen.served.ident, chosen.model_bytes
+    # [[models]]: tune writes the model's own table (models[k].threads), else [placement].
+    several, ident, size = bool(loaded.config.models), chosen.served.ident, chosen.model_bytes
     config, topology, planned, nodes = _target(request, loaded, chosen, ident)
     fleet = Fleet(request.state_file, progress)
     _refuse_cutting_clients_off(request, config, fleet)
@@ -133,8 +134,8 @@ def _target(request: TuneRequest, loaded: Loaded, chosen: LoadedModel,
     config = chosen.served.view
     topology = within(loaded.topology, loaded.allowed)
     planned = {i.node: i for i in loaded.plan.instances if i.node is not None and i.model == ident}
-    nodes = _nodes_to_measure(request, config, planned, chosen.served.key)
-    if multi(loaded.config):
+    nodes = _nodes_to_measure(request, config, planned, chosen.served)
+    if loaded.config.models:
         if request.layouts:
             raise TuneError("--layouts measures the single-[model] form's layouts; with [[models]] each model's "
                             "cores are its cores_per_instance: leave out --layouts to tune this model's threads")
@@ -155,14 +156,15 @@ def _own_cores(topology: Topology, planned: dict[int, Instance], nodes: list[int
     return cut, config.model_copy(update={"placement": config.placement.model_copy(update={"reserve_cpus": ""})})
 
 
-def _nodes_to_measure(request: TuneRequest, config: Config, planned: dict[int, Instance], key: str) -> list[int]:
+def _nodes_to_measure(request: TuneRequest, config: Config, planned: dict[int, Instance],
+                      served: ServedModel) -> list[int]:
     from numad_infer.errors import ConfigError
 
     if config.placement.mode != "per-node":
         raise ConfigError(request.config_path, "placement.mode", "tune measures per-node instances; "
                           "set mode = \"per-node\" to tune threads (layouts are not measured yet)")
     nodes = request.nodes if request.nodes else [min(planned)]
-    nodes_key = "placement.nodes" if key == "model" else f"{key}.nodes"
+    nodes_key = served.key_for("placement.nodes")
     for node in nodes:
         if node not in planned:
             raise ConfigError(request.config_path, nodes_key, f"node {node} hosts no instance in the plan "

@@ -14,9 +14,10 @@ import re
 import sys
 
 from numad_infer.config.defaults import FRONTDOOR_USER
-from numad_infer.config.models import served_models, view_of
+from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
-from numad_infer.engines import KEY_CREDENTIAL, engine_of
+from numad_infer.engines import KEY_CREDENTIAL, Engine, engine_of
+from numad_infer.engines.launch import Launch, launches
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor.haproxy_config import CONFIG_NAME
 from numad_infer.plan.model import Instance, Plan
@@ -50,20 +51,6 @@ def quote_arg(arg: str, command_line: bool = True) -> str:
     if command_line:
         inner = inner.replace("$", "$$")
     return f'"{inner}"'
-
-
-def omp_places(instance: Instance) -> str:
-    return ",".join("{" + ",".join(str(c) for c in place) + "}" for place in instance.places)
-
-
-def instance_environment(instance: Instance) -> dict[str, str]:
-    return {
-        "OMP_NUM_THREADS": str(instance.threads),
-        "OMP_PROC_BIND": "close",
-        "OMP_PLACES": omp_places(instance),
-        # Lets the daemon recognise its own servers among processes (process backend, adoption).
-        "NUMA_INFER_INSTANCE": instance.name,
-    }
 
 
 # The sandbox every unit numa-infer renders shares (instances and the front door): no
@@ -113,7 +100,7 @@ def frontdoor_ip_allow_list(config: Config) -> list[str]:
     return rules
 
 
-def render_template(config: Config) -> str:
+def render_template(config: Config, engine: Engine, served: tuple[ServedModel, ...]) -> str:
     lines = [
         UNIT_MARKER,
         "[Unit]",
@@ -138,17 +125,17 @@ def render_template(config: Config) -> str:
         "Environment=HOME=/tmp",
         "Environment=PYTHONUNBUFFERED=1",
     ]
-    if any(m.view.one_model.mlock for m in served_models(config)):  # allowed here, asked per model (argv)
+    if any(m.view.one_model.mlock for m in served):  # allowed here, asked per model (argv)
         lines.append("LimitMEMLOCK=infinity")
     if config.server.api_key_file:
         lines.append(f"LoadCredential={KEY_CREDENTIAL}:{escape_value(config.server.api_key_file)}")
         # %d: the service's credentials directory (a specifier, so not escaped).
-        lines += [f"Environment={name}={value}" for name, value in engine_of(config).credential_environment().items()]
+        lines += [f"Environment={name}={value}" for name, value in engine.credential_environment().items()]
     return "\n".join(lines) + "\n"
 
 
-def render_dropin(config: Config, instance: Instance) -> str:
-    env = " ".join(quote_arg(f"{k}={v}", command_line=False) for k, v in instance_environment(instance).items())
+def render_dropin(instance: Instance, launch: Launch) -> str:
+    env = " ".join(quote_arg(f"{k}={v}", command_line=False) for k, v in launch.environment)
     lines = [
         UNIT_MARKER,
         f"# {instance.name}: node {instance.node if instance.node is not None else 'interleave'}, "
@@ -158,9 +145,7 @@ def render_dropin(config: Config, instance: Instance) -> str:
         f"NUMAPolicy={instance.policy.value}",
         f"NUMAMask={format_list(instance.mems)}",
         f"Environment={env}",
-        "ExecStart=" + " ".join(quote_arg(a)
-                                for a in engine_of(config).argv(view_of(config, instance.model), instance,
-                                                                key_from_credential=True)),
+        "ExecStart=" + " ".join(quote_arg(a) for a in launch.unit_argv),
     ]
     return "\n".join(lines) + "\n"
 
@@ -259,13 +244,19 @@ def render_port_dropin(config: Config) -> str | None:
 
 
 def render_units(config: Config, plan: Plan, frontdoor_user: str | None = FRONTDOOR_USER,
-                 python: str | None = None) -> dict[str, str]:
+                 python: str | None = None, *, served: tuple[ServedModel, ...] | None = None,
+                 launched: dict[str, Launch] | None = None, engine: Engine | None = None) -> dict[str, str]:
     """Relative path under the unit directory -> file content. `frontdoor_user`: see
-    `frontdoor_identity` (identity.systemd_frontdoor_user says which this host has)."""
+    `frontdoor_identity` (identity.systemd_frontdoor_user says which this host has).
+    `served`, `launched`, `engine`: the models, launches and engine validation worked out (validate/pipeline.py);
+    None: this configuration's, for a caller that has not validated it."""
+    models = served if served is not None else served_models(config)
+    engine = engine if engine is not None else engine_of(config)
+    starts = launched if launched is not None else launches(engine, models, plan)
     template = config.systemd.template
-    files = {template_unit(template): render_template(config)}
+    files = {template_unit(template): render_template(config, engine, models)}
     if config.frontend.enabled:
         files[FRONTDOOR_UNIT] = render_frontdoor_unit(config, frontdoor_user, python)
     for instance in plan.instances:
-        files[dropin(instance.name)] = render_dropin(config, instance)
+        files[dropin(instance.name)] = render_dropin(instance, starts[instance.name])
     return files

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
+from numad_infer.engines.launch import Launch
 from numad_infer.host.cpufeatures import EngineCpuReport
 from numad_infer.host.identity import BackendKind, RunAs
 from numad_infer.model.memory import MemoryEstimate
@@ -55,20 +56,28 @@ class Loaded:
     # file changed after this is the next reload's, never half of this one.
     api_key: str | None
     frontdoor_user: str | None  # the front door's user under systemd (None: the host lacks it)
-    # Unit file name -> text, rendered once (systemd backend; empty for the process backend):
-    # what the rollout compares and what is written are the same text.
+    # Unit file name -> text, rendered once: what the rollout compares and what is written
+    # are the same text (the systemd backend's; `render` and `check` write or compare it).
     units: dict[str, str]
+    # Instance name -> how it starts (argv, unit argv, environment), worked out once here:
+    # the process backend executes it, the units carry it.
+    launches: dict[str, Launch]
 
-    def model(self, name: str) -> LoadedModel:
-        """The model an instance serves (`Instance.model`)."""
+    @property
+    def served(self) -> tuple[ServedModel, ...]:
+        """The served models as validation read them, in the file's order."""
+        return tuple(m.served for m in self.models)
+
+    def model(self, ident: str) -> LoadedModel:
+        """The model an instance serves, by its one key (`Instance.model`, `ServedModel.ident`)."""
         for loaded in self.models:
-            if loaded.served.name == name or len(self.models) == 1:
+            if loaded.served.ident == ident:
                 return loaded
-        raise KeyError(f"no model {name!r} is loaded")
+        raise KeyError(f"no model {ident!r} is loaded")
 
-    def memory_of(self, name: str) -> InstanceMemory:
-        found = self.model(name)
-        return found.need or instance_memory(found.served.view, self.engine, found.memory, found.served.key)
+    def memory_of(self, ident: str) -> InstanceMemory:
+        found = self.model(ident)
+        return found.need or instance_memory(found.served, self.engine, found.memory)
 
     def artifacts_of(self, instance: str) -> str:
         """The artifacts of the model that instance (a name) serves; "" for one not in the plan."""
@@ -87,15 +96,16 @@ class Loaded:
         return "; ".join(m.artifacts for m in self.models)
 
 
-def instance_memory(view: Config, engine: Engine, memory: MemoryEstimate, key: str = "model") -> InstanceMemory:
+def instance_memory(served: ServedModel, engine: Engine, memory: MemoryEstimate) -> InstanceMemory:
     """One instance's estimate as the planner sums it per node, with the engine's own ways to
-    hold less (a shorter context; with llama-server, fewer slots too). `view`: the model's
-    (config/models.py), configured at `key` ("model" or "models[k]")."""
-    slots = "server.parallel" if key == "model" else f"{key}.parallel"
-    shrink = f"a smaller {key}.context_size" + (f" or {slots}" if "parallel" in engine.own_keys else "")
-    model = view.one_model
+    hold less (a shorter context; with llama-server, fewer slots too), each named by the key
+    that sets it for this model (`ServedModel.key_for`)."""
+    slots = served.key_for("server.parallel", fix=True)
+    shrink = f"a smaller {served.key_for('model.context_size')}" + (
+        f" or {slots}" if "parallel" in engine.own_keys else "")
+    model = served.view.one_model
     # The prompt cache is bounded in the engine's own arguments: the model's table's, or server's.
-    args = "server.extra_args" if key == "model" else f"{key}.extra_args"
+    args = served.key_for("server.extra_args", fix=True)
     grows_fix = f"{args} = [..., {engine.prompt_cache_args}]" if engine.prompt_cache_args else ""
-    return InstanceMemory(model.name or os.path.basename(model.path), memory.total, memory.describe(), shrink, key,
-                          memory.prompt_cache, grows_fix)
+    return InstanceMemory(model.name or os.path.basename(model.path), memory.total, memory.describe(), shrink,
+                          served.key, memory.prompt_cache, grows_fix)

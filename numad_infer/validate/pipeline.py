@@ -19,6 +19,7 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.engines.keys import check_engine_keys
+from numad_infer.engines.launch import launches
 from numad_infer.errors import ConfigError
 from numad_infer.frontdoor import haproxy
 from numad_infer.frontdoor.haproxy import check_haproxy
@@ -68,23 +69,29 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     check_engine_keys(config, source)
     check_unit_names(config, source, unit_dirs)
     runs_as = instances_run_as(config.server.user, source, kind)
+    # Worked out once, here, and carried in `Loaded`: everything after takes these.
     engine = engine_of(config)
-    models = tuple(_read_model(served, engine, source, runs_as) for served in served_models(config))
+    served = served_models(config)
+    models = tuple(_read_model(model, engine, source, runs_as) for model in served)
     engine_warnings = engine.check_host(config, source, InstanceHost(runs_as))
     engine_cpu = engine.cpu(config, InstanceHost(runs_as))
     engine_warnings += _idle_unit_warnings(engine_cpu)
-    needs = {m.served.ident: m.need for m in models if m.need is not None}  # as make_plan reads Instance.model
-    plan = make_plan(config, topology, needs, source=source, allowed=allowed, running=running)
+    needs = {m.served.ident: m.need for m in models if m.need is not None}  # by the one key, Instance.model
+    plan = make_plan(config, topology, needs, source=source, allowed=allowed, running=running, served=served)
+    launched = launches(engine, served, plan)
     check_haproxy(config, source)
     api_key = read_api_key(config, source)
-    _check_frontdoor_config(config, plan)
-    frontdoor_user = systemd_frontdoor_user() if kind == BackendKind.SYSTEMD else None
-    units = render_units(config, plan, frontdoor_user) if kind == BackendKind.SYSTEMD else {}
+    _check_frontdoor_config(config, plan, served, engine)
+    # The units as systemd would run them, rendered once: what the systemd backend writes and
+    # compares, and what `render` and `check` write or compare, under either backend.
+    unit_user = systemd_frontdoor_user()
+    units = render_units(config, plan, unit_user, served=served, launched=launched, engine=engine)
+    frontdoor_user = unit_user if kind == BackendKind.SYSTEMD else None
     # Processes are always this machine's, even with --fsroot.
     warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as),
                 *memory_call_warnings(memory_calls(), kind))
     return Loaded(source, config, topology, plan, kind, runs_as, engine, models, allowed, engine_cpu, warnings,
-                  api_key, frontdoor_user, units)
+                  api_key, frontdoor_user, units, launched)
 
 
 def _read_model(served: ServedModel, engine: Engine, source: str, runs_as: RunAs | None) -> LoadedModel:
@@ -93,28 +100,25 @@ def _read_model(served: ServedModel, engine: Engine, source: str, runs_as: RunAs
     try:
         model = read_model(view.one_model.path, source, runs_as)
     except ConfigError as exc:
-        raise _rekeyed(exc, served) from None
+        raise served.rekeyed(exc) from None
     memory = estimate(model.header.weight_bytes(), model.header.dims, engine.context(view), engine.overhead)
     return LoadedModel(served, model.size, memory, model.header.decode_bytes(),
-                       artifacts(view, engine, model.artifact_id), instance_memory(view, engine, memory, served.key))
+                       artifacts(served, engine, model.artifact_id), instance_memory(served, engine, memory))
 
 
-def _rekeyed(exc: ConfigError, served: ServedModel) -> ConfigError:
-    """A refusal of `model.path` that is a `[[models]]` table's, named as that table's key."""
-    if served.key == "model" or exc.key != "model.path":
-        return exc
-    return ConfigError(exc.source, f"{served.key}.path", exc.problem, exc.value, exc.value is not None)
-
-
-def artifacts(config: Config, engine: Engine, model_id: str | None = None) -> str:
-    """The model files and engine program the instances would load now (model/file.artifact_id),
-    every model's in order. `model_id`: the one model as the pipeline read it (its
+def artifacts(served: ServedModel, engine: Engine, model_id: str | None = None) -> str:
+    """The model file and engine program one model's instances would load now
+    (model/file.artifact_id). `model_id`: the model as the pipeline read it (its
     descriptor's fstat), not whatever is at the path a moment later."""
-    program = engine.program(config)
-    if config.model is None:
-        return "; ".join(artifacts(m.view, engine) for m in served_models(config))
-    model = model_id if model_id is not None else artifact_id(config.one_model.path)
+    program = engine.program(served.view)
+    model = model_id if model_id is not None else artifact_id(served.view.one_model.path)
     return f"model {model}" + (f"; engine {artifact_id(program)}" if program else "")
+
+
+def current_artifacts(served: tuple[ServedModel, ...], engine: Engine) -> str:
+    """Every model's artifacts as they are on disk now, in order (`Loaded.artifacts` is
+    what was loaded): the daemon compares the two."""
+    return "; ".join(artifacts(model, engine) for model in served)
 
 
 def _idle_unit_warnings(report: EngineCpuReport) -> list[str]:
@@ -136,7 +140,7 @@ def _idle_unit_warnings(report: EngineCpuReport) -> list[str]:
             f"{'; ' + report.fix if report.fix else ''}"]
 
 
-def _check_frontdoor_config(config: Config, plan: Plan) -> None:
+def _check_frontdoor_config(config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine) -> None:
     """`haproxy -c` on what the daemon would write (HaproxyError when refused), in a
     scratch directory: the running front door's files are not touched."""
     if not config.frontend.enabled:
@@ -144,5 +148,5 @@ def _check_frontdoor_config(config: Config, plan: Plan) -> None:
     with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
         base = Path(scratch)
         paths = paths_in(base, base / "admin.sock")
-        paths.config.write_text(render_haproxy(config, plan, paths), encoding="utf-8")
+        paths.config.write_text(render_haproxy(config, plan, paths, served=served, engine=engine), encoding="utf-8")
         haproxy.validate(config.frontend.haproxy, str(paths.config))

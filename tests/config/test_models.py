@@ -10,7 +10,7 @@ import json
 import pytest
 
 from numad_infer.config.load import parse_config
-from numad_infer.config.models import served_models, view_of
+from numad_infer.config.models import find, served_models
 from numad_infer.engines.keys import check_engine_keys
 from numad_infer.errors import ConfigError
 
@@ -112,7 +112,7 @@ def test_a_models_threads_and_extra_args_are_its_views_own() -> None:
     text = models('threads = 24\nthreads_batch = "auto"\nextra_args = ["--batch-size", "256"]', "",
                   head='[placement]\nthreads = 4\nthreads_batch = 8\n[server]\nextra_args = ["--mlock"]\n')
     config = parse_config(text, SRC)
-    big, small = (view_of(config, name) for name in ("m0", "m1"))
+    big, small = (find(served_models(config), name).view for name in ("m0", "m1"))
     assert (big.placement.threads, big.placement.threads_batch) == (24, "auto")
     assert (small.placement.threads, small.placement.threads_batch) == (4, 8)
     assert big.server.extra_args == ["--mlock", "--batch-size", "256"] and small.server.extra_args == ["--mlock"]

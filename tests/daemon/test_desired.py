@@ -59,7 +59,7 @@ class Running:
         monkeypatch.setattr(self.daemon.reconciler, "monitor", self.monitored.append)
         monkeypatch.setattr(desired.loading, "read_allowed", lambda kind: UNRESTRICTED)
         self.artifacts = lambda: self.loaded.artifacts  # the model and engine files are the ones loaded
-        monkeypatch.setattr(desired.loading, "artifacts", lambda config, engine: self.artifacts())
+        monkeypatch.setattr(desired.loading, "current_artifacts", lambda served, engine: self.artifacts())
         self.backend.calls.clear()
 
     def _load(self) -> Loaded:

@@ -13,6 +13,9 @@ the tests expect whichever applies.
 
 from __future__ import annotations
 
+from numad_infer.config.models import served_models
+from numad_infer.engines import engine_of
+
 import os
 import pwd
 import signal
@@ -130,7 +133,7 @@ class Door:
         return path.read_text() if path.exists() else ""
 
     def start(self) -> None:
-        assert self.door.apply(self.config, self.plan)
+        assert self.door.apply(self.config, self.plan, served_models(self.config), engine_of(self.config))
         wait_for(lambda: self.door.api.command("show info").startswith("Name: HAProxy"), f"the admin socket\n{self.log()}")
 
     def processes(self) -> list[int]:
@@ -241,7 +244,7 @@ def test_a_link_planted_as_the_socket_directory_is_refused_not_followed(doors, t
     door.run_dir.mkdir(parents=True, exist_ok=True)
     (door.run_dir / SOCKET_DIR_NAME).symlink_to(target)
     with pytest.raises(HaproxyError, match="socket directory.* is not a directory"):
-        door.door.apply(door.config, door.plan)
+        door.door.apply(door.config, door.plan, served_models(door.config), engine_of(door.config))
     info = os.stat(target)
     assert info.st_uid == 0 and stat.S_IMODE(info.st_mode) == 0o755
 
@@ -254,7 +257,7 @@ def test_a_run_directory_haproxys_user_cannot_reach_is_named_with_the_fix(doors,
     door = doors(directory=private / "run")
     with pytest.raises(HaproxyError, match=r"haproxy runs as .*, who cannot read .*haproxy.cfg: directory .* is not "
                                            r"searchable by .*chmod o\+x"):
-        door.door.apply(door.config, door.plan)
+        door.door.apply(door.config, door.plan, served_models(door.config), engine_of(door.config))
 
 
 def test_a_missing_packaged_user_falls_back_to_nobody_with_the_fix_named() -> None:

@@ -4,6 +4,8 @@ test says on the server side which model's instance a request reached."""
 
 from __future__ import annotations
 
+from numad_infer.config.models import served_models
+
 import json
 import os
 import threading
@@ -57,18 +59,19 @@ def test_one_model_in_either_form_reads_no_model_from_the_body(tmp_path: Path) -
     assert f"    default_backend {BACKEND}\n" in single and "json_query" not in single and "bufsize" not in single
     one = _render(tmp_path / "b", '[[models]]\nname = "alpha"\npath = "/a.gguf"\n')
     assert "    default_backend model-alpha\n" in one and "json_query" not in one and "/v1/models" not in one
-    assert not routed(parse_config('[[models]]\nname = "alpha"\npath = "/a.gguf"\n', "cfg"))
+    assert not routed(served_models(parse_config('[[models]]\nname = "alpha"\npath = "/a.gguf"\n', "cfg")))
 
 
 def test_the_model_list_names_every_model_then_every_alias_with_its_model() -> None:
     config = parse_config(TWO, "cfg")
-    assert json.loads(models_list(config)) == {"object": "list", "data": [
+    served = served_models(config)
+    assert json.loads(models_list(served)) == {"object": "list", "data": [
         {"id": "alpha", "object": "model", "created": 0, "owned_by": "numa-infer"},
         {"id": "beta", "object": "model", "created": 0, "owned_by": "numa-infer"},
         {"id": "gpt-4o-mini", "object": "model", "created": 0, "owned_by": "numa-infer", "parent": "alpha"},
         {"id": "b:latest", "object": "model", "created": 0, "owned_by": "numa-infer", "parent": "beta"}]}
-    assert backends(config) == {"alpha": "model-alpha", "beta": "model-beta"}
-    assert body_buffer(config) == 32768 * 8 + 16 * 1024
+    assert backends(served) == {"alpha": "model-alpha", "beta": "model-beta"}
+    assert body_buffer(served) == 32768 * 8 + 16 * 1024
 
 
 @pytest.fixture

@@ -147,8 +147,8 @@ def test_with_several_models_the_fix_names_each_models_own_extra_args() -> None:
                        'extra_args = ["--cache-ram", "512"]\n[server]\nllama_server = "/bin/llama-server"\n',
                        "/etc/numa-infer.toml")
     engine = get("llama-server")
-    got = [instance_memory(s.view, engine, MemoryEstimate(GiB, 0, 0, prompt_cache=engine.context(s.view).prompt_cache),
-                           s.key) for s in served_models(cfg)]
+    got = [instance_memory(s, engine, MemoryEstimate(GiB, 0, 0, prompt_cache=engine.context(s.view).prompt_cache))
+           for s in served_models(cfg)]
     assert [(m.grows, m.grows_fix) for m in got] == [
         (8 << 30, 'models[0].extra_args = [..., "--cache-ram", "MIB"]'),
         (512 << 20, 'models[1].extra_args = [..., "--cache-ram", "MIB"]')]

@@ -22,7 +22,7 @@ def _inst(name: str, model: str, state: State = State.HEALTHY, rotation: str | N
                           model=model, rotation=rotation, in_flight=0, queued=0)
 
 
-SERVED = (("chat", ("gpt-4o",)), ("small", ()))
+SERVED = (("chat", "chat", ("gpt-4o",)), ("small", "small", ()))
 
 
 def test_a_model_is_healthy_while_one_of_its_instances_is_in_rotation_and_says_why_when_not() -> None:
@@ -58,5 +58,5 @@ def test_status_groups_by_model_only_with_models_and_the_single_form_reads_as_be
     assert lines[at + 2].startswith("  infer@chat-0 ")
     assert "model small: NOT SERVING: no instance in rotation (1 failed)" in lines
     single = tuple(replace(i, model="") for i in instances)
-    plain = format_status(Status(daemon, single, None, group_models((("", ()),), single, True)))
+    plain = format_status(Status(daemon, single, None, group_models((("", "", ()),), single, True)))
     assert format_status(Status(daemon, single)) == plain and "model " not in plain

@@ -416,7 +416,7 @@ def test_tune_measures_as_the_process_backends_user_even_when_systemd_runs_the_f
     assert candidate.runs_as == instances_run_as(config.server.user, "cfg", BackendKind.PROCESS)
     backend = ProcessBackend(tmp_path / "logs")
     backend.sync(candidate)
-    assert backend.runs_as == candidate.runs_as
+    assert backend.loaded is not None and backend.loaded.runs_as == candidate.runs_as
     with pytest.raises(ValueError, match="validated for systemd"):
         backend.sync(fleet)  # the fleet's user is not one this backend can run as
 

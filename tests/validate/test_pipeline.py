@@ -1,0 +1,180 @@
+"""The one validation door (validate/pipeline.py): what it works out once and carries in
+`Loaded` (the served models, the engine, the plan, each instance's launch, the units), and
+the single `[model]` form going through the same code as a one-entry `[[models]]`."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from numad_infer.backends.process import ProcessBackend
+from numad_infer.config import models as config_models
+from numad_infer.config.load import parse_config
+from numad_infer.engines import base as engines_base
+from numad_infer.errors import ConfigError
+from numad_infer.frontdoor.routing import backends, models_list
+from numad_infer.host.identity import BackendKind
+from numad_infer.plan import placement
+from numad_infer.units.render import render_units
+from numad_infer.validate.pipeline import validate
+from tests.validate.conftest import small_nodes
+
+SOURCE = "/etc/numa-infer.toml"
+DERIVED = {"served_models": config_models.served_models, "engine_of": engines_base.engine_of,
+           "make_plan": placement.make_plan}
+
+
+@contextmanager
+def calls_counted(functions: dict[str, Callable[..., Any]]) -> Iterator[Counter[str]]:
+    """How often each function's code runs, whatever name or module it is reached by (a
+    profile hook sees every Python call: an alias or a `from x import f` cannot hide one)."""
+    codes = {f.__code__: name for name, f in functions.items()}
+    counts: Counter[str] = Counter()
+
+    def hook(frame: FrameType, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code in codes:
+            counts[codes[frame.f_code]] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(previous)
+
+
+def _two(model: Path, server: Path) -> str:
+    return (f'[[models]]\nname = "a"\npath = "{model}"\ncontext_size = 256\n'
+            f'[[models]]\nname = "b"\npath = "{model}"\ncontext_size = 256\n'
+            f'[server]\nllama_server = "{server}"\n[frontend]\nlisten = ""\n')
+
+
+def _single(model: Path, server: Path, name: str = "a") -> str:
+    return (f'[model]\npath = "{model}"\nname = "{name}"\ncontext_size = 256\n'
+            f'[server]\nllama_server = "{server}"\n[frontend]\nlisten = ""\n')
+
+
+@pytest.mark.parametrize("form", ["single", "two"])
+def test_what_validation_works_out_is_worked_out_once_per_load(tmp_path: Path, host, form: str) -> None:
+    """The served models, the engine and the plan: once per load, however many instances,
+    models and renderings follow; the backends and the renderers take them from `Loaded`."""
+    model, server = host
+    text = _single(model, server) if form == "single" else _two(model, server)
+    config = parse_config(text, SOURCE)
+    topology = small_nodes(tmp_path, 4)
+    with calls_counted(DERIVED) as counts:
+        loaded = validate(config, SOURCE, topology, BackendKind.PROCESS, unit_dirs=())
+    assert counts == Counter({"served_models": 1, "engine_of": 1, "make_plan": 1})
+    with calls_counted(DERIVED) as after:
+        ProcessBackend(tmp_path / "logs").specs(loaded)
+        render_units(loaded.config, loaded.plan, served=loaded.served, launched=loaded.launches, engine=loaded.engine)
+        backends(loaded.served)
+        models_list(loaded.served)
+        for instance in loaded.plan.instances:
+            loaded.model(instance.model)
+            loaded.memory_of(instance.model)
+    assert not after, f"derived again after validation: {dict(after)}"
+    # Each instance's launch is the unit's ExecStart= and the process backend's argv.
+    for instance in loaded.plan.instances:
+        launch = loaded.launches[instance.name]
+        assert launch.argv[0] == str(server) and "--port" in launch.argv
+        assert dict(launch.environment)["NUMA_INFER_INSTANCE"] == instance.name
+
+
+def test_one_key_per_model_looks_up_every_instance_exactly(tmp_path: Path, host) -> None:
+    """`Instance.model` is the model's one key (`ServedModel.ident`): "" for the single form
+    whatever model.name says, the name with [[models]]. No lookup falls back to the only
+    model: an unknown key is a KeyError, not someone else's model."""
+    model, server = host
+    single = validate(parse_config(_single(model, server, "named"), SOURCE), SOURCE, small_nodes(tmp_path / "a", 4),
+                      BackendKind.PROCESS, unit_dirs=())
+    assert {i.model for i in single.plan.instances} == {""}
+    assert single.model("").served.name == "named"
+    with pytest.raises(KeyError):
+        single.model("named")
+    two = validate(parse_config(_two(model, server), SOURCE), SOURCE, small_nodes(tmp_path / "b", 4),
+                   BackendKind.PROCESS, unit_dirs=())
+    assert [i.model for i in two.plan.instances] == ["a", "a", "b", "b"]
+    assert [two.model(i.model).served.key for i in two.plan.instances] == ["models[0]"] * 2 + ["models[1]"] * 2
+
+
+def test_the_single_form_is_planned_as_a_one_entry_models_list(tmp_path: Path, host) -> None:
+    """Same allocator: the single `[model]` and a one-entry `[[models]]` give their instances
+    the same cores, memory and ports; only the names differ (the single form's carry no
+    model, as its units always did)."""
+    model, server = host
+    extra = "[placement]\ninstances_per_node = 2\n"
+    single = validate(parse_config(_single(model, server) + extra, SOURCE), SOURCE, small_nodes(tmp_path / "a", 4),
+                      BackendKind.PROCESS, unit_dirs=())
+    one = validate(parse_config(f'[[models]]\nname = "a"\npath = "{model}"\ncontext_size = 256\n'
+                                'instances_per_node = 2\n'
+                                f'[server]\nllama_server = "{server}"\n[frontend]\nlisten = ""\n', SOURCE),
+                   SOURCE, small_nodes(tmp_path / "b", 4), BackendKind.PROCESS, unit_dirs=())
+    assert [i.name for i in single.plan.instances] == ["infer@0.0", "infer@0.1", "infer@1.0", "infer@1.1"]
+    assert [i.name for i in one.plan.instances] == ["infer@a-0.0", "infer@a-0.1", "infer@a-1.0", "infer@a-1.1"]
+    shape = [(i.cpus, i.mems, i.port, i.threads) for i in single.plan.instances]
+    assert shape == [(i.cpus, i.mems, i.port, i.threads) for i in one.plan.instances]
+
+
+def test_the_single_form_keeps_its_cores_across_a_reload(tmp_path: Path, host) -> None:
+    """The running plan's cores are kept with the single form too (one allocator): an
+    instance whose cores are still free and still as many keeps them."""
+    model, server = host
+    text = _single(model, server) + "[placement]\ninstances_per_node = 2\n"
+    topology = small_nodes(tmp_path, 4)
+    first = validate(parse_config(text, SOURCE), SOURCE, topology, BackendKind.PROCESS, unit_dirs=())
+    by_name = {i.name: i for i in first.plan.instances}
+    # Swapped: infer@0.0 ran on CPU 1 and infer@0.1 on CPU 0; the next plan keeps that.
+    swapped = [by_name["infer@0.0"].__class__(**{**vars(by_name["infer@0.0"]), "cpus": (1,)}),
+               by_name["infer@0.1"].__class__(**{**vars(by_name["infer@0.1"]), "cpus": (0,)})]
+    again = validate(parse_config(text, SOURCE), SOURCE, topology, BackendKind.PROCESS, unit_dirs=(), running=swapped)
+    cpus = {i.name: i.cpus for i in again.plan.instances}
+    assert cpus["infer@0.0"] == (1,) and cpus["infer@0.1"] == (0,)
+
+
+def test_a_refusal_names_the_key_of_the_table_that_sets_the_value(tmp_path: Path, host) -> None:
+    """One re-keying rule (`ServedModel.key_for`): a model table's own value is named in its
+    table, a shared one where it is shared; the single form is its own table."""
+    model, server = host
+    missing = tmp_path / "gone.gguf"
+    two = _two(model, server).replace(f'name = "b"\npath = "{model}"', f'name = "b"\npath = "{missing}"')
+    with pytest.raises(ConfigError) as refused:
+        validate(parse_config(two, SOURCE), SOURCE, small_nodes(tmp_path / "a", 4), BackendKind.PROCESS, unit_dirs=())
+    assert refused.value.key == "models[1].path"
+    nodes = _two(model, server).replace('name = "b"\n', 'name = "b"\nnodes = [7]\n')
+    with pytest.raises(ConfigError) as refused:
+        validate(parse_config(nodes, SOURCE), SOURCE, small_nodes(tmp_path / "b", 4), BackendKind.PROCESS,
+                 unit_dirs=())
+    assert refused.value.key == "models[1].nodes" and "node 7 does not exist" in str(refused.value)
+    single = _single(model, server) + "[placement]\nnodes = [7]\n"
+    with pytest.raises(ConfigError) as refused:
+        validate(parse_config(single, SOURCE), SOURCE, small_nodes(tmp_path / "c", 4), BackendKind.PROCESS,
+                 unit_dirs=())
+    assert refused.value.key == "placement.nodes"
+    many = _single(model, server) + "[placement]\ninstances_per_node = 3\n"
+    with pytest.raises(ConfigError) as refused:
+        validate(parse_config(many, SOURCE), SOURCE, small_nodes(tmp_path / "d", 4), BackendKind.PROCESS,
+                 unit_dirs=())
+    assert str(refused.value).startswith(f"{SOURCE}: placement.instances_per_node = 3: node 0 has 2 usable core(s), "
+                                         "fewer than 3 instances")
+
+
+@pytest.mark.parametrize("name", ["7b", "-x", ".hidden"])
+def test_one_name_rule_for_both_forms(name: str) -> None:
+    """A name `check` would accept in `[model]` is one `[[models]]` accepts: moving the table
+    (the fix `check` suggests for a second model) never meets a new refusal."""
+    with pytest.raises(ConfigError) as single:
+        parse_config(f'[model]\npath = "/m.gguf"\nname = "{name}"\n', SOURCE)
+    with pytest.raises(ConfigError) as table:
+        parse_config(f'[[models]]\npath = "/m.gguf"\nname = "{name}"\n', SOURCE)
+    assert "starting with a letter" in str(single.value) and "starting with a letter" in str(table.value)
+    for ok in ("llama-3.1-8b", "a", "Qwen2.5:7b"):
+        parse_config(f'[model]\npath = "/m.gguf"\nname = "{ok}"\n', SOURCE)
+        parse_config(f'[[models]]\npath = "/m.gguf"\nname = "{ok}"\n', SOURCE)
