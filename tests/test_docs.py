@@ -221,7 +221,8 @@ def test_the_readme_is_an_operators_start_of_at_most_200_lines() -> None:
     # The first request: both OpenAI routes, through the front door.
     assert "http://127.0.0.1:8000/v1/completions" in text and "http://127.0.0.1:8000/v1/chat/completions" in text
     # Every anchor and relative link it gives leads somewhere.
-    anchors = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
+    headings = re.findall(r"^#+ (.+)$", text, re.M)
+    anchors = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}
     for target in re.findall(r"\]\(([^)]+)\)", text):
         if target.startswith("#"):
             assert target[1:] in anchors, target
