@@ -82,7 +82,7 @@ MODULES: dict[str, tuple[str, str]] = {
     # -- config ------------------------------------------------------------------------------------
     "config/__init__": (CORE, PACKAGE_INIT),
     "config/defaults": (CORE, "default paths, apart so `status` need not import the schema"),
-    "config/reference": (CORE, "the key reference (README, man page) generated from the schema"),
+    "config/reference": (CORE, "the key reference (the man page) generated from the schema"),
     "config/example": (CORE, "the shipped etc/numa-infer.toml generated from the schema: every key, its "
                              "description, its default or the listed override and why"),
     "config/frontend": (CORE, "the [frontend] table: the front door's address, queue, timeouts, affinity, limits"),
@@ -232,8 +232,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "daemon/publish": (ORCHESTRATION, "what the daemon publishes each pass: runtimes -> status types, the status line"),
     # -- cli ---------------------------------------------------------------------------------------
     "cli/__init__": (CORE, PACKAGE_INIT),
-    "cli/reference": (CORE, "the man page's SYNOPSIS, the bash completion and the README's command synopses, "
-                            "from the parser"),
+    "cli/reference": (CORE, "the man page's SYNOPSIS and the bash completion, from the parser"),
     "cli/present": (CORE, "what the commands print: topology, plan, engine line, cgroup limits, the status table"),
     "cli/wiring": (ORCHESTRATION, "what a command runs on: the loaded configuration, the backend (fd store, uids)"),
     "cli/offline_status": (ORCHESTRATION, "`status` with the daemon down: the plan and what its units are doing"),

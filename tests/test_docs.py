@@ -1,7 +1,8 @@
-"""The configuration reference in README.md and numa-infer.toml(5) is generated from the
-schema, and CONTRIBUTING.md's module layout from numad_infer/layers.py: this fails when a key,
-a limit, a default, a description or a module changed without `tools/config_reference.py`
-or `tools/layout_reference.py` being run."""
+"""The configuration reference in numa-infer.toml(5) is generated from the schema, and
+CONTRIBUTING.md's module layout from numad_infer/layers.py: this fails when a key, a limit, a
+default, a description or a module changed without `tools/config_reference.py` or
+`tools/layout_reference.py` being run. The README is the operator's short start (at most 200
+lines, no module paths); the reference lives in the man pages and docs/."""
 
 from __future__ import annotations
 
@@ -16,10 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_key_reference_and_the_shipped_example_are_what_the_schema_says() -> None:
-    """README.md's key table, numa-infer.toml(5)'s key list and etc/numa-infer.toml."""
+    """numa-infer.toml(5)'s key list and etc/numa-infer.toml; the README carries no key table."""
     proc = subprocess.run([sys.executable, str(ROOT / "tools/config_reference.py"), "--check"], capture_output=True,
                           text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    man = (ROOT / "packaging/man/numa-infer.toml.5").read_text()
+    assert configref.MAN_BEGIN in man and ".BR cores_per_instance " in man
+    readme = (ROOT / "README.md").read_text()
+    assert "config-keys" not in readme and "| key | type | default | meaning |" not in readme
 
 
 def test_the_contributing_layout_names_every_module_as_the_layer_map_says() -> None:
@@ -103,18 +108,33 @@ def test_the_man_synopsis_and_bash_completion_are_what_the_parser_says() -> None
     assert check.returncode == 0, check.stderr
 
 
-def test_the_readme_lists_every_command_with_the_options_the_parser_has_and_no_other() -> None:
+def _man_section(text: str, name: str) -> str:
+    start = text.index(f".SH {name}\n")
+    return text[start:text.index("\n.SH ", start + 1)]
+
+
+def test_the_man_page_describes_every_command_with_the_options_the_parser_has_and_no_other() -> None:
+    """numa-infer(8)'s COMMANDS has one entry per command, whose heading names each of its
+    options (and may name a global one, as `run` does `--backend`); GLOBAL OPTIONS has one
+    entry per global option."""
     import re
 
     from numad_infer.cli import reference
     from numad_infer.cli.main import build_parser
 
     global_options, commands = reference.describe(build_parser())
-    documented = re.findall(r"^\| `(numa-infer [^`]*)` \|", (ROOT / "README.md").read_text(), re.M)
-    assert sorted(documented) == sorted(reference.synopsis(c) for c in commands)
-    # The global options, as the README's paragraph under the table names them.
-    text = (ROOT / "README.md").read_text()
-    assert all(f"`{o.long} " in text or f"`{o.long}`" in text for o in global_options)
+    man = (ROOT / "packaging/man/numa-infer.8").read_text()
+    headings = {m.group(1): m.group(2) for m in re.finditer(r"^\.TP\n\.B (\w+)( .*)?$", _man_section(man, "COMMANDS"),
+                                                             re.M)}
+    assert sorted(headings) == sorted(c.name for c in commands)
+    known = {o.long for o in global_options}
+    for command in commands:
+        heading = (headings[command.name] or "").replace("\\-", "-").replace("\\f", " ")
+        named = set(re.findall(r"--[a-z-]+", heading))
+        own = {o.long for o in command.options}
+        assert own <= named <= own | known, (command.name, sorted(own - named), sorted(named - own - known))
+    section = _man_section(man, "GLOBAL OPTIONS").replace("\\-", "-")
+    assert set(re.findall(r"^\.TP\n\.B[IR]? (--[a-z-]+)", section, re.M)) >= known, sorted(known)
 
 
 def test_the_synopsis_generator_shows_arguments_choices_and_exclusive_flags() -> None:
@@ -133,7 +153,6 @@ def test_the_synopsis_generator_shows_arguments_choices_and_exclusive_flags() ->
     which.add_argument("--ready", action="store_true")
     global_options, (probe,) = reference.describe(parser)
     assert [o.long for o in global_options] == ["--config"] and probe.help == "a probe"
-    assert reference.synopsis(probe) == "numa-infer probe [--verbose] [--mode a\\|b] [--live\\|--ready]"
     man = reference.man_synopsis(parser)
     assert ".RB [ \\-v | \\-\\-verbose ]" in man and ".BR a | b ]" in man and ".RB [ \\-\\-live | \\-\\-ready ]" in man
     completion = reference.bash_completion(parser)
@@ -182,3 +201,49 @@ def test_every_numa_infer_command_the_docs_name_exists() -> None:
     named = {(name, m) for name, text in _documents().items()
              for m in re.findall(r"`numa-infer(?: --[a-z-]+(?: [^\s<`]\S*)?)* ([a-z]+)\b", text)}
     assert {f"{name}: numa-infer {m}" for name, m in named if m not in known} == set()
+
+
+README_MAX_LINES = 200
+# The operator's README: its sections, in this order (issue 37).
+README_SECTIONS = ["What it is", "Requirements", "Install", "Serve a model", "The first request", "The daily commands",
+                   "When something is wrong", "Links"]
+
+
+def test_the_readme_is_an_operators_start_of_at_most_200_lines() -> None:
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES, len(text.splitlines())
+    assert re.findall(r"^## (.+)$", text, re.M) == README_SECTIONS
+    # The fresh-machine commands stay first (CI and the issue's newcomer run them as written).
+    assert text.splitlines()[5].startswith("> **Trying it or working on it?** On a fresh machine")
+    assert re.search(r"^>     scripts/demo  ", text, re.M) and re.search(r"^>     scripts/test  ", text, re.M)
+    # The first request: both OpenAI routes, through the front door.
+    assert "http://127.0.0.1:8000/v1/completions" in text and "http://127.0.0.1:8000/v1/chat/completions" in text
+    # Every anchor and relative link it gives leads somewhere.
+    headings = re.findall(r"^#+ (.+)$", text, re.M)
+    anchors = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}
+    for target in re.findall(r"\]\(([^)]+)\)", text):
+        if target.startswith("#"):
+            assert target[1:] in anchors, target
+        elif "://" not in target:
+            assert (ROOT / target.split("#")[0]).exists(), target
+    for man in ("packaging/man/numa-infer.8", "packaging/man/numa-infer.toml.5"):
+        assert f"`{man}`" in text and (ROOT / man).is_file()
+
+
+def test_module_paths_appear_only_in_contributing() -> None:
+    """`numad_infer/...`, `lifecycle/states.py`, `typedjson.py`: the code's layout is
+    CONTRIBUTING.md's, and moves; the README and docs/ name commands, keys, files an operator
+    has, and the tests, benchmarks and tools of this tree (`tests/e2e/test_frontdoor.py`)."""
+    import re
+
+    allowed = ("tests/", "bench/", "tools/", "scripts/", "deploy/")
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = path.read_text()
+        found += [f"{path.name}: numad_infer" for _ in re.findall(r"numad_infer[/.]", text)]
+        for name in re.findall(r"[\w./-]*\w\.py\b", text):
+            if not name.startswith(allowed):
+                found.append(f"{path.name}: {name}")
+    assert found == []

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Regenerate the configuration key reference in README.md and numa-infer.toml(5), and the
-shipped example etc/numa-infer.toml, from the schema (numad_infer/config/schema.py); `--check`
+"""Regenerate the configuration key reference in numa-infer.toml(5) (only there: README.md
+links to it), and the shipped example etc/numa-infer.toml, from the schema (numad_infer/config/schema.py); `--check`
 only says whether they are up to date (exit 1 when not). tests/test_docs.py runs the check."""
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from numad_infer.config import example  # noqa: E402
 from numad_infer.config import reference as configref  # noqa: E402
 
 TARGETS = {
-    ROOT / "README.md": (configref.README_BEGIN, configref.README_END, configref.markdown_table),
     ROOT / "packaging/man/numa-infer.toml.5": (configref.MAN_BEGIN, configref.MAN_END, configref.man_sections),
 }
 # Files generated whole: the operator edits the installed copy, so it carries no markers.
 WHOLE = {ROOT / example.PATH: example.example_toml}
 # A file that has only the bare marker (first generation) gets the full region.
-BARE = {ROOT / "README.md": "<!-- config-keys: -->", ROOT / "packaging/man/numa-infer.toml.5": '.\\" config-keys:\n'}
+BARE = {ROOT / "packaging/man/numa-infer.toml.5": '.\\" config-keys:\n'}
 
 
 def render(path: Path) -> str:

@@ -1,7 +1,7 @@
 """What documents the command line, generated from its parser (`build_parser`), as the key
-reference is from the schema: the man page's SYNOPSIS, the bash completion, and each
-command's synopsis that the README's command table shows. tools/cli_reference.py writes
-them; tests/test_docs.py fails when one is stale or names what the parser lacks."""
+reference is from the schema: the man page's SYNOPSIS and the bash completion.
+tools/cli_reference.py writes them; tests/test_docs.py fails when one is stale, or when the
+man page's COMMANDS names an option the parser lacks or leaves one out."""
 
 from __future__ import annotations
 
@@ -71,31 +71,6 @@ def _operands(parser: argparse.ArgumentParser) -> tuple[str, ...]:
         shown.append({"*": f"[{metavar} ...]", "?": f"[{metavar}]", "+": f"{metavar} [{metavar} ...]"}
                      .get(str(action.nargs), metavar))
     return tuple(shown)
-
-
-# -- the README's synopsis of one command ---------------------------------------------------------
-
-def synopsis(command: Command) -> str:
-    """`numa-infer tune [--nodes N,...] [--quick]`: what the README's command table shows."""
-    words = ["numa-infer", command.name]
-    done: set[str] = set()
-    for option in command.options:
-        if option.long in done:
-            continue
-        if option.exclusive_with:
-            words.append("[" + _TABLE_BAR.join(option.exclusive_with) + "]")
-            done.update(option.exclusive_with)
-            continue
-        shown = option.long if option.argument is None else f"{option.long} {_argument(option, _TABLE_BAR)}"
-        words.append(f"[{shown}]")
-    return " ".join([*words, *command.operands])
-
-
-_TABLE_BAR = "\\|"  # a | inside a markdown table cell
-
-
-def _argument(option: Option, bar: str) -> str:
-    return bar.join(option.choices) if option.choices else str(option.argument)
 
 
 # -- the man page ---------------------------------------------------------------------------------

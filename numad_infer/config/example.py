@@ -1,6 +1,6 @@
 """etc/numa-infer.toml, the file the package installs as /etc/numa-infer.toml, generated from
 the schema so that its comments cannot contradict the reference: every table and key in the
-schema's order, each under its description (the text of numa-infer.toml(5) and the README),
+schema's order, each under its description (the text of numa-infer.toml(5)),
 each at its default unless `SHIPPED` says otherwise, and why. Pure.
 
 `tools/config_reference.py` writes the file; tests/test_docs.py fails when it differs from
@@ -71,7 +71,7 @@ SHIPPED: dict[str, Shipped] = {
 
 
 def _comment(text: str, facts: str = "") -> list[str]:
-    # Descriptions are markdown for the README; a comment is plain text.
+    # Descriptions carry markdown code spans; a comment is plain text.
     plain = text.replace("`", "")
     if facts:
         # One word to the wrapper (NUL for its spaces): "[int" and "1..64]" on two lines

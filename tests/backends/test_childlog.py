@@ -103,13 +103,13 @@ def test_the_process_backend_sends_its_children_to_rotated_logs_of_the_shipped_s
 
 
 
-def test_the_readme_and_the_help_state_the_size_the_logs_are_kept_at() -> None:
+def test_the_docs_and_the_help_state_the_size_the_logs_are_kept_at() -> None:
     import argparse
 
     from numad_infer.cli.main import build_parser
 
     mib = f"{LOG_MAX_BYTES >> 20} MiB"
-    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).resolve().parents[2] / "docs/containers.md").read_text().split())
     assert f"`<state dir>/logs/<name>.log`, at most {mib}, and the {mib} before it in `<name>.log.1`" in readme
     assert f"at most {2 * LOG_MAX_BYTES >> 20} MiB of `/run`" in readme
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
