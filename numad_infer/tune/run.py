@@ -56,7 +56,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
 
     loaded = load(request.config_path, request.kind, request.fsroot)
     chosen = model_to_tune(request, loaded)
-    several, ident, size = multi(loaded.config), chosen.served.ident, chosen.model_bytes
+    several, ident = multi(loaded.config), chosen.served.ident
     config, topology, planned, nodes = _target(request, loaded, chosen, ident)
     fleet = Fleet(request.state_file, progress)
     _refuse_cutting_clients_off(request, config, fleet)
@@ -78,9 +78,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     for value in current.values():
         if value not in {c.threads for c in grid}:
             grid.append(Candidate(value, "current setting"))
-    report = Report(model=config.one_model.path, weight_bytes=size, decode_bytes=loaded.models[0].decode_bytes,
-                    engine=config.server.engine, node=node, cpus=instance.cpus,
-                    engine_cpu=None if loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe())
+    report = _report(loaded, chosen, config, node, instance)
     try:
         for measured in nodes:
             fleet.hold(measured, config.frontend.drain_timeout_s + 120)
@@ -104,6 +102,14 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     except OSError as exc:
         log.warning("cannot keep the bandwidth figures for the daemon: %s", exc)
     return report, _edits(report, config, current, len(cores), prefix)
+
+
+def _report(loaded: Loaded, chosen: LoadedModel, config: Config, node: int, instance: Instance) -> Report:
+    """The report before measuring: the chosen model's file, size and bytes a decoded token
+    reads (its decode efficiency's numerator), never another model's."""
+    return Report(model=config.one_model.path, weight_bytes=chosen.model_bytes, decode_bytes=chosen.decode_bytes,
+                  engine=config.server.engine, node=node, cpus=instance.cpus,
+                  engine_cpu=None if loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe())
 
 
 def model_to_tune(request: TuneRequest, loaded: Loaded) -> LoadedModel:
