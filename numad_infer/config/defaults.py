@@ -3,10 +3,11 @@
 DEFAULT_CONFIG_PATH = "/etc/numa-infer.toml"
 DEFAULT_STATE_FILE = "/run/numa-infer/state.json"
 
-# How long a stop waits before SIGKILL: every instance at once (process backend), then the
+# How long a stop waits before SIGKILL: every instance at once (the process backend's wait,
+# the instance units' TimeoutStopSec under systemd: units/render.py), then the
 # front door's HAProxy. With frontend.drain_timeout_s they bound a daemon's exit after
 # SIGTERM (stop_bound_s); deploy/kubernetes's terminationGracePeriodSeconds covers it.
-INSTANCE_STOP_S = 15.0
+INSTANCE_STOP_S = 30.0
 FRONTDOOR_STOP_S = 10.0
 
 

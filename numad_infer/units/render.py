@@ -13,7 +13,7 @@ import ipaddress
 import re
 import sys
 
-from numad_infer.config.defaults import FRONTDOOR_USER
+from numad_infer.config.defaults import FRONTDOOR_USER, INSTANCE_STOP_S
 from numad_infer.config.models import served_models, view_of
 from numad_infer.config.schema import Config
 from numad_infer.engines import KEY_CREDENTIAL, engine_of
@@ -126,7 +126,7 @@ def render_template(config: Config) -> str:
         "Type=exec",
         "Restart=on-failure",
         "RestartSec=2",
-        "TimeoutStopSec=30",
+        f"TimeoutStopSec={INSTANCE_STOP_S:g}",  # what stop_bound_s counts
         # Unprivileged and read-only: the server only reads the model and listens.
         "DynamicUser=yes",
         *SANDBOX,

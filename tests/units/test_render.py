@@ -164,6 +164,17 @@ def test_mlock_raises_memlock_limit(tmp_path: Path) -> None:
     assert "LimitMEMLOCK" not in units_for(tmp_path / "2", fakesys.round_robin_sockets)["infer@.service"]
 
 
+def test_the_instance_units_stop_timeout_is_the_one_the_stop_bound_counts() -> None:
+    # TimeoutStopSec was a literal 30 while the bound (and the process backend) used 15.
+    from numad_infer.config.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S, stop_bound_s
+    from numad_infer.units.render import render_template
+
+    lines = render_template(make_config()).splitlines()
+    assert [line for line in lines if line.startswith("TimeoutStopSec=")] == [f"TimeoutStopSec={INSTANCE_STOP_S:g}"]
+    assert stop_bound_s(0) == INSTANCE_STOP_S + FRONTDOOR_STOP_S
+    assert "TimeoutStopSec=30\n" in (GOLDEN / "dual_socket_smt" / "infer@.service").read_text()  # unchanged
+
+
 def test_rendering_twice_leaves_files_untouched(tmp_path: Path) -> None:
     files = units_for(tmp_path, fakesys.dual_socket_smt)
     unit_dir = tmp_path / "units"
