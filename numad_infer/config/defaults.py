@@ -1,7 +1,10 @@
 """Default locations and stop timeouts. Kept apart so light commands (status) need not import the config schema."""
 
 DEFAULT_CONFIG_PATH = "/etc/numa-infer.toml"
-DEFAULT_STATE_FILE = "/run/numa-infer/state.json"
+# The daemon's RuntimeDirectory (packaging/systemd/numa-infer.service): its state file, and
+# the front door's haproxy.cfg and listener handout (units/render.py).
+RUN_DIR = "/run/numa-infer"
+DEFAULT_STATE_FILE = f"{RUN_DIR}/state.json"
 
 # How long a stop waits before SIGKILL: every instance at once (the process backend's wait,
 # the instance units' TimeoutStopSec under systemd: units/render.py), then the
