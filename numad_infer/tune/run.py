@@ -85,7 +85,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
             try:
                 report.bandwidth.update(measurer.bandwidth([measured], settings.samples))
                 if measured == node:
-                    port = _free_port()
+                    port = _free_port_block(1, _plan_ports(loaded))
                     for candidate in grid:
                         report.results.append(measurer.measure(node, candidate, port))
             finally:
@@ -94,7 +94,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
         fleet.drop()
     if request.layouts:
         _measure_layouts(report, measurer, fleet, config, topology, loaded.memory_of(ident),
-                         len(node_obj.l3_groups) or 1, len(cores), progress)
+                         len(node_obj.l3_groups) or 1, len(cores), progress, _plan_ports(loaded))
     # For the daemon: status then shows llama-server's decode as a share of this bandwidth.
     try:
         bandwidthfile.save(request.state_file.parent / bandwidthfile.RESULTS_NAME,
@@ -187,7 +187,8 @@ def _refuse_cutting_clients_off(request: TuneRequest, config: Config, fleet: Fle
 
 
 def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: Config, topology: Topology,
-                     memory: InstanceMemory, l3_groups: int, cores: int, progress: Callable[[str], None]) -> None:
+                     memory: InstanceMemory, l3_groups: int, cores: int, progress: Callable[[str], None],
+                     taken: frozenset[int] = frozenset()) -> None:
     from numad_infer.errors import ConfigError
     from numad_infer.tune.choice import layouts
 
@@ -212,7 +213,7 @@ def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: C
     try:
         fleet.hold_all(config.frontend.drain_timeout_s + 120)
         for layout in candidates:
-            report.layout_results.append(measurer.measure_layout(layout, clients, 2, _free_port_block(most)))
+            report.layout_results.append(measurer.measure_layout(layout, clients, 2, _free_port_block(most, taken)))
     finally:
         fleet.release(config.monitor.startup_grace_s + 60)
         fleet.drop()
@@ -257,16 +258,39 @@ def write_tuned(config_path: str, fsroot: str, kind: BackendKind, edits: list[Ed
                        lambda cfg: loading.validate(cfg, config_path, topology, kind, allowed=allowed) and None)
 
 
-def _free_port_block(count: int) -> int:
-    """A base port with `count` free ports from it (the instances of one layout)."""
+def _plan_ports(loaded: Loaded) -> frozenset[int]:
+    """The plan's instance ports: a held instance comes back on its own."""
+    return frozenset(i.port for i in loaded.plan.instances)
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The lowest port the kernel hands to client sockets (bind to port 0, connect)."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _free_port_block(count: int, taken: frozenset[int] = frozenset(), low: int = 10000,
+                     top: int | None = None) -> int:
+    """A base port with `count` ports from it free now, none of them `taken` (the plan's,
+    whose held instances come back on them) and all below the kernel's ephemeral range:
+    there a client socket (a probe, HAProxy's connection) could take one between this
+    check and the server's bind."""
     import random
     import socket
 
-    for _ in range(100):
-        base = random.randrange(20000, 60000)
+    top = min(_ephemeral_low(), 65536) if top is None else top  # exclusive
+    for _ in range(200):
+        if top - count < low:
+            break
+        base = random.randrange(low, top - count + 1)  # the last port is top - 1
+        ports = range(base, base + count)
+        if taken.intersection(ports):
+            continue
+        sockets = []
         try:
-            sockets = []
-            for port in range(base, base + count):
+            for port in ports:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 sockets.append(sock)
                 sock.bind(("127.0.0.1", port))
@@ -276,13 +300,4 @@ def _free_port_block(count: int) -> int:
             for sock in sockets:
                 sock.close()
         return base
-    raise TuneError("no block of free ports on 127.0.0.1")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    raise TuneError(f"no block of {count} free ports on 127.0.0.1 between {low} and {top}, below the ephemeral range")

@@ -533,6 +533,27 @@ def test_tune_model_reports_the_chosen_models_bytes_not_the_first_models(tmp_pat
     assert report.weight_bytes == Path(chosen.served.view.one_model.path).stat().st_size != loaded.models[0].model_bytes
 
 
+def test_tune_takes_its_ports_below_the_ephemeral_range_and_off_the_plans(tmp_path: Path) -> None:
+    # tune bound port 0 and closed it: a port in the kernel's ephemeral range, which a client
+    # socket could take before tune's server bound it.
+    import socket
+
+    from numad_infer.tune.errors import TuneError
+    from numad_infer.tune.run import _ephemeral_low, _free_port_block
+
+    (tmp_path / "range").write_text("40000\t60999\n")
+    assert _ephemeral_low(str(tmp_path / "range")) == 40000
+    assert _ephemeral_low(str(tmp_path / "missing")) == 32768
+    for count in (1, 4):
+        base = _free_port_block(count)
+        assert 10000 <= base and base + count <= _ephemeral_low()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", base))
+        assert _free_port_block(1, low=base, top=base + 2) == base + 1  # not the port in use
+        with pytest.raises(TuneError, match="no block of 1 free ports"):
+            _free_port_block(1, frozenset({base + 1}), low=base, top=base + 2)  # nor one of the plan's
+
+
 def within_all(loaded):
     from numad_infer.topology.cgroup_limits import within
 
