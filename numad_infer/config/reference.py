@@ -1,4 +1,4 @@
-"""The configuration reference, generated from the schema (config.py): the README's key
+"""The configuration reference, generated from the schema (config/schema.py): the README's key
 table and the man page's key list, so neither can drift from what the code enforces.
 
 Each key's type and limits come from its annotation and constraints, its default from

@@ -19,7 +19,7 @@ from numad_infer.plan.model import Instance
 from numad_infer.plan.placement import make_plan, reserved_cores, unreserved_cores
 from numad_infer.topology.cgroup_limits import Allowed, within
 from numad_infer.topology.model import Topology
-from numad_infer.tune import bandwidth_file as bandwidthfile
+from numad_infer.tune import bandwidth_file
 from numad_infer.tune.choice import Candidate, Layout, Report
 from numad_infer.tune.errors import TuneError
 from numad_infer.tune.fleet import Fleet
@@ -97,8 +97,8 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
                          len(node_obj.l3_groups) or 1, len(cores), progress, _plan_ports(loaded))
     # For the daemon: status then shows llama-server's decode as a share of this bandwidth.
     try:
-        bandwidthfile.save(request.state_file.parent / bandwidthfile.RESULTS_NAME,
-                       {k: f.median for k, f in report.bandwidth.items()})
+        bandwidth_file.save(request.state_file.parent / bandwidth_file.RESULTS_NAME,
+                        {k: f.median for k, f in report.bandwidth.items()})
     except OSError as exc:
         log.warning("cannot keep the bandwidth figures for the daemon: %s", exc)
     return report, _edits(report, config, current, len(cores), prefix)
@@ -246,16 +246,16 @@ def _edits(report: Report, config: Config, current: dict[str, int], cores: int,
 
 def write_tuned(config_path: str, fsroot: str, kind: BackendKind, edits: list[Edit]) -> Path:
     """`tune --apply`: write `edits` into the file, refused exactly as `check` would refuse
-    the edited file (the same pipeline, loading.validate), with nothing written then.
+    the edited file (the same pipeline, pipeline.validate), with nothing written then.
     Returns the backup's path."""
     from numad_infer.topology.sysfs import read_topology
     from numad_infer.tune.config_edit import apply_edits
-    from numad_infer.validate import pipeline as loading
+    from numad_infer.validate import pipeline
 
     topology = read_topology(fsroot)
-    allowed = loading.read_allowed(kind)
+    allowed = pipeline.read_allowed(kind)
     return apply_edits(Path(config_path), edits,
-                       lambda cfg: loading.validate(cfg, config_path, topology, kind, allowed=allowed) and None)
+                       lambda cfg: pipeline.validate(cfg, config_path, topology, kind, allowed=allowed) and None)
 
 
 def _plan_ports(loaded: Loaded) -> frozenset[int]:
