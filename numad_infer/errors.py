@@ -20,7 +20,7 @@ class TopologyError(NumaInferError):
 class ConfigError(NumaInferError):
     """An invalid setting, rendered as `FILE: KEY = VALUE: PROBLEM`.
 
-    Here, not in config.py, so edges that refuse a setting (the model file, the unit
+    Here, not in config/schema.py, so edges that refuse a setting (the model file, the unit
     directory, haproxy) need not import the schema (pydantic) to say so.
     """
 

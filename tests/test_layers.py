@@ -205,3 +205,33 @@ def test_no_module_class_or_function_outgrows_what_a_reader_takes_in_at_once(nam
         if limit is not None and node.end_lineno is not None and node.end_lineno - node.lineno + 1 > limit:
             too_big.append(f"{node.name}: {node.end_lineno - node.lineno + 1} lines (at most {limit})")
     assert too_big == [], f"numad_infer/{name}.py: split it by job"
+
+
+# A module imported under a name of its own choosing; every other one keeps its module's name.
+ALIASES = {"tuner"}  # cli/commands: `tune.run`, beside the commands' own `run`
+
+
+def test_no_docstring_comment_or_import_alias_names_a_module_that_is_gone() -> None:
+    # Renamed modules lived on in prose (`supervise.py`, `driftchecks`) and in aliases
+    # (`pipeline as loading`, `publish as snapshot`): a reader looked for files that are not there.
+    import re
+
+    root = PACKAGE.parent
+    stems = {path.stem for path in PACKAGE.rglob("*.py")}
+    named = re.compile(r"(?<![\w/.-])((?:[\w-]+/)*\w+)\.py\b")
+    gone, aliased = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = path.read_text()
+        for lineno, line in enumerate(source.splitlines(), 1):
+            for ref in named.findall(line):
+                found = ((root / f"{ref}.py").exists() or (PACKAGE / f"{ref}.py").exists()) if "/" in ref \
+                    else ref in stems
+                if not found:
+                    gone.append(f"{path.relative_to(root)}:{lineno}: {ref}.py")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("numad_infer"):
+                aliased += [f"{path.relative_to(root)}: {node.module}.{a.name} as {a.asname}" for a in node.names
+                            if a.asname and a.asname != a.name and a.asname not in ALIASES
+                            and (PACKAGE.joinpath(*node.module.split(".")[1:], f"{a.name}.py")).exists()]
+    assert not gone, "names a module that does not exist:\n" + "\n".join(gone)
+    assert not aliased, "a module imported under another module-like name:\n" + "\n".join(aliased)

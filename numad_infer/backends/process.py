@@ -122,7 +122,7 @@ class ProcessBackend:
         # Where a seccomp profile refuses set_mempolicy (Kubernetes' RuntimeDefault without
         # CAP_SYS_NICE), trying it in the child would fail every start: the server starts
         # pinned but unbound, its memory placed by first touch from its pinned threads, and
-        # `check`/status say so (hostcheck.memory_call_warnings). Probed once, in the daemon.
+        # `check`/status say so (host_check.memory_call_warnings). Probed once, in the daemon.
         bind = pinning.memory_calls().bind_refused is None
 
         def pin_in_child() -> None:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 def load_all(args: argparse.Namespace) -> Loaded:
-    """The one pipeline (loading.py), for the backend `--backend` names."""
+    """The one pipeline (validate/pipeline.py), for the backend `--backend` names."""
     from numad_infer.host.identity import backend_kind
     from numad_infer.validate.pipeline import load
 

@@ -1,12 +1,16 @@
 """Default locations and stop timeouts. Kept apart so light commands (status) need not import the config schema."""
 
 DEFAULT_CONFIG_PATH = "/etc/numa-infer.toml"
-DEFAULT_STATE_FILE = "/run/numa-infer/state.json"
+# The daemon's RuntimeDirectory (packaging/systemd/numa-infer.service): its state file, and
+# the front door's haproxy.cfg and listener handout (units/render.py).
+RUN_DIR = "/run/numa-infer"
+DEFAULT_STATE_FILE = f"{RUN_DIR}/state.json"
 
-# How long a stop waits before SIGKILL: every instance at once (process backend), then the
+# How long a stop waits before SIGKILL: every instance at once (the process backend's wait,
+# the instance units' TimeoutStopSec under systemd: units/render.py), then the
 # front door's HAProxy. With frontend.drain_timeout_s they bound a daemon's exit after
 # SIGTERM (stop_bound_s); deploy/kubernetes's terminationGracePeriodSeconds covers it.
-INSTANCE_STOP_S = 15.0
+INSTANCE_STOP_S = 30.0
 FRONTDOOR_STOP_S = 10.0
 
 

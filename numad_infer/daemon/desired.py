@@ -22,7 +22,7 @@ from numad_infer.supervision.reconcile import Reconciler
 from numad_infer.topology.cgroup_limits import Allowed
 from numad_infer.topology.sysfs import SysfsReader
 from numad_infer.util.cpuset import format_list
-from numad_infer.validate import pipeline as loading
+from numad_infer.validate import pipeline
 from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
@@ -54,9 +54,9 @@ class PlanState:
         return None if self.loaded is None else self.loaded.config
 
     def load(self) -> Loaded:
-        """The pipeline every command uses (loading.py); refused there, nothing changes here."""
+        """The pipeline every command uses (validate/pipeline.py); refused there, nothing changes here."""
         running = self.loaded.plan.instances if self.loaded is not None else self._left_running()
-        return loading.load(self.config_path, self.backend.kind, self.sysfs, running=running)
+        return pipeline.load(self.config_path, self.backend.kind, self.sysfs, running=running)
 
     def _left_running(self) -> Sequence[Placed]:
         """At start: the instances the last daemon ran, as its state file says (kept across
@@ -154,7 +154,7 @@ class PlanState:
         behind the front door and drained first, as a reload that changes them is."""
         if self.loaded is None:
             return
-        seen = loading.current_artifacts(self.loaded.served, self.loaded.engine)
+        seen = pipeline.current_artifacts(self.loaded.served, self.loaded.engine)
         if seen == self.loaded.artifacts:
             self._changed = None
             return
@@ -181,7 +181,7 @@ class PlanState:
         set-property`): a new plan, never drift to fight. Only the instances whose placement
         changed restart, drained first."""
         online = self.sysfs.online_cpus()
-        allowed = loading.read_allowed(self.backend.kind)
+        allowed = pipeline.read_allowed(self.backend.kind)
         hotplug = online is not None and self.online is not None and online != self.online
         narrowed = self.allowed is not None and allowed != self.allowed
         if not hotplug and not narrowed:

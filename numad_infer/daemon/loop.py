@@ -2,7 +2,7 @@
 
 Signal handlers only set flags (and wake the loop through a pipe); all work happens
 in the loop, one small step at a time. What the plan is and how it changes lives in
-`planstate.py`; what is published each pass, in `snapshot.py`.
+`desired.py`; what is published each pass, in `publish.py`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from types import FrameType
 from numad_infer import __version__
 from numad_infer.backends.base import Backend
 from numad_infer.config.schema import Config
-from numad_infer.daemon import publish as snapshot
+from numad_infer.daemon import publish
 from numad_infer.daemon.desired import PlanState
 from numad_infer.daemon.restarts import Restarts
 from numad_infer.errors import NumaInferError
@@ -33,7 +33,7 @@ from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.reconcile import Reconciler
 from numad_infer.systemd.notify import Notifier
 from numad_infer.topology.sysfs import SysfsReader
-from numad_infer.tune import bandwidth_file as bandwidthfile
+from numad_infer.tune import bandwidth_file
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class Daemon:
         self.plan = PlanState(config_path, SysfsReader(fsroot), backend, self.reconciler, self.frontdoor, self.metrics,
                               state_file)
         # what `numa-infer tune` measured
-        self.tuned = bandwidthfile.Results(state_file.parent / bandwidthfile.RESULTS_NAME)
+        self.tuned = bandwidth_file.Results(state_file.parent / bandwidth_file.RESULTS_NAME)
         self.started_at = time.time()
         self.state = DaemonState.STARTING
         self.pass_duration_s: float | None = None
@@ -96,7 +96,7 @@ class Daemon:
         self.notifier.ready(self.status_line())
 
     def status_line(self) -> str:
-        return snapshot.status_line(list(self.reconciler.runtimes.values()), self.plan.last_reload)
+        return publish.status_line(list(self.reconciler.runtimes.values()), self.plan.last_reload)
 
     def snapshot(self, now: float) -> Status:
         config = self.plan.config
@@ -107,12 +107,12 @@ class Daemon:
             last_reload=self.plan.last_reload, last_restart=self.restarts.follow(), warnings=self.plan.warnings,
             status=self.status_line(), pass_duration_s=self.pass_duration_s, pass_started_at=self.pass_started_at,
             metrics=self.metrics.listen or None,
-            allowed=snapshot.allowed_line(self.plan.loaded),
+            allowed=publish.allowed_line(self.plan.loaded),
             min_local_fraction=config.monitor.min_local_fraction if config else None)
         runtimes = list(self.reconciler.runtimes.values())
-        instances = snapshot.instances(runtimes, now, self.frontdoor, self.plan.loaded, self.tuned)
-        return Status(daemon, instances, snapshot.frontdoor_status(self.frontdoor),
-                      snapshot.models(instances, self.frontdoor, self.plan.loaded))
+        instances = publish.instances(runtimes, now, self.frontdoor, self.plan.loaded, self.tuned)
+        return Status(daemon, instances, publish.frontdoor_status(self.frontdoor),
+                      publish.models(instances, self.frontdoor, self.plan.loaded))
 
     def publish(self, now: float) -> None:
         self.latest = self.snapshot(now)

@@ -104,7 +104,7 @@ def frontdoor_status(fd: Frontdoor) -> FrontdoorStatus | None:
 
 
 def _efficiency(rt: Runtime, weights: int, tuned: Results) -> float | None:
-    """Decode tokens/s x bytes a decoded token reads (ggufheader) / the node's measured bandwidth."""
+    """Decode tokens/s x bytes a decoded token reads (model/gguf.py) / the node's measured bandwidth."""
     if rt.decode_tokens_per_s is None or rt.instance.node is None or not weights:
         return None
     gbs = tuned.local_gbs(rt.instance.node)

@@ -1,7 +1,7 @@
 """Read what `doctor` judges from a filesystem root (/ or a tree under --fsroot):
 sysctls, transparent huge pages, cpufreq, node memory, IRQs, swap, processes. Thin edge:
 missing files become None (an older kernel, a VM without cpufreq); the verdicts are
-doctor.py's. It only reads.
+verdicts.py's. It only reads.
 
 Every read goes through `FsRoot`: a tree under --fsroot is someone else's, so a link out of
 it, a FIFO or a device is not read but told (a warning on stderr) and taken as missing.

@@ -1,5 +1,5 @@
 """`numa-infer doctor`'s pipeline: what the validated plan needs of the host, the facts
-hostfacts reads (and the engine reported to validation), and doctor's verdicts on them."""
+host_facts reads (and the engine reported to validation), and doctor's verdicts on them."""
 
 from __future__ import annotations
 

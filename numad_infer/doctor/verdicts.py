@@ -1,5 +1,5 @@
 """`numa-infer doctor`: the host settings around the instances, judged against what this
-configuration's plan needs. Pure: `hostfacts.read_facts` collects what the kernel says
+configuration's plan needs. Pure: `host_facts.read_facts` collects what the kernel says
 into `HostFacts`, and `diagnose` turns it into one `Check` per setting. Nothing here
 changes the host; every check names the command or file that would.
 """

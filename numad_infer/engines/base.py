@@ -57,7 +57,7 @@ class KvCacheUse:
 
 
 class HostAccess(Protocol):
-    """The host as an engine's check sees it (hostcheck.InstanceHost): files, and programs
+    """The host as an engine's check sees it (host_check.InstanceHost): files, and programs
     run with no more privilege than the instances get."""
 
     who: str  # for messages: "" (the daemon's own user) or " as nobody"

@@ -11,8 +11,8 @@ from numad_infer.host.proc_types import NodeUsage, ThreadInfo
 class EventKind(str, Enum):
     """What drift (or its repair) is about: counted per kind in status and metrics.
 
-    A new kind is a member here, its verdict below and its check class in `driftchecks`
-    (registered in `driftchecks.CHECKS`)."""
+    A new kind is a member here, its verdict below and its check class in `supervision/drift_checks.py`
+    (registered in `drift_checks.CHECKS`)."""
 
     AFFINITY = "affinity"  # threads allowed or running outside the instance's CPUs
     MEMORY = "memory"  # anonymous memory on other nodes than the instance's

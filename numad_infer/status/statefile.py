@@ -1,6 +1,6 @@
 """The state file (`/run/numa-infer/state.json`): the daemon writes its `Status` there every
 pass; `numa-infer status`, `reload` and `tune` read it. The types and their JSON shape
-are `status.py`'s; this module only moves them to and from the file.
+are `records.py`'s; this module only moves them to and from the file.
 """
 
 from __future__ import annotations

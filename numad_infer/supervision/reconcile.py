@@ -3,9 +3,9 @@
 `Reconciler` only coordinates; each job is a module of its own:
 
 - rollout.py: `apply` brings the running set to a plan (start, adoption, one-at-a-time restarts);
-- supervise.py: probe results and process changes -> restart, drain, hold, backoff, failed
-  (the rules themselves are pure, in states.py);
-- driftchecks.py: one class per drift kind, each with its own memory of the process;
+- supervisor.py: probe results and process changes -> restart, drain, hold, backoff, failed
+  (the rules themselves are pure, in lifecycle/states.py);
+- drift_checks.py: one class per drift kind, each with its own memory of the process;
 - keycheck.py: does the process take the configured API key.
 
 `Reconciler.monitor(now)` is one monitoring pass: it returns each instance's state after

@@ -53,7 +53,7 @@ class Result:
     prompt: Figure  # tokens/s processing a prompt
 
     def efficiency(self, decode_bytes: int, bandwidth_gbs: float | None) -> float | None:
-        """Decode tokens/s x bytes a decoded token reads (ggufheader) / the node's read bandwidth."""
+        """Decode tokens/s x bytes a decoded token reads (model/gguf.py) / the node's read bandwidth."""
         if not bandwidth_gbs:
             return None
         return self.decode.median * decode_bytes / (bandwidth_gbs * 1e9)
@@ -121,7 +121,7 @@ def choose(results: list[Result], key: str, metric: str, current: int) -> Choice
 class Report:
     model: str
     weight_bytes: int  # the file
-    decode_bytes: int  # what one decoded token reads of it (ggufheader.GgufHeader.decode_bytes)
+    decode_bytes: int  # what one decoded token reads of it (gguf.GgufHeader.decode_bytes)
     engine: str
     node: int
     cpus: tuple[int, ...]

@@ -2,8 +2,9 @@
 (tomlkit round-trips TOML), for `numa-infer tune --apply`.
 
 All or nothing: the edited text is validated by the caller's validator (for `tune
---apply`, loading.validate: exactly what `check` runs) before anything is written; the old file is kept as a backup; the
-new one replaces it in one rename, with the old file's mode and owner.
+--apply`, pipeline.validate: exactly what `check` runs) before anything is written; the old
+file is kept as a backup; the new one replaces it in one rename, with the old file's mode
+and owner.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from numad_infer.plan.model import Instance
 from numad_infer.plan.placement import make_plan, reserved_cores, unreserved_cores
 from numad_infer.topology.cgroup_limits import Allowed, within
 from numad_infer.topology.model import Topology
-from numad_infer.tune import bandwidth_file as bandwidthfile
+from numad_infer.tune import bandwidth_file
 from numad_infer.tune.choice import Candidate, Layout, Report
 from numad_infer.tune.errors import TuneError
 from numad_infer.tune.fleet import Fleet
@@ -57,7 +57,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     loaded = load(request.config_path, request.kind, request.fsroot)
     chosen = model_to_tune(request, loaded)
     # [[models]]: tune writes the model's own table (models[k].threads), else [placement].
-    several, ident, size = bool(loaded.config.models), chosen.served.ident, chosen.model_bytes
+    several, ident = bool(loaded.config.models), chosen.served.ident
     config, topology, planned, nodes = _target(request, loaded, chosen, ident)
     fleet = Fleet(request.state_file, progress)
     _refuse_cutting_clients_off(request, config, fleet)
@@ -79,16 +79,14 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     for value in current.values():
         if value not in {c.threads for c in grid}:
             grid.append(Candidate(value, "current setting"))
-    report = Report(model=config.one_model.path, weight_bytes=size, decode_bytes=loaded.models[0].decode_bytes,
-                    engine=config.server.engine, node=node, cpus=instance.cpus,
-                    engine_cpu=None if loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe())
+    report = _report(loaded, chosen, config, node, instance)
     try:
         for measured in nodes:
             fleet.hold(measured, config.frontend.drain_timeout_s + 120)
             try:
                 report.bandwidth.update(measurer.bandwidth([measured], settings.samples))
                 if measured == node:
-                    port = _free_port()
+                    port = _free_port_block(1, _plan_ports(loaded))
                     for candidate in grid:
                         report.results.append(measurer.measure(node, candidate, port))
             finally:
@@ -97,14 +95,22 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
         fleet.drop()
     if request.layouts:
         _measure_layouts(report, measurer, fleet, config, topology, loaded.memory_of(ident),
-                         len(node_obj.l3_groups) or 1, len(cores), progress)
+                         len(node_obj.l3_groups) or 1, len(cores), progress, _plan_ports(loaded))
     # For the daemon: status then shows llama-server's decode as a share of this bandwidth.
     try:
-        bandwidthfile.save(request.state_file.parent / bandwidthfile.RESULTS_NAME,
-                       {k: f.median for k, f in report.bandwidth.items()})
+        bandwidth_file.save(request.state_file.parent / bandwidth_file.RESULTS_NAME,
+                        {k: f.median for k, f in report.bandwidth.items()})
     except OSError as exc:
         log.warning("cannot keep the bandwidth figures for the daemon: %s", exc)
     return report, _edits(report, config, current, len(cores), prefix)
+
+
+def _report(loaded: Loaded, chosen: LoadedModel, config: Config, node: int, instance: Instance) -> Report:
+    """The report before measuring: the chosen model's file, size and bytes a decoded token
+    reads (its decode efficiency's numerator), never another model's."""
+    return Report(model=config.one_model.path, weight_bytes=chosen.model_bytes, decode_bytes=chosen.decode_bytes,
+                  engine=config.server.engine, node=node, cpus=instance.cpus,
+                  engine_cpu=None if loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe())
 
 
 def model_to_tune(request: TuneRequest, loaded: Loaded) -> LoadedModel:
@@ -183,7 +189,8 @@ def _refuse_cutting_clients_off(request: TuneRequest, config: Config, fleet: Fle
 
 
 def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: Config, topology: Topology,
-                     memory: InstanceMemory, l3_groups: int, cores: int, progress: Callable[[str], None]) -> None:
+                     memory: InstanceMemory, l3_groups: int, cores: int, progress: Callable[[str], None],
+                     taken: frozenset[int] = frozenset()) -> None:
     from numad_infer.errors import ConfigError
     from numad_infer.tune.choice import layouts
 
@@ -208,7 +215,7 @@ def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: C
     try:
         fleet.hold_all(config.frontend.drain_timeout_s + 120)
         for layout in candidates:
-            report.layout_results.append(measurer.measure_layout(layout, clients, 2, _free_port_block(most)))
+            report.layout_results.append(measurer.measure_layout(layout, clients, 2, _free_port_block(most, taken)))
     finally:
         fleet.release(config.monitor.startup_grace_s + 60)
         fleet.drop()
@@ -241,28 +248,51 @@ def _edits(report: Report, config: Config, current: dict[str, int], cores: int,
 
 def write_tuned(config_path: str, fsroot: str, kind: BackendKind, edits: list[Edit]) -> Path:
     """`tune --apply`: write `edits` into the file, refused exactly as `check` would refuse
-    the edited file (the same pipeline, loading.validate), with nothing written then.
+    the edited file (the same pipeline, pipeline.validate), with nothing written then.
     Returns the backup's path."""
     from numad_infer.topology.sysfs import read_topology
     from numad_infer.tune.config_edit import apply_edits
-    from numad_infer.validate import pipeline as loading
+    from numad_infer.validate import pipeline
 
     topology = read_topology(fsroot)
-    allowed = loading.read_allowed(kind)
+    allowed = pipeline.read_allowed(kind)
     return apply_edits(Path(config_path), edits,
-                       lambda cfg: loading.validate(cfg, config_path, topology, kind, allowed=allowed) and None)
+                       lambda cfg: pipeline.validate(cfg, config_path, topology, kind, allowed=allowed) and None)
 
 
-def _free_port_block(count: int) -> int:
-    """A base port with `count` free ports from it (the instances of one layout)."""
+def _plan_ports(loaded: Loaded) -> frozenset[int]:
+    """The plan's instance ports: a held instance comes back on its own."""
+    return frozenset(i.port for i in loaded.plan.instances)
+
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
+    """The lowest port the kernel hands to client sockets (bind to port 0, connect)."""
+    try:
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _free_port_block(count: int, taken: frozenset[int] = frozenset(), low: int = 10000,
+                     top: int | None = None) -> int:
+    """A base port with `count` ports from it free now, none of them `taken` (the plan's,
+    whose held instances come back on them) and all below the kernel's ephemeral range:
+    there a client socket (a probe, HAProxy's connection) could take one between this
+    check and the server's bind."""
     import random
     import socket
 
-    for _ in range(100):
-        base = random.randrange(20000, 60000)
+    top = min(_ephemeral_low(), 65536) if top is None else top  # exclusive
+    for _ in range(200):
+        if top - count < low:
+            break
+        base = random.randrange(low, top - count + 1)  # the last port is top - 1
+        ports = range(base, base + count)
+        if taken.intersection(ports):
+            continue
+        sockets = []
         try:
-            sockets = []
-            for port in range(base, base + count):
+            for port in ports:
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 sockets.append(sock)
                 sock.bind(("127.0.0.1", port))
@@ -272,13 +302,4 @@ def _free_port_block(count: int) -> int:
             for sock in sockets:
                 sock.close()
         return base
-    raise TuneError("no block of free ports on 127.0.0.1")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    raise TuneError(f"no block of {count} free ports on 127.0.0.1 between {low} and {top}, below the ephemeral range")

@@ -13,7 +13,7 @@ import ipaddress
 import re
 import sys
 
-from numad_infer.config.defaults import FRONTDOOR_USER
+from numad_infer.config.defaults import FRONTDOOR_USER, INSTANCE_STOP_S, RUN_DIR
 from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import KEY_CREDENTIAL, Engine, engine_of
@@ -113,7 +113,7 @@ def render_template(config: Config, engine: Engine, served: tuple[ServedModel, .
         "Type=exec",
         "Restart=on-failure",
         "RestartSec=2",
-        "TimeoutStopSec=30",
+        f"TimeoutStopSec={INSTANCE_STOP_S:g}",  # what stop_bound_s counts
         # Unprivileged and read-only: the server only reads the model and listens.
         "DynamicUser=yes",
         *SANDBOX,
@@ -152,11 +152,11 @@ def render_dropin(instance: Instance, launch: Launch) -> str:
 
 # Where the front door's unit finds its files (the daemon writes the config into
 # its own RuntimeDirectory, kept across daemon restarts; HAProxy owns the socket's).
-FRONTDOOR_RUN_DIR = "/run/numa-infer"
+FRONTDOOR_RUN_DIR = RUN_DIR
 FRONTDOOR_SOCKET = "/run/numa-infer-frontdoor/admin.sock"
 # Where the daemon hands its listening socket to HAProxy's unit (listener.Handout); in its
 # own RuntimeDirectory, group numa-infer-frontdoor, mode 0660.
-FRONTDOOR_HANDOUT = "/run/numa-infer/listener.sock"
+FRONTDOOR_HANDOUT = f"{RUN_DIR}/listener.sock"
 
 
 def frontdoor_identity(user: str | None) -> list[str]:

@@ -57,9 +57,9 @@ class Running:
         self.monitored: list[float] = []
         monkeypatch.setattr(self.daemon.plan, "load", self._load)
         monkeypatch.setattr(self.daemon.reconciler, "monitor", self.monitored.append)
-        monkeypatch.setattr(desired.loading, "read_allowed", lambda kind: UNRESTRICTED)
+        monkeypatch.setattr(desired.pipeline, "read_allowed", lambda kind: UNRESTRICTED)
         self.artifacts = lambda: self.loaded.artifacts  # the model and engine files are the ones loaded
-        monkeypatch.setattr(desired.loading, "current_artifacts", lambda served, engine: self.artifacts())
+        monkeypatch.setattr(desired.pipeline, "current_artifacts", lambda served, engine: self.artifacts())
         self.backend.calls.clear()
 
     def _load(self) -> Loaded:

@@ -510,6 +510,50 @@ def test_tune_model_is_required_with_several_models_and_names_one_of_them(tmp_pa
     assert done.returncode == 1 and "pass --model NAME, one of big, small" in done.stderr, done.stderr
 
 
+def test_tune_model_reports_the_chosen_models_bytes_not_the_first_models(tmp_path: Path) -> None:
+    # `tune --model small` printed big's bytes per token (loaded.models[0]'s) and so its
+    # decode efficiency: each model here reads a different number of bytes per token.
+    from numad_infer.host.identity import BackendKind
+    from numad_infer.tune.run import TuneRequest, _report, model_to_tune
+    from numad_infer.validate.pipeline import load
+    from tests.model import raw
+
+    path, fsroot = _models_setup(tmp_path, MODELS_CONFIG)
+    for name, floats in (("big", 4096), ("small", 512)):  # one F32 tensor each
+        model = Path(parse_config(path.read_text(), str(path)).models[0 if name == "big" else 1].path)
+        model.write_bytes(raw.gguf(tensors=[raw.tensor("output.weight", (floats,), 0, 0)], data=bytes(4 * floats)))
+    loaded = load(str(path), BackendKind.PROCESS, str(fsroot))
+    assert [m.decode_bytes for m in loaded.models] == [4 * 4096, 4 * 512]
+    chosen = model_to_tune(TuneRequest(str(path), str(fsroot), tmp_path / "s.json", None, True, False, False, None,
+                                       None, model="small"), loaded)
+    instance = next(i for i in loaded.plan.instances if i.model == chosen.served.ident and i.node == 0)
+    report = _report(loaded, chosen, chosen.served.view, 0, instance)
+    assert (report.model, report.decode_bytes, report.weight_bytes) == (
+        chosen.served.view.one_model.path, 4 * 512, chosen.model_bytes)
+    assert report.weight_bytes == Path(chosen.served.view.one_model.path).stat().st_size != loaded.models[0].model_bytes
+
+
+def test_tune_takes_its_ports_below_the_ephemeral_range_and_off_the_plans(tmp_path: Path) -> None:
+    # tune bound port 0 and closed it: a port in the kernel's ephemeral range, which a client
+    # socket could take before tune's server bound it.
+    import socket
+
+    from numad_infer.tune.errors import TuneError
+    from numad_infer.tune.run import _ephemeral_low, _free_port_block
+
+    (tmp_path / "range").write_text("40000\t60999\n")
+    assert _ephemeral_low(str(tmp_path / "range")) == 40000
+    assert _ephemeral_low(str(tmp_path / "missing")) == 32768
+    for count in (1, 4):
+        base = _free_port_block(count)
+        assert 10000 <= base and base + count <= _ephemeral_low()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", base))
+        assert _free_port_block(1, low=base, top=base + 2) == base + 1  # not the port in use
+        with pytest.raises(TuneError, match="no block of 1 free ports"):
+            _free_port_block(1, frozenset({base + 1}), low=base, top=base + 2)  # nor one of the plan's
+
+
 def within_all(loaded):
     from numad_infer.topology.cgroup_limits import within
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from numad_infer.engines import engine_of
+
+from numad_infer.config.models import served_models
+
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -162,6 +167,29 @@ def test_control_characters_never_reach_a_unit(bad: str) -> None:
 def test_mlock_raises_memlock_limit(tmp_path: Path) -> None:
     assert "LimitMEMLOCK=infinity" in units_for(tmp_path, fakesys.round_robin_sockets, mlock=True)["infer@.service"]
     assert "LimitMEMLOCK" not in units_for(tmp_path / "2", fakesys.round_robin_sockets)["infer@.service"]
+
+
+def test_the_instance_units_stop_timeout_is_the_one_the_stop_bound_counts() -> None:
+    # TimeoutStopSec was a literal 30 while the bound (and the process backend) used 15.
+    from numad_infer.config.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S, stop_bound_s
+    from numad_infer.units.render import render_template
+
+    config = make_config()
+    lines = render_template(config, engine_of(config), served_models(config)).splitlines()
+    assert [line for line in lines if line.startswith("TimeoutStopSec=")] == [f"TimeoutStopSec={INSTANCE_STOP_S:g}"]
+    assert stop_bound_s(0) == INSTANCE_STOP_S + FRONTDOOR_STOP_S
+    assert "TimeoutStopSec=30\n" in (GOLDEN / "dual_socket_smt" / "infer@.service").read_text()  # unchanged
+
+
+def test_the_daemons_run_directory_is_spelled_once() -> None:
+    from numad_infer.config.defaults import DEFAULT_STATE_FILE, RUN_DIR
+    from numad_infer.units.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR
+
+    assert RUN_DIR == FRONTDOOR_RUN_DIR == str(Path(DEFAULT_STATE_FILE).parent) == str(Path(FRONTDOOR_HANDOUT).parent)
+    shipped = (Path(__file__).resolve().parents[2] / "packaging/systemd/numa-infer.service").read_text()
+    assert f"RuntimeDirectory={Path(RUN_DIR).name}\n" in shipped and RUN_DIR == f"/run/{Path(RUN_DIR).name}"
+    assert not [p for p in (Path(__file__).resolve().parents[2] / "numad_infer").rglob("*.py")
+                if re.search(f'"{re.escape(RUN_DIR)}[/"]', p.read_text()) and p.name != "defaults.py"]
 
 
 def test_rendering_twice_leaves_files_untouched(tmp_path: Path) -> None:
