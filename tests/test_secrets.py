@@ -161,10 +161,10 @@ def test_the_key_check_sends_no_key_to_a_port_the_instance_does_not_hold(tmp_pat
         rt = Runtime(make_plan(config, three_nodes()).instances[0], pid=instance.pid)
         rt.supervision.on_started(0.0)
         rt.supervision.change_state(State.HEALTHY, "probe answered")
-        check_api_key(rt, config, "k-SQUAT-2", None, ProcReader())
+        check_api_key(rt, config, "k-SQUAT-2", None, ProcReader(), "/v1/models")
         assert rt.key_check == KeyCheck.UNKNOWN and seen.read_text() == ""
         rt.pid = process.pid  # the listener's own process: now it is asked
-        check_api_key(rt, config, "k-SQUAT-2", None, ProcReader())
+        check_api_key(rt, config, "k-SQUAT-2", None, ProcReader(), "/v1/models")
         assert rt.key_check == KeyCheck.ACCEPTED and "/v1/models Bearer k-SQUAT-2" in seen.read_text()
     finally:
         instance.kill()

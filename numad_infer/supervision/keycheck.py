@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 
 from numad_infer.config.schema import Config
-from numad_infer.engines import engine_of
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import State
@@ -15,9 +14,11 @@ from numad_infer.supervision.instance import Runtime
 log = logging.getLogger(__name__)
 
 
-def check_api_key(rt: Runtime, cfg: Config, api_key: str, frontdoor: Frontdoor | None, proc: ProcReader) -> None:
-    """A refused key is reported as such (the instance is healthy, its clients' requests
-    would fail), never restarted: only a restart gives the process the current key."""
+def check_api_key(rt: Runtime, cfg: Config, api_key: str, frontdoor: Frontdoor | None, proc: ProcReader,
+                  path: str) -> None:
+    """`path`: the engine's route that checks a key (`Engine.key_check_path`). A refused key
+    is reported as such (the instance is healthy, its clients' requests would fail), never
+    restarted: only a restart gives the process the current key."""
     if rt.key_check == KeyCheck.ACCEPTED or rt.supervision.state != State.HEALTHY or rt.pid is None:
         return
     if frontdoor is not None and frontdoor.in_flight(rt.instance):
@@ -25,7 +26,7 @@ def check_api_key(rt: Runtime, cfg: Config, api_key: str, frontdoor: Frontdoor |
     if not proc.port_owner(cfg.server.host, rt.instance.port, rt.pid).ours:
         return  # the key goes to the instance's own process only (its probe says whose the port is)
     verdict = check_key(cfg.server.host, rt.instance.port, api_key, min(cfg.monitor.probe_timeout_s, 0.5),
-                        engine_of(cfg).key_check_path)
+                        path)
     if verdict == KeyCheck.REJECTED and rt.key_check != KeyCheck.REJECTED:
         log.error("%s: refuses the API key of server.api_key_file (it runs with another one): restart it "
                   "(systemctl restart %s) to give it the current key", rt.instance.name, rt.instance.unit)

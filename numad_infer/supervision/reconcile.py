@@ -181,8 +181,8 @@ class Reconciler:
         if not self.supervisor.step(rt, seen, self.holds.get(rt.instance.name), probed, now):
             return
         assert seen.pid is not None
-        if self.api_key is not None:
-            check_api_key(rt, cfg, self.api_key, self.frontdoor, self.proc)
+        if self.api_key is not None and self.engine is not None:
+            check_api_key(rt, cfg, self.api_key, self.frontdoor, self.proc, self.engine.key_check_path)
         ctx = CheckContext(rt.instance, seen.pid, now, self.wall, cfg.monitor, self.proc,
                            self.backend.instance_cgroups, rt)
         rt.drifting = run_checks(rt.checks, ctx)

@@ -178,3 +178,31 @@ def test_one_name_rule_for_both_forms(name: str) -> None:
     for ok in ("llama-3.1-8b", "a", "Qwen2.5:7b"):
         parse_config(f'[model]\npath = "/m.gguf"\nname = "{ok}"\n', SOURCE)
         parse_config(f'[[models]]\npath = "/m.gguf"\nname = "{ok}"\n', SOURCE)
+
+
+# Where production code may call what validation works out: the pipeline, once each; the
+# renderers' and the planner's fallback for a caller holding no `Loaded` (a test, a bench);
+# tune's measuring servers, each planned on tune's own cut of the machine (issue 37 leaves
+# that for tune to move onto the pipeline: named here so the list cannot grow unseen).
+ALLOWED_CALLS = {
+    ("validate/pipeline.py", "engine_of"): 1, ("validate/pipeline.py", "served_models"): 1,
+    ("validate/pipeline.py", "make_plan"): 1,
+    ("plan/placement.py", "served_models"): 1,
+    ("units/render.py", "served_models"): 1, ("units/render.py", "engine_of"): 1,
+    ("frontdoor/haproxy_config.py", "served_models"): 1, ("frontdoor/haproxy_config.py", "engine_of"): 1,
+    ("tune/measure.py", "served_models"): 1, ("tune/measure.py", "make_plan"): 3, ("tune/run.py", "make_plan"): 1,
+}
+
+
+def test_production_code_calls_the_derivations_only_where_listed() -> None:
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "numad_infer"
+    found: Counter[tuple[str, str]] = Counter()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call):
+                name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+                if name in DERIVED:
+                    found[(str(path.relative_to(root)), name)] += 1
+    assert dict(found) == ALLOWED_CALLS
