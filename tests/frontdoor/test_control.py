@@ -19,7 +19,6 @@ import signal
 import socket
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -43,7 +42,7 @@ from numad_infer.host.identity import (
 )
 from numad_infer.host.procfs import ProcReader
 from numad_infer.validate.host_check import host_warnings
-from tests.daemon_harness import free_port_block, run_dir
+from tests.daemon_harness import free_port_block, run_dir, wait_for
 from tests.engines.test_builtin_engines import plan_for
 from tests.test_hardening import score
 
@@ -77,20 +76,6 @@ def children_of(pid: int) -> list[int]:
             if int(fields[1]) == pid:
                 found.append(int(entry.name))
     return found
-
-
-def wait_for(condition, what: str, timeout_s: float = 20.0, detail=lambda: "") -> None:
-    """`detail` is called only on the timeout: logs as they are then, not when the wait began."""
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except (OSError, HaproxyError) as exc:
-            last = exc
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what} (last error: {last!r})\n{detail()}")
 
 
 def free_privileged_port() -> int:

@@ -23,7 +23,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,9 +31,9 @@ import pytest
 from numad_infer.config.load import parse_config
 from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor.haproxy import AdminState, HaproxyError, RuntimeAPI
+from numad_infer.frontdoor.haproxy import AdminState, RuntimeAPI
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy
-from tests.daemon_harness import free_port_block
+from tests.daemon_harness import free_port_block, wait_for
 from tests.engines.test_builtin_engines import plan_for
 
 HAPROXY = "/usr/sbin/haproxy"
@@ -166,18 +165,6 @@ class FrontDoor:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except (OSError, HaproxyError):
-            pass  # not up yet: HAProxy may accept on its port a moment before its admin socket exists
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _accepts(port: int) -> bool:
