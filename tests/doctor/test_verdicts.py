@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from numad_infer.host.identity import BackendKind
 from numad_infer.validate.pipeline import load
 from tests import fakesys
 from tests.conftest import searchable_by_others
+from tests.daemon_harness import wait_for
 
 GGUF_HEADER = b"GGUF\x03\x00\x00\x00" + b"\x00" * 24  # 32 bytes: the model each node must hold
 GOOD_FLAGS = "fpu sse2 avx avx2 avx512f"
@@ -278,7 +278,7 @@ def test_real_busy_process_is_seen_on_its_cpu() -> None:
     """This host's own /proc: a pinned busy loop shows up as a neighbour of its CPU."""
     busy = subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
     try:
-        time.sleep(0.3)
+        wait_for(lambda: os.sched_getaffinity(busy.pid) == {0}, "the busy loop pinned to CPU 0", timeout_s=10)
         seen = HostReader("/").sampler(frozenset({os.getpid()}))(0.5)
         mine = [n for n in seen if n.pid == busy.pid]
         assert [n.cpu for n in mine] == [0] and mine[0].percent > 20, mine

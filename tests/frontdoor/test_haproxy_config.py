@@ -316,13 +316,13 @@ def test_the_health_path_is_answered_by_haproxy_200_while_an_instance_is_in_rota
     slow = [threading.Thread(target=door.post, args=(f"slow{n}", {"prompt": SLOW_MARKER})) for n in range(3)]
     for thread in slow:
         thread.start()
-    time.sleep(0.5)
+    api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
+    wait_for(lambda: (b := api.backend(BACKEND)).in_flight >= 1 and b.queued >= 1, "the instance busy, the queue full")
     status, body, took = _get(door.port, "/healthz")
     assert (status, body) == (200, {"status": "ok"}) and took < 1.0, took
     for thread in slow:
         thread.join(30)
     # Drained out of rotation by the daemon (before a restart or a hold): not in rotation.
-    api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
     (serving,) = [name for name, server in api.backend(BACKEND).servers.items() if server.status == "UP"]
     api.set_state(BACKEND, serving, AdminState.DRAIN)
     assert _get(door.port, "/healthz")[0] == 503

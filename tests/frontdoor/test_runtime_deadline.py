@@ -25,6 +25,7 @@ from numad_infer.plan.placement import make_plan
 from numad_infer.supervision import reconcile
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.reconcile import PASS_SLACK_S, Reconciler
+from tests.daemon_harness import wait_for
 from tests.fakes import FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
 from tests.peers import Peer, answer, drip, flood, timed
 
@@ -86,7 +87,7 @@ def test_an_oversized_answer_is_refused_at_its_cap_without_reading_it_all(admin_
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    time.sleep(0.2)  # the peer sees the connection closed
+    wait_for(lambda: haproxy.finished == 1, "the peer done with the connection closed on it", timeout_s=10)
     haproxy.close()
     assert took < 2.0 and peak < 4 * ANSWER_CAP
     assert haproxy.sent < HUGE // 4  # the cap plus the socket's buffers, not the answer

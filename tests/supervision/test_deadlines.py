@@ -20,7 +20,7 @@ from numad_infer.supervision import reconcile
 from numad_infer.supervision.health import METRICS_CAP, KeyCheck, ProbeResult, check_key, probe, read_engine_metrics
 from numad_infer.supervision.reconcile import PASS_SLACK_S, Reconciler
 from numad_infer.util import peer
-from tests.daemon_harness import free_port_block
+from tests.daemon_harness import free_port_block, wait_for
 from tests.fakes import FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
 from tests.peers import BODY_DRIP, HEADER_DRIP, Peer, answer, drip, flood, http, timed
 
@@ -105,7 +105,7 @@ def test_an_oversized_body_without_a_length_is_refused_after_its_cap() -> None:
     counters, took, peak, instance = _bounded_read(b"HTTP/1.0 200 OK\r\n\r\n")
     assert counters is None
     assert peak < 4 * METRICS_CAP  # the cap's buffer and its growth, not 64 MiB
-    time.sleep(0.2)  # the peer sees the connection closed
+    wait_for(lambda: instance.finished == 1, "the peer done with the connection closed on it", timeout_s=10)
     assert instance.sent < HUGE // 4  # what it got out is the cap plus the kernel's buffers, not the answer
 
 
