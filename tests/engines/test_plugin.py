@@ -31,7 +31,7 @@ from numad_infer.validate.pipeline import validate
 from tests import fakesys
 from tests.conftest import searchable_by_others
 from tests.daemon_harness import free_port
-from tests.units.test_render import directives, systemd_split
+from tests.unitfiles import directives, systemd_split
 
 TOY_SERVER = """
 import http.server, sys

@@ -42,9 +42,9 @@ from numad_infer.frontdoor.listener import (
 from numad_infer.systemd.notify import Notifier, inherited_fds
 from tests.conftest import searchable_by_others
 from tests.daemon_harness import free_port_block, wait_for
-from tests.frontdoor.test_haproxy_config import SLOW_MARKER, STUB, _accepts
-from tests.frontdoor.test_port import binds_beside
-from tests.frontdoor.test_control import HAPROXY, Door, as_root, children_of, doors, with_haproxy  # noqa: F401 (doors: a fixture)
+from tests.frontdoor.harness import SLOW_MARKER, STUB, _accepts
+from tests.frontdoor.harness import binds_beside
+from tests.frontdoor.harness import HAPROXY, Door, as_root, children_of, with_haproxy
 
 
 def post(port: int, prompt: str = "numa", timeout_s: float = 30.0) -> int:
