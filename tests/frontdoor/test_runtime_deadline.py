@@ -22,11 +22,9 @@ from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import ANSWER_CAP, AdminState, NoRuntimeAnswer, RuntimeAPI
 from numad_infer.lifecycle.states import State
 from numad_infer.plan.placement import make_plan
-from numad_infer.supervision import reconcile
-from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.reconcile import PASS_SLACK_S, Reconciler
 from tests.daemon_harness import wait_for
-from tests.fakes import FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
+from tests.fakes import FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
 from tests.peers import Peer, answer, drip, flood, timed
 
 DEADLINE_S = 0.5
@@ -101,12 +99,11 @@ def test_a_well_behaved_admin_socket_is_still_read(admin_sock: Path) -> None:
         assert door.answers.responses["2xx"] == 7 and door.error == ""
 
 
-def test_a_stuck_front_door_is_recorded_unanswering_and_the_pass_goes_on(admin_sock: Path, monkeypatch) -> None:
-    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout, path: ProbeResult(True, 0.001))
+def test_a_stuck_front_door_is_recorded_unanswering_and_the_pass_goes_on(admin_sock: Path) -> None:
     config = cfg(f"[monitor]\nprobe_timeout_s = {DEADLINE_S}\n")
     with Peer(drip(*STAT_DRIP), unix_path=admin_sock) as haproxy:
         door = door_on(admin_sock)
-        rec = Reconciler(RecordingBackend(), FakeProc(), frontdoor=door)  # type: ignore[arg-type]
+        rec = Reconciler(RecordingBackend(), FakeProc(), frontdoor=door, probe=answering_probe)  # type: ignore[arg-type]
         rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
         states, took = timed(lambda: rec.monitor(1.0))
     assert took < DEADLINE_S + DEADLINE_S + PASS_SLACK_S  # the front door's deadline, then the probes'

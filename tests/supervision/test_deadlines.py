@@ -148,9 +148,9 @@ def test_the_http_reader_refuses_what_is_no_answer_or_too_long(raw: bytes, refus
 # -- a pass --------------------------------------------------------------------------------------
 
 
-def _reconciler(config_text: str, keepalive=lambda: None) -> Reconciler:
+def _reconciler(config_text: str, keepalive=lambda: None, probe=probe) -> Reconciler:
     config = cfg(config_text)
-    rec = Reconciler(RecordingBackend(), FakeProc(), keepalive=keepalive)
+    rec = Reconciler(RecordingBackend(), FakeProc(), keepalive=keepalive, probe=probe)
     rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     return rec
 
@@ -173,7 +173,7 @@ def test_a_pass_with_one_dripping_instance_ends_by_its_deadline_the_others_healt
     assert all(rec.runtimes[n].engine.counters is not None for n in ("infer@0", "infer@2"))
 
 
-def test_a_probe_that_outlives_its_own_deadline_is_failed_at_the_pass_deadline(monkeypatch) -> None:
+def test_a_probe_that_outlives_its_own_deadline_is_failed_at_the_pass_deadline() -> None:
     # Whatever holds a call past its own deadline (a /proc read, a thread that never
     # starts), the pass waits no longer than its own, and pings the watchdog meanwhile.
     release = threading.Event()
@@ -184,10 +184,9 @@ def test_a_probe_that_outlives_its_own_deadline_is_failed_at_the_pass_deadline(m
             release.wait(30)
         return ProbeResult(True, 0.001)
 
-    monkeypatch.setattr(reconcile, "probe", stuck_probe)
     pings: list[float] = []
     rec = _reconciler(f"[monitor]\nprobe_timeout_s = {DEADLINE_S}\nstartup_grace_s = 0\n",
-                      keepalive=lambda: pings.append(time.monotonic()))
+                      keepalive=lambda: pings.append(time.monotonic()), probe=stuck_probe)
     try:
         started = time.monotonic()
         states = rec.monitor(1.0)
