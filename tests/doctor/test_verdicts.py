@@ -197,9 +197,18 @@ def test_real_busy_process_is_seen_on_its_cpu() -> None:
     busy = subprocess.Popen([sys.executable, "-c", "import os; os.sched_setaffinity(0, {0})\nwhile True: pass"])
     try:
         wait_for(lambda: os.sched_getaffinity(busy.pid) == {0}, "the busy loop pinned to CPU 0", timeout_s=10)
-        seen = HostReader("/").sampler(frozenset({os.getpid()}))(0.5)
-        mine = [n for n in seen if n.pid == busy.pid]
-        assert [n.cpu for n in mine] == [0] and mine[0].percent > 20, mine
+        samples: list[tuple[Neighbour, ...]] = []
+
+        def seen_busy() -> bool:
+            samples.append(tuple(HostReader("/").sampler(frozenset({os.getpid()}))(0.5)))
+            mine = [n for n in samples[-1] if n.pid == busy.pid]
+            return [n.cpu for n in mine] == [0] and mine[0].percent > 20
+
+        # On a loaded machine one half-second may give the loop less than its share: sampled
+        # again until it shows (a loop that is not busy, or not on CPU 0, never does).
+        wait_for(seen_busy, "the busy loop seen on CPU 0 above 20%", timeout_s=15,
+                 detail=lambda: repr([n for n in samples[-1] if n.pid == busy.pid]))
+        seen = samples[-1]
         plan = Needs(frozenset({0}), frozenset({0, 1}), {}, "m", False, "llama-server")
         facts_level = check_neighbours(_facts_with(seen), plan).level
         assert facts_level == Level.WARN
