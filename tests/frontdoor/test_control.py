@@ -93,7 +93,7 @@ def test_the_process_backend_runs_haproxy_as_its_own_user_master_and_workers_ali
     # A reload re-executes the master: it stays unprivileged, and the daemon still drives it.
     old = set(children_of(door.master))
     door.door.runner.reload()
-    wait_for(lambda: set(children_of(door.master)) - old, "a new worker after the reload")
+    wait_for(lambda: set(children_of(door.master)) - old, "a new worker after the reload", detail=door.log)
     for pid in door.processes():
         assert status_of(pid)["Uid"].split() == [str(uid)] * 4
     assert door.door.observe() is not None, door.door.error
