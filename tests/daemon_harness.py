@@ -159,6 +159,31 @@ def free_port_block(count: int, also: tuple[int, ...] = ()) -> int:
     raise RuntimeError("no free block of ports on 127.0.0.1")
 
 
+def free_port() -> int:
+    """One free port below the ephemeral range (free_port_block says why), for one listener."""
+    return free_port_block(1)
+
+
+def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 20.0,
+             detail: Callable[[], str] = lambda: "", interval_s: float = 0.05) -> None:
+    """Poll `condition` until it is true; AssertionError naming `what` after `timeout_s`.
+    An OSError or HaproxyError from it counts as not yet (a server not listening yet, an
+    admin socket not there yet). `detail` is called only on the timeout: logs as they are
+    then, not when the wait began."""
+    from numad_infer.frontdoor.haproxy import HaproxyError
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while True:
+        try:
+            if condition():
+                return
+        except (OSError, HaproxyError) as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} (last error: {last!r})\n{detail()}")
+        time.sleep(interval_s)
+
+
 def generated_model(size: str, quant: str | None = None) -> Path:
     """tools/make_model.py's model of that size (quantized to `quant`: Q4_0, Q8_0, Q4_K_M),
     once per session, readable by the servers."""

@@ -22,6 +22,7 @@ from numad_infer.plan.model import Plan
 from numad_infer.topology.cgroup_limits import UNRESTRICTED
 from numad_infer.topology.model import RawCpu, RawNode, SysfsSnapshot, Topology, build_topology
 from numad_infer.engines.launch import launches
+from numad_infer.supervision.health import ProbeResult
 from numad_infer.units.render import render_units
 from numad_infer.validate.loaded import Loaded, LoadedModel
 
@@ -131,3 +132,8 @@ class FakeProc:
 
     def open_connections(self, port: int) -> int:
         return getattr(self, "connections", {}).get(port, 0)
+
+
+def answering_probe(host: str, port: int, timeout: float, path: str) -> ProbeResult:
+    """Reconciler(probe=...) where no server listens: every instance answers its probe."""
+    return ProbeResult(True, 0.001)

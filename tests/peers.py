@@ -26,6 +26,7 @@ class Peer:
         self.serve = serve
         self.connections = 0
         self.sent = 0
+        self.finished = 0  # connections it is done with (it answered, or the client closed)
         self.requests: list[bytes] = []
         self.stopped = threading.Event()
         if unix_path is not None:
@@ -57,6 +58,7 @@ class Peer:
                 self.serve(conn, request, self)
             except OSError:
                 pass  # the client gave up and closed: what these peers are for
+        self.finished += 1
 
     def send(self, conn: socket.socket, data: bytes) -> None:
         conn.sendall(data)

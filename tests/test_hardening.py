@@ -15,6 +15,7 @@ import pytest
 
 from numad_infer.errors import ConfigError
 from numad_infer.model.file import read_model
+from tests.unitfiles import score
 
 GGUF = b"GGUF\x03\x00\x00\x00" + b"\0" * 56  # version 3, no tensors, no metadata
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,27 +264,6 @@ def test_a_new_process_forgets_a_pending_memory_repair_measurement() -> None:
     rt.new_process(11)
     # Before: the next reading of the new process reported "migrate_pages moved 512 MiB".
     assert rt.migrated_from is None and rt.pid == 11 and rt.memory is None
-
-
-def exposure(tmp_path: Path, files: dict[str, str], unit: str) -> subprocess.CompletedProcess[str]:
-    """`systemd-analyze security --offline=true` on rendered files, copied as the issue says."""
-    root = tmp_path / "root"
-    for rel, text in files.items():
-        target = root / "etc/systemd/system" / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text)
-    return subprocess.run(["systemd-analyze", "security", "--offline=true", f"--root={root}", unit],
-                          capture_output=True, text=True)
-
-
-def score(tmp_path: Path, files: dict[str, str], unit: str, threshold: float) -> float:
-    proc = exposure(tmp_path, files, unit)
-    found = float(proc.stdout.rsplit("exposure level for", 1)[1].split(":")[1].split()[0])
-    # --threshold makes systemd-analyze itself fail above the goal (scores are x10 integers there).
-    strict = subprocess.run(["systemd-analyze", "security", "--offline=true", f"--root={tmp_path / 'root'}",
-                             f"--threshold={int(threshold * 10)}", unit], capture_output=True, text=True)
-    assert strict.returncode == 0, f"{unit}: exposure {found} above {threshold}"
-    return found
 
 
 @pytest.mark.parametrize("host, listen, engine", [

@@ -37,7 +37,7 @@ from numad_infer.status.records import DaemonState, DaemonStatus, Event, Instanc
 from numad_infer.supervision.drift_checks import CheckContext
 from numad_infer.supervision.instance import Runtime
 from numad_infer.validate.pipeline import load
-from tests.doctor import test_verdicts as doctor_base
+from tests.doctor import hosts as doctor_base
 
 PR_SET_NAME = 15
 NAME = b"\x1b[1mA\nERROR: x"  # 14 bytes: the kernel keeps up to 15

@@ -21,7 +21,7 @@ from numad_infer.backends.process import INHERITED_VARIABLES, ProcessBackend
 from numad_infer.config.load import parse_config
 from numad_infer.host.identity import BackendKind, instances_run_as
 from numad_infer.plan.model import Instance, Plan, Policy
-from tests.daemon_harness import free_port_block
+from tests.daemon_harness import free_port
 from tests.fakes import loaded_for
 
 
@@ -85,10 +85,6 @@ class H(http.server.BaseHTTPRequestHandler):
         pass
 http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 """
-
-
-def free_port() -> int:
-    return free_port_block(1)  # below the ephemeral range (daemon_harness says why)
 
 
 @pytest.fixture

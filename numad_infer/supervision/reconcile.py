@@ -58,8 +58,12 @@ T = TypeVar("T")
 
 class Reconciler:
     def __init__(self, backend: Backend, proc: ProcReader | None = None, wall: Callable[[], float] = time.time,
-                 frontdoor: Frontdoor | None = None, keepalive: Callable[[], None] = lambda: None) -> None:
+                 frontdoor: Frontdoor | None = None, keepalive: Callable[[], None] = lambda: None,
+                 probe: Callable[[str, int, float, str], ProbeResult] = probe) -> None:
+        """`probe`: asks an instance whether it is alive (host, port, timeout, path); the
+        real one (health.probe) unless a test stands in for the servers."""
         self.backend = backend
+        self.liveness_probe = probe
         self.frontdoor = frontdoor
         self.proc = proc or ProcReader()
         self.wall = wall
@@ -165,7 +169,7 @@ class Reconciler:
         if not owner.ours:
             return ProbeResult(False, 0.0, owner.detail)
         assert self.engine is not None
-        return probe(cfg.server.host, port, cfg.monitor.probe_timeout_s, self.engine.liveness_path)
+        return self.liveness_probe(cfg.server.host, port, cfg.monitor.probe_timeout_s, self.engine.liveness_path)
 
     def _counters(self, port: int, pid: int) -> EngineCounters | None:
         cfg = self.config

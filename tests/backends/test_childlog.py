@@ -8,11 +8,11 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from numad_infer.backends.childlog import LOG_MAX_BYTES, ChildOutput, InstanceLogs
 from numad_infer.backends.process import ProcessBackend
+from tests.daemon_harness import wait_for
 
 CAP = 64 << 10
 LINES = 1_500_000  # 14 bytes a line: 21 MB, over 300 times the cap
@@ -40,14 +40,6 @@ def log_sizes(logs: Path) -> int:
     return total
 
 
-def wait_for(condition: object, timeout: float, what: str) -> None:
-    assert callable(condition)
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def test_a_child_writing_as_fast_as_it_can_keeps_its_logs_under_the_bound_and_the_latest_lines(
         tmp_path: Path) -> None:
     logs = tmp_path / "logs"
@@ -66,7 +58,7 @@ def test_a_child_writing_as_fast_as_it_can_keeps_its_logs_under_the_bound_and_th
     try:
         assert child.wait(120) == 0
         current = logs / "infer@0.log"
-        wait_for(lambda: current.read_bytes().endswith(b"END\n"), 30, "the last line in the log")
+        wait_for(lambda: current.read_bytes().endswith(b"END\n"), "the last line in the log", 30)
     finally:
         done.set()
         sampler.join()

@@ -27,7 +27,7 @@ from numad_infer.errors import ConfigError
 from numad_infer.plan.placement import make_plan
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
-from tests.units.test_render import directives, systemd_split, systemd_verify
+from tests.unitfiles import directives, systemd_split, systemd_verify
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)  # anything, control characters included
 PRINTABLE = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=30)  # quotes, %, $, spaces, unicode

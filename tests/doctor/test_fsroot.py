@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from numad_infer.doctor.verdicts import Level
-from tests.doctor import test_verdicts as base
+from tests.doctor import hosts as base
 
 SECRET = "TOPSECRET-shadow-line"
 

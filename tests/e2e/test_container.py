@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from numad_infer.config.defaults import stop_bound_s
-from tests.daemon_harness import ROOT, DaemonRun, daemons, engine_keys, generated_model, server_python, shared_dir
+from tests.daemon_harness import ROOT, DaemonRun, daemons, engine_keys, generated_model, server_python, shared_dir, wait_for
 
 DRAIN_TIMEOUT_S = 30.0
 
@@ -65,6 +65,15 @@ def stream_completion(port: int, max_tokens: int, first_token: threading.Event, 
     first_token.set()
 
 
+def refused(port: int) -> bool:
+    """A connection to `port` refused (its listener closed), not accepted."""
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
 def in_rotation(run: DaemonRun) -> None:
     run.wait(lambda s: (s.get("frontdoor") or {}).get("up") and len(s["instances"]) == 2
              and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in s["instances"]),
@@ -85,7 +94,9 @@ def test_sigterm_finishes_the_stream_in_flight_refuses_new_work_and_exits_0_with
         assert first_token.wait(60) and not stream.error, stream.error
         signalled = time.monotonic()
         run.proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)  # the loop wakes on the signal and closes the listener at once
+        # The loop wakes on the signal and closes the listener at once.
+        wait_for(lambda: refused(run.frontend_port), "the front door's listener closed", timeout_s=10,
+                 detail=run.logs)
         assert client.is_alive(), "the stream ended too soon to prove the drain waited for it"
         asked = time.monotonic()
         with pytest.raises(ConnectionRefusedError):
@@ -116,7 +127,8 @@ def test_a_second_sigterm_cuts_the_drain_short(tmp_path: Path, slow_model: Path)
         client.start()
         assert first_token.wait(60) and not stream.error, stream.error
         run.proc.send_signal(signal.SIGTERM)
-        time.sleep(1.0)
+        wait_for(lambda: refused(run.frontend_port), "the drain begun (the listener closed)", timeout_s=10,
+                 detail=run.logs)
         assert run.proc.poll() is None and client.is_alive(), "draining: waiting for the stream"
         again = time.monotonic()
         run.proc.send_signal(signal.SIGTERM)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_harness import DaemonRun, daemons, generated_model
+from tests.daemon_harness import DaemonRun, daemons, generated_model, wait_for
 
 ALPHA = '[[models]]\nname = "alpha"\naliases = ["a1"]\npath = "{model}"\ncontext_size = 256\nnodes = [0]\n'
 BETA = '[[models]]\nname = "beta"\npath = "{model}"\ncontext_size = 256\nnodes = [1]\n'
@@ -74,7 +74,7 @@ def test_a_killed_instance_of_one_model_fails_no_request_of_the_other(run: Daemo
     thread = threading.Thread(target=client)
     thread.start()
     try:
-        time.sleep(1)
+        wait_for(lambda: len(outcomes) >= 3, "alpha's first answers", timeout_s=30)
         os.kill(victim, signal.SIGKILL)
         run.wait(lambda s: (i := run.instance(s, "infer@beta-1"))["state"] == "healthy" and i["pid"] != victim,
                  60, "beta's instance back")
@@ -101,6 +101,11 @@ class Asking:
             except OSError as exc:  # a connection refused or cut is a failure too, not a dead thread
                 self.outcomes.append((0, repr(exc)))
 
+    def answered(self, more: int = 3, timeout_s: float = 30) -> None:
+        """Wait until `more` answers have come since this call."""
+        had = len(self.outcomes)
+        wait_for(lambda: len(self.outcomes) >= had + more, f"{more} more answers", timeout_s=timeout_s)
+
     def end(self) -> list[tuple[int, str | None]]:
         self.done.set()
         self.thread.join(90)
@@ -114,12 +119,12 @@ def test_a_stopped_instance_of_one_model_fails_no_request_of_the_other(run: Daem
     victim = run.instance(state, "infer@beta-1")["pid"]
     client = Asking(run, "alpha")
     try:
-        time.sleep(1)
+        client.answered()
         os.kill(victim, signal.SIGSTOP)
         run.wait(lambda s: run.instance(s, "infer@beta-1")["state"] != "healthy", 30, "beta's instance found hung")
         state = run.wait(lambda s: (i := run.instance(s, "infer@beta-1"))["state"] == "healthy" and i["pid"] != victim,
                          90, "beta's instance restarted")
-        time.sleep(1)
+        client.answered()
     finally:
         outcomes = client.end()
         with contextlib.suppress(ProcessLookupError):  # the daemon killed it; if not, it must not stay stopped
@@ -138,7 +143,7 @@ def test_affinity_drift_of_one_models_instance_is_repaired_and_fails_no_request_
     pid = beta["pid"]
     client = Asking(run, "alpha")
     try:
-        time.sleep(1)
+        client.answered()
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
         for tid in tids:
             os.sched_setaffinity(tid, alpha_cpus)
@@ -148,7 +153,7 @@ def test_affinity_drift_of_one_models_instance_is_repaired_and_fails_no_request_
         while any(os.sched_getaffinity(t) != beta_cpus for t in _live(pid, tids)):
             assert time.monotonic() < deadline, {t: os.sched_getaffinity(t) for t in _live(pid, tids)}
             time.sleep(0.05)
-        time.sleep(1)
+        client.answered()
     finally:
         outcomes = client.end()
     now = run.instance(run.state() or state, "infer@beta-1")

@@ -47,7 +47,7 @@ from numad_infer.status.records import (
 )
 from numad_infer.tune import bandwidth_file as bandwidthfile
 from numad_infer.util.histogram import REQUEST_DURATION_BOUNDS, TIME_TO_FIRST_TOKEN_BOUNDS, Histogram, Recorder
-from tests.daemon_harness import ROOT, DaemonRun, daemons, free_port_block, generated_model
+from tests.daemon_harness import ROOT, DaemonRun, daemons, free_port, generated_model
 
 RULES = ROOT / "packaging/prometheus/numa-infer-rules.yml"
 RULES_TEST = ROOT / "packaging/prometheus/numa-infer-rules.test.yml"
@@ -232,15 +232,11 @@ def test_the_expected_empty_list_names_every_alert_and_parts_of_its_expression()
 # -- a real Prometheus scraping a real daemon -------------------------------------------------------
 
 
-def _free_port() -> int:
-    return free_port_block(1)  # below the ephemeral range (daemon_harness says why)
-
-
 class Prometheus:
     """Debian's prometheus on loopback: temporary config and storage, 1 s scrapes and rule evaluations."""
 
     def __init__(self, tmp: Path, target: str, rules: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         config = tmp / "prometheus.yml"
         config.write_text(yaml.safe_dump({
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
@@ -328,7 +324,7 @@ def _completion(port: int) -> None:
 
 def test_live_prometheus_answers_every_dashboard_query_and_a_killed_instance_held_down_fires(
         tmp_path: Path, prometheus) -> None:
-    metrics_port = _free_port()
+    metrics_port = free_port()
     with daemons(tmp_path, generated_model("tiny")) as start:
         monitor = "max_restarts = 2\n"
         run: DaemonRun = start(engine="llama-server", monitor=monitor,

@@ -17,12 +17,10 @@ from numad_infer.engines import EngineCounters, LlamaServer, engine_of
 from numad_infer.engines.keys import check_engine_keys
 from numad_infer.errors import ConfigError
 from numad_infer.frontdoor.haproxy_config import SPARE_CONNECTIONS, Paths, render_haproxy
-from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.reconcile import Runtime
-from numad_infer.topology.sysfs import read_topology
 from numad_infer.validate.host_check import InstanceHost
-from tests import fakesys
-from tests.units.test_render import directives, systemd_split, systemd_verify
+from tests.unitfiles import directives, systemd_split, systemd_verify
+from tests.frontdoor.harness import plan_for
 
 SERVER = '[server]\nengine = "llama-server"\nllama_server = "/usr/local/bin/llama-server"\n'
 
@@ -32,10 +30,6 @@ def config(server: str = SERVER, extra: str = "", model: str = "/m.gguf"):
     cfg = parse_config(f'[model]\npath = "{model}"\ncontext_size = 1024\n{server}{extra}', "/etc/numa-infer.toml")
     check_engine_keys(cfg, "/etc/numa-infer.toml")
     return cfg
-
-
-def plan_for(tmp_path: Path, cfg):
-    return make_plan(cfg, read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())))
 
 
 @pytest.mark.parametrize("server, key", [

@@ -30,8 +30,8 @@ from numad_infer.topology.sysfs import read_topology
 from numad_infer.validate.pipeline import validate
 from tests import fakesys
 from tests.conftest import searchable_by_others
-from tests.daemon_harness import free_port_block
-from tests.units.test_render import directives, systemd_split
+from tests.daemon_harness import free_port
+from tests.unitfiles import directives, systemd_split
 
 TOY_SERVER = """
 import http.server, sys
@@ -79,10 +79,6 @@ def toy(tmp_path: Path) -> Iterator[ToyEngine]:
     engines.register(engine)
     yield engine
     engines.unregister(engine.name)
-
-
-def free_port() -> int:
-    return free_port_block(1)  # below the ephemeral range (daemon_harness says why)
 
 
 def toy_config(model: Path, port: int = 8080, extra: str = ""):

@@ -18,20 +18,17 @@ from numad_infer.engines import engine_of
 
 import os
 import pwd
-import signal
 import socket
 import stat
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
-from numad_infer.backends.process import SOCKET_DIR_NAME, ProcessBackend
+from numad_infer.backends.process import SOCKET_DIR_NAME
 from numad_infer.units.render import render_frontdoor_unit, render_units
 from numad_infer.config.load import parse_config
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.haproxy_config import render_haproxy
 from numad_infer.host.identity import (
@@ -46,15 +43,13 @@ from numad_infer.host.identity import (
 )
 from numad_infer.host.procfs import ProcReader
 from numad_infer.validate.host_check import host_warnings
-from tests.daemon_harness import free_port_block, run_dir
-from tests.engines.test_builtin_engines import plan_for
-from tests.test_hardening import score
+from tests.daemon_harness import wait_for
+from tests.frontdoor.harness import plan_for
+from tests.unitfiles import score
+from tests.frontdoor.harness import as_root, children_of, HAPROXY, with_haproxy
 
 ROOT = Path(__file__).resolve().parents[2]
-HAPROXY = "/usr/sbin/haproxy"
 MISSING = "numa-infer-no-such-user"
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root")
-with_haproxy = pytest.mark.skipif(not os.access(HAPROXY, os.X_OK), reason="haproxy not installed")
 
 
 def expected_frontdoor_uid() -> int:
@@ -69,33 +64,6 @@ def status_of(pid: int) -> dict[str, str]:
     return {k: v.strip() for k, v in (line.split(":", 1) for line in lines)}
 
 
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def wait_for(condition, what: str, timeout_s: float = 20.0, detail=lambda: "") -> None:
-    """`detail` is called only on the timeout: logs as they are then, not when the wait began."""
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except (OSError, HaproxyError) as exc:
-            last = exc
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what} (last error: {last!r})\n{detail()}")
-
-
 def free_privileged_port() -> int:
     for port in range(700, 1000):
         with socket.socket() as sock:
@@ -105,58 +73,6 @@ def free_privileged_port() -> int:
                 continue
             return port
     pytest.skip("no free port below 1024")
-
-
-class Door:
-    """The daemon's own front door code over a real HAProxy, in a run directory HAProxy's
-    user can reach (as /run/numa-infer is)."""
-
-    def __init__(self, tmp: Path, listen_port: int | None = None, directory: Path | None = None) -> None:
-        base = free_port_block(3)
-        port = listen_port or base
-        self.config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nbase_port = {base + 1}\n'
-                                   f'[frontend]\nlisten = "127.0.0.1:{port}"\nhaproxy = "{HAPROXY}"\n')
-        self.plan = plan_for(tmp / "plan", self.config)
-        self.run_dir = directory or run_dir(tmp)
-        backend = ProcessBackend(self.run_dir / "logs")
-        self.door = Frontdoor(backend.frontdoor_runner(self.run_dir))
-        self.port = port
-
-    @property
-    def master(self) -> int:
-        child = self.door.runner.child  # type: ignore[attr-defined]
-        assert child is not None and child.poll() is None, self.log()
-        return child.pid
-
-    def log(self) -> str:
-        path = self.run_dir / "logs" / "frontdoor.log"
-        return path.read_text() if path.exists() else ""
-
-    def start(self) -> None:
-        assert self.door.apply(self.config, self.plan, served_models(self.config), engine_of(self.config))
-        wait_for(lambda: self.door.api.command("show info").startswith("Name: HAProxy"), f"the admin socket\n{self.log()}")
-
-    def processes(self) -> list[int]:
-        master = self.master
-        wait_for(lambda: children_of(master), "a worker")
-        return [master, *children_of(master)]
-
-    def stop(self) -> None:
-        self.door.stop()
-
-
-@pytest.fixture
-def doors(tmp_path: Path):
-    made: list[Door] = []
-
-    def make(**kwargs) -> Door:
-        door = Door(tmp_path, **kwargs)
-        made.append(door)
-        return door
-
-    yield make
-    for door in made:
-        door.stop()
 
 
 @as_root
@@ -180,7 +96,7 @@ def test_the_process_backend_runs_haproxy_as_its_own_user_master_and_workers_ali
     # A reload re-executes the master: it stays unprivileged, and the daemon still drives it.
     old = set(children_of(door.master))
     door.door.runner.reload()
-    wait_for(lambda: set(children_of(door.master)) - old, "a new worker after the reload")
+    wait_for(lambda: set(children_of(door.master)) - old, "a new worker after the reload", detail=door.log)
     for pid in door.processes():
         assert status_of(pid)["Uid"].split() == [str(uid)] * 4
     assert door.door.observe() is not None, door.door.error

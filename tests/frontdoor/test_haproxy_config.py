@@ -11,178 +11,24 @@ in haproxy.cfg are quoted.
 
 from __future__ import annotations
 
-import csv
-import io
-import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from numad_infer.config.load import parse_config
-from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor.haproxy import AdminState, HaproxyError, RuntimeAPI
+from numad_infer.frontdoor.haproxy import AdminState, RuntimeAPI
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy
-from tests.daemon_harness import free_port_block
-from tests.engines.test_builtin_engines import plan_for
+from tests.daemon_harness import free_port_block, wait_for
+from tests.frontdoor.harness import plan_for
+from tests.frontdoor.harness import _get, Answer, CRASH_MARKER, FrontDoor, HAPROXY, SLOW_MARKER
 
-HAPROXY = "/usr/sbin/haproxy"
 pytestmark = pytest.mark.skipif(not os.access(HAPROXY, os.X_OK), reason="haproxy not installed")
-
-CRASH_MARKER = "please-crash-the-server"
-SLOW_MARKER = "please-answer-late"
-
-# A stand-in for an instance: GET (the health check) answers 200; POST logs the request's
-# X-Test-Id, then answers {"served_by": NAME}, or dies before answering when the body
-# carries the crash marker (a prompt that crashes llama.cpp), or after 3 s for the slow one.
-STUB = f"""
-import json, os, sys, time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-name, port, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-
-class Handler(BaseHTTPRequestHandler):
-    def log_message(self, *args):
-        pass
-
-    def _answer(self, doc):
-        body = json.dumps(doc).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self):
-        self._answer({{"ok": True}})
-
-    def do_POST(self):
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        with open(log, "a") as out:
-            out.write(self.headers.get("X-Test-Id", "-") + "\\n")
-            out.flush()
-            os.fsync(out.fileno())
-        if b"{CRASH_MARKER}" in body:
-            time.sleep(0.5)  # other requests arrive meanwhile
-            os._exit(1)
-        if b"{SLOW_MARKER}" in body:
-            time.sleep(3)
-        self._answer({{"served_by": name}})
-
-ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
-"""
-
-
-@dataclass
-class Answer:
-    status: int
-    content_type: str
-    body: bytes
-
-    def served_by(self) -> str:
-        return json.loads(self.body)["served_by"]
-
-    def error(self) -> dict:
-        assert self.content_type == "application/json", self
-        return json.loads(self.body)["error"]
-
-
-@dataclass
-class FrontDoor:
-    """A real HAProxy on the rendered haproxy.cfg, and one stub per planned instance."""
-
-    tmp: Path
-    config: Config
-    run_dir: Path
-    ports: list[int]
-    haproxy: subprocess.Popen | None = None
-    stubs: dict[str, subprocess.Popen] = field(default_factory=dict)
-
-    @property
-    def port(self) -> int:
-        return self.config.frontend.address[1]
-
-    def log(self, name: str) -> list[str]:
-        path = self.tmp / f"{name}.log"
-        return path.read_text().split() if path.exists() else []
-
-    def start_stub(self, index: int) -> None:
-        name = f"stub{index}"
-        script = self.tmp / "stub.py"
-        script.write_text(STUB)
-        port = self.ports[index]
-        self.stubs[name] = subprocess.Popen([sys.executable, str(script), name, str(port), str(self.tmp / f"{name}.log")])
-        wait_for(lambda: _accepts(port), f"{name} listening on {port}")
-
-    def start_haproxy(self) -> None:
-        plan = plan_for(self.tmp / "plan", self.config)
-        assert [i.port for i in plan.instances] == self.ports
-        paths = paths_in(self.run_dir, self.run_dir / "haproxy.sock")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        paths.config.write_text(render_haproxy(self.config, plan, paths))
-        paths.state.write_text("1\n")
-        self.haproxy = subprocess.Popen([HAPROXY, "-db", "-f", str(paths.config)], stdout=subprocess.DEVNULL,
-                                        stderr=open(self.tmp / "haproxy.err", "w"))
-        haproxy = self.haproxy
-        wait_for(lambda: haproxy.poll() is None and _accepts(self.port), f"haproxy on {self.port}")
-
-    def servers_up(self) -> None:
-        api = RuntimeAPI(str(self.run_dir / "haproxy.sock"))
-        wait_for(lambda: all(s.status == "UP" for s in api.backend(BACKEND).servers.values()), "every server UP")
-
-    def servers_up_count(self, count: int) -> None:
-        api = RuntimeAPI(str(self.run_dir / "haproxy.sock"))
-        wait_for(lambda: [s.status for s in api.backend(BACKEND).servers.values()].count("UP") == count,
-                 f"{count} server(s) UP")
-
-    def backend_counter(self, column: str) -> int:
-        text = RuntimeAPI(str(self.run_dir / "haproxy.sock")).command("show stat")
-        rows = csv.DictReader(io.StringIO(text[2:]))
-        return sum(int(r[column] or 0) for r in rows if r["pxname"] == BACKEND and r["svname"] == "BACKEND")
-
-    def post(self, test_id: str, body: dict) -> Answer:
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions", method="POST",
-                                     data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "X-Test-Id": test_id})
-        try:
-            with urllib.request.urlopen(req, timeout=30) as response:
-                return Answer(response.status, response.headers.get_content_type(), response.read())
-        except urllib.error.HTTPError as exc:
-            return Answer(exc.code, exc.headers.get_content_type(), exc.read())
-
-    def stop(self) -> None:
-        for proc in [*self.stubs.values(), *([self.haproxy] if self.haproxy else [])]:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait(10)
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return
-        except (OSError, HaproxyError):
-            pass  # not up yet: HAProxy may accept on its port a moment before its admin socket exists
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _accepts(port: int) -> bool:
-    with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.fixture
@@ -306,15 +152,6 @@ def test_every_path_in_haproxy_cfg_is_quoted_and_haproxy_accepts_it(tmp_path: Pa
         render_haproxy(config, plan, paths_in(Path("/run/$HOME"), Path("/run/$HOME/haproxy.sock")))
 
 
-def _get(port: int, path: str) -> tuple[int, dict, float]:
-    started = time.monotonic()
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
-            return response.status, json.loads(response.read()), time.monotonic() - started
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read()), time.monotonic() - started
-
-
 def test_the_health_path_is_answered_by_haproxy_200_while_an_instance_is_in_rotation_503_when_none(
         front_door) -> None:
     door = front_door(frontend="queue_size = 1")
@@ -329,13 +166,13 @@ def test_the_health_path_is_answered_by_haproxy_200_while_an_instance_is_in_rota
     slow = [threading.Thread(target=door.post, args=(f"slow{n}", {"prompt": SLOW_MARKER})) for n in range(3)]
     for thread in slow:
         thread.start()
-    time.sleep(0.5)
+    api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
+    wait_for(lambda: (b := api.backend(BACKEND)).in_flight >= 1 and b.queued >= 1, "the instance busy, the queue full")
     status, body, took = _get(door.port, "/healthz")
     assert (status, body) == (200, {"status": "ok"}) and took < 1.0, took
     for thread in slow:
         thread.join(30)
     # Drained out of rotation by the daemon (before a restart or a hold): not in rotation.
-    api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
     (serving,) = [name for name, server in api.backend(BACKEND).servers.items() if server.status == "UP"]
     api.set_state(BACKEND, serving, AdminState.DRAIN)
     assert _get(door.port, "/healthz")[0] == 503

@@ -44,10 +44,10 @@ from numad_infer.frontdoor.listener import (
 )
 from numad_infer.systemd.notify import Notifier, inherited_fds
 from tests.conftest import searchable_by_others
-from tests.daemon_harness import free_port_block
-from tests.frontdoor.test_haproxy_config import SLOW_MARKER, STUB, _accepts
-from tests.frontdoor.test_port import binds_beside
-from tests.frontdoor.test_control import HAPROXY, Door, as_root, doors, wait_for, with_haproxy  # noqa: F401 (doors: a fixture)
+from tests.daemon_harness import free_port_block, wait_for
+from tests.frontdoor.harness import SLOW_MARKER, STUB, _accepts
+from tests.frontdoor.harness import binds_beside
+from tests.frontdoor.harness import HAPROXY, Door, as_root, children_of, with_haproxy
 
 
 def post(port: int, prompt: str = "numa", timeout_s: float = 30.0) -> int:
@@ -69,10 +69,15 @@ class Stubs:
         script = tmp / "stub.py"
         script.write_text(STUB)
         self.procs = []
+        self.logs = [tmp / f"stub{index}.log" for index in range(len(door.plan.instances))]
         for index, instance in enumerate(door.plan.instances):
             self.procs.append(subprocess.Popen([sys.executable, str(script), f"stub{index}", str(instance.port),
                                                 str(tmp / f"stub{index}.log")]))
             wait_for(lambda: _accepts(instance.port), f"stub {index} on {instance.port}")
+
+    def received(self) -> int:
+        """Requests the stubs have been sent so far (each logs one line as it arrives)."""
+        return sum(len(log.read_text().splitlines()) for log in self.logs if log.exists())
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -122,8 +127,9 @@ def test_a_seamless_reload_keeps_the_held_socket(doors, tmp_path: Path) -> None:
         door.start()
         serving(door)
         held = door.door.runner.listener.fd  # type: ignore[attr-defined]
+        workers = set(children_of(door.master))
         door.door.runner.reload()
-        time.sleep(1.0)
+        wait_for(lambda: set(children_of(door.master)) - workers, "a new worker after the reload")
         serving(door)
         assert door.door.runner.listener.fd == held  # type: ignore[attr-defined]
     finally:
@@ -139,8 +145,9 @@ def test_closing_refuses_new_connections_at_once_and_the_request_in_flight_finis
         serving(door)
         answered: list[int] = []
         slow = threading.Thread(target=lambda: answered.append(post(door.port, SLOW_MARKER)))
+        had = stubs.received()
         slow.start()
-        time.sleep(0.5)
+        wait_for(lambda: stubs.received() > had, "the slow request at its instance")
         assert door.door.close()
         started = time.monotonic()
         # HAProxy's `disable frontend` alone pauses its listener, and on an inherited socket

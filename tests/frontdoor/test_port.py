@@ -10,7 +10,6 @@ LISTEN_FDS would pass it; the VM suite (tests/vm, 2x2) does it with the real uni
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import socket
@@ -25,38 +24,9 @@ from numad_infer.frontdoor.listener import FD_VARIABLE, STORE_NAME, TWIN_FD_VARI
 from numad_infer.systemd.unitnames import PORT_FD_NAME
 from numad_infer.util.addresses import loopback_twin
 from tests.daemon_harness import free_port_block
-from tests.engines.test_builtin_engines import plan_for
-from tests.frontdoor.test_control import as_root
-
-
-def binds_beside(host: str, port: int, reuse_port: bool = False) -> bool:
-    """Can another socket take host:port now? With SO_REUSEADDR on, as a squatter would set it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as other:
-        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        if family == socket.AF_INET6:
-            other.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        try:
-            other.bind((host, port))
-            other.listen(1)
-        except OSError as exc:
-            assert exc.errno == errno.EADDRINUSE, exc
-            return False
-        return True
-
-
-def systemd_socket(host: str, port: int) -> socket.socket:
-    """What numa-infer-port.socket binds (SO_REUSEADDR as systemd sets it, ReusePort=yes)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    if ":" in host:
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-    sock.bind((host, port))
-    sock.listen(16)
-    return sock
+from tests.frontdoor.harness import plan_for
+from tests.frontdoor.harness import as_root
+from tests.frontdoor.harness import binds_beside, systemd_socket
 
 
 def listening(sock: socket.socket) -> bool:

@@ -21,7 +21,8 @@ import pytest
 
 from numad_infer.frontdoor.request_log import RequestLog, Timings
 from numad_infer.util.histogram import TIME_TO_FIRST_TOKEN_BOUNDS, Histogram, Recorder
-from tests.frontdoor.test_control import Door, as_root, with_haproxy, wait_for
+from tests.daemon_harness import wait_for
+from tests.frontdoor.harness import Door, as_root, with_haproxy
 
 FIRST_TOKEN_S, REST_S = 0.6, 0.4
 

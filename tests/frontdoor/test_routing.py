@@ -19,10 +19,10 @@ from numad_infer.config.load import parse_config
 from numad_infer.frontdoor.haproxy import AdminState, RuntimeAPI, merged
 from numad_infer.frontdoor.haproxy_config import BACKEND, SPARE_CONNECTIONS, Paths, body_buffer, render_haproxy
 from numad_infer.frontdoor.routing import backends, models_list, routed
-from tests.daemon_harness import free_port_block
-from tests.engines.test_builtin_engines import plan_for
-from tests.frontdoor.test_control import Door as ControlDoor
-from tests.frontdoor.test_haproxy_config import SLOW_MARKER, Answer, FrontDoor, _get, wait_for
+from tests.daemon_harness import free_port_block, wait_for
+from tests.frontdoor.harness import plan_for
+from tests.frontdoor.harness import Door as ControlDoor
+from tests.frontdoor.harness import SLOW_MARKER, Answer, FrontDoor, _get
 
 TWO = ('[[models]]\nname = "alpha"\naliases = ["gpt-4o-mini"]\npath = "/a.gguf"\ncontext_size = 32768\n'
        '[[models]]\nname = "beta"\naliases = ["b:latest"]\npath = "/b.gguf"\ncontext_size = 2048\nparallel = 2\n'

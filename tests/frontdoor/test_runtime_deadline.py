@@ -22,10 +22,9 @@ from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import ANSWER_CAP, AdminState, NoRuntimeAnswer, RuntimeAPI
 from numad_infer.lifecycle.states import State
 from numad_infer.plan.placement import make_plan
-from numad_infer.supervision import reconcile
-from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.reconcile import PASS_SLACK_S, Reconciler
-from tests.fakes import FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
+from tests.daemon_harness import wait_for
+from tests.fakes import FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
 from tests.peers import Peer, answer, drip, flood, timed
 
 DEADLINE_S = 0.5
@@ -86,7 +85,7 @@ def test_an_oversized_answer_is_refused_at_its_cap_without_reading_it_all(admin_
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    time.sleep(0.2)  # the peer sees the connection closed
+    wait_for(lambda: haproxy.finished == 1, "the peer done with the connection closed on it", timeout_s=10)
     haproxy.close()
     assert took < 2.0 and peak < 4 * ANSWER_CAP
     assert haproxy.sent < HUGE // 4  # the cap plus the socket's buffers, not the answer
@@ -100,12 +99,11 @@ def test_a_well_behaved_admin_socket_is_still_read(admin_sock: Path) -> None:
         assert door.answers.responses["2xx"] == 7 and door.error == ""
 
 
-def test_a_stuck_front_door_is_recorded_unanswering_and_the_pass_goes_on(admin_sock: Path, monkeypatch) -> None:
-    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout, path: ProbeResult(True, 0.001))
+def test_a_stuck_front_door_is_recorded_unanswering_and_the_pass_goes_on(admin_sock: Path) -> None:
     config = cfg(f"[monitor]\nprobe_timeout_s = {DEADLINE_S}\n")
     with Peer(drip(*STAT_DRIP), unix_path=admin_sock) as haproxy:
         door = door_on(admin_sock)
-        rec = Reconciler(RecordingBackend(), FakeProc(), frontdoor=door)  # type: ignore[arg-type]
+        rec = Reconciler(RecordingBackend(), FakeProc(), frontdoor=door, probe=answering_probe)  # type: ignore[arg-type]
         rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
         states, took = timed(lambda: rec.monitor(1.0))
     assert took < DEADLINE_S + DEADLINE_S + PASS_SLACK_S  # the front door's deadline, then the probes'

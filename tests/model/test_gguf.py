@@ -3,8 +3,6 @@ table, against a hand count; and the table read the same as gguf-py reads it."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tracemalloc
 from pathlib import Path
 
@@ -14,20 +12,10 @@ from numad_infer.errors import ConfigError
 from numad_infer.model.file import read_model
 from numad_infer.model.gguf import BLOCK, GgufError, decode_bytes, read_header
 from tests.model import raw
+from tests.model.maker import make_model_module
 
 gguf = pytest.importorskip("gguf")
 np = pytest.importorskip("numpy")
-
-SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "make_model.py"
-
-
-def make_model_module():
-    spec = importlib.util.spec_from_file_location("make_model", SCRIPT)
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_decode_reads_every_layer_the_output_projection_and_one_embedding_row(tmp_path: Path) -> None:

@@ -163,7 +163,7 @@ def test_the_estimate_is_what_llama_server_allocates(tmp_path: Path, cache_args:
     """The generated small model (GQA: 6 heads, 2 for K/V), started as numa-infer starts it
     (Engine.argv) with context 512 x 3 slots: llama.cpp's own figures for the weights, the KV
     cache and the compute buffer, from its log, against the estimate's."""
-    from tests.model.test_gguf import make_model_module
+    from tests.model.maker import make_model_module
 
     mm = make_model_module()
     model = tmp_path / "gqa.gguf"
@@ -204,7 +204,7 @@ def test_llama_servers_prompt_cache_grows_with_distinct_prompts_to_the_bound_cou
     import random
     import urllib.request
 
-    from tests.model.test_gguf import make_model_module
+    from tests.model.maker import make_model_module
 
     mm = make_model_module()
     model = tmp_path / "gqa.gguf"

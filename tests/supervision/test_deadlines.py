@@ -20,7 +20,7 @@ from numad_infer.supervision import reconcile
 from numad_infer.supervision.health import METRICS_CAP, KeyCheck, ProbeResult, check_key, probe, read_engine_metrics
 from numad_infer.supervision.reconcile import PASS_SLACK_S, Reconciler
 from numad_infer.util import peer
-from tests.daemon_harness import free_port_block
+from tests.daemon_harness import free_port_block, wait_for
 from tests.fakes import FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
 from tests.peers import BODY_DRIP, HEADER_DRIP, Peer, answer, drip, flood, http, timed
 
@@ -105,7 +105,7 @@ def test_an_oversized_body_without_a_length_is_refused_after_its_cap() -> None:
     counters, took, peak, instance = _bounded_read(b"HTTP/1.0 200 OK\r\n\r\n")
     assert counters is None
     assert peak < 4 * METRICS_CAP  # the cap's buffer and its growth, not 64 MiB
-    time.sleep(0.2)  # the peer sees the connection closed
+    wait_for(lambda: instance.finished == 1, "the peer done with the connection closed on it", timeout_s=10)
     assert instance.sent < HUGE // 4  # what it got out is the cap plus the kernel's buffers, not the answer
 
 
@@ -148,9 +148,9 @@ def test_the_http_reader_refuses_what_is_no_answer_or_too_long(raw: bytes, refus
 # -- a pass --------------------------------------------------------------------------------------
 
 
-def _reconciler(config_text: str, keepalive=lambda: None) -> Reconciler:
+def _reconciler(config_text: str, keepalive=lambda: None, probe=probe) -> Reconciler:
     config = cfg(config_text)
-    rec = Reconciler(RecordingBackend(), FakeProc(), keepalive=keepalive)
+    rec = Reconciler(RecordingBackend(), FakeProc(), keepalive=keepalive, probe=probe)
     rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     return rec
 
@@ -173,7 +173,7 @@ def test_a_pass_with_one_dripping_instance_ends_by_its_deadline_the_others_healt
     assert all(rec.runtimes[n].engine.counters is not None for n in ("infer@0", "infer@2"))
 
 
-def test_a_probe_that_outlives_its_own_deadline_is_failed_at_the_pass_deadline(monkeypatch) -> None:
+def test_a_probe_that_outlives_its_own_deadline_is_failed_at_the_pass_deadline() -> None:
     # Whatever holds a call past its own deadline (a /proc read, a thread that never
     # starts), the pass waits no longer than its own, and pings the watchdog meanwhile.
     release = threading.Event()
@@ -184,10 +184,9 @@ def test_a_probe_that_outlives_its_own_deadline_is_failed_at_the_pass_deadline(m
             release.wait(30)
         return ProbeResult(True, 0.001)
 
-    monkeypatch.setattr(reconcile, "probe", stuck_probe)
     pings: list[float] = []
     rec = _reconciler(f"[monitor]\nprobe_timeout_s = {DEADLINE_S}\nstartup_grace_s = 0\n",
-                      keepalive=lambda: pings.append(time.monotonic()))
+                      keepalive=lambda: pings.append(time.monotonic()), probe=stuck_probe)
     try:
         started = time.monotonic()
         states = rec.monitor(1.0)

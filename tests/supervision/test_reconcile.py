@@ -15,10 +15,9 @@ from numad_infer.host.proc_types import NodeUsage
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import RestartDecision, State, Supervision
 from numad_infer.plan.placement import make_plan
-from numad_infer.supervision import reconcile
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.reconcile import Reconciler
-from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
+from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
 
 MON = MonitorSection(startup_grace_s=10, unhealthy_after=3, max_restarts=3, restart_window_s=100, restart_backoff_s=2)
 
@@ -84,15 +83,9 @@ def test_unknown_instance_states_never_cause_a_restart() -> None:
     assert backend.calls == []
 
 
-@pytest.fixture
-def probes_answer(monkeypatch: pytest.MonkeyPatch) -> None:
-    # No server listens in these tests: every instance answers its probe.
-    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout, path: ProbeResult(True, 0.001))
-
-
-def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart(probes_answer) -> None:
+def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart() -> None:
     backend, front = RecordingBackend(), FakeFrontdoor()
-    rec = Reconciler(backend, FakeProc(), frontdoor=front)
+    rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     front.states.clear()
@@ -116,9 +109,9 @@ def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart(
     assert rec.runtimes["infer@2"].supervision.restarts == 0  # a definition change is no repair
 
 
-def test_the_drain_is_bounded_by_drain_timeout_s(probes_answer) -> None:
+def test_the_drain_is_bounded_by_drain_timeout_s() -> None:
     backend, front = RecordingBackend(), FakeFrontdoor()
-    rec = Reconciler(backend, FakeProc(), frontdoor=front)
+    rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     front.in_flight_by["infer@2"] = 1
@@ -147,10 +140,10 @@ def test_an_unhealthy_instance_that_makes_no_progress_is_restarted_without_waiti
     assert rec.runtimes["infer@0"].supervision.restarts >= 1
 
 
-def test_behind_the_front_door_changed_instances_restart_one_at_a_time(probes_answer) -> None:
+def test_behind_the_front_door_changed_instances_restart_one_at_a_time() -> None:
     # A reload that changes every instance must leave some in rotation at every moment.
     backend, front = RecordingBackend(), FakeFrontdoor()
-    rec = Reconciler(backend, FakeProc(), frontdoor=front)
+    rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
     backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
                                     for i in loaded.plan.instances}
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
@@ -174,9 +167,9 @@ def lifecycle(rec: Reconciler, name: str = "infer@0") -> tuple[State, int]:
     return sup.state, sup.restarts
 
 
-def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off(probes_answer) -> None:
+def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off() -> None:
     backend = RecordingBackend()
-    rec = Reconciler(backend, FakeProc())
+    rec = Reconciler(backend, FakeProc(), probe=answering_probe)
     rec.apply(loaded_for(cfg("[monitor]\nrestart_backoff_s = 5"), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(1.0)
     assert lifecycle(rec) == (State.HEALTHY, 0)
@@ -198,9 +191,9 @@ def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off(prob
     assert lifecycle(rec) == (State.RESTARTING, 2) and backend.calls[-1] == ("restart", "infer@0")
 
 
-def test_a_process_the_service_manager_replaced_counts_as_a_crash_and_is_not_restarted_again(probes_answer) -> None:
+def test_a_process_the_service_manager_replaced_counts_as_a_crash_and_is_not_restarted_again() -> None:
     backend = RecordingBackend()
-    rec = Reconciler(backend, FakeProc())
+    rec = Reconciler(backend, FakeProc(), probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(1.0)
     backend.calls.clear()
@@ -212,10 +205,12 @@ def test_a_process_the_service_manager_replaced_counts_as_a_crash_and_is_not_res
     assert lifecycle(rec, "infer@0") == (State.HEALTHY, 0)
 
 
-def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_crash(monkeypatch) -> None:
+def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_crash() -> None:
     # systemctl restart --no-block: the old PID stays a while, then goes, then the new one comes.
     answer = [True]
-    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout, path: ProbeResult(answer[0], 0.0, "refused"))
+
+    def probe(host: str, port: int, timeout: float, path: str) -> ProbeResult:
+        return ProbeResult(answer[0], 0.0, "refused")
     backend = RecordingBackend()
     later: dict[str, int] = {}
     backend.restart = lambda instance: (backend.calls.append(("restart", instance.name)),
@@ -223,7 +218,7 @@ def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_cr
     # Between the old process and the new one the unit is "activating": pending, as systemd says.
     backend.observe = lambda names: {n: Observation(backend.running.get(n), n in later and n not in backend.running,
                                                     "activating") for n in names}
-    rec = Reconciler(backend, FakeProc())
+    rec = Reconciler(backend, FakeProc(), probe=probe)
     config = cfg("[monitor]\nunhealthy_after = 1\nstartup_grace_s = 30")
     rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     rec.monitor(0.5)
@@ -242,13 +237,13 @@ def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_cr
     assert lifecycle(rec) == (State.STARTING, 1) and rec.runtimes["infer@0"].pid == 555
 
 
-def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definition(monkeypatch, caplog) -> None:
+def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definition(caplog) -> None:
     # A bad extra_args: the first instance restarted on it never answers. The others must
     # keep serving on the old definition, not follow it down.
     backend, front = RecordingBackend(), FakeFrontdoor()
-    rec = Reconciler(backend, FakeProc(), frontdoor=front)
     broken: set[int] = set()
-    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout, path: ProbeResult(port not in broken, 0.0, "refused"))
+    rec = Reconciler(backend, FakeProc(), frontdoor=front,
+                     probe=lambda host, port, timeout, path: ProbeResult(port not in broken, 0.0, "refused"))
     backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
                                     for i in loaded.plan.instances}
     base = "[monitor]\nstartup_grace_s = 0\nunhealthy_after = 1\nrestart_backoff_s = 1\n"
@@ -272,7 +267,7 @@ def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definit
     assert {name for call, name in backend.calls if call == "restart"} == {"infer@0", "infer@1", "infer@2"}
 
 
-def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(probes_answer, monkeypatch) -> None:
+def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(monkeypatch) -> None:
     # A fake /proc/PID/numa_maps with most anonymous pages on the wrong node (this CI host
     # has one node, where memory is always local), and migrate_pages recorded, not called.
     from numad_infer.host import pinning
@@ -289,7 +284,7 @@ def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(probes_a
         return 0
 
     monkeypatch.setattr(pinning, "migrate_pages", migrate)
-    rec = Reconciler(backend, proc)
+    rec = Reconciler(backend, proc, probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(1.0)
     pid0 = backend.running["infer@0"]
@@ -306,7 +301,7 @@ def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(probes_a
 
 
 def test_memory_drift_under_a_profile_that_refuses_migrate_pages_is_reported_not_retried(
-        probes_answer, monkeypatch, caplog) -> None:
+        monkeypatch, caplog) -> None:
     # podman's and Kubernetes' default seccomp profiles refuse migrate_pages (tests/host/test_pinning_under_seccomp.py
     # shows the probe with a real filter): the drift is shown, no call is made, and the log
     # says why, rather than an ERROR for a call that can only fail again.
@@ -316,7 +311,7 @@ def test_memory_drift_under_a_profile_that_refuses_migrate_pages_is_reported_not
     proc.numa_maps = lambda pid: NodeUsage(anon={0: 200 << 20, 2: 800 << 20}, source="numa_maps")
     monkeypatch.setattr(pinning, "memory_calls", lambda: pinning.MemoryCalls(None, "Operation not permitted"))
     monkeypatch.setattr(pinning, "migrate_pages", lambda *a: pytest.fail("migrate_pages called"))
-    rec = Reconciler(backend, proc)
+    rec = Reconciler(backend, proc, probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     with caplog.at_level("WARNING"):
         rec.monitor(1.0)
@@ -326,23 +321,23 @@ def test_memory_drift_under_a_profile_that_refuses_migrate_pages_is_reported_not
     assert "not repaired: migrate_pages is refused here: Operation not permitted" in caplog.text
 
 
-def test_interleaved_instances_are_never_migrated(probes_answer, monkeypatch) -> None:
+def test_interleaved_instances_are_never_migrated(monkeypatch) -> None:
     from numad_infer.host import pinning
 
     backend, proc = RecordingBackend(), FakeProc()
     proc.numa_maps = lambda pid: NodeUsage(anon={0: 1 << 20, 1: 1 << 20, 2: 1 << 20}, source="numa_maps")
     monkeypatch.setattr(pinning, "migrate_pages", lambda *a: pytest.fail("migrate_pages called"))
     config = cfg('[placement]\nmode = "interleave"')
-    rec = Reconciler(backend, proc)
+    rec = Reconciler(backend, proc, probe=answering_probe)
     rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     rec.monitor(1.0)
     (rt,) = rec.runtimes.values()
     assert rt.memory is not None and not rt.memory.drifted
 
 
-def test_a_hold_drains_then_stops_the_instance_and_its_release_starts_it_again(probes_answer) -> None:
+def test_a_hold_drains_then_stops_the_instance_and_its_release_starts_it_again() -> None:
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
-    rec = Reconciler(backend, proc, frontdoor=front)
+    rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
@@ -440,9 +435,9 @@ def test_a_probe_that_answers_while_requests_stall_for_30s_counts_as_failed() ->
     assert not stalled.ok and stalled.error == "stalled: requests in flight and no CPU used for 30s"
 
 
-def test_monitor_returns_each_instance_state_and_nothing_when_states_cannot_be_read(probes_answer) -> None:
+def test_monitor_returns_each_instance_state_and_nothing_when_states_cannot_be_read() -> None:
     backend = RecordingBackend()
-    rec = Reconciler(backend, FakeProc())
+    rec = Reconciler(backend, FakeProc(), probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     assert rec.monitor(1.0) == {"infer@0": State.HEALTHY, "infer@1": State.HEALTHY, "infer@2": State.HEALTHY}
 
@@ -453,12 +448,12 @@ def test_monitor_returns_each_instance_state_and_nothing_when_states_cannot_be_r
     assert rec.monitor(2.0) == {}
 
 
-def test_a_crash_is_logged_as_transitions_once_each(probes_answer, caplog) -> None:
+def test_a_crash_is_logged_as_transitions_once_each(caplog) -> None:
     import logging
 
     caplog.set_level(logging.INFO, logger="numad_infer.lifecycle.states")
     backend = RecordingBackend()
-    rec = Reconciler(backend, FakeProc())
+    rec = Reconciler(backend, FakeProc(), probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(1.0)
     caplog.clear()
@@ -469,11 +464,11 @@ def test_a_crash_is_logged_as_transitions_once_each(probes_answer, caplog) -> No
                      "infer@0: exited -> restarting (not running (inactive))"]
 
 
-def test_an_instance_no_longer_planned_finishes_its_requests_before_it_stops(probes_answer) -> None:
+def test_an_instance_no_longer_planned_finishes_its_requests_before_it_stops() -> None:
     # Before: a reload that dropped a node stopped its instance at once, and the requests it
     # was answering through the front door failed.
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
-    rec = Reconciler(backend, proc, frontdoor=front)
+    rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
@@ -491,9 +486,9 @@ def test_an_instance_no_longer_planned_finishes_its_requests_before_it_stops(pro
     assert backend.calls.count(("stop", "infer@2")) == 1
 
 
-def test_an_instance_no_longer_planned_is_stopped_after_the_drain_timeout(probes_answer) -> None:
+def test_an_instance_no_longer_planned_is_stopped_after_the_drain_timeout() -> None:
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
-    rec = Reconciler(backend, proc, frontdoor=front)
+    rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     proc.connections = {rec.runtimes["infer@2"].instance.port: 1}  # a client that never hangs up
@@ -505,9 +500,9 @@ def test_an_instance_no_longer_planned_is_stopped_after_the_drain_timeout(probes
     assert ("stop", "infer@2") in backend.calls
 
 
-def test_an_instance_planned_again_while_it_leaves_is_stopped_before_the_new_one_starts(probes_answer) -> None:
+def test_an_instance_planned_again_while_it_leaves_is_stopped_before_the_new_one_starts() -> None:
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
-    rec = Reconciler(backend, proc, frontdoor=front)
+    rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     proc.connections = {rec.runtimes["infer@2"].instance.port: 1}
@@ -519,7 +514,7 @@ def test_an_instance_planned_again_while_it_leaves_is_stopped_before_the_new_one
     assert backend.calls.index(("stop", "infer@2")) < backend.calls.index(("start", "infer@2"))
 
 
-def test_another_model_file_changes_every_instances_definition_and_rolls_them_one_at_a_time(probes_answer) -> None:
+def test_another_model_file_changes_every_instances_definition_and_rolls_them_one_at_a_time() -> None:
     """The pipeline puts the model's and engine's identity in the value it returns; both
     backends make it part of each instance's definition, so another file at the same path
     restarts the instances as a changed definition does: behind the front door, one at a time."""
@@ -539,7 +534,7 @@ def test_another_model_file_changes_every_instances_definition_and_rolls_them_on
     backend, front = RecordingBackend(), FakeFrontdoor()
     backend.specs = lambda loaded: {i.name: repr(i) + loaded.artifacts  # type: ignore[method-assign]
                                     for i in loaded.plan.instances}
-    rec = Reconciler(backend, FakeProc(), frontdoor=front)
+    rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
     rec.apply(before, 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
@@ -548,7 +543,7 @@ def test_another_model_file_changes_every_instances_definition_and_rolls_them_on
     assert backend.calls == [("restart", "infer@0")]  # the others wait for it to be healthy
 
 
-def test_another_file_for_one_of_several_models_rolls_that_models_instances_alone(probes_answer) -> None:
+def test_another_file_for_one_of_several_models_rolls_that_models_instances_alone() -> None:
     """[[models]]: each instance's definition carries its own model's file identity, so a new
     file for one model restarts its instances, and no other model's (both backends)."""
     from numad_infer.backends.process import ProcessBackend

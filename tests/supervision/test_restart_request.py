@@ -12,20 +12,14 @@ import pytest
 from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.lifecycle.states import State
 from numad_infer.plan.placement import make_plan
-from numad_infer.supervision import reconcile, restart_request
-from numad_infer.supervision.health import ProbeResult
+from numad_infer.supervision import restart_request
 from numad_infer.supervision.reconcile import Reconciler
-from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
-
-
-@pytest.fixture
-def probes_answer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reconcile, "probe", lambda host, port, timeout, path: ProbeResult(True, 0.001))
+from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
 
 
 def running_fleet() -> tuple[Reconciler, RecordingBackend, FakeFrontdoor]:
     backend, front = RecordingBackend(), FakeFrontdoor()
-    rec = Reconciler(backend, FakeProc(), frontdoor=front)
+    rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
@@ -69,7 +63,7 @@ def test_another_users_request_is_ignored(tmp_path: Path) -> None:
     assert isinstance(said, str) and "not the daemon's user" in said
 
 
-def test_a_restart_rolls_the_instances_one_at_a_time_and_reports_what_is_left(probes_answer) -> None:
+def test_a_restart_rolls_the_instances_one_at_a_time_and_reports_what_is_left() -> None:
     rec, backend, _ = running_fleet()
     assert rec.rollout.request([], rec.runtimes, rec.holds) is None
     everyone = ("infer@0", "infer@1", "infer@2")
@@ -87,7 +81,7 @@ def test_a_restart_rolls_the_instances_one_at_a_time_and_reports_what_is_left(pr
     assert all(rt.supervision.restarts == 0 for rt in rec.runtimes.values())  # asked for, not repairs
 
 
-def test_a_restart_drains_an_instance_with_requests_first(probes_answer) -> None:
+def test_a_restart_drains_an_instance_with_requests_first() -> None:
     rec, backend, front = running_fleet()
     front.in_flight_by["infer@1"] = 3
     assert rec.rollout.request(["infer@1"], rec.runtimes, rec.holds) is None
@@ -102,7 +96,7 @@ def test_a_restart_drains_an_instance_with_requests_first(probes_answer) -> None
     assert backend.calls == [("restart", "infer@1")]
 
 
-def test_a_restart_is_refused_while_a_reloads_roll_is_under_way(probes_answer) -> None:
+def test_a_restart_is_refused_while_a_reloads_roll_is_under_way() -> None:
     rec, backend, _ = running_fleet()
     backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
                                     for i in loaded.plan.instances}
@@ -114,7 +108,7 @@ def test_a_restart_is_refused_while_a_reloads_roll_is_under_way(probes_answer) -
     assert error is not None and "a rolling restart is under way" in error and "infer@1" in error
 
 
-def test_unknown_and_held_instances_are_refused_with_the_names(probes_answer) -> None:
+def test_unknown_and_held_instances_are_refused_with_the_names() -> None:
     rec, _, _ = running_fleet()
     error = rec.rollout.request(["infer@9"], rec.runtimes, rec.holds)
     assert error is not None and "infer@9" in error and "infer@0, infer@1, infer@2" in error

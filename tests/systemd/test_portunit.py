@@ -18,8 +18,8 @@ from numad_infer.systemd.systemctl import Systemctl
 from numad_infer.systemd.unitnames import PORT_DROPIN, PORT_FD_NAME, UNIT_MARKER
 from tests.daemon_harness import free_port_block
 from tests.fakes import loaded_for
-from tests.frontdoor.test_port import systemd_socket
-from tests.units.test_render import values_of
+from tests.frontdoor.harness import systemd_socket
+from tests.unitfiles import values_of
 
 
 def stand_in(tmp_path: Path, load_state: str = "loaded") -> Systemctl:

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,9 +24,9 @@ from numad_infer.systemd.unitnames import PORT_DROPIN, PORT_FD_NAME, PORT_HOLD, 
 from numad_infer.systemd.unitnames import UNIT_MARKER as MARKER
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
+from tests.unitfiles import directives, systemd_split, systemd_verify, values_of
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-ANALYZE = shutil.which("systemd-analyze")
 
 
 def toml_str(value: str) -> str:
@@ -49,40 +48,6 @@ def units_for(tmp_path: Path, factory, **kwargs) -> dict[str, str]:
     config = make_config(**kwargs)
     topo = read_topology(fakesys.write_tree(tmp_path / "fs", factory()))
     return render_units(config, make_plan(config, topo), python="/usr/bin/python3")  # as the package's daemon
-
-
-def systemd_verify(unit_dir: Path, units: list[str]) -> str:
-    """systemd's own parser; returns everything it printed (empty means no warning)."""
-    assert ANALYZE, "systemd-analyze is not installed"
-    env = dict(os.environ, SYSTEMD_UNIT_PATH=f"{unit_dir}:", SYSTEMD_LOG_LEVEL="notice")
-    proc = subprocess.run([ANALYZE, "verify", "--man=no", *units], env=env, capture_output=True, text=True)
-    return (proc.stdout + proc.stderr).strip() + ("" if proc.returncode == 0 else f"\n(rc={proc.returncode})")
-
-
-# -- systemd's command-line unquoting (systemd.service(5), "Command lines"), for the assertions
-def systemd_split(line: str) -> list[str]:
-    words, i = [], 0
-    while i < len(line):
-        if line[i] == " ":
-            i += 1
-            continue
-        assert line[i] == '"', f"unquoted word at {line[i:]!r}"
-        i += 1
-        word = ""
-        while line[i] != '"':
-            if line[i] == "\\":
-                word += {"\\": "\\", '"': '"', "n": "\n", "t": "\t"}[line[i + 1]]
-                i += 2
-            else:
-                word += line[i]
-                i += 1
-        i += 1
-        words.append(word.replace("%%", "%").replace("$$", "$"))
-    return words
-
-
-def directives(text: str) -> list[tuple[str, str]]:
-    return [tuple(l.split("=", 1)) for l in text.splitlines() if l and not l.startswith(("#", "["))]
 
 
 @pytest.mark.parametrize("name, factory, placement", [
@@ -231,10 +196,6 @@ def test_every_file_starts_with_the_ownership_marker(tmp_path: Path) -> None:
 
 
 SHIPPED = Path(__file__).resolve().parents[2] / "packaging/systemd"
-
-
-def values_of(text: str, key: str) -> list[str]:
-    return [line.split("=", 1)[1] for line in text.splitlines() if line.startswith(key + "=")]
 
 
 def test_shipped_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
