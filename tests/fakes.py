@@ -7,6 +7,7 @@ own; the end-to-end tests run the real thing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from numad_infer.backends.base import Observation
 from numad_infer.config.load import parse_config
@@ -137,3 +138,12 @@ class FakeProc:
 def answering_probe(host: str, port: int, timeout: float, path: str) -> ProbeResult:
     """Reconciler(probe=...) where no server listens: every instance answers its probe."""
     return ProbeResult(True, 0.001)
+
+
+def private_key(directory: Path, key: str) -> Path:
+    """An API key file as `server.api_key_file` must be: root's, mode 0600, in a 0700 directory."""
+    directory.mkdir(mode=0o700, exist_ok=True)
+    path = directory / "api-key"
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return path

@@ -64,16 +64,6 @@ def test_as_root_the_model_must_be_readable_by_the_unprivileged_instances(tmp_pa
     assert read_model(str(inside), "cfg", DYNAMIC_USER).size == len(GGUF)
 
 
-def test_server_user_must_exist_and_be_a_user_name() -> None:
-    from numad_infer.config.load import parse_config
-    from numad_infer.host.identity import lookup
-
-    with pytest.raises(ConfigError, match=r"server.user = .*no such user on this host; create it"):
-        lookup("numa-infer-no-such-user", "cfg")
-    with pytest.raises(ConfigError, match="server.user.*must be a user name"):
-        parse_config('[model]\npath = "/m.gguf"\n[server]\nuser = "-x"\n', "cfg")
-
-
 def reload_cli(state_file: Path, *args: str, user: int | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "numad_infer", "--state-file", str(state_file), "reload", *args,
                            "--timeout", "2"], capture_output=True, text=True, cwd=ROOT, timeout=30,
@@ -112,24 +102,6 @@ def test_template_names_that_are_options_or_other_units_are_refused(template: st
     with pytest.raises(ConfigError, match=fragment) as caught:
         parse_config(f'[model]\npath = "/m.gguf"\n[systemd]\ntemplate = "{template}"\n', "/etc/numa-infer.toml")
     assert str(caught.value).startswith(f'/etc/numa-infer.toml: systemd.template = "{template}"')
-
-
-def test_every_systemctl_call_ends_its_options_before_unit_names(tmp_path: Path) -> None:
-    from numad_infer.systemd.systemctl import Systemctl
-
-    log = tmp_path / "calls"
-    fake = tmp_path / "systemctl"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
-    fake.chmod(0o755)
-    ctl = Systemctl(str(fake))
-    ctl.start("infer@0.service")
-    ctl.stop("infer@0.service")
-    ctl.restart("infer@0.service")
-    ctl.reload("numa-infer-frontdoor.service")
-    ctl.show_many(["infer@0.service"], "MainPID")
-    for line in log.read_text().splitlines():
-        words = line.split()
-        assert "--" in words and words.index("--") < words.index(next(w for w in words if w.endswith(".service"))), line
 
 
 def test_environment_values_keep_a_dollar_as_it_is() -> None:
@@ -230,28 +202,6 @@ def test_the_llama_cpp_check_runs_the_configured_python_unprivileged() -> None:
     finally:
         import shutil
         shutil.rmtree(base)
-
-
-def test_a_failed_unit_write_leaves_the_running_instances_alone() -> None:
-    from numad_infer.errors import NumaInferError
-    from numad_infer.plan.placement import make_plan
-    from numad_infer.supervision.reconcile import Reconciler
-    from tests.fakes import RecordingBackend, cfg, loaded_for, three_nodes
-
-    backend = RecordingBackend()
-    rec = Reconciler(backend)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
-    backend.calls.clear()
-
-    def refuse(loaded):
-        raise NumaInferError("systemctl daemon-reload failed (1): Access denied")
-
-    backend.sync = refuse
-    new = cfg("[placement]\nnodes = [0, 2]")
-    with pytest.raises(NumaInferError):
-        rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
-    # Before: infer@1 was stopped first, then the write failed and the daemon exited.
-    assert backend.calls == [] and set(rec.runtimes) == {"infer@0", "infer@1", "infer@2"}
 
 
 def test_a_new_process_forgets_a_pending_memory_repair_measurement() -> None:

@@ -11,7 +11,6 @@ import threading
 from pathlib import Path
 
 from numad_infer.backends.childlog import LOG_MAX_BYTES, ChildOutput, InstanceLogs
-from numad_infer.backends.process import ProcessBackend
 from tests.daemon_harness import wait_for
 
 CAP = 64 << 10
@@ -86,13 +85,6 @@ def test_a_log_that_cannot_be_written_drops_the_output_and_never_blocks_the_chil
     # 21 MB through a 64 KiB pipe: it finishes only if the daemon keeps reading.
     assert child.wait(120) == 0
     assert not logs.exists()
-
-
-def test_the_process_backend_sends_its_children_to_rotated_logs_of_the_shipped_size(tmp_path: Path) -> None:
-    backend = ProcessBackend(tmp_path / "logs")
-    assert backend.output.mode is InstanceLogs.FILE and backend.output.max_bytes == LOG_MAX_BYTES
-    assert backend.frontdoor_runner(tmp_path).output is backend.output  # type: ignore[attr-defined]
-
 
 
 def test_the_docs_and_the_help_state_the_size_the_logs_are_kept_at() -> None:

@@ -8,7 +8,8 @@ reading the processes' credentials from /proc; under systemd on the rendered uni
 `systemd-analyze security`. The users come from the package's sysusers.d file, run
 through the real `systemd-sysusers` into a scratch root. Where this host lacks them (no
 .deb, `scripts/setup` not run as root), the process backend falls back to `nobody`, and
-the tests expect whichever applies.
+the tests expect whichever applies. Who runs as whom, decided in host/identity.py, is
+tested alone in tests/host/test_identity.py.
 """
 
 from __future__ import annotations
@@ -28,21 +29,13 @@ import pytest
 from numad_infer.backends.process import SOCKET_DIR_NAME
 from numad_infer.units.render import render_frontdoor_unit, render_units
 from numad_infer.config.load import parse_config
-from numad_infer.errors import ConfigError
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.haproxy_config import render_haproxy
 from numad_infer.host.identity import (
     FALLBACK_USER,
     FRONTDOOR_USER,
     INSTANCE_USER,
-    BackendKind,
-    frontdoor_runs_as,
-    instances_run_as,
-    lookup_packaged,
-    systemd_frontdoor_user,
 )
-from numad_infer.host.procfs import ProcReader
-from numad_infer.validate.host_check import host_warnings
 from tests.daemon_harness import wait_for
 from tests.frontdoor.harness import plan_for
 from tests.unitfiles import score
@@ -174,36 +167,6 @@ def test_a_run_directory_haproxys_user_cannot_reach_is_named_with_the_fix(doors,
     with pytest.raises(HaproxyError, match=r"haproxy runs as .*, who cannot read .*haproxy.cfg: directory .* is not "
                                            r"searchable by .*chmod o\+x"):
         door.door.apply(door.config, door.plan, served_models(door.config), engine_of(door.config))
-
-
-def test_a_missing_packaged_user_falls_back_to_nobody_with_the_fix_named() -> None:
-    found = lookup_packaged(MISSING, "/etc/numa-infer.toml", "server.user", packaged=MISSING)
-    assert found.name == FALLBACK_USER and found.uid == pwd.getpwnam(FALLBACK_USER).pw_uid
-    assert f"user {MISSING} does not exist" in found.fallback and "systemd-sysusers" in found.fallback
-    assert any(found.fallback in w for w in host_warnings(ProcReader("/"), found))
-    # A user the operator named, not the package's, is an error: they meant that one.
-    with pytest.raises(ConfigError, match=f"server.user = \"{MISSING}\": no such user"):
-        lookup_packaged(MISSING, "/etc/numa-infer.toml", "server.user", packaged=INSTANCE_USER)
-
-
-@as_root
-def test_a_root_daemon_runs_its_servers_as_the_packaged_user_by_default() -> None:
-    config = parse_config('[model]\npath = "/m.gguf"\n')
-    assert config.server.user == INSTANCE_USER
-    runs_as = instances_run_as(config.server.user, "cfg", BackendKind.PROCESS)
-    try:
-        assert runs_as.uid == pwd.getpwnam(INSTANCE_USER).pw_uid and not runs_as.fallback
-    except KeyError:
-        assert runs_as.name == FALLBACK_USER and INSTANCE_USER in runs_as.fallback
-
-
-@as_root
-def test_the_front_door_user_falls_back_to_nobody_under_the_process_backend_only() -> None:
-    process = frontdoor_runs_as(BackendKind.PROCESS, MISSING)
-    assert process is not None and process.name == FALLBACK_USER and "systemd-sysusers" in process.fallback
-    # Under systemd a User= that does not exist keeps the unit from starting: no User= at all.
-    assert frontdoor_runs_as(BackendKind.SYSTEMD, MISSING) is None
-    assert systemd_frontdoor_user(MISSING) is None
 
 
 def _directives(text: str) -> list[str]:

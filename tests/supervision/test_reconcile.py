@@ -1,5 +1,7 @@
-"""The reconcile loop over fakes (tests/fakes.py): supervision, drains, restarts one at a time,
-holds, and which instances a reload touches. The loop's real processes: tests/e2e/."""
+"""The reconcile loop over fakes (tests/fakes.py): the lifecycle's restart rules, what a pass
+does when states cannot be read, memory drift and its repair, holds, drift checks, and a new
+model file as the loop sees it. What rollout.py and supervisor.py decide alone is tested in
+test_rollout.py and test_supervisor.py. The loop's real processes: tests/e2e/."""
 
 from __future__ import annotations
 
@@ -8,14 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from numad_infer.backends.base import Observation
 from numad_infer.config.schema import MonitorSection
-from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.host.proc_types import NodeUsage
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import RestartDecision, State, Supervision
 from numad_infer.plan.placement import make_plan
-from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.reconcile import Reconciler
 from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
 
@@ -45,30 +44,6 @@ def test_restart_after_consecutive_failures_then_backoff_then_failed() -> None:
     assert sup.restart_decision(200, MON) == RestartDecision.RESTART  # the window moved on
 
 
-def test_reload_restarts_only_the_instance_whose_port_changed() -> None:
-    backend = RecordingBackend()
-    rec = Reconciler(backend)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
-    backend.calls.clear()
-    pids = dict(backend.running)
-    # Dropping node 1 moves infer@2 from port 8082 to 8081; infer@0 stays as it was.
-    new = cfg("[placement]\nnodes = [0, 2]")
-    result = rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
-    assert (result.changed, result.removed, result.unchanged) == (("infer@2",), ("infer@1",), ("infer@0",))
-    assert backend.calls == [("stop", "infer@1"), ("restart", "infer@2")]
-    assert backend.running["infer@0"] == pids["infer@0"]
-
-
-def test_adoption_keeps_running_instances_whose_definition_is_unchanged() -> None:
-    backend = RecordingBackend(running={"infer@0": 42})
-    backend.current_specs = lambda config: {"infer@0": repr(make_plan(cfg(), three_nodes()).instances[0])}
-    rec = Reconciler(backend)
-    result = rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
-    assert result.unchanged == ("infer@0",) and result.added == ("infer@1", "infer@2")
-    assert ("restart", "infer@0") not in backend.calls and backend.running["infer@0"] == 42
-    assert rec.runtimes["infer@0"].pid == 42
-
-
 def test_unknown_instance_states_never_cause_a_restart() -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend)
@@ -81,190 +56,6 @@ def test_unknown_instance_states_never_cause_a_restart() -> None:
     backend.observe = broken
     rec.monitor(1.0)
     assert backend.calls == []
-
-
-def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart() -> None:
-    backend, front = RecordingBackend(), FakeFrontdoor()
-    rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
-    rec.monitor(0.5)
-    front.states.clear()
-    backend.calls.clear()
-    front.in_flight_by["infer@2"] = 2
-    new = cfg("[placement]\nnodes = [0, 2]")
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
-    # Two requests still run on infer@2: no restart yet, only taken out of rotation. infer@1,
-    # no longer planned, goes at the next pass, once its requests are answered.
-    assert backend.calls == []
-    assert front.states == [("infer@2", AdminState.DRAIN)]
-    assert rec.runtimes["infer@2"].supervision.state == State.DRAINING
-    rec.monitor(2.0)
-    assert ("stop", "infer@1") in backend.calls
-    assert ("restart", "infer@2") not in backend.calls
-    front.in_flight_by["infer@2"] = 0
-    rec.monitor(3.0)
-    assert backend.calls[-1] == ("restart", "infer@2")
-    assert ("infer@2", AdminState.MAINT) in front.states
-    assert rec.runtimes["infer@2"].supervision.state == State.RESTARTING
-    assert rec.runtimes["infer@2"].supervision.restarts == 0  # a definition change is no repair
-
-
-def test_the_drain_is_bounded_by_drain_timeout_s() -> None:
-    backend, front = RecordingBackend(), FakeFrontdoor()
-    rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
-    rec.monitor(0.5)
-    front.in_flight_by["infer@2"] = 1
-    new = cfg("[placement]\nnodes = [0, 2]\n[frontend]\ndrain_timeout_s = 10")
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
-    rec.monitor(10.9)
-    assert ("restart", "infer@2") not in backend.calls
-    rec.monitor(11.0)
-    assert backend.calls[-1] == ("restart", "infer@2")
-
-
-def test_an_unhealthy_instance_that_makes_no_progress_is_restarted_without_waiting() -> None:
-    # SIGSTOPped or wedged: it will never finish its request, so draining would only wait.
-    backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
-    rec = Reconciler(backend, proc, frontdoor=front)
-    config = cfg("[monitor]\nunhealthy_after = 1\nstartup_grace_s = 0\nprobe_timeout_s = 0.2")
-    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
-    backend.calls.clear()
-    pid = backend.running["infer@0"]
-    proc.cpu[pid] = 5.0
-    front.in_flight_by["infer@0"] = 1
-    rec.monitor(1.0)  # nothing listens on the ports: every probe fails
-    proc.cpu[pid] = 5.0  # and no CPU used since
-    rec.monitor(2.0)
-    assert ("restart", "infer@0") in backend.calls
-    assert rec.runtimes["infer@0"].supervision.restarts >= 1
-
-
-def test_behind_the_front_door_changed_instances_restart_one_at_a_time() -> None:
-    # A reload that changes every instance must leave some in rotation at every moment.
-    backend, front = RecordingBackend(), FakeFrontdoor()
-    rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
-    backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
-                                    for i in loaded.plan.instances}
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
-    rec.monitor(0.5)
-    backend.calls.clear()
-    new = cfg('[server]\nextra_args = ["--n_batch", "64"]')
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
-    assert backend.calls == [("restart", "infer@0")]
-    rec.monitor(2.0)  # infer@0 answers: healthy again, so the next one goes
-    assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1")]
-    rec.monitor(3.0)
-    assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1"), ("restart", "infer@2")]
-    rec.monitor(4.0)
-    assert all(rt.supervision.state == State.HEALTHY for rt in rec.runtimes.values())
-
-
-# -- one lifecycle: what happens to an instance's process is its state, not side flags -------------
-
-def lifecycle(rec: Reconciler, name: str = "infer@0") -> tuple[State, int]:
-    sup = rec.runtimes[name].supervision
-    return sup.state, sup.restarts
-
-
-def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off() -> None:
-    backend = RecordingBackend()
-    rec = Reconciler(backend, FakeProc(), probe=answering_probe)
-    rec.apply(loaded_for(cfg("[monitor]\nrestart_backoff_s = 5"), make_plan(cfg(), three_nodes())), 0.0)
-    rec.monitor(1.0)
-    assert lifecycle(rec) == (State.HEALTHY, 0)
-    backend.calls.clear()
-    first = backend.running.pop("infer@0")  # the process dies; this backend does not bring it back
-    rec.monitor(2.0)
-    # Gone, then restarted at once (the first restart in the window waits for nothing).
-    assert backend.calls == [("restart", "infer@0")] and lifecycle(rec) == (State.RESTARTING, 1)
-    assert rec.runtimes["infer@0"].last_drift.detail == f"main process {first} is gone"
-    rec.monitor(3.0)
-    # The new PID is the restart's result: not counted again as a crash.
-    assert lifecycle(rec) == (State.HEALTHY, 1)
-    backend.running.pop("infer@0")
-    rec.monitor(4.0)  # the second restart waits restart_backoff_s after the first (t = 2 + 5)
-    assert lifecycle(rec) == (State.BACKOFF, 1) and backend.calls == [("restart", "infer@0")]
-    rec.monitor(6.9)
-    assert lifecycle(rec) == (State.BACKOFF, 1)
-    rec.monitor(7.0)
-    assert lifecycle(rec) == (State.RESTARTING, 2) and backend.calls[-1] == ("restart", "infer@0")
-
-
-def test_a_process_the_service_manager_replaced_counts_as_a_crash_and_is_not_restarted_again() -> None:
-    backend = RecordingBackend()
-    rec = Reconciler(backend, FakeProc(), probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
-    rec.monitor(1.0)
-    backend.calls.clear()
-    old = backend.running["infer@1"]
-    backend.running["infer@1"] = 999  # systemd's Restart= brought it back between two passes
-    rec.monitor(2.0)
-    assert backend.calls == [] and lifecycle(rec, "infer@1") == (State.HEALTHY, 1)
-    assert rec.runtimes["infer@1"].last_drift.detail == f"main process {old} replaced by 999"
-    assert lifecycle(rec, "infer@0") == (State.HEALTHY, 0)
-
-
-def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_crash() -> None:
-    # systemctl restart --no-block: the old PID stays a while, then goes, then the new one comes.
-    answer = [True]
-
-    def probe(host: str, port: int, timeout: float, path: str) -> ProbeResult:
-        return ProbeResult(answer[0], 0.0, "refused")
-    backend = RecordingBackend()
-    later: dict[str, int] = {}
-    backend.restart = lambda instance: (backend.calls.append(("restart", instance.name)),
-                                        later.__setitem__(instance.name, 555))
-    # Between the old process and the new one the unit is "activating": pending, as systemd says.
-    backend.observe = lambda names: {n: Observation(backend.running.get(n), n in later and n not in backend.running,
-                                                    "activating") for n in names}
-    rec = Reconciler(backend, FakeProc(), probe=probe)
-    config = cfg("[monitor]\nunhealthy_after = 1\nstartup_grace_s = 30")
-    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
-    rec.monitor(0.5)
-    assert lifecycle(rec) == (State.HEALTHY, 0)
-    answer[0] = False  # from now on every probe fails
-    rec.monitor(1.0)
-    assert lifecycle(rec) == (State.RESTARTING, 1)
-    rec.monitor(2.0)  # same old PID, probe refused: part of the restart, not a new failure
-    assert lifecycle(rec) == (State.RESTARTING, 1) and backend.calls.count(("restart", "infer@0")) == 1
-    backend.running.pop("infer@0")
-    rec.monitor(3.0)  # the old one is gone: the restart's doing, no drift event
-    assert lifecycle(rec) == (State.RESTARTING, 1)
-    assert rec.runtimes["infer@0"].last_drift is None
-    backend.running["infer@0"] = later["infer@0"]
-    rec.monitor(4.0)
-    assert lifecycle(rec) == (State.STARTING, 1) and rec.runtimes["infer@0"].pid == 555
-
-
-def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definition(caplog) -> None:
-    # A bad extra_args: the first instance restarted on it never answers. The others must
-    # keep serving on the old definition, not follow it down.
-    backend, front = RecordingBackend(), FakeFrontdoor()
-    broken: set[int] = set()
-    rec = Reconciler(backend, FakeProc(), frontdoor=front,
-                     probe=lambda host, port, timeout, path: ProbeResult(port not in broken, 0.0, "refused"))
-    backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
-                                    for i in loaded.plan.instances}
-    base = "[monitor]\nstartup_grace_s = 0\nunhealthy_after = 1\nrestart_backoff_s = 1\n"
-    rec.apply(loaded_for(cfg(base), make_plan(cfg(base), three_nodes())), 0.0)
-    rec.monitor(0.5)
-    backend.calls.clear()
-    new = cfg(base + '[server]\nextra_args = ["--bogus"]')
-    broken.add(8080)  # infer@0, once restarted on the new definition, never answers
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
-    for t in range(2, 30):
-        rec.monitor(float(t))
-    restarted = {name for call, name in backend.calls if call == "restart"}
-    assert restarted == {"infer@0"}, backend.calls
-    assert "rolling restart stopped: infer@0 not healthy on the new definition" in caplog.text
-    assert rec.runtimes["infer@1"].supervision.state == State.HEALTHY
-    broken.clear()  # a reload that fixes it: the rollout goes on
-    fixed = cfg(base + '[server]\nextra_args = ["--good"]')
-    rec.apply(loaded_for(fixed, make_plan(fixed, three_nodes())), 40.0)
-    for t in range(41, 50):
-        rec.monitor(float(t))
-    assert {name for call, name in backend.calls if call == "restart"} == {"infer@0", "infer@1", "infer@2"}
 
 
 def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(monkeypatch) -> None:
@@ -335,38 +126,6 @@ def test_interleaved_instances_are_never_migrated(monkeypatch) -> None:
     assert rt.memory is not None and not rt.memory.drifted
 
 
-def test_a_hold_drains_then_stops_the_instance_and_its_release_starts_it_again() -> None:
-    backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
-    rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
-    rec.monitor(0.5)
-    backend.calls.clear()
-    pid = backend.running["infer@1"]
-    proc.cpu[pid] = 1.0
-    front.in_flight_by["infer@1"] = 2
-    rec.holds = {"infer@1": "numa-infer tune (pid 4242)"}
-    rec.monitor(1.0)
-    assert lifecycle(rec, "infer@1")[0] == State.DRAINING and ("infer@1", AdminState.DRAIN) in front.states
-    assert backend.calls == []  # its requests finish first
-    front.in_flight_by["infer@1"] = 0
-    rec.monitor(2.0)
-    assert backend.calls == [("stop", "infer@1")] and lifecycle(rec, "infer@1") == (State.HELD, 0)
-    assert rec.runtimes["infer@1"].supervision.last_error == "held by numa-infer tune (pid 4242)"
-    for t in (3.0, 4.0, 5.0):  # held: never restarted, never counted, out of rotation
-        rec.monitor(t)
-    assert backend.calls == [("stop", "infer@1")]
-    assert [state for name, state in front.states[-3:] if name == "infer@1"] == [AdminState.MAINT]
-    assert lifecycle(rec, "infer@0") == (State.HEALTHY, 0)  # the other nodes serve throughout
-    # A reload meanwhile does not start it either.
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 5.5)
-    assert "infer@1" not in backend.running
-    rec.holds = {}
-    rec.monitor(6.0)
-    assert backend.calls[-1] == ("start", "infer@1") and lifecycle(rec, "infer@1") == (State.STARTING, 0)
-    rec.monitor(7.0)
-    assert lifecycle(rec, "infer@1") == (State.HEALTHY, 0)
-
-
 def test_a_hold_whose_holder_died_is_dropped(tmp_path) -> None:
     import os
     import subprocess
@@ -425,16 +184,6 @@ def test_every_drift_check_runs_even_when_an_earlier_one_drifts() -> None:
     assert ran == [EventKind.AFFINITY, EventKind.MEMORY]
 
 
-def test_a_probe_that_answers_while_requests_stall_for_30s_counts_as_failed() -> None:
-    from numad_infer.supervision.supervisor import STALL_AFTER_S, judge_probe
-
-    answered = ProbeResult(True, 0.002)
-    assert judge_probe(answered, None, 100.0) is answered
-    assert judge_probe(answered, 100.0 - STALL_AFTER_S + 1, 100.0).ok
-    stalled = judge_probe(answered, 100.0 - STALL_AFTER_S, 100.0)
-    assert not stalled.ok and stalled.error == "stalled: requests in flight and no CPU used for 30s"
-
-
 def test_monitor_returns_each_instance_state_and_nothing_when_states_cannot_be_read() -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend, FakeProc(), probe=answering_probe)
@@ -462,56 +211,6 @@ def test_a_crash_is_logged_as_transitions_once_each(caplog) -> None:
     moves = [r.getMessage() for r in caplog.records if r.name == "numad_infer.lifecycle.states"]
     assert moves == ["infer@0: healthy -> exited (main process gone)",
                      "infer@0: exited -> restarting (not running (inactive))"]
-
-
-def test_an_instance_no_longer_planned_finishes_its_requests_before_it_stops() -> None:
-    # Before: a reload that dropped a node stopped its instance at once, and the requests it
-    # was answering through the front door failed.
-    backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
-    rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
-    rec.monitor(0.5)
-    backend.calls.clear()
-    leaving = rec.runtimes["infer@2"].instance.port
-    proc.connections = {leaving: 2}
-    new = cfg("[placement]\nnodes = [0, 1]")
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
-    assert "infer@2" not in rec.runtimes and backend.calls == []
-    rec.monitor(2.0)
-    assert ("stop", "infer@2") not in backend.calls  # two clients still wait for their answers
-    proc.connections = {leaving: 0}
-    rec.monitor(3.0)
-    assert backend.calls.count(("stop", "infer@2")) == 1
-    rec.monitor(4.0)
-    assert backend.calls.count(("stop", "infer@2")) == 1
-
-
-def test_an_instance_no_longer_planned_is_stopped_after_the_drain_timeout() -> None:
-    backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
-    rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
-    rec.monitor(0.5)
-    proc.connections = {rec.runtimes["infer@2"].instance.port: 1}  # a client that never hangs up
-    new = cfg("[placement]\nnodes = [0, 1]\n[frontend]\ndrain_timeout_s = 30")
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
-    rec.monitor(30.0)
-    assert ("stop", "infer@2") not in backend.calls
-    rec.monitor(31.5)
-    assert ("stop", "infer@2") in backend.calls
-
-
-def test_an_instance_planned_again_while_it_leaves_is_stopped_before_the_new_one_starts() -> None:
-    backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
-    rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
-    rec.monitor(0.5)
-    proc.connections = {rec.runtimes["infer@2"].instance.port: 1}
-    fewer = cfg("[placement]\nnodes = [0, 1]")
-    rec.apply(loaded_for(fewer, make_plan(fewer, three_nodes())), 1.0)
-    backend.calls.clear()
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 2.0)
-    # The leaving one holds the port the new one needs: it goes first.
-    assert backend.calls.index(("stop", "infer@2")) < backend.calls.index(("start", "infer@2"))
 
 
 def test_another_model_file_changes_every_instances_definition_and_rolls_them_one_at_a_time() -> None:
