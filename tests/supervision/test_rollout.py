@@ -14,7 +14,10 @@ from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.lifecycle.states import State
 from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.health import ProbeResult
+from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.reconcile import Reconciler
+from numad_infer.supervision.rollout import Rollout
+from numad_infer.supervision.supervisor import Supervisor
 from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
 
 
@@ -236,3 +239,88 @@ def test_unknown_and_held_instances_are_refused_with_the_names() -> None:
     error = rec.rollout.request(["infer@2"], rec.runtimes, rec.holds)
     assert error is not None and "held by numa-infer tune (pid 42)" in error
     assert not rec.rollout.rolling
+
+
+# -- Rollout alone: a running fleet and a new plan -> what is stopped, restarted, left to roll -----
+
+def rollout_over(front: FakeFrontdoor | None) -> tuple[Rollout, RecordingBackend, dict[str, Runtime]]:
+    """A Rollout with the three instances of cfg() started, their PIDs known and healthy, nothing recorded yet.
+    RecordingBackend stands in for systemctl or child processes (its specs carry
+    server.extra_args, as both real backends' argv does), FakeFrontdoor for HAProxy."""
+    backend = RecordingBackend()
+    backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
+                                    for i in loaded.plan.instances}
+    supervisor = Supervisor(backend, FakeProc(), front, wall=lambda: 0.0)  # type: ignore[arg-type]
+    rollout, runtimes = Rollout(backend, front, supervisor), {}  # type: ignore[arg-type]
+    bring(rollout, cfg(), runtimes, {}, 0.0)
+    for rt in runtimes.values():  # what the monitor's next pass sees: each one's process, answering
+        rt.pid = backend.running[rt.instance.name]
+        rt.supervision.on_probe(True, 0.5, cfg().monitor)
+    backend.calls.clear()
+    return rollout, backend, runtimes
+
+
+def bring(rollout: Rollout, config, runtimes: dict[str, Runtime], holds: dict[str, str], now: float) -> None:
+    """What Reconciler.apply does with a new configuration, through the Rollout alone."""
+    loaded = loaded_for(config, make_plan(config, three_nodes()))
+    diff, specs = rollout.sync(loaded)
+    rollout.supervisor.config = config
+    rollout.apply(loaded.plan, diff, specs, runtimes, holds, now, config.frontend.drain_timeout_s)
+
+
+NODE_1_DROPPED = "[placement]\nnodes = [0, 2]\n"  # infer@1 goes; infer@2 moves from port 8082 to 8081
+NEW_ARGS = '[server]\nextra_args = ["--n_batch", "64"]\n'  # every instance's definition changes
+
+
+@pytest.mark.parametrize("new, front_door, holds, calls, rolling, retiring", [
+    ("", False, {}, [], [], []),
+    ("", True, {}, [], [], []),
+    (NODE_1_DROPPED, False, {}, [("stop", "infer@1"), ("restart", "infer@2")], [], []),
+    # Behind the front door the dropped one is healthy and serving: it finishes its requests first.
+    (NODE_1_DROPPED, True, {}, [("restart", "infer@2")], [], ["infer@1"]),
+    (NEW_ARGS, False, {}, [("restart", "infer@0"), ("restart", "infer@1"), ("restart", "infer@2")], [], []),
+    (NEW_ARGS, True, {}, [("restart", "infer@0")], ["infer@1", "infer@2"], []),
+    # A held instance's restart waits for its release, and the ones after it wait too.
+    (NEW_ARGS, False, {"infer@1": "numa-infer tune"}, [("restart", "infer@0")], ["infer@1", "infer@2"], []),
+], ids=["same", "same-behind-front-door", "node-dropped", "node-dropped-behind-front-door", "changed-all-at-once",
+        "changed-one-at-a-time", "changed-held"])
+def test_a_new_plan_stops_restarts_and_leaves_to_roll_what_the_table_says(
+        new: str, front_door: bool, holds: dict[str, str], calls: list[tuple[str, str]], rolling: list[str],
+        retiring: list[str]) -> None:
+    rollout, backend, runtimes = rollout_over(FakeFrontdoor() if front_door else None)
+    bring(rollout, cfg(new), runtimes, holds, 1.0)
+    assert backend.calls == calls
+    assert rollout.rolling == rolling
+    assert sorted(rollout.retiring) == retiring
+    assert sorted(runtimes) == sorted(i.name for i in make_plan(cfg(new), three_nodes()).instances)
+
+
+def test_the_rollouts_next_restart_waits_until_the_last_one_is_healthy() -> None:
+    front = FakeFrontdoor()
+    rollout, backend, runtimes = rollout_over(front)
+    bring(rollout, cfg(NEW_ARGS), runtimes, {}, 1.0)
+    assert backend.calls == [("restart", "infer@0")]
+    rollout.roll(runtimes, {}, 2.0)  # infer@0 is restarting: nobody else goes
+    assert backend.calls == [("restart", "infer@0")]
+    runtimes["infer@0"].supervision.on_started(3.0)
+    rollout.roll(runtimes, {}, 3.0)  # starting is not healthy yet
+    assert backend.calls == [("restart", "infer@0")]
+    runtimes["infer@0"].supervision.on_probe(True, 4.0, cfg().monitor)
+    rollout.roll(runtimes, {}, 4.0)
+    assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1")]
+    assert rollout.left(("infer@0", "infer@1", "infer@2"), runtimes) == ("infer@1", "infer@2")
+
+
+def test_sync_gives_the_difference_against_a_previous_daemons_units_on_the_first_load() -> None:
+    # The first load compares with what the backend says a previous daemon left (adoption);
+    # later ones with what this rollout applied last.
+    backend = RecordingBackend()
+    loaded = loaded_for(cfg(), make_plan(cfg(), three_nodes()))
+    left = backend.specs(loaded)
+    backend.current_specs = lambda loaded: {**left, "infer@1": "another definition"}  # type: ignore[method-assign]
+    rollout = Rollout(backend, None, Supervisor(backend, FakeProc(), None, wall=lambda: 0.0))  # type: ignore[arg-type]
+    diff, specs = rollout.sync(loaded)
+    assert (diff.unchanged, diff.changed, diff.added, diff.removed) == (("infer@0", "infer@2"), ("infer@1",), (), ())
+    rollout.plan, rollout.specs = loaded.plan, specs
+    diff, _ = rollout.sync(loaded)
+    assert (diff.unchanged, diff.changed) == (("infer@0", "infer@1", "infer@2"), ())

@@ -15,7 +15,9 @@ from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.lifecycle.states import State
 from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.health import ProbeResult
+from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.reconcile import Reconciler
+from numad_infer.supervision.supervisor import Supervisor
 from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
 
 
@@ -201,3 +203,90 @@ def test_a_probe_that_answers_while_requests_stall_for_30s_counts_as_failed() ->
     assert judge_probe(answered, 100.0 - STALL_AFTER_S + 1, 100.0).ok
     stalled = judge_probe(answered, 100.0 - STALL_AFTER_S, 100.0)
     assert not stalled.ok and stalled.error == "stalled: requests in flight and no CPU used for 30s"
+
+
+# -- Supervisor.step alone: one instance's state and what was seen of it -> the call made ---------
+
+TABLE_CONFIG = "[monitor]\nstartup_grace_s = 10\nunhealthy_after = 2\nrestart_backoff_s = 2\n"
+NOW = 5.0  # within the grace period of an instance started at 0
+
+
+def runtime_in(start: str) -> Runtime:
+    """infer@0 in the state named, reached through the lifecycle's own moves (pid 101 while it runs)."""
+    rt = Runtime(make_plan(cfg(), three_nodes()).instances[0], pid=101)
+    sup = rt.supervision
+    if start in ("starting", "healthy", "unhealthy"):
+        sup.on_started(0.0)
+    if start in ("healthy", "unhealthy"):
+        sup.on_probe(True, 1.0, cfg(TABLE_CONFIG).monitor)
+    if start == "unhealthy":
+        sup.on_probe(False, 2.0, cfg(TABLE_CONFIG).monitor, "refused")
+    if start in ("held", "failed"):
+        rt.pid = None
+        sup.on_held("numa-infer tune") if start == "held" else sup.on_failed("3 restarts within 100s")
+    assert sup.state.value == start, (start, sup.state)
+    return rt
+
+
+@pytest.mark.parametrize("start, pid, pending, held_by, probe_ok, calls, state, probed, restarts", [
+    # A running instance, probed.
+    ("healthy", 101, False, None, True, [], State.HEALTHY, True, 0),
+    ("healthy", 101, False, None, False, [], State.UNHEALTHY, True, 0),  # one failure of unhealthy_after = 2
+    ("unhealthy", 101, False, None, False, [("restart", "infer@0")], State.RESTARTING, False, 1),  # the second
+    ("starting", 101, False, None, False, [], State.STARTING, True, 0),  # in its grace period: not counted
+    # Its process gone, or replaced by the service manager.
+    ("healthy", None, False, None, None, [("restart", "infer@0")], State.RESTARTING, False, 1),
+    ("healthy", None, True, None, None, [], State.EXITED, False, 0),  # pending: the manager restarts it
+    ("healthy", 202, False, None, True, [], State.HEALTHY, True, 1),  # Restart= brought it back: counted
+    # Holds, with no front door to drain out of.
+    ("healthy", 101, False, "numa-infer tune", None, [("stop", "infer@0")], State.HELD, False, 0),
+    ("held", None, False, "numa-infer tune", None, [], State.HELD, False, 0),
+    ("held", 303, False, "numa-infer tune", None, [("stop", "infer@0")], State.HELD, False, 0),  # started meanwhile
+    ("held", None, False, None, None, [("start", "infer@0")], State.STARTING, False, 0),  # released
+    # Failed: left alone until a reload, whatever its process does.
+    ("failed", None, False, None, None, [], State.FAILED, False, 0),
+    ("failed", 404, False, None, True, [], State.FAILED, False, 0),
+])
+def test_one_step_for_one_instance_makes_the_call_and_the_move_the_table_says(
+        start: str, pid: int | None, pending: bool, held_by: str | None, probe_ok: bool | None,
+        calls: list[tuple[str, str]], state: State, probed: bool, restarts: int) -> None:
+    # RecordingBackend stands in for systemctl or child processes, FakeProc for /proc: the
+    # supervisor is given what a monitor pass saw, and nothing here runs a server.
+    backend = RecordingBackend()
+    supervisor = Supervisor(backend, FakeProc(), None, wall=lambda: NOW)
+    supervisor.config = cfg(TABLE_CONFIG)
+    rt = runtime_in(start)
+    seen = Observation(pid, pending, "active (running)" if pid else "inactive")
+    result = None if probe_ok is None else ProbeResult(probe_ok, 0.001, "" if probe_ok else "refused")
+    assert supervisor.step(rt, seen, held_by, result, NOW) is probed
+    assert backend.calls == calls
+    assert (rt.supervision.state, rt.supervision.restarts) == (state, restarts)
+
+
+@pytest.mark.parametrize("state, rotation", [
+    (State.HEALTHY, AdminState.READY), (State.DRAINING, AdminState.DRAIN), (State.STARTING, AdminState.MAINT),
+    (State.UNHEALTHY, AdminState.MAINT), (State.RESTARTING, AdminState.MAINT), (State.BACKOFF, AdminState.MAINT),
+    (State.EXITED, AdminState.MAINT), (State.HELD, AdminState.MAINT), (State.FAILED, AdminState.MAINT),
+    (State.STOPPED, AdminState.MAINT),
+])
+def test_an_instance_is_in_the_front_doors_rotation_only_while_healthy(state: State, rotation: AdminState) -> None:
+    front = FakeFrontdoor()  # HAProxy's runtime API: the admin state asked for is recorded
+    supervisor = Supervisor(RecordingBackend(), FakeProc(), front, wall=lambda: 0.0)  # type: ignore[arg-type]
+    rt = runtime_in("healthy")
+    rt.supervision.state = state
+    supervisor.rotate(rt)
+    assert front.states == [("infer@0", rotation)]
+
+
+def test_a_hold_behind_the_front_door_drains_first_and_a_release_before_its_end_resumes_service() -> None:
+    backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
+    supervisor = Supervisor(backend, proc, front, wall=lambda: 0.0)  # type: ignore[arg-type]
+    supervisor.config = cfg(TABLE_CONFIG)
+    rt = runtime_in("healthy")
+    front.in_flight_by["infer@0"] = 2
+    supervisor.step(rt, Observation(101, False, "active"), "numa-infer tune", None, NOW)
+    assert rt.supervision.state == State.DRAINING and backend.calls == []
+    assert front.states == [("infer@0", AdminState.DRAIN)]
+    # The holder gave up before the requests were answered: back in service, never stopped.
+    supervisor.step(rt, Observation(101, False, "active"), None, ProbeResult(True, 0.001), NOW + 1)
+    assert rt.supervision.state == State.HEALTHY and backend.calls == []
