@@ -64,3 +64,69 @@ def test_the_process_backend_sends_its_children_to_rotated_logs_of_the_shipped_s
     backend = ProcessBackend(tmp_path / "logs")
     assert backend.output.mode is InstanceLogs.FILE and backend.output.max_bytes == LOG_MAX_BYTES
     assert backend.frontdoor_runner(tmp_path).output is backend.output  # type: ignore[attr-defined]
+
+
+def one_cpu_plan() -> Plan:
+    # CPU 0 and node 0 only: every CI host has them (the three-node stand-in's CPUs 1 and 2 may not exist here).
+    return Plan((Instance("infer@0", 0, (0,), ((0,),), (0,), Policy.BIND, 1, 8080),))
+
+
+def test_the_specs_are_the_launches_validation_worked_out_argv_and_environment() -> None:
+    loaded = loaded_for(cfg(), make_plan(cfg(), three_nodes()))
+    backend = ProcessBackend(Path("/nonexistent"))
+    specs = {name: json.loads(spec) for name, spec in backend.specs(loaded).items()}
+    assert sorted(specs) == ["infer@0", "infer@1", "infer@2"]
+    for name, spec in specs.items():
+        assert spec["argv"] == list(loaded.launches[name].argv) and spec["env"] == loaded.launches[name].env
+    # Another launch for infer@1 alone (as validation would carry for other server flags):
+    # the spec follows the value handed in, never the configuration worked out again.
+    other = dataclasses.replace(loaded.launches["infer@1"], argv=("/opt/other-server", "--port", "8081"),
+                                environment=(("OMP_NUM_THREADS", "7"),))
+    moved = {name: json.loads(spec) for name, spec in
+             backend.specs(dataclasses.replace(loaded, launches={**loaded.launches, "infer@1": other})).items()}
+    assert moved["infer@1"]["argv"] == ["/opt/other-server", "--port", "8081"]
+    assert moved["infer@1"]["env"] == {"OMP_NUM_THREADS": "7"}
+    assert moved["infer@0"] == specs["infer@0"] and moved["infer@2"] == specs["infer@2"]
+
+
+def test_start_before_sync_refuses_and_starts_nothing(tmp_path: Path) -> None:
+    backend = ProcessBackend(tmp_path / "logs")
+    (instance,) = one_cpu_plan().instances
+    with pytest.raises(ValueError, match=r"infer@0: the process backend was given no configuration \(sync\)"):
+        backend.start(instance)
+    assert backend.children == {} and backend.main_pid("infer@0") is None
+    assert backend.observe(["infer@0"])["infer@0"].description == "inactive"
+
+
+def test_sync_refuses_a_value_validated_for_systemd_and_keeps_the_last_one(tmp_path: Path) -> None:
+    backend = ProcessBackend(tmp_path / "logs")
+    mine = loaded_for(cfg(), one_cpu_plan())
+    assert backend.sync(mine) is False  # nothing on disk: no daemon-reload to ask for
+    with pytest.raises(ValueError, match="validated for systemd"):
+        backend.sync(loaded_for(cfg(), one_cpu_plan(), kind=BackendKind.SYSTEMD))
+    assert backend.loaded is mine
+    assert backend.current_specs(mine) == {}  # children never outlive the daemon: nothing to adopt
+
+
+def test_start_runs_the_launchs_argv_pinned_to_the_instances_cpus(tmp_path: Path) -> None:
+    # A real child; the server is a stand-in (python sleeping), since no model is loaded here.
+    import sys
+
+    loaded = loaded_for(cfg(), one_cpu_plan())
+    argv = (sys.executable, "-c", "import time; time.sleep(60)", "--stands-in-for", "infer@0")
+    launch = dataclasses.replace(loaded.launches["infer@0"], argv=argv)
+    backend = ProcessBackend(tmp_path / "logs")
+    (tmp_path / "logs").mkdir(mode=0o700)
+    backend.sync(dataclasses.replace(loaded, launches={"infer@0": launch}))
+    (instance,) = loaded.plan.instances
+    backend.start(instance)
+    try:
+        pid = backend.main_pid("infer@0")
+        assert pid is not None and backend.observe(["infer@0"])["infer@0"].description == "active (running)"
+        assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1] == [a.encode() for a in argv]
+        assert os.sched_getaffinity(pid) == {0}
+        backend.start(instance)  # already running: no second child
+        assert backend.main_pid("infer@0") == pid
+    finally:
+        backend.stop("infer@0")
+    assert backend.main_pid("infer@0") is None and backend.observe(["infer@0"])["infer@0"].pid is None

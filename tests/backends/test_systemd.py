@@ -9,6 +9,7 @@ arguments and prints what the real one prints; the real systemctl runs in the VM
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -132,3 +133,83 @@ def test_systemctl_failing_every_time_is_an_error(tmp_path: Path) -> None:
 
     with pytest.raises(SystemctlError, match="list-jobs"):
         SystemdBackend(sequenced_systemctl(tmp_path, [(1, "")])).stop_all_on_exit(looks=2, pause_s=0)
+
+
+def systemd_loaded(unit_dir: Path, extra: str = ""):
+    config = cfg(f'[systemd]\nunit_dir = "{unit_dir}"\n{extra}')
+    return loaded_for(config, make_plan(config, three_nodes()), kind=BackendKind.SYSTEMD)
+
+
+def on_disk(unit_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(unit_dir)): p.read_text() for p in sorted(unit_dir.rglob("*")) if p.is_file()}
+
+
+def recorded(tmp_path: Path) -> list[str]:
+    path = tmp_path / "calls"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_sync_writes_the_units_validation_rendered_and_reloads_systemd_only_on_a_change(tmp_path: Path) -> None:
+    unit_dir = tmp_path / "units"
+    backend = SystemdBackend(fake_systemctl(tmp_path, ""))
+    loaded = systemd_loaded(unit_dir)
+    assert "infer@.service" in loaded.units and "infer@2.service.d/50-numa-infer.conf" in loaded.units
+    assert backend.sync(loaded) is True
+    assert on_disk(unit_dir) == loaded.units
+    assert recorded(tmp_path) == ["daemon-reload"]
+    assert backend.sync(loaded) is False  # the same units: nothing written, no reload
+    assert recorded(tmp_path) == ["daemon-reload"]
+    # What is written is the value handed in, not units rendered again from the configuration.
+    dropin = "infer@1.service.d/50-numa-infer.conf"
+    edited = dataclasses.replace(loaded, units={**loaded.units, dropin: loaded.units[dropin] + "# edited\n"})
+    assert backend.sync(edited) is True
+    assert on_disk(unit_dir)[dropin].endswith("# edited\n") and recorded(tmp_path) == ["daemon-reload"] * 2
+    # A node dropped: its instance's drop-in goes with the next sync.
+    fewer = systemd_loaded(unit_dir, "[placement]\nnodes = [0, 1]\n")
+    assert backend.sync(fewer) is True
+    assert on_disk(unit_dir) == fewer.units and "infer@2.service.d/50-numa-infer.conf" not in on_disk(unit_dir)
+    assert recorded(tmp_path) == ["daemon-reload"] * 3
+
+
+def test_the_specs_are_the_rendered_template_and_each_instances_drop_in(tmp_path: Path) -> None:
+    loaded = systemd_loaded(tmp_path / "units")
+    backend = SystemdBackend(fake_systemctl(tmp_path, ""))
+    specs = backend.specs(loaded)
+    dropin = "infer@1.service.d/50-numa-infer.conf"
+    edited = backend.specs(dataclasses.replace(loaded, units={**loaded.units, dropin: loaded.units[dropin] + "#\n"}))
+    assert [n for n in specs if specs[n] != edited[n]] == ["infer@1"]
+    template = backend.specs(dataclasses.replace(
+        loaded, units={**loaded.units, "infer@.service": loaded.units["infer@.service"] + "#\n"}))
+    assert all(template[n] != specs[n] for n in specs)  # a template change changes every instance
+    keyed = backend.specs(dataclasses.replace(loaded, api_key="k-NEW"))
+    assert all(keyed[n] != specs[n] for n in specs)  # so does a new key, which no unit carries
+    assert all("k-NEW" not in spec for spec in keyed.values())
+
+
+def test_the_units_a_sync_wrote_are_what_a_restarted_daemon_adopts(tmp_path: Path) -> None:
+    loaded = systemd_loaded(tmp_path / "units")
+    backend = SystemdBackend(fake_systemctl(tmp_path, ""))
+    assert backend.current_specs(loaded) == {}  # nothing written yet: nothing to adopt
+    backend.sync(loaded)
+    assert SystemdBackend(fake_systemctl(tmp_path, "")).current_specs(loaded) == backend.specs(loaded)
+
+
+def test_start_stop_and_restart_name_the_instances_unit(tmp_path: Path) -> None:
+    backend = SystemdBackend(fake_systemctl(tmp_path, ""))
+    instance = make_plan(cfg(), three_nodes()).instances[1]
+    backend.start(instance)
+    backend.stop("infer@2")
+    backend.restart(instance)
+    assert recorded(tmp_path) == ["start --no-block -- infer@1.service", "stop -- infer@2.service",
+                                  "restart --no-block -- infer@1.service"]
+
+
+def test_forget_removes_the_units_it_wrote_and_reloads_systemd(tmp_path: Path) -> None:
+    unit_dir = tmp_path / "units"
+    backend = SystemdBackend(fake_systemctl(tmp_path, ""))
+    loaded = systemd_loaded(unit_dir)
+    backend.sync(loaded)
+    (unit_dir / "operator.service").write_text("[Service]\nExecStart=/bin/true\n")  # not ours: left alone
+    backend.forget(loaded.config)
+    assert on_disk(unit_dir) == {"operator.service": "[Service]\nExecStart=/bin/true\n"}
+    assert recorded(tmp_path) == ["daemon-reload", "daemon-reload"]
