@@ -114,14 +114,16 @@ def test_a_root_daemon_runs_its_servers_as_a_server_user_that_exists() -> None:
     runs_as = instances_run_as("nobody", "cfg", BackendKind.PROCESS)
     assert runs_as is not None
     assert (runs_as.name, runs_as.uid, runs_as.gid, runs_as.fallback) == ("nobody", nobody.pw_uid, nobody.pw_gid, "")
-    assert runs_as.popen_kwargs() == {"user": nobody.pw_uid, "group": nobody.pw_gid, "extra_groups": list(runs_as.groups)}
+    assert runs_as.popen_kwargs() == {"user": nobody.pw_uid, "group": nobody.pw_gid,
+                                      "extra_groups": list(runs_as.groups)}
     root = instances_run_as("root", "cfg", BackendKind.PROCESS)
     assert root is not None and root.is_root and root.home == pwd.getpwnam("root").pw_dir
 
 
 @as_root
 def test_a_server_user_that_does_not_exist_is_a_config_error_naming_the_key() -> None:
-    with pytest.raises(ConfigError, match=rf'/etc/numa-infer.toml: server.user = "{MISSING}": no such user on this host'):
+    with pytest.raises(ConfigError,
+                       match=rf'/etc/numa-infer.toml: server.user = "{MISSING}": no such user on this host'):
         instances_run_as(MISSING, "/etc/numa-infer.toml", BackendKind.PROCESS)
 
 
