@@ -60,9 +60,8 @@ class ServedModel:
     def rekeyed(self, exc: ConfigError) -> ConfigError:
         """A refusal raised while reading this model's view, naming the key in its own
         table where it sets the value (the only place that maps view keys to file keys)."""
-        if exc.key is None or self.key_for(exc.key) == exc.key:
+        if exc.key is None or (key := self.key_for(exc.key)) == exc.key:
             return exc
-        key = self.key_for(exc.key)
         return ConfigError(exc.source, key, exc.problem.replace(exc.key, key), exc.value, exc.value is not None)
 
 
@@ -75,10 +74,16 @@ def served_models(config: Config) -> tuple[ServedModel, ...]:
     return tuple(_served(config, k, entry) for k, entry in enumerate(config.models))
 
 
+# The view keys a [[models]] table always sets (its nodes and instances per node; its
+# extra_args follow server's), and those it can set (threads and slots when given).
+_ALWAYS_OWN = frozenset({"placement.nodes", "placement.instances_per_node", "server.extra_args"})
+_SETTABLE = _ALWAYS_OWN | {"placement.threads", "placement.threads_batch", "server.parallel"}
+
+
 def _served(config: Config, k: int, entry: ModelEntry) -> ServedModel:
     server = config.server
     server_update: dict[str, object] = {"extra_args": [*server.extra_args, *entry.extra_args]}
-    own = {"placement.nodes", "placement.instances_per_node", "server.extra_args"}
+    own = set(_ALWAYS_OWN)
     if entry.parallel:
         server_update["parallel"] = entry.parallel
         own.add("server.parallel")
@@ -93,10 +98,8 @@ def _served(config: Config, k: int, entry: ModelEntry) -> ServedModel:
         "placement": config.placement.model_copy(update=placement_update),
         "server": server.model_copy(update=server_update),
     })
-    settable = {"placement.nodes", "placement.instances_per_node", "placement.threads", "placement.threads_batch",
-                "server.parallel", "server.extra_args"}
     return ServedModel(entry.name, tuple(entry.aliases), view, entry.cores_per_instance, f"models[{k}]",
-                       entry.name, frozenset(own), frozenset(settable))
+                       entry.name, frozenset(own), _SETTABLE)
 
 
 def find(served: tuple[ServedModel, ...], ident: str) -> ServedModel:
