@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from numad_infer.host.cpufeatures import from_backend_log  # noqa: E402
 from numad_infer.model.gguf import decode_bytes  # noqa: E402
+from numad_infer.validate.host_check import RUN_TRIES  # noqa: E402
 from tests.daemon_harness import free_port_block, generated_model, llama_server_binary  # noqa: E402
 
 MODELS = ("f16", "Q8_0", "Q4_0", "Q4_K_M")
@@ -106,9 +107,14 @@ class Server:
         if self.failed is not None:
             return self.failed
         # The variant ggml loads (logged at verbosity 4 when the backends load; none: static).
-        listed = subprocess.run([str(self.binary), "-lv", "4", "--list-devices"], capture_output=True, text=True,
-                                timeout=60)
-        cpu = from_backend_log(listed.stdout + listed.stderr)
+        # Its log thread may lose the line when the process exits at once: asked a few times.
+        cpu = None
+        for _ in range(RUN_TRIES):
+            listed = subprocess.run([str(self.binary), "-lv", "4", "--list-devices"], capture_output=True, text=True,
+                                    timeout=60)
+            cpu = from_backend_log(listed.stdout + listed.stderr)
+            if cpu is not None:
+                break
         return Run(statistics.median(self.pp), statistics.median(self.tg), self.prompt_tokens,
                    cpu.variant if cpu and cpu.variant else "static")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
@@ -63,7 +63,11 @@ class HostAccess(Protocol):
     who: str  # for messages: "" (the daemon's own user) or " as nobody"
 
     def stat(self, path: str) -> os.stat_result: ...
-    def run(self, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str] | None: ...
+    # `until`: the output it must give; tried again a few times when it does not (a program
+    # whose log leaves from a thread of its own may exit before the line is written).
+    def run(self, argv: list[str], timeout_s: float,
+            until: Callable[[subprocess.CompletedProcess[str]], bool] | None = None,
+            ) -> subprocess.CompletedProcess[str] | None: ...
 
 
 class Engine(ABC):

@@ -164,7 +164,8 @@ class LlamaServer(Engine):
         # ISA before it has loaded a model, so it stays unknown.
         path = config.server.llama_server
         asked = f"`{path} -lv 4 --list-devices`"
-        done = host.run([path, "-lv", "4", "--list-devices"], 30.0)
+        done = host.run([path, "-lv", "4", "--list-devices"], 30.0,
+                        until=lambda run: from_backend_log(run.stdout + run.stderr) is not None)
         if done is None:
             return EngineCpuReport(None, f"{asked} did not run{host.who}", self.cpu_fix)
         cpu = from_backend_log(done.stdout + done.stderr)

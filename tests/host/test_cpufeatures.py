@@ -100,8 +100,9 @@ def test_llama_server_names_the_variant_it_loaded_on_this_host() -> None:
     binary = llama_server_binary()
     config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-server"\nllama_server = "{binary}"\n',
                           "/etc/x.toml")
-    cpu = engine_of(config).cpu(config, InstanceHost(None)).cpu
-    assert cpu is not None and cpu.variant in VARIANT_FEATURES
+    report = engine_of(config).cpu(config, InstanceHost(None))
+    cpu = report.cpu
+    assert cpu is not None and cpu.variant in VARIANT_FEATURES, report
     host = cpuinfo_flags(Path("/proc/cpuinfo").read_text())
     # Every wide unit the variant uses is one the OS enabled (cpuinfo lists only those).
     needs = {"AVX2": "avx2", "AVX512": "avx512f", "AVX512_VNNI": "avx512_vnni", "AMX_INT8": "amx_int8"}
@@ -137,3 +138,24 @@ def test_a_wider_variant_built_but_not_loaded_is_declined_by_the_host_not_idle()
     assert declined.declined == {"AMX_INT8"} and idle_units(host, declined) == ()
     # Built without the AMX variant: the build leaves AMX idle, and a rebuild is the fix.
     assert idle_units(host, declined_by(loaded, ["x64", "zen4"])) == ("AMX_INT8",)
+
+
+def test_a_variant_line_lost_by_the_engines_log_thread_is_asked_for_again(tmp_path: Path) -> None:
+    """llama-server's log thread may lose the line when `--list-devices` exits at once (seen
+    under load): the check asks again, and keeps only the answer that names the variant."""
+    from numad_infer.config.load import parse_config
+    from numad_infer.engines import engine_of
+    from numad_infer.validate.host_check import InstanceHost
+
+    runs = tmp_path / "runs"
+    flaky = tmp_path / "llama-server"  # the line on the third run only
+    flaky.write_text(f"#!/bin/sh\necho x >> {runs}\n[ $(wc -l < {runs}) -ge 3 ] && "
+                     f"echo 'load_backend: loaded CPU backend from {tmp_path}/libggml-cpu-haswell.so' >&2\nexit 0\n")
+    flaky.chmod(0o755)
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-server"\nllama_server = "{flaky}"\n',
+                          "/etc/x.toml")
+    report = engine_of(config).cpu(config, InstanceHost(None))
+    assert report.cpu is not None and report.cpu.variant == "haswell", report
+    assert runs.read_text().count("x") == 3
+    engine_of(config).cpu(config, InstanceHost(None))
+    assert runs.read_text().count("x") == 3  # kept once it named one
