@@ -13,7 +13,7 @@ import ipaddress
 import re
 import sys
 
-from numad_infer.config.defaults import FRONTDOOR_USER, INSTANCE_STOP_S, RUN_DIR
+from numad_infer.config.defaults import FRONTDOOR_STOP_S, FRONTDOOR_USER, INSTANCE_STOP_S, RUN_DIR
 from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import KEY_CREDENTIAL, Engine, engine_of
@@ -201,6 +201,11 @@ def render_frontdoor_unit(config: Config, user: str | None = FRONTDOOR_USER, pyt
         "ExecReload=" + check,
         "ExecReload=/bin/kill -USR2 $MAINPID",
         "KillMode=mixed",
+        # A stop is HAProxy's soft stop: the master passes SIGUSR1 to its workers, which stop
+        # accepting (systemd's socket keeps the port's backlog), finish the requests they carry
+        # and exit; SIGTERM would cut them. Bounded as the daemon bounds its own drain.
+        "KillSignal=SIGUSR1",
+        f"TimeoutStopSec={config.frontend.drain_timeout_s + FRONTDOOR_STOP_S:g}",
         "Restart=on-failure",
         "RestartSec=2",
         *frontdoor_identity(user),
