@@ -46,6 +46,10 @@ class EngineCounters:
     # The KV cache (`Engine.kv_cache_path`): tokens the busy slots hold, cells of all slots.
     kv_cache_tokens: int | None = None
     kv_cache_size: int | None = None
+    # Counters since the server started: prompt tokens it computed (prefill), and prompt
+    # tokens it took from its cache instead (None: the engine does not count them).
+    prompt_tokens_computed: float | None = None
+    prompt_tokens_cached: float | None = None
 
 
 @dataclass(frozen=True)
