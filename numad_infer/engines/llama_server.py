@@ -88,6 +88,7 @@ class LlamaServer(Engine):
     # /slots (on unless --no-slots) says per slot its cells (`n_ctx`) and, once a task has
     # run in it, the tokens it holds (`n_prompt_tokens`: the prompt and what it generated).
     kv_cache_path = "/slots"
+    slot_save_option = "--slot-save-path"
     overhead = OVERHEAD
     prompt_cache_args = '"--cache-ram", "MIB"'  # 0 turns it off
     cpu_fix = ("build server.llama_server with `NUMA_INFER_CPU_VARIANTS=all scripts/build-llama-server` (one CPU "

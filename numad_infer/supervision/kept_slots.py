@@ -10,7 +10,6 @@ tokens (`timings.cache_n` > 0): on some builds and models llama-server's restore
 
 from __future__ import annotations
 
-import re
 import struct
 from dataclasses import dataclass
 
@@ -75,16 +74,6 @@ def to_save(slots: list[SlotUse]) -> list[int]:
     ends, which a restart cannot wait for."""
     held = [s for s in slots if s.tokens > 0 and not s.processing]
     return [s.slot for s in sorted(held, key=lambda s: (-s.tokens, s.slot))]
-
-
-def directory_name(instance: str) -> str:
-    """The instance's own directory under STATE_DIR/slots: its name, nothing but [A-Za-z0-9_-]."""
-    return re.sub(r"[^A-Za-z0-9_-]", "-", instance)
-
-
-def file_name(instance: str, slot: int) -> str:
-    """A name llama-server takes (fs_validate_filename: no separators, no leading dot)."""
-    return f"{directory_name(instance)}.slot{slot}.bin"
 
 
 def within_bound(saved: list[SavedSlot], cap: int = MAX_KEPT_BYTES) -> tuple[list[SavedSlot], list[SavedSlot]]:

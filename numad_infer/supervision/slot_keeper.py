@@ -19,13 +19,12 @@ import time
 from pathlib import Path
 
 from numad_infer.engines import slot_cache
+from numad_infer.engines.slot_cache import file_name, slot_directory
 from numad_infer.supervision.kept_slots import (
     Kept,
     ModelFile,
     SavedSlot,
     SlotUse,
-    directory_name,
-    file_name,
     restorable,
     restore_counts,
     saved_prompt,
@@ -55,9 +54,10 @@ class SlotKeeper:
     def __init__(self, root: Path, host: str, owner: tuple[int, int] | None = None) -> None:
         self.root, self.host, self.owner = root, host, owner
         self.kept: dict[str, Kept] = {}
+        self.loaded_with: dict[str, ModelFile | None] = {}  # the model file each current process loaded
 
     def directory(self, name: str) -> Path:
-        return self.root / directory_name(name)
+        return slot_directory(self.root, name)
 
     def save_path_argument(self, name: str) -> str:
         """--slot-save-path for the instance: its directory, made and owned by its user."""
@@ -168,6 +168,9 @@ class SlotKeeper:
                     entry.unlink(missing_ok=True)
 
     def forget_all_but(self, names: set[str]) -> None:
+        """Remove the directories of instances no longer planned."""
+        for name in [n for n in self.kept if n not in names]:
+            del self.kept[name]
         if not self.root.is_dir():
             return
         keep = {self.directory(n).name for n in names}

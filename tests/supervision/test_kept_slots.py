@@ -19,13 +19,13 @@ from numad_infer.supervision.kept_slots import (
     ModelFile,
     SavedSlot,
     SlotUse,
-    file_name,
     restorable,
     restore_counts,
     saved_prompt,
     to_save,
     within_bound,
 )
+from numad_infer.engines.slot_cache import file_name
 from numad_infer.supervision.slot_keeper import SlotKeeper, model_file
 
 MODEL = ModelFile("/m/a.gguf", 100, 1)
