@@ -46,3 +46,61 @@ def test_numa_infer_restart_keeps_the_prompt_cache_and_the_next_turn_finds_it(tm
         assert not any(slots.iterdir())  # one restart's worth: removed once restored
         print(f"first turn after `numa-infer restart`: {after['timings']['cache_n']} prompt tokens cached, "
               f"{after['timings']['prompt_n']} computed (before the restart: {first['timings']['prompt_n']} computed)")
+
+
+def test_a_restore_the_new_server_refuses_is_served_cold_and_fails_no_request(tmp_path: Path) -> None:
+    """A reload that shrinks the context: the roll-out saves the conversation, the new
+    server's slots are too small for it and refuse the restore; the instance is back in
+    rotation, cold, and no request through the front door failed meanwhile."""
+    import threading
+    import time
+    import urllib.error
+
+    with daemons(tmp_path, generated_model("tiny")) as start:
+        run = start(engine="llama-server", context_size=1024)
+        run.wait(lambda s: len(s["instances"]) == 2 and all(i["state"] == "healthy" for i in s["instances"]), 120,
+                 "2 healthy")
+        run.server_extra = "parallel = 2\n"  # the load's short prompt in one slot, the conversation in the other
+        run.write_config()
+        assert run.cli("reload").returncode == 0
+        state = run.wait(lambda s: len(s["instances"]) == 2 and all(
+            i["state"] == "healthy" and i.get("rotation") == "UP" and i.get("slots") == 2 for i in s["instances"]),
+            120, "2 in rotation, 2 slots each")
+        old = {i["name"]: i["pid"] for i in state["instances"]}
+        port = run.instance(state, "infer@0")["port"]
+        _turn(port, PREFIX + "Q: what is a NUMA node?\nA:")
+        failures: list[str] = []
+        served = 0
+        stop = threading.Event()
+
+        def load() -> None:
+            nonlocal served
+            while not stop.is_set():
+                try:
+                    _turn(run.frontend_port, "Q: what is a NUMA node?\nA:")
+                    served += 1
+                except (OSError, urllib.error.URLError, AssertionError) as exc:
+                    failures.append(str(exc))
+
+        worker = threading.Thread(target=load)
+        worker.start()
+        try:
+            run.context_size = 128  # slots of 128 tokens: the saved ~360 do not fit
+            run.write_config()
+            assert run.cli("reload").returncode == 0
+            began = time.monotonic()
+            run.wait(lambda s: all(i["pid"] != old[i["name"]] and i["state"] == "healthy" and i.get("rotation") == "UP"
+                                   for i in s["instances"]), 120, "both restarted on the new context and in rotation")
+            rolled = time.monotonic() - began
+        finally:
+            stop.set()
+            worker.join(60)
+        logs = run.logs()
+        assert "infer@0: saved 2 slot(s) of prompt cache" in logs, logs[-3000:]
+        refused = [line for line in logs.splitlines() if "infer@0: slot" in line and "not restored" in line]
+        assert refused and "the engine refused the restore" in refused[0], logs[-3000:]
+        assert refused[0].endswith("served cold")
+        assert not failures and served > 0, failures[:3]
+        assert _turn(port, "Q: what is a page cache?\nA:")["timings"]["prompt_n"] > 0  # it serves
+        assert not any((run.state_file.parent / "slots" / "infer-0").iterdir())
+        print(f"refused restore: served cold; roll-out of 2 instances in {rolled:.1f}s, {served} requests, 0 failed")
