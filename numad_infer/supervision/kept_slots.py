@@ -36,6 +36,10 @@ class ModelFile:
     path: str
     size: int
     mtime_ns: int
+    # A file replaced (mv) has another inode; one rewritten in place, even keeping its
+    # modification time, another change time.
+    inode: int = 0
+    ctime_ns: int = 0
 
 
 @dataclass(frozen=True)

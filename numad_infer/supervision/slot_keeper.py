@@ -44,7 +44,7 @@ def model_file(path: str) -> ModelFile | None:
         st = os.stat(path)
     except OSError:
         return None
-    return ModelFile(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    return ModelFile(os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 
 class SlotKeeper:

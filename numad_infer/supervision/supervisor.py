@@ -151,6 +151,12 @@ class Supervisor:
         assert self.config is not None
         timeout_s = self.config.frontend.drain_timeout_s
         model = keeper.loaded_with.get(rt.instance.name)
+        path = self.model_paths.get(rt.instance.model)
+        if model is None or path is None or model_file(path) != model:
+            # A new model file (a roll-out for it, or one changed in place): its cache is invalid.
+            log.info("%s: its model file changed since it loaded it: restarting cold", rt.instance.name)
+            keeper.forget(rt.instance.name)
+            return
         isolated(rt.instance.name, "save of its prompt cache",
                  lambda: keeper.save(rt.instance.name, rt.instance.port, self.api_key, model, timeout_s))
 
