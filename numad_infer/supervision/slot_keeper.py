@@ -68,6 +68,23 @@ class SlotKeeper:
             os.chown(where, *self.owner)
         return f"{where}/"
 
+    # -- the supervisor's two moments ------------------------------------------------------------------
+    def after_start(self, name: str, port: int, key: str | None, model_path: str, timeout_s: float) -> int:
+        """The new process is up (its first good probe), not yet in rotation: note the model
+        file it loaded, and restore what was saved before its restart."""
+        model = self.loaded_with[name] = model_file(model_path)
+        return self.restore(name, port, key, model, timeout_s)
+
+    def before_restart(self, name: str, port: int, key: str | None, model_path: str, timeout_s: float) -> None:
+        """Drained, about to restart: save its slots, tied to the model file the process
+        loaded; nothing when that file changed since (a roll-out onto a new file)."""
+        model = self.loaded_with.get(name)
+        if model is None or model_file(model_path) != model:
+            log.info("%s: its model file changed since it loaded it: restarting cold", name)
+            self.forget(name)
+            return
+        self.save(name, port, key, model, timeout_s)
+
     # -- before the restart --------------------------------------------------------------------------
     def save(self, name: str, port: int, key: str | None, model: ModelFile | None, timeout_s: float) -> Kept | None:
         """Save what the instance's slots hold; None when nothing was (none held anything, no

@@ -21,7 +21,7 @@ from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import RestartDecision, Seen, State, Step, drain_first, drain_over, next_step
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.instance import Runtime
-from numad_infer.supervision.slot_keeper import SlotKeeper, model_file
+from numad_infer.supervision.slot_keeper import SlotKeeper
 
 log = logging.getLogger(__name__)
 
@@ -121,44 +121,26 @@ class Supervisor:
 
     # -- prompt caches kept across a restart (slot_keeper.py) ----------------------------------------
     def _keeps_slots(self) -> SlotKeeper | None:
-        cfg = self.config
-        if self.keeper is None or cfg is None:
-            return None
-        self.keeper.host = cfg.server.host
-        return self.keeper
+        if self.keeper is not None and self.config is not None:
+            self.keeper.host = self.config.server.host
+            return self.keeper
+        return None
 
     def _healthy_again(self, rt: Runtime) -> None:
-        """Up on a new process: note the model file it loaded, and restore what was saved
-        before its restart (verified by a probe, or erased and served cold)."""
-        keeper = self._keeps_slots()
-        path = self.model_paths.get(rt.instance.model)
-        if keeper is None or path is None:
-            return
-        assert self.config is not None
-        # Out of rotation until this returns: never longer than a drain may take.
-        timeout_s = self.config.frontend.drain_timeout_s
-        model = model_file(path)
-        keeper.loaded_with[rt.instance.name] = model
-        isolated(rt.instance.name, "restore of its prompt cache",
-                 lambda: keeper.restore(rt.instance.name, rt.instance.port, self.api_key, model, timeout_s))
+        keeper, path = self._keeps_slots(), self.model_paths.get(rt.instance.model)
+        if keeper is not None and path is not None and self.config is not None:
+            # Out of rotation until this returns: never longer than a drain may take.
+            timeout_s, inst = self.config.frontend.drain_timeout_s, rt.instance
+            isolated(inst.name, "restore of its prompt cache",
+                     lambda: keeper.after_start(inst.name, inst.port, self.api_key, path, timeout_s))
 
     def _save_slots(self, rt: Runtime) -> None:
-        """Before a restart of a process that answers: save what its slots hold, tied to the
-        model file it loaded (a roll-out for a new file restores nothing of it)."""
-        keeper = self._keeps_slots()
-        if keeper is None or rt.pid is None or rt.last_probe is None or not rt.last_probe.ok:
-            return
-        assert self.config is not None
-        timeout_s = self.config.frontend.drain_timeout_s
-        model = keeper.loaded_with.get(rt.instance.name)
-        path = self.model_paths.get(rt.instance.model)
-        if model is None or path is None or model_file(path) != model:
-            # A new model file (a roll-out for it, or one changed in place): its cache is invalid.
-            log.info("%s: its model file changed since it loaded it: restarting cold", rt.instance.name)
-            keeper.forget(rt.instance.name)
-            return
-        isolated(rt.instance.name, "save of its prompt cache",
-                 lambda: keeper.save(rt.instance.name, rt.instance.port, self.api_key, model, timeout_s))
+        keeper, path = self._keeps_slots(), self.model_paths.get(rt.instance.model)
+        answers = rt.pid is not None and rt.last_probe is not None and rt.last_probe.ok  # a hung one cannot save
+        if keeper is not None and path is not None and self.config is not None and answers:
+            timeout_s, inst = self.config.frontend.drain_timeout_s, rt.instance
+            isolated(inst.name, "save of its prompt cache",
+                     lambda: keeper.before_restart(inst.name, inst.port, self.api_key, path, timeout_s))
 
     def _maybe_restart(self, rt: Runtime, now: float, reason: str) -> None:
         cfg = self.config

@@ -17,6 +17,7 @@ from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.reconcile import Reconciler
+from numad_infer.supervision.slot_keeper import SlotKeeper
 from numad_infer.supervision.supervisor import Supervisor
 from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
 
@@ -309,6 +310,9 @@ class RecordingKeeper:
         self.calls.append(("restore", name, timeout_s))
         self.restored_while.append(list(self.front.states))
         return 1
+
+    after_start = SlotKeeper.after_start
+    before_restart = SlotKeeper.before_restart
 
     def forget(self, name):
         self.calls.append(("forget", name))
