@@ -142,6 +142,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "engines/keys": (CORE, "a configuration's engine keys checked against the registry: name, key flags, other "
                            "engines' keys"),
     "engines/llama_server": (CORE, "llama.cpp's llama-server as an `Engine`"),
+    "engines/slot_cache": (EDGE, "llama-server's slot routes: /slots, save, restore, erase, a probe that reports "
+                                 "cached tokens"),
     "engines/launch": (CORE, "each instance's launch (argv, unit argv, OpenMP environment), worked out once by "
                        "validation"),
     # -- frontdoor ---------------------------------------------------------------------------------
@@ -192,6 +194,10 @@ MODULES: dict[str, tuple[str, str]] = {
     # -- supervision -------------------------------------------------------------------------------
     "supervision/__init__": (CORE, PACKAGE_INIT),
     "supervision/health": (EDGE, "HTTP probe, API-key check, the engine's own counters"),
+    "supervision/kept_slots": (CORE, "prompt caches kept across a restart: which slots to save, which files a new "
+                                     "process may restore, whether a restore counts"),
+    "supervision/slot_keeper": (ORCHESTRATION, "save each slot holding a prompt before a restart; restore and "
+                                               "verify it by a probe after, or serve cold"),
     "supervision/holds": (EDGE, "another process asks the daemon to keep an instance stopped"),
     "supervision/restart_request": (EDGE, "`numa-infer restart` asks the daemon to roll instances: the request file"),
     "supervision/drift_checks": (ORCHESTRATION, "one drift check per kind (affinity, memory), each with its own per-"

@@ -34,6 +34,9 @@ class Backend(Protocol):
     # Each instance in a cgroup of its own, whose memory.numa_stat is that instance's
     # memory (systemd units); otherwise memory is read from /proc/PID/numa_maps.
     instance_cgroups: bool
+    # Where the instances' engines save their slots across a restart (STATE_DIR/slots), or
+    # None: they start cold (supervision/slot_keeper.py).
+    slots_dir: Path | None
 
     def specs(self, loaded: Loaded) -> dict[str, str]: ...
     def current_specs(self, loaded: Loaded) -> dict[str, str]: ...

@@ -21,6 +21,7 @@ from numad_infer.config.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
 from numad_infer.engines.launch import Launch
+from numad_infer.engines.slot_cache import slot_directory
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.listener import HeldListener
@@ -82,8 +83,9 @@ class ProcessBackend:
     kind = BackendKind.PROCESS
     instance_cgroups = False  # children share the daemon's cgroup
 
-    def __init__(self, log_dir: Path, logs: InstanceLogs = InstanceLogs.FILE) -> None:
+    def __init__(self, log_dir: Path, logs: InstanceLogs = InstanceLogs.FILE, slots_dir: Path | None = None) -> None:
         self.log_dir = log_dir
+        self.slots_dir = slots_dir  # STATE_DIR/slots: prompt caches kept across restarts (supervision/slot_keeper)
         self.output = ChildOutput(logs, log_dir)  # instances' and HAProxy's output: files or stdout
         self.children: dict[str, subprocess.Popen[bytes]] = {}
         self.loaded: Loaded | None = None  # what the next starts use: the daemon's, as it was synced
@@ -115,7 +117,7 @@ class ProcessBackend:
             raise ValueError(f"{instance.name}: the process backend was given no configuration (sync) to start it")
         loaded, runs_as = self.loaded, self.loaded.runs_as
         launch = loaded.launches[instance.name]
-        argv = list(launch.argv)
+        argv = list(launch.argv) + self._slot_save(loaded.engine, instance.name, launch.argv, runs_as)
         env = server_environment(loaded.engine, launch, loaded.api_key, runs_as, os.environ)
         switch = runs_as.popen_kwargs() if runs_as is not None else {}
         cpus, mems, policy = frozenset(instance.cpus), instance.mems, instance.policy
@@ -141,6 +143,23 @@ class ProcessBackend:
         log.info("%s: started pid %d as %s on CPUs %s, memory node(s) %s", instance.name,
                  self.children[instance.name].pid, "the daemon's user" if runs_as is None else runs_as.name,
                  format_list(instance.cpus), format_list(instance.mems))
+
+    def _slot_save(self, engine: Engine, name: str, argv: tuple[str, ...], runs_as: RunAs | None) -> list[str]:
+        """The engine's --slot-save-path: the instance's own directory, mode 700, its user's;
+        none where the operator named one (server.extra_args) or the engine has none."""
+        option = engine.slot_save_option
+        if self.slots_dir is None or option is None or option in argv:
+            return []
+        where = slot_directory(self.slots_dir, name)
+        try:
+            where.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(where, 0o700)
+            if runs_as is not None and runs_as.uid is not None and runs_as.gid is not None and os.geteuid() == 0:
+                os.chown(where, runs_as.uid, runs_as.gid)
+        except OSError as exc:
+            log.warning("%s: no directory for its saved prompt cache (%s): restarts start it cold", name, exc)
+            return []
+        return [option, f"{where}/"]
 
     def stop(self, name: str, timeout_s: float = INSTANCE_STOP_S) -> None:
         child = self.children.pop(name, None)

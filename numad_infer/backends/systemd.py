@@ -44,6 +44,8 @@ class SystemdBackend:
     name = "systemd"
     kind = BackendKind.SYSTEMD
     instance_cgroups = True
+    # Not yet: the units' sandbox and the servers' DynamicUser need a directory of their own.
+    slots_dir: Path | None = None
 
     def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = DAEMON_UNIT,
                  handout: FrontdoorHandout | None = None) -> None:

@@ -45,5 +45,5 @@ def make_backend(choice: str, state_file: Path, instance_logs: str = "file",
                                        port=PortUnit(systemctl))
         # The journal has the instances' output, named by unit.
         return SystemdBackend(systemctl, handout=handout)
-    return ProcessBackend(state_file.parent / "logs", InstanceLogs(instance_logs))
+    return ProcessBackend(state_file.parent / "logs", InstanceLogs(instance_logs), state_file.parent / "slots")
 

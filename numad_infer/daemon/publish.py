@@ -117,6 +117,7 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
     sup, inst, mem = rt.supervision, rt.instance, rt.memory
     stat = None if frontdoor.stats is None else frontdoor.stats.servers.get(server_name(inst.name))
     timings = frontdoor.timings(inst) if frontdoor.listen else None
+    prompt = rt.prompt.totals
     status = InstanceStatus.planned(
         inst, rt.pid, sup.state,
         uptime_s=round(now - sup.started_at, 1) if sup.started_at is not None and rt.pid else None,
@@ -136,6 +137,8 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
         slots=slots, busy_slots=None if rt.counters is None else rt.counters.busy_slots,
         kv_cache_tokens=None if rt.counters is None else rt.counters.kv_cache_tokens,
         kv_cache_size=None if rt.counters is None else rt.counters.kv_cache_size,
+        prompt_tokens_cached=None if prompt is None else prompt[0],
+        prompt_tokens_computed=None if prompt is None else prompt[1],
         decode_tokens_per_s=None if rt.decode_tokens_per_s is None else round(rt.decode_tokens_per_s, 1),
         decode_efficiency=None if efficiency is None else round(efficiency, 4),
         time_to_first_token=None if timings is None else timings[0],

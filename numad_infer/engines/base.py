@@ -46,6 +46,10 @@ class EngineCounters:
     # The KV cache (`Engine.kv_cache_path`): tokens the busy slots hold, cells of all slots.
     kv_cache_tokens: int | None = None
     kv_cache_size: int | None = None
+    # Counters since the server started: prompt tokens it computed (prefill), and prompt
+    # tokens it took from its cache instead (None: the engine does not count them).
+    prompt_tokens_computed: float | None = None
+    prompt_tokens_cached: float | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,9 @@ class Engine(ABC):
     metrics_path: ClassVar[str | None] = None
     # A route that says how full its KV cache is (`parse_kv_cache`), None when it has none.
     kv_cache_path: ClassVar[str | None] = None
+    # The option that names a directory the engine saves slots to and restores them from
+    # (engines/slot_cache.py's routes); None: it keeps no cache across a restart.
+    slot_save_option: ClassVar[str | None] = None
     # How to get CPU kernels for this host's wide units ("" when the engine has no way).
     cpu_fix: ClassVar[str] = ""
     # The server.* key naming the program every instance executes (`check` shows it, and a

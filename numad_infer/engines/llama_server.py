@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 
 # Its --metrics counters that status and the decode efficiency read.
 _COUNTERS = {"llamacpp:tokens_predicted_total": "tokens_predicted", "llamacpp:requests_processing": "busy_slots"}
+# Prompt tokens (tools/server/server-task.cpp, to_metrics): `prompt_tokens_total` counts
+# those it computed ("excluding cached tokens"), `prompt_tokens_cached_total` those reused
+# from a slot or its --cache-ram cache, both added when a prompt is done. Optional: a build
+# before the cached counter reports neither figure rather than half of one.
+_PROMPT_COUNTERS = {"llamacpp:prompt_tokens_total": "prompt_tokens_computed",
+                    "llamacpp:prompt_tokens_cached_total": "prompt_tokens_cached"}
 
 _HINT = "build it with scripts/build-llama-server or install Debian's llama.cpp package, and point here"
 
@@ -82,6 +88,7 @@ class LlamaServer(Engine):
     # /slots (on unless --no-slots) says per slot its cells (`n_ctx`) and, once a task has
     # run in it, the tokens it holds (`n_prompt_tokens`: the prompt and what it generated).
     kv_cache_path = "/slots"
+    slot_save_option = "--slot-save-path"
     overhead = OVERHEAD
     prompt_cache_args = '"--cache-ram", "MIB"'  # 0 turns it off
     cpu_fix = ("build server.llama_server with `NUMA_INFER_CPU_VARIANTS=all scripts/build-llama-server` (one CPU "
@@ -184,14 +191,18 @@ class LlamaServer(Engine):
         found: dict[str, float] = {}
         for line in text.splitlines():
             name, _, value = line.partition(" ")
-            if name in _COUNTERS:
+            field = _COUNTERS.get(name) or _PROMPT_COUNTERS.get(name)
+            if field is not None:
                 try:
-                    found[_COUNTERS[name]] = float(value.split()[0])
+                    found[field] = float(value.split()[0])
                 except (ValueError, IndexError):
                     return None
-        if len(found) != len(_COUNTERS):
+        if any(field not in found for field in _COUNTERS.values()):
             return None
-        return EngineCounters(found["tokens_predicted"], int(found["busy_slots"]))
+        prompt = all(field in found for field in _PROMPT_COUNTERS.values())
+        return EngineCounters(found["tokens_predicted"], int(found["busy_slots"]),
+                              prompt_tokens_computed=found["prompt_tokens_computed"] if prompt else None,
+                              prompt_tokens_cached=found["prompt_tokens_cached"] if prompt else None)
 
     def parse_kv_cache(self, text: str) -> KvCacheUse | None:
         """/slots -> the tokens held by the slots working on a request, of every slot's

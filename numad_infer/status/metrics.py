@@ -99,8 +99,18 @@ def _instance_metrics(instances: tuple[InstanceStatus, ...], models: dict[str, s
     cpu = GaugeMetricFamily("numa_infer_instance_cpu_backend_info",
                             "The engine's CPU kernels: ggml's variant and its wide units",
                             labels=[*_LABELS, "cpu_backend"])
+    # Counters of the engine's own (llama-server's /metrics), summed over the instance's
+    # processes since the daemon started (supervision/instance.PromptTally).
+    cached = CounterMetricFamily("numa_infer_instance_prompt_tokens_cached",
+                                 "Prompt tokens the engine took from its cache (a slot's or --cache-ram's) instead "
+                                 "of computing them", labels=_LABELS)
+    computed = CounterMetricFamily("numa_infer_instance_prompt_tokens_computed",
+                                   "Prompt tokens the engine computed (prefill)", labels=_LABELS)
     for inst in instances:
         key = _key(inst, models)
+        if inst.prompt_tokens_cached is not None and inst.prompt_tokens_computed is not None:
+            cached.add_metric(key, inst.prompt_tokens_cached)
+            computed.add_metric(key, inst.prompt_tokens_computed)
         for family, value in gauges:
             found = value(inst)
             if found is not None:
@@ -114,7 +124,7 @@ def _instance_metrics(instances: tuple[InstanceStatus, ...], models: dict[str, s
             drifts.add_metric([*key, kind.value], inst.drift_events.get(kind.value, 0))
             repairs.add_metric([*key, kind.value], inst.repairs.get(kind.value, 0))
     yield from (family for family, _ in gauges)
-    yield from (state, restarts, drifts, repairs, cpu)
+    yield from (state, restarts, drifts, repairs, cpu, cached, computed)
     yield from _latency_metrics(instances, models)
 
 

@@ -126,6 +126,15 @@ class InstanceStatus:
     # KV cache (llama-server's /slots): tokens its busy slots hold, and the cells of all its slots.
     kv_cache_tokens: int | None = None
     kv_cache_size: int | None = None
+    # Prompt tokens since the daemon started, over all the instance's processes (llama-server's
+    # /metrics: prompt_tokens_cached_total, prompt_tokens_total): taken from its cache, computed.
+    prompt_tokens_cached: int | None = None
+    prompt_tokens_computed: int | None = None
+
+    @property
+    def prompt_cache_share(self) -> float | None:
+        """Of the prompt tokens it served, the share taken from its cache (None: none yet)."""
+        return prompt_cache_share((self,))
 
     @classmethod
     def planned(cls, instance: Instance, pid: int | None, state: State, **observed: Any) -> InstanceStatus:
@@ -188,6 +197,15 @@ def in_rotation(rotation: str | None) -> bool:
     """HAProxy sends a server requests while it is UP, also "UP 1/2" (one failed check of
     the `fall` it takes to go DOWN); "DOWN 1/2" is on its way up, not there yet."""
     return rotation is not None and rotation.split(" ")[0] == "UP"
+
+
+def prompt_cache_share(instances: tuple[InstanceStatus, ...]) -> float | None:
+    """Of the prompt tokens `instances` served, the share their engines took from a cache:
+    cached / (cached + computed), over those that report both; None before any token."""
+    counted = [(i.prompt_tokens_cached or 0, i.prompt_tokens_computed or 0) for i in instances
+               if i.prompt_tokens_cached is not None and i.prompt_tokens_computed is not None]
+    served = sum(c + p for c, p in counted)
+    return None if not served else sum(c for c, _ in counted) / served
 
 
 @dataclass(frozen=True)

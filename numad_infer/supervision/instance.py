@@ -59,6 +59,39 @@ class EngineRate:
 
 
 @dataclass
+class PromptTally:
+    """Prompt tokens the instance took from its cache and computed, since the daemon began
+    watching it: the engine's counters (EngineCounters), summed over its processes. A
+    server's counters start at 0 with each process; what one counted after the last
+    reading before it ended is not known, and not counted."""
+
+    cached_before: float = 0.0  # processes before the current one
+    computed_before: float = 0.0
+    cached: float = 0.0  # the current process's last reading
+    computed: float = 0.0
+    reported: bool = False  # has the engine ever given both figures
+
+    def update(self, counters: EngineCounters | None) -> None:
+        if counters is None or counters.prompt_tokens_cached is None or counters.prompt_tokens_computed is None:
+            return
+        if counters.prompt_tokens_cached < self.cached or counters.prompt_tokens_computed < self.computed:
+            self.new_process()  # the counters went back: a process of its own the daemon did not restart
+        self.cached, self.computed, self.reported = counters.prompt_tokens_cached, counters.prompt_tokens_computed, True
+
+    def new_process(self) -> None:
+        self.cached_before += self.cached
+        self.computed_before += self.computed
+        self.cached = self.computed = 0.0
+
+    @property
+    def totals(self) -> tuple[int, int] | None:
+        """(cached, computed), None while the engine has not reported them."""
+        if not self.reported:
+            return None
+        return round(self.cached_before + self.cached), round(self.computed_before + self.computed)
+
+
+@dataclass
 class Runtime:
     instance: Instance
     supervision: Supervision = field(default_factory=Supervision)
@@ -74,6 +107,8 @@ class Runtime:
     cpu: CpuProgress = field(default_factory=CpuProgress)
     key_check: KeyCheck = KeyCheck.UNKNOWN  # does this process take server.api_key_file's key
     engine: EngineRate = field(default_factory=EngineRate)
+    # Not of one process: kept across them (new_process folds the last one's in).
+    prompt: PromptTally = field(default_factory=PromptTally)
 
     def __post_init__(self) -> None:
         if not self.supervision.name and self.instance is not None:
@@ -83,6 +118,7 @@ class Runtime:
         """Forget everything measured on the previous process (a restart, a crash, adoption)."""
         self.pid, self.checks, self.cpu, self.engine = pid, fresh_checks(), CpuProgress(), EngineRate()
         self.key_check = KeyCheck.UNKNOWN
+        self.prompt.new_process()
 
     # -- events, counted per kind for status and metrics ------------------------------------------
     def record_drift(self, kind: EventKind, detail: str, at: float) -> None:
@@ -130,3 +166,4 @@ class Runtime:
 
     def on_counters(self, counters: EngineCounters | None, now: float) -> None:
         self.engine.update(counters, now)
+        self.prompt.update(counters)

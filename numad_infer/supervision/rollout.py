@@ -12,7 +12,7 @@ from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import IN_TRANSITION, State, Supervision
 from numad_infer.plan.model import Instance, Plan, PlanDiff, diff_plans
-from numad_infer.supervision.instance import Runtime
+from numad_infer.supervision.instance import PromptTally, Runtime
 from numad_infer.supervision.supervisor import Supervisor, isolated
 from numad_infer.validate.loaded import Loaded
 
@@ -75,9 +75,11 @@ class Rollout:
         runtime = runtimes.get(instance.name)
         if runtime is None or changed:
             # Same process until the restart (or the drain before it) replaces it.
+            # Its last probe (may its slots be saved before the restart) and its prompt tally stay too.
             runtime = runtimes[instance.name] = Runtime(
                 instance, supervision=runtime.supervision if runtime else Supervision(name=instance.name),
-                pid=runtime.pid if runtime else None)
+                pid=runtime.pid if runtime else None, last_probe=runtime.last_probe if runtime else None,
+                prompt=runtime.prompt if runtime else PromptTally())
         runtime.instance = instance
         runtime.supervision.on_reload()
         if changed:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from numad_infer.backends.base import Backend, Observation
@@ -20,6 +21,7 @@ from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import RestartDecision, Seen, State, Step, drain_first, drain_over, next_step
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.instance import Runtime
+from numad_infer.supervision.slot_keeper import SlotKeeper
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,12 @@ class Supervisor:
                  wall: Callable[[], float]) -> None:
         self.backend, self.proc, self.frontdoor, self.wall = backend, proc, frontdoor, wall
         self.config: Config | None = None  # the applied one (Reconciler.apply)
+        # Prompt caches kept across the restarts made here, where the backend gives the
+        # engine a directory for them (slot_keeper.py); with the applied key and model files.
+        slots_dir = getattr(backend, "slots_dir", None)
+        self.keeper = SlotKeeper(slots_dir, "127.0.0.1") if isinstance(slots_dir, Path) else None
+        self.api_key: str | None = None
+        self.model_paths: dict[str, str] = {}  # Instance.model -> its model file
 
     def step(self, rt: Runtime, seen: Observation, held_by: str | None, probed: ProbeResult | None,
              now: float) -> bool:
@@ -103,10 +111,36 @@ class Supervisor:
         sup = rt.supervision
         result = probed if probed is not None else ProbeResult(False, 0.0, "not probed")
         result = rt.last_probe = judge_probe(result, rt.cpu.stalled_since, now)
+        was = sup.state
         if sup.on_probe(result.ok, now, self.config.monitor, result.error):
             self._maybe_restart(rt, now, f"{sup.failures} failed probes: {result.error}")
             return False
+        if was != State.HEALTHY and sup.state == State.HEALTHY:
+            self._healthy_again(rt)  # before this pass puts it back in rotation (rotate)
         return True
+
+    # -- prompt caches kept across a restart (slot_keeper.py) ----------------------------------------
+    def _keeps_slots(self) -> SlotKeeper | None:
+        if self.keeper is not None and self.config is not None:
+            self.keeper.host = self.config.server.host
+            return self.keeper
+        return None
+
+    def _healthy_again(self, rt: Runtime) -> None:
+        keeper, path = self._keeps_slots(), self.model_paths.get(rt.instance.model)
+        if keeper is not None and path is not None and self.config is not None:
+            # Out of rotation until this returns: never longer than a drain may take.
+            timeout_s, inst = self.config.frontend.drain_timeout_s, rt.instance
+            isolated(inst.name, "restore of its prompt cache",
+                     lambda: keeper.after_start(inst.name, inst.port, self.api_key, path, timeout_s))
+
+    def _save_slots(self, rt: Runtime) -> None:
+        keeper, path = self._keeps_slots(), self.model_paths.get(rt.instance.model)
+        answers = rt.pid is not None and rt.last_probe is not None and rt.last_probe.ok  # a hung one cannot save
+        if keeper is not None and path is not None and self.config is not None and answers:
+            timeout_s, inst = self.config.frontend.drain_timeout_s, rt.instance
+            isolated(inst.name, "save of its prompt cache",
+                     lambda: keeper.before_restart(inst.name, inst.port, self.api_key, path, timeout_s))
 
     def _maybe_restart(self, rt: Runtime, now: float, reason: str) -> None:
         cfg = self.config
@@ -183,6 +217,7 @@ class Supervisor:
         if counted:
             log.warning("%s: %s: restarting", rt.instance.name, reason)
             rt.record_repair(EventKind.HEALTH, f"restarted: {reason}", self.wall())
+        self._save_slots(rt)
         isolated(rt.instance.name, "restart", lambda: self.backend.restart(rt.instance))
         rt.supervision.on_restart(now, self.config.monitor if counted else None, reason)  # -> RESTARTING
         rt.new_process(rt.pid)

@@ -12,6 +12,7 @@ reading as soon as it is passed, before the rest is read, not after.
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -166,12 +167,25 @@ def http_get(host: str, port: int, path: str, headers: Mapping[str, str], deadli
     """`GET path` from an IP address `host`; the status and, when `body_cap` is not None, the
     body (at most `body_cap` bytes). The status line and headers: at most HEAD_CAP bytes.
     Raises PeerError (NoAnswer past the deadline), or OSError where it cannot connect."""
+    return _http("GET", host, port, path, headers, deadline_s, body_cap, None)
+
+
+def http_post_json(host: str, port: int, path: str, headers: Mapping[str, str], deadline_s: float,
+                   body_cap: int, document: object) -> HttpAnswer:
+    """`POST path` with `document` as its JSON body; otherwise as http_get."""
+    return _http("POST", host, port, path, headers, deadline_s, body_cap, json.dumps(document).encode())
+
+
+def _http(method: str, host: str, port: int, path: str, headers: Mapping[str, str], deadline_s: float,
+          body_cap: int | None, body: bytes | None) -> HttpAnswer:
     deadline = Deadline(deadline_s)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    lines = [f"GET {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close",
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}", "Connection: close",
              *(f"{name}: {value}" for name, value in headers.items())]
+    if body is not None:
+        lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
     with _connect(family, (host, port), deadline) as sock:
-        _send(sock, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"), deadline)
+        _send(sock, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b""), deadline)
         # One receive may run past the headers into the body: room for it, not more.
         reader = _Reader(sock, deadline, HEAD_CAP + _CHUNK, f"headers longer than {_size(HEAD_CAP)}")
         status, fields = _head(reader)

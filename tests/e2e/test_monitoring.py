@@ -121,7 +121,7 @@ def _full_status() -> Status:
                           state=State.HEALTHY, local_memory_fraction=0.8, probe_latency_ms=3.0, drift_events={"memory": 1},
                           repairs={"memory": 1}, rotation="UP 1/2", in_flight=1, queued=0, served=5, slots=2,
                           busy_slots=1, decode_tokens_per_s=10.0, decode_efficiency=0.4, kv_cache_tokens=64,
-                          kv_cache_size=512,
+                          kv_cache_size=512, prompt_tokens_cached=300, prompt_tokens_computed=100,
                           time_to_first_token=_histogram(TIME_TO_FIRST_TOKEN_BOUNDS, 0.3, 2.0),
                           request_duration=_histogram(REQUEST_DURATION_BOUNDS, 1.5, 4.0))
     out = InstanceStatus(name="infer@1", node=1, cpus=(1,), mems=(1,), threads=1, port=8081, pid=2,
@@ -347,6 +347,10 @@ def test_live_prometheus_answers_every_dashboard_query_and_a_killed_instance_hel
 
         empty = [(title, expr) for title, expr in dashboard_queries() if not prom.query(expr)]
         assert not empty, empty
+        # The completion's prompt, as llama-server counted it: in the status file and the counters.
+        served = [i for i in run.state()["instances"] if i.get("prompt_tokens_computed")]
+        assert len(served) == 1 and served[0]["prompt_tokens_cached"] is not None, run.state()["instances"]
+        assert prom.query('numa_infer_instance_prompt_tokens_computed_total > 0')
         efficiency = prom.query('numa_infer_instance_decode_efficiency')
         assert {r["metric"]["server"] for r in efficiency} == {"infer@0", "infer@1"}
 
@@ -411,3 +415,11 @@ def test_two_models_label_every_instance_and_publish_queue_running_and_kv_cache_
     assert 'numa_infer_model_kv_cache_usage_ratio{model="chat"} 0.3' in text
     assert 'numa_infer_model_kv_cache_usage_ratio{model="small"}' not in text  # no instance says
     assert 'numa_infer_instance_kv_cache_usage_ratio{model="chat",node="1",server="infer@chat-1"} 1.0' in text
+
+
+def test_prompt_tokens_cached_and_computed_are_counters_per_instance_with_its_model() -> None:
+    text = _published(_full_status())
+    assert 'numa_infer_instance_prompt_tokens_cached_total{model="",node="0",server="infer@0"} 300.0' in text
+    assert 'numa_infer_instance_prompt_tokens_computed_total{model="",node="0",server="infer@0"} 100.0' in text
+    assert "# TYPE numa_infer_instance_prompt_tokens_cached_total counter" in text
+    assert 'server="infer@1"' not in "".join(line for line in text.splitlines() if "prompt_tokens" in line)

@@ -277,3 +277,76 @@ def test_the_real_llama_server_s_slots_say_the_tokens_a_request_holds(tmp_path: 
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+PROMPT_METRICS = METRICS + """# HELP llamacpp:prompt_tokens_cached_total Number of prompt tokens reused from the cache
+llamacpp:prompt_tokens_cached_total 80
+"""
+
+
+def test_prompt_tokens_cached_and_computed_are_read_and_summed_over_the_instance_s_processes() -> None:
+    parse = LlamaServer().parse_metrics
+    assert parse(PROMPT_METRICS) == EngineCounters(4096.0, 3, prompt_tokens_computed=120.0, prompt_tokens_cached=80.0)
+    # A build without the cached counter: neither figure, not half of one.
+    assert parse(METRICS) == EngineCounters(4096.0, 3)
+    rt = Runtime(instance=None)  # type: ignore[arg-type]
+    assert rt.prompt.totals is None
+    rt.on_counters(EngineCounters(1, 0), 1.0)  # an engine that does not count them
+    assert rt.prompt.totals is None
+    rt.on_counters(EngineCounters(1, 0, prompt_tokens_computed=100, prompt_tokens_cached=20), 2.0)
+    rt.on_counters(EngineCounters(2, 0, prompt_tokens_computed=150, prompt_tokens_cached=60), 3.0)
+    assert rt.prompt.totals == (60, 150)
+    rt.new_process(7)  # a restart numa-infer made: the old process's figures stay
+    assert rt.prompt.totals == (60, 150)
+    rt.on_counters(EngineCounters(1, 0, prompt_tokens_computed=10, prompt_tokens_cached=5), 4.0)
+    assert rt.prompt.totals == (65, 160)
+    rt.on_counters(EngineCounters(1, 0, prompt_tokens_computed=3, prompt_tokens_cached=0), 5.0)  # it restarted
+    assert rt.prompt.totals == (65, 163)
+    rt.on_counters(None, 6.0)  # a scrape that failed changes nothing
+    assert rt.prompt.totals == (65, 163)
+
+
+def test_the_real_llama_server_counts_a_shared_prefix_as_cached_in_metrics_and_answers(tmp_path: Path) -> None:
+    """Two requests with a shared prefix: the second's answer says `timings.cache_n` > 0 and
+    the /metrics counters the daemon reads (prompt_tokens_cached_total) count the same."""
+    import json
+    import subprocess
+    import time
+    import urllib.request
+
+    from numad_infer.supervision.health import read_engine_metrics
+    from tests.daemon_harness import free_port_block, generated_model, llama_server_binary
+
+    port = free_port_block(1)
+    proc = subprocess.Popen([str(llama_server_binary()), "--model", str(generated_model("tiny")), "--host",
+                             "127.0.0.1", "--port", str(port), "--ctx-size", "1024", "--parallel", "1",
+                             "--threads", "1", "--metrics", "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        engine = LlamaServer()
+        deadline = time.monotonic() + 60
+        idle = None
+        while idle is None and time.monotonic() < deadline:
+            idle = read_engine_metrics(engine, "127.0.0.1", port, None, 2.0)
+            time.sleep(0.2)
+        assert idle is not None and (idle.prompt_tokens_cached, idle.prompt_tokens_computed) == (0, 0)
+        prefix = "You are a careful assistant who answers in one short sentence. " * 8
+
+        def complete(question: str) -> dict:
+            body = json.dumps({"prompt": prefix + question, "n_predict": 4, "cache_prompt": True}).encode()
+            with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/completion", body),
+                                        timeout=60) as answer:
+                return json.loads(answer.read())
+
+        first, second = complete("What is a NUMA node?"), complete("What is a page cache?")
+        assert first["timings"]["cache_n"] == 0 and second["timings"]["cache_n"] > 0, (first["timings"],
+                                                                                       second["timings"])
+        after = read_engine_metrics(engine, "127.0.0.1", port, None, 2.0)
+        assert after is not None
+        assert after.prompt_tokens_cached == second["timings"]["cache_n"]
+        assert after.prompt_tokens_computed == first["timings"]["prompt_n"] + second["timings"]["prompt_n"]
+        print(f"second request: {second['timings']['cache_n']} prompt tokens cached, "
+              f"{second['timings']['prompt_n']} computed")
+    finally:
+        proc.terminate()
+        proc.wait(10)

@@ -14,6 +14,7 @@ from numad_infer.status.records import (
     InstanceStatus,
     Status,
     group_models,
+    prompt_cache_share,
 )
 
 
@@ -60,3 +61,23 @@ def test_status_groups_by_model_only_with_models_and_the_single_form_reads_as_be
     single = tuple(replace(i, model="") for i in instances)
     plain = format_status(Status(daemon, single, None, group_models((("", "", ()),), single, True)))
     assert format_status(Status(daemon, single)) == plain and "model " not in plain
+
+
+def test_status_shows_the_share_of_prompt_tokens_taken_from_the_cache_per_instance_and_per_model() -> None:
+    chat0 = replace(_inst("infer@chat-0", "chat"), slots=1, busy_slots=0, prompt_tokens_cached=3000,
+                    prompt_tokens_computed=1000)
+    chat1 = replace(_inst("infer@chat-1", "chat"), slots=1, busy_slots=0, prompt_tokens_cached=0,
+                    prompt_tokens_computed=1000)
+    small = replace(_inst("infer@small-0", "small"), slots=1, busy_slots=0)  # nothing reported yet
+    assert chat0.prompt_cache_share == 0.75 and small.prompt_cache_share is None
+    assert prompt_cache_share((chat0, chat1)) == 0.6
+    status = Status(DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml"), (chat0, chat1, small), None,
+                    group_models(SERVED, (chat0, chat1, small), True))
+    lines = format_status(status).splitlines()
+    assert "model chat (aliases: gpt-4o): healthy, prompt tokens cached 60% of 5.0k" in lines
+    assert "model small: healthy" in lines
+    header = next(line for line in lines if "PROMPT-CACHED" in line)
+    column = header.index("PROMPT-CACHED")
+    rows = {line.split()[0]: line[column:].strip() for line in lines if line.startswith("  infer@")}
+    assert rows == {"infer@chat-0": "75% of 4.0k", "infer@chat-1": "0% of 1.0k", "infer@small-0": "-"}
+    assert Status.from_json(json.loads(json.dumps(status.to_json()))) == status

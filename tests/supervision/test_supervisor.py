@@ -17,6 +17,7 @@ from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.reconcile import Reconciler
+from numad_infer.supervision.slot_keeper import SlotKeeper
 from numad_infer.supervision.supervisor import Supervisor
 from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
 
@@ -290,3 +291,79 @@ def test_a_hold_behind_the_front_door_drains_first_and_a_release_before_its_end_
     # The holder gave up before the requests were answered: back in service, never stopped.
     supervisor.step(rt, Observation(101, False, "active"), None, ProbeResult(True, 0.001), NOW + 1)
     assert rt.supervision.state == State.HEALTHY and backend.calls == []
+
+
+class RecordingKeeper:
+    """Stands in for slot_keeper.SlotKeeper: its calls, in order with the backend's, and
+    the front door's states when each restore ran (it must run before the instance is READY)."""
+
+    def __init__(self, calls: list, front: FakeFrontdoor) -> None:
+        from numad_infer.supervision.kept_slots import ModelFile
+        self.calls, self.front, self.host = calls, front, ""
+        self.loaded_with: dict[str, ModelFile | None] = {}
+        self.restored_while: list = []
+
+    def save(self, name, port, key, model, timeout_s):
+        self.calls.append(("save", name, timeout_s))
+
+    def restore(self, name, port, key, model, timeout_s):
+        self.calls.append(("restore", name, timeout_s))
+        self.restored_while.append(list(self.front.states))
+        return 1
+
+    after_start = SlotKeeper.after_start
+    before_restart = SlotKeeper.before_restart
+
+    def forget(self, name):
+        self.calls.append(("forget", name))
+
+    def forget_all_but(self, names):
+        pass
+
+
+def _kept(tmp_path, extra: str = ""):
+    backend, front = RecordingBackend(), FakeFrontdoor()
+    rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
+    keeper = RecordingKeeper(backend.calls, front)
+    rec.supervisor.keeper = keeper  # type: ignore[assignment]
+    config = cfg(extra)
+    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    rec.supervisor.model_paths = {"": str(model)}
+    rec.monitor(0.5)  # healthy: the model file it loaded is noted
+    return backend, front, rec, keeper, model
+
+
+@pytest.mark.parametrize(("change", "saved"), [("none", True), ("model file replaced", False)])
+def test_a_requested_restart_saves_the_slots_first_and_restores_them_before_rotation(tmp_path, change: str,
+                                                                                      saved: bool) -> None:
+    backend, front, rec, keeper, model = _kept(tmp_path, "[frontend]\ndrain_timeout_s = 7")
+    assert keeper.loaded_with["infer@0"] is not None
+    assert [c for c in backend.calls if c[0] == "restore"] == [("restore", "infer@0", 7.0), ("restore", "infer@1", 7.0),
+                                                                ("restore", "infer@2", 7.0)]  # nothing kept: a no-op
+    backend.calls.clear()
+    if change == "model file replaced":
+        fresh = tmp_path / "new.gguf"
+        fresh.write_bytes(b"GGUF2")
+        fresh.replace(model)
+    assert rec.rollout.request(["infer@0"], rec.runtimes, rec.holds) is None
+    rec.monitor(1.0)  # nothing in flight: restarted at once
+    first = ("save", "infer@0", 7.0) if saved else ("forget", "infer@0")
+    assert backend.calls[:2] == [first, ("restart", "infer@0")], backend.calls
+    front.states.clear()
+    rec.monitor(1.5)  # the new process answers: restored, then put back in rotation
+    assert ("restore", "infer@0", 7.0) in backend.calls
+    assert ("infer@0", AdminState.READY) not in keeper.restored_while[-1]
+    assert ("infer@0", AdminState.READY) in front.states
+
+
+def test_a_restart_after_failed_probes_saves_nothing(tmp_path) -> None:
+    backend, front, rec, keeper, _ = _kept(tmp_path, "[monitor]\nunhealthy_after = 1\nstartup_grace_s = 0")
+    backend.calls.clear()
+    rec.liveness_probe = lambda host, port, timeout, path: ProbeResult(port != rec.runtimes["infer@0"].instance.port,
+                                                                       0.001, "no answer")
+    rec.monitor(1.0)
+    rec.monitor(2.0)
+    assert ("restart", "infer@0") in backend.calls
+    assert not [c for c in backend.calls if c[0] == "save"]
