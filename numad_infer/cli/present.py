@@ -46,13 +46,20 @@ def format_topology(topo: Topology) -> str:
 
 def format_plan(plan: Plan, warnings: tuple[str, ...] | None = None) -> str:
     """The plan as a table, then `warnings` (default: the plan's own)."""
-    rows = [("INSTANCE", "NODE", "CPUS", "MEMS", "POLICY", "THREADS", "PORT")]
+    rows = [("INSTANCE", "NODE", "CPUS", "MEMS", "POLICY", "THREADS", "PORT", "PROMPT_CACHE")]
     for i in plan.instances:
         rows.append((i.name, "-" if i.node is None else str(i.node), format_list(i.cpus), format_list(i.mems),
-                     i.policy.value, str(i.threads), str(i.port)))
+                     i.policy.value, str(i.threads), str(i.port), prompt_cache_text(i.prompt_cache_mib)))
     lines = format_table(rows)
     lines += [f"warning: {w}" for w in (plan.warnings if warnings is None else warnings)]
     return printable_lines(lines)
+
+
+def prompt_cache_text(mib: int | None) -> str:
+    """An instance's prompt cache bound as the planner sized it (`--cache-ram`'s MiB): `1536
+    MiB`, `off`, or `-` where it did not size it (the engine keeps none, or the operator's
+    extra_args bound it: the memory lines say what)."""
+    return "-" if mib is None else "off" if mib == 0 else f"{mib} MiB"
 
 
 def format_memory(memory: Sequence[InstanceMemory], fits: Sequence[NodeFit]) -> list[str]:
