@@ -46,7 +46,7 @@ def format_topology(topo: Topology) -> str:
 
 def format_plan(plan: Plan, warnings: tuple[str, ...] | None = None) -> str:
     """The plan as a table, then `warnings` (default: the plan's own)."""
-    rows = [("INSTANCE", "NODE", "CPUS", "MEMS", "POLICY", "THREADS", "PORT", "PROMPT_CACHE")]
+    rows = [("INSTANCE", "NODE", "CPUS", "MEMS", "POLICY", "THREADS", "PORT", "CACHE-RAM")]
     for i in plan.instances:
         rows.append((i.name, "-" if i.node is None else str(i.node), format_list(i.cpus), format_list(i.mems),
                      i.policy.value, str(i.threads), str(i.port), prompt_cache_text(i.prompt_cache_mib)))
@@ -164,8 +164,10 @@ def _by_model(status: Status, engine: bool) -> list[str]:
 
 
 def _instance_table(instances: tuple[InstanceStatus, ...], engine: bool) -> list[str]:
+    cache = any(i.prompt_cache_mib is not None for i in instances)  # a prompt cache the plan sized
     rows = [("INSTANCE", "NODE", "CPUS", "PORT", "PID", "STATE", "UPTIME", "RESTARTS", "LOCAL-MEM", "PROBE",
-             "ROTATION", "INFLIGHT", "QUEUED") + (("SLOTS", "TOK/S", "BW-EFF") if engine else ())]
+             "ROTATION", "INFLIGHT", "QUEUED") + (("SLOTS", "TOK/S", "BW-EFF") if engine else ())
+            + (("CACHE-RAM",) if cache else ())]
     for i in instances:
         frac = i.local_memory_fraction
         row: tuple[str, ...] = (i.name, _dash(i.node), format_list(i.cpus), str(i.port), _dash(i.pid),
@@ -177,6 +179,8 @@ def _instance_table(instances: tuple[InstanceStatus, ...], engine: bool) -> list
             row += ("-" if i.slots is None else f"{_dash(i.busy_slots)}/{i.slots} busy",
                     "-" if i.decode_tokens_per_s is None else f"{i.decode_tokens_per_s:.1f}",
                     "-" if i.decode_efficiency is None else f"{i.decode_efficiency:.0%}")
+        if cache:
+            row += (prompt_cache_text(i.prompt_cache_mib),)
         rows.append(row)
     return format_table(rows)
 

@@ -126,6 +126,10 @@ class InstanceStatus:
     # KV cache (llama-server's /slots): tokens its busy slots hold, and the cells of all its slots.
     kv_cache_tokens: int | None = None
     kv_cache_size: int | None = None
+    # Its prompt cache's bound as the plan sized it (Instance.prompt_cache_mib: --cache-ram's
+    # MiB, 0 off); None where the plan did not size it (the engine keeps none, or the
+    # operator's extra_args bound it).
+    prompt_cache_mib: int | None = None
 
     @classmethod
     def planned(cls, instance: Instance, pid: int | None, state: State, **observed: Any) -> InstanceStatus:
@@ -133,7 +137,7 @@ class InstanceStatus:
         the one projection of a planned instance, for the daemon and for `status` without one."""
         return cls(name=instance.name, node=instance.node, cpus=instance.cpus, mems=instance.mems,
                    threads=instance.threads, port=instance.port, pid=pid, state=state, model=instance.model,
-                   **observed)
+                   prompt_cache_mib=instance.prompt_cache_mib, **observed)
 
 
 @dataclass(frozen=True)
