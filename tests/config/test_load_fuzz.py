@@ -116,7 +116,7 @@ def rendered(text: str) -> dict[str, str] | None:
 ALLOWED = {
     "Description", "After", "Documentation", "Type", "Restart", "RestartSec", "TimeoutStopSec", "DynamicUser",
     "ProtectHome", "SystemCallFilter", "SystemCallErrorNumber", "IPAddressDeny", "IPAddressAllow", "Environment",
-    "LimitMEMLOCK", "CPUAffinity", "NUMAPolicy", "NUMAMask", "ExecStart", "ExecStartPre", "ExecReload", "KillMode",
+    "LimitMEMLOCK", "CPUAffinity", "NUMAPolicy", "NUMAMask", "ExecStart", "ExecStartPre", "ExecReload", "KillMode", "KillSignal",
     "RuntimeDirectory", "RuntimeDirectoryMode", "User", "Group", "AmbientCapabilities", "CapabilityBoundingSet", "PrivateUsers", "NoNewPrivileges",
     "ProtectSystem", "PrivateTmp", "PrivateDevices", "PrivateMounts", "ProtectKernelTunables", "ProtectKernelModules",
     "ProtectKernelLogs", "ProtectControlGroups", "ProtectClock", "ProtectHostname", "ProtectProc", "RestrictNamespaces",
