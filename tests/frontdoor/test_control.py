@@ -89,10 +89,17 @@ def test_the_process_backend_runs_haproxy_as_its_own_user_master_and_workers_ali
     # A reload re-executes the master: it stays unprivileged, and the daemon still drives it.
     old = set(children_of(door.master))
     door.door.runner.reload()
-    wait_for(lambda: set(children_of(door.master)) - old, "a new worker after the reload", detail=door.log)
+    # Generous bounds: a reload on a loaded 2-core machine (CI, a VM guest beside it) takes seconds.
+    wait_for(lambda: set(children_of(door.master)) - old, "a new worker after the reload", 60, detail=door.log)
     for pid in door.processes():
-        assert status_of(pid)["Uid"].split() == [str(uid)] * 4
-    assert door.door.observe() is not None, door.door.error
+        try:
+            uids = status_of(pid)["Uid"].split()
+        except FileNotFoundError:
+            continue  # an old worker that finished its work and left in between
+        assert uids == [str(uid)] * 4
+    # The runtime API answers again once the new worker has taken the socket over.
+    wait_for(lambda: door.door.observe() is not None, "the runtime API after the reload", 60,
+             detail=lambda: door.door.error)
 
 
 @as_root
