@@ -47,13 +47,20 @@ def format_topology(topo: Topology) -> str:
 
 def format_plan(plan: Plan, warnings: tuple[str, ...] | None = None) -> str:
     """The plan as a table, then `warnings` (default: the plan's own)."""
-    rows = [("INSTANCE", "NODE", "CPUS", "MEMS", "POLICY", "THREADS", "PORT")]
+    rows = [("INSTANCE", "NODE", "CPUS", "MEMS", "POLICY", "THREADS", "PORT", "CACHE-RAM")]
     for i in plan.instances:
         rows.append((i.name, "-" if i.node is None else str(i.node), format_list(i.cpus), format_list(i.mems),
-                     i.policy.value, str(i.threads), str(i.port)))
+                     i.policy.value, str(i.threads), str(i.port), prompt_cache_text(i.prompt_cache_mib)))
     lines = format_table(rows)
     lines += [f"warning: {w}" for w in (plan.warnings if warnings is None else warnings)]
     return printable_lines(lines)
+
+
+def prompt_cache_text(mib: int | None) -> str:
+    """An instance's prompt cache bound as the planner sized it (`--cache-ram`'s MiB): `1536
+    MiB`, `off`, or `-` where it did not size it (the engine keeps none, or the operator's
+    extra_args bound it: the memory lines say what)."""
+    return "-" if mib is None else "off" if mib == 0 else f"{mib} MiB"
 
 
 def format_memory(memory: Sequence[InstanceMemory], fits: Sequence[NodeFit]) -> list[str]:
@@ -160,8 +167,10 @@ def _by_model(status: Status, engine: bool) -> list[str]:
 
 
 def _instance_table(instances: tuple[InstanceStatus, ...], engine: bool) -> list[str]:
+    cache = any(i.prompt_cache_mib is not None for i in instances)  # a prompt cache the plan sized
     rows = [("INSTANCE", "NODE", "CPUS", "PORT", "PID", "STATE", "UPTIME", "RESTARTS", "LOCAL-MEM", "PROBE",
-             "ROTATION", "INFLIGHT", "QUEUED") + (("SLOTS", "TOK/S", "BW-EFF", "PROMPT-CACHED") if engine else ())]
+             "ROTATION", "INFLIGHT", "QUEUED") + (("SLOTS", "TOK/S", "BW-EFF", "PROMPT-CACHED") if engine else ())
+            + (("CACHE-RAM",) if cache else ())]
     for i in instances:
         frac = i.local_memory_fraction
         row: tuple[str, ...] = (i.name, _dash(i.node), format_list(i.cpus), str(i.port), _dash(i.pid),
@@ -174,6 +183,8 @@ def _instance_table(instances: tuple[InstanceStatus, ...], engine: bool) -> list
                     "-" if i.decode_tokens_per_s is None else f"{i.decode_tokens_per_s:.1f}",
                     "-" if i.decode_efficiency is None else f"{i.decode_efficiency:.0%}",
                     _cached((i,)))
+        if cache:
+            row += (prompt_cache_text(i.prompt_cache_mib),)
         rows.append(row)
     return format_table(rows)
 

@@ -108,6 +108,11 @@ class Engine(ABC):
     # The extra_args that bound its prompt cache (EngineContext.prompt_cache), as a warning on
     # a node it could overfill names them; "" for an engine that keeps none.
     prompt_cache_args: ClassVar[str] = ""
+    # The options that bound, in MiB, a prompt cache the engine keeps by default (the last
+    # one the spelling numa-infer passes): with none of them in the instance's extra_args,
+    # validation sizes the cache to its node (plan/memory_fit.py, prompt_cache_bounds) and
+    # the launch passes the bound. Empty for an engine that keeps none unless asked.
+    prompt_cache_flags: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
     def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:

@@ -91,6 +91,7 @@ class LlamaServer(Engine):
     slot_save_option = "--slot-save-path"
     overhead = OVERHEAD
     prompt_cache_args = '"--cache-ram", "MIB"'  # 0 turns it off
+    prompt_cache_flags = ("-cram", "--cache-ram")
     cpu_fix = ("build server.llama_server with `NUMA_INFER_CPU_VARIANTS=all scripts/build-llama-server` (one CPU "
                "backend per x86 level, the best chosen at start), or with scripts/build-llama-server on this machine")
 

@@ -107,6 +107,9 @@ class MemoryEstimate:
     # Not in `total`: a bound on what use adds (EngineContext.prompt_cache), None for none.
     # The node check warns on it rather than refusing (plan/memory_fit.py, growth_warnings).
     prompt_cache: int | None = 0
+    # One slot's KV cells at its full context: the largest prompt state its prompt cache
+    # would keep (a cache bounded below it skips such a state: plan/memory_fit.py's floor).
+    slot_state: int = 0
 
     @property
     def total(self) -> int:
@@ -133,8 +136,9 @@ def estimate(weights: int, dims: ModelDims | None, context: EngineContext, overh
     if dims is None:
         return MemoryEstimate(weights, 0, overhead.bytes(dims, context), dims_known=False,
                               prompt_cache=context.prompt_cache)
-    kv = max(context.tokens, 0) * dims.kv_bytes_per_token(context.type_k, context.type_v)
-    return MemoryEstimate(weights, kv, overhead.bytes(dims, context), prompt_cache=context.prompt_cache)
+    per_token = dims.kv_bytes_per_token(context.type_k, context.type_v)
+    return MemoryEstimate(weights, max(context.tokens, 0) * per_token, overhead.bytes(dims, context),
+                          prompt_cache=context.prompt_cache, slot_state=max(context.slot_tokens, 0) * per_token)
 
 
 def mib(n: int) -> str:

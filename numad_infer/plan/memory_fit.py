@@ -11,7 +11,7 @@ nearest ones) puts an equal share on each, as the kernel's interleave spreads it
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from numad_infer.errors import ConfigError
 from numad_infer.plan.model import Instance
@@ -23,6 +23,18 @@ from numad_infer.topology.model import Topology
 # through while an instance reads it (mmap off). 10 %, the share the planner left before it
 # counted more than the weights: 0.8 GiB of an 8 GiB node, 26 GiB of a 256 GiB one.
 RESERVE_FRACTION = 0.10
+
+# Of what a node has left once its instances are loaded (its memory less the reserve and
+# every instance's need), the share its prompt caches may not take. The caches are the one
+# part that grows under traffic, and they would fill together (every instance taking
+# distinct prompts). What the margin covers: the heap keeps freed cache entries (each a
+# vector of MiB; glibc's mmap threshold rises to 32 MiB after the first large free, so an
+# evicted state below it stays in the arena rather than going back to the kernel), the
+# estimate's error on a model nobody measured (the overhead was fitted to 0.5 MiB on three
+# models only), and what the reserve's page cache and other processes take beyond 10 %. A
+# quarter: on the demo's 5 GiB node 1 GiB stays free; on a 256 GiB node the bound reaches
+# the engine's own default long before the margin matters.
+CACHE_MARGIN_FRACTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,11 @@ class InstanceMemory:
     # key and arguments that bound it, as a warning names them.
     grows: int | None = 0
     grows_fix: str = ""
+    # Whether the planner sizes its prompt cache to its nodes (`prompt_cache_bounds`): the
+    # engine keeps one by default and the operator's arguments do not bound it. `grows` is
+    # then the engine's default, the most a sized cache gets.
+    sized: bool = False
+    slot_state: int = 0  # one slot's full prompt state (MemoryEstimate.slot_state): the smallest cache worth keeping
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,46 @@ def node_fits(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topolo
     totals = {n.id: n.memory_total_bytes for n in topo.nodes}
     return [NodeFit(node, need[node], max(totals.get(node, 0), 0), tuple(names[node]), tuple(models[node]),
                     growth[node]) for node in sorted(need)]
+
+
+def prompt_cache_bounds(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topology) -> dict[str, int]:
+    """Instance name -> its prompt cache's bound in MiB, for each instance whose cache the
+    planner sizes (InstanceMemory.sized). Per node: its memory less the reserve, less every
+    instance's need there and the caches it does not size (the operator's own bounds), less
+    CACHE_MARGIN_FRACTION of what is left; shared equally among its sized instances, one
+    bound to several nodes counting its share on each (as node_fits sums). An instance gets
+    the smallest of its nodes' shares, so that no node's sum passes its budget, and never
+    more than the engine's own default (`grows`). A share below one slot's full prompt
+    state is 0, off: the engine skips a state larger than its cache, so such a cache keeps
+    only short prompts, the cheap ones to compute again, for memory the node lacks. A node
+    whose memory size is unknown does not bound it (the engine's default, as before)."""
+    share = {fit.node: _cache_share(fit, instances) for fit in node_fits(instances, topo) if fit.total > 0}
+    bounds = {}
+    for instance, memory in instances:
+        shares = [share[n] for n in instance.mems if n in share]
+        if not memory.sized or not shares:
+            continue
+        cap = min(shares) if memory.grows is None else min(memory.grows, *shares)
+        mib = max(cap, 0) >> 20
+        bounds[instance.name] = mib if mib << 20 >= max(memory.slot_state, 1) else 0
+    return bounds
+
+
+def _cache_share(fit: NodeFit, instances: Sequence[tuple[Instance, InstanceMemory]]) -> int:
+    """What one sized instance bound only to this node may cache there, in bytes."""
+    here = [(i, m) for i, m in instances if fit.node in i.mems]
+    fixed = sum((m.grows or 0) // len(i.mems) for i, m in here if not m.sized)  # no limit: warned on, not counted
+    left = max(fit.available - fit.need - fixed, 0)
+    weight = sum(1 / len(i.mems) for i, m in here if m.sized)
+    return int(left * (1 - CACHE_MARGIN_FRACTION) / weight) if weight else 0
+
+
+def bounded(instance: Instance, memory: InstanceMemory) -> InstanceMemory:
+    """`memory` with what its prompt cache may grow to as the planner bounded it
+    (Instance.prompt_cache_mib); as it is where the planner did not size it."""
+    if instance.prompt_cache_mib is None:
+        return memory
+    return replace(memory, grows=instance.prompt_cache_mib << 20)
 
 
 def growth_warnings(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topology) -> list[str]:

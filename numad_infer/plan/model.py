@@ -33,6 +33,10 @@ class Instance:
     port: int
     threads_batch: int = 0  # prompt-processing threads; set by the planner's thread step
     model: str = ""  # the key of the model it serves (`ServedModel.ident`): its `[[models]]` name, "" for `[model]`
+    # Its prompt cache's bound in MiB as the planner sized it to its nodes (0: off), passed
+    # to the engine (Engine.prompt_cache_flags); None: not sized (the engine keeps none, or
+    # the operator's extra_args bound it).
+    prompt_cache_mib: int | None = None
 
     @property
     def unit(self) -> str:

@@ -11,7 +11,7 @@ from dataclasses import replace
 from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
-from numad_infer.plan.memory_fit import InstanceMemory, check_fit, growth_warnings
+from numad_infer.plan.memory_fit import InstanceMemory, bounded, check_fit, growth_warnings, prompt_cache_bounds
 from numad_infer.plan.model import Instance, Placed, Plan, Policy
 from numad_infer.plan.multi import Core, Want, each_models_threads, instance_ident, split_node
 from numad_infer.plan.ports import assign_ports, check_ports, exposure_warnings
@@ -82,7 +82,10 @@ def _plan(config: Config, topo: Topology, models: tuple[ServedModel, ...], memor
         per_node = max(s.view.placement.instances_per_node for s in models)
         needs = [(i, need(i)) for i in instances]
         check_fit(needs, topo, source, per_node)
-        warnings += growth_warnings(needs, topo)
+        # step 4d: the prompt caches the engine keeps unbounded by the operator, sized to what is left
+        caches = prompt_cache_bounds(needs, topo)
+        instances = [replace(i, prompt_cache_mib=caches.get(i.name)) for i in instances]
+        warnings += growth_warnings([(i, bounded(i, need(i))) for i in instances], topo)
     instances = assign_ports(config, instances, source, _machine_ports(config, topo, models, source, allowed),
                              {i.name: i.port for i in running})
     instances = each_models_threads(models, instances, source, _thread_counts)

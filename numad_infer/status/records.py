@@ -130,6 +130,10 @@ class InstanceStatus:
     # /metrics: prompt_tokens_cached_total, prompt_tokens_total): taken from its cache, computed.
     prompt_tokens_cached: int | None = None
     prompt_tokens_computed: int | None = None
+    # Its prompt cache's bound as the plan sized it (Instance.prompt_cache_mib: --cache-ram's
+    # MiB, 0 off); None where the plan did not size it (the engine keeps none, or the
+    # operator's extra_args bound it).
+    prompt_cache_mib: int | None = None
 
     @property
     def prompt_cache_share(self) -> float | None:
@@ -142,7 +146,7 @@ class InstanceStatus:
         the one projection of a planned instance, for the daemon and for `status` without one."""
         return cls(name=instance.name, node=instance.node, cpus=instance.cpus, mems=instance.mems,
                    threads=instance.threads, port=instance.port, pid=pid, state=state, model=instance.model,
-                   **observed)
+                   prompt_cache_mib=instance.prompt_cache_mib, **observed)
 
 
 @dataclass(frozen=True)

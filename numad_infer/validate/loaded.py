@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
+from numad_infer.engines.base import last_option
 from numad_infer.engines.launch import Launch
 from numad_infer.host.cpufeatures import EngineCpuReport
 from numad_infer.host.identity import BackendKind, RunAs
 from numad_infer.model.memory import MemoryEstimate
-from numad_infer.plan.memory_fit import InstanceMemory, NodeFit, node_fits
+from numad_infer.plan.memory_fit import InstanceMemory, NodeFit, bounded, node_fits
 from numad_infer.plan.model import Plan
 from numad_infer.topology.cgroup_limits import Allowed
 from numad_infer.topology.model import Topology
@@ -88,7 +89,7 @@ class Loaded:
 
     def fits(self) -> list[NodeFit]:
         """Per node, what the plan's instances need of its memory (the sum validation checked)."""
-        return node_fits([(i, self.memory_of(i.model)) for i in self.plan.instances], self.topology)
+        return node_fits([(i, bounded(i, self.memory_of(i.model))) for i in self.plan.instances], self.topology)
 
     @property
     def artifacts(self) -> str:
@@ -107,5 +108,10 @@ def instance_memory(served: ServedModel, engine: Engine, memory: MemoryEstimate)
     # The prompt cache is bounded in the engine's own arguments: the model's table's, or server's.
     args = served.key_for("server.extra_args", fix=True)
     grows_fix = f"{args} = [..., {engine.prompt_cache_args}]" if engine.prompt_cache_args else ""
-    return InstanceMemory(model.name or os.path.basename(model.path), memory.total, memory.describe(), shrink,
-                          served.key, memory.prompt_cache, grows_fix)
+    # Unbounded by the operator, a cache the engine keeps by default is sized per instance by the planner.
+    sized = bool(engine.prompt_cache_flags) and last_option(served.view.server.extra_args,
+                                                            *engine.prompt_cache_flags) is None
+    detail = (memory.describe().removesuffix(memory.describe_growth()) + ", and a prompt cache sized to its node "
+              "(per instance)") if sized else memory.describe()
+    return InstanceMemory(model.name or os.path.basename(model.path), memory.total, detail, shrink,
+                          served.key, memory.prompt_cache, grows_fix, sized, memory.slot_state)

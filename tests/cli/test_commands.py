@@ -74,7 +74,7 @@ def test_plan_render_check_happy_path(tmp_path: Path, fs: Path, model: Path) -> 
         (0, 28 << 20, ["infer@0"], 8192 << 20), (1, 28 << 20, ["infer@1"], 8192 << 20)]
     text = run("--config", str(config), "--fsroot", str(fs), "plan", check=True).stdout
     assert ("memory per instance (tiny.gguf): weights 0 MiB + overhead 28 MiB = 28 MiB, KV cache not counted: no "
-            "attention shape in the header, and a prompt cache of up to 8.0 GiB with use\nnode 0: 1 instance(s) need "
+            "attention shape in the header, and a prompt cache sized to its node (per instance)\nnode 0: 1 instance(s) need "
             "28 MiB of 230.4 GiB (256.0 GiB less 10%); with use, prompt caches up to 8.0 GiB more\n"
             "node 1: 1 instance(s) need 28 MiB of 230.4 GiB (256.0 GiB less 10%); with use, prompt caches up to 8.0 GiB "
             "more") in text

@@ -50,23 +50,36 @@ def test_instances_that_do_not_fit_a_node_are_refused_naming_node_bytes_and_fix(
     assert message.startswith(f"{SOURCE}: node 0's memory cannot hold its instances: infer@0 (llama3ish.gguf) need "
                               "4.1 GiB (4435517440 bytes), the node has 3.6 GiB for them (3865470566 bytes: 4.0 GiB "
                               "less a 10% reserve); per instance llama3ish.gguf: weights 2 MiB + KV cache 4.0 GiB + "
-                              "overhead 132 MiB = 4.1 GiB, and a prompt cache of up to 8.0 GiB with use; use a smaller model.context_size or server.parallel, a "
-                              'smaller quantisation of the model or placement.mode = "interleave" (one instance, its memory spread '
+                              "overhead 132 MiB = 4.1 GiB, and a prompt cache sized to its node (per instance); use a smaller "
+                              'model.context_size or server.parallel, a smaller quantisation of the model or placement.mode = "interleave" (one instance, its memory spread '
                               "over every node)")
     assert "\n" not in message
     # A q8_0 cache (34 bytes per 32 values, not 64) halves it: then it fits.
     fitted = validate(config(model, server, 8192, 4, 'extra_args = ["-ctk", "q8_0", "-ctv", "q8_0"]\n'), SOURCE,
                       small_nodes(tmp_path / "again", 4), BackendKind.PROCESS, unit_dirs=())
     assert fitted.models[0].memory.kv_cache == 8192 * 4 * 32 * 2 * 1024 // 32 * 34
-    # It fits once loaded, but llama-server's prompt cache (8 GiB unless bounded) could grow past
-    # the node: a warning naming the argument; bounded to 1 GiB (2.3 + 1 < 3.6 GiB), none.
-    grows = [w for w in fitted.warnings if "prompt caches" in w]
+    # It fits once loaded; llama-server's prompt cache (8 GiB unless bounded) is sized to what
+    # the node has left: 3.6 GiB less the 2.3 GiB need, less a quarter: no warning.
+    assert not [w for w in fitted.warnings if "prompt cache" in w]
+    (instance,) = (i for i in fitted.plan.instances if i.name == "infer@0")
+    left = 3865470566 - fitted.models[0].memory.total
+    assert instance.prompt_cache_mib == int(left * 0.75) >> 20
+    assert fitted.launches["infer@0"].argv[-2:] == ("--cache-ram", str(instance.prompt_cache_mib))
+    # The operator's own bound is kept, and warned on when the node cannot hold it.
+    own = validate(config(model, server, 8192, 4, 'extra_args = ["-ctk", "q8_0", "-ctv", "q8_0", "-cram", "8192"]\n'),
+                   SOURCE, small_nodes(tmp_path / "own", 4), BackendKind.PROCESS, unit_dirs=())
+    assert own.plan.instances[0].prompt_cache_mib is None and own.launches["infer@0"].argv.count("-cram") == 1
+    assert "--cache-ram" not in own.launches["infer@0"].argv
+    grows = [w for w in own.warnings if "prompt caches" in w]
     assert len(grows) == 2 and grows[0].startswith("node 0: its instances (infer@0) need 2.3 GiB once loaded, which "
                                                    "fits, but can grow by up to 8.0 GiB more with use")
     assert grows[0].endswith('bound it with server.extra_args = [..., "--cache-ram", "MIB"]')
+    # Bounded to 1 GiB (2.3 + 1 < 3.6 GiB): no warning, and the operator's value is the one passed.
     bounded = validate(config(model, server, 8192, 4, 'extra_args = ["-ctk", "q8_0", "-ctv", "q8_0", "--cache-ram", '
                               '"1024"]\n'), SOURCE, small_nodes(tmp_path / "bounded", 4), BackendKind.PROCESS,
                        unit_dirs=())
+    assert bounded.launches["infer@0"].argv[-2:] == ("--cache-ram", "1024")
+    assert bounded.launches["infer@0"].argv.count("--cache-ram") == 1
     assert not [w for w in bounded.warnings if "prompt cache" in w]
 
 
