@@ -10,7 +10,7 @@ nearest ones) puts an equal share on each, as the kernel's interleave spreads it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from numad_infer.errors import ConfigError
@@ -111,7 +111,8 @@ def node_fits(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topolo
                     growth[node]) for node in sorted(need)]
 
 
-def prompt_cache_bounds(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topology) -> dict[str, int]:
+def prompt_cache_bounds(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topology,
+                        kept: Mapping[str, int] | None = None) -> dict[str, int]:
     """Instance name -> its prompt cache's bound in MiB, for each instance whose cache the
     planner sizes (InstanceMemory.sized). Per node: its memory less the reserve, less every
     instance's need there and the caches it does not size (the operator's own bounds), less
@@ -121,12 +122,29 @@ def prompt_cache_bounds(instances: Sequence[tuple[Instance, InstanceMemory]], to
     more than the engine's own default (`grows`). A share below one slot's full prompt
     state is 0, off: the engine skips a state larger than its cache, so such a cache keeps
     only short prompts, the cheap ones to compute again, for memory the node lacks. A node
-    whose memory size is unknown does not bound it (the engine's default, as before)."""
-    share = {fit.node: _cache_share(fit, instances) for fit in node_fits(instances, topo) if fit.total > 0}
+    whose memory size is unknown does not bound it (the engine's default, as before).
+
+    `kept`: the bounds of instances running now on the same cores (name -> MiB). The bound
+    is in the engine's command line, so a new one restarts the instance: a reload that adds
+    a model beside a running one must not restart it for its cache's sake. Those bounds are
+    kept and the others share what they leave, unless a node cannot hold its kept bounds
+    any more (a bigger model, less memory): there every bound is sized again."""
+    kept = dict(kept or {})
+    fits = [fit for fit in node_fits(instances, topo) if fit.total > 0]
+    sized = [(i, m) for i, m in instances if m.sized]
+    for fit in fits:  # a node that cannot hold the kept bounds there gives them up
+        here = [(i, kept[i.name]) for i, _ in sized if fit.node in i.mems and i.name in kept]
+        if sum((mib << 20) // len(i.mems) for i, mib in here) > _cache_budget(fit, instances):
+            for i, _ in here:
+                del kept[i.name]
+    share = {fit.node: _cache_share(fit, instances, kept) for fit in fits}
     bounds = {}
-    for instance, memory in instances:
+    for instance, memory in sized:
         shares = [share[n] for n in instance.mems if n in share]
-        if not memory.sized or not shares:
+        if not shares:
+            continue
+        if instance.name in kept:
+            bounds[instance.name] = kept[instance.name]
             continue
         cap = min(shares) if memory.grows is None else min(memory.grows, *shares)
         mib = max(cap, 0) >> 20
@@ -134,13 +152,19 @@ def prompt_cache_bounds(instances: Sequence[tuple[Instance, InstanceMemory]], to
     return bounds
 
 
-def _cache_share(fit: NodeFit, instances: Sequence[tuple[Instance, InstanceMemory]]) -> int:
-    """What one sized instance bound only to this node may cache there, in bytes."""
+def _cache_budget(fit: NodeFit, instances: Sequence[tuple[Instance, InstanceMemory]]) -> int:
+    """What the sized prompt caches bound to this node may take of it together, in bytes."""
     here = [(i, m) for i, m in instances if fit.node in i.mems]
     fixed = sum((m.grows or 0) // len(i.mems) for i, m in here if not m.sized)  # no limit: warned on, not counted
-    left = max(fit.available - fit.need - fixed, 0)
-    weight = sum(1 / len(i.mems) for i, m in here if m.sized)
-    return int(left * (1 - CACHE_MARGIN_FRACTION) / weight) if weight else 0
+    return int(max(fit.available - fit.need - fixed, 0) * (1 - CACHE_MARGIN_FRACTION))
+
+
+def _cache_share(fit: NodeFit, instances: Sequence[tuple[Instance, InstanceMemory]], kept: Mapping[str, int]) -> int:
+    """What one sized instance bound only to this node, and not keeping its bound, may cache there, in bytes."""
+    here = [i for i, m in instances if fit.node in i.mems and m.sized]
+    left = _cache_budget(fit, instances) - sum((kept[i.name] << 20) // len(i.mems) for i in here if i.name in kept)
+    weight = sum(1 / len(i.mems) for i in here if i.name not in kept)
+    return int(max(left, 0) / weight) if weight else 0
 
 
 def bounded(instance: Instance, memory: InstanceMemory) -> InstanceMemory:

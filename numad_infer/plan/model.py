@@ -52,8 +52,8 @@ class Instance:
 
 
 class Placed(Protocol):
-    """An instance as the running plan had it: what the planner keeps of it with
-    `[[models]]` (its cores, its port). An `Instance`, or its `status` record as the last
+    """An instance as the running plan had it: what the planner keeps of it (its cores,
+    its port, its prompt cache's bound). An `Instance`, or its `status` record as the last
     daemon left it in the state file."""
 
     @property
@@ -62,6 +62,8 @@ class Placed(Protocol):
     def cpus(self) -> tuple[int, ...]: ...
     @property
     def port(self) -> int: ...
+    @property
+    def prompt_cache_mib(self) -> int | None: ...
 
 
 @dataclass(frozen=True)

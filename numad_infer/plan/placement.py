@@ -83,7 +83,7 @@ def _plan(config: Config, topo: Topology, models: tuple[ServedModel, ...], memor
         needs = [(i, need(i)) for i in instances]
         check_fit(needs, topo, source, per_node)
         # step 4d: the prompt caches the engine keeps unbounded by the operator, sized to what is left
-        caches = prompt_cache_bounds(needs, topo)
+        caches = prompt_cache_bounds(needs, topo, _kept_caches(instances, running))
         instances = [replace(i, prompt_cache_mib=caches.get(i.name)) for i in instances]
         warnings += growth_warnings([(i, bounded(i, need(i))) for i in instances], topo)
     instances = assign_ports(config, instances, source, _machine_ports(config, topo, models, source, allowed),
@@ -93,6 +93,14 @@ def _plan(config: Config, topo: Topology, models: tuple[ServedModel, ...], memor
     check_ports(config, instances, source)
     warnings += exposure_warnings(config)
     return Plan(instances=tuple(instances), warnings=tuple(dict.fromkeys(warnings)))
+
+
+def _kept_caches(instances: Sequence[Instance], running: Sequence[Placed]) -> dict[str, int]:
+    """The prompt cache bounds of the running instances that stay on the same cores: kept
+    (memory_fit.prompt_cache_bounds), since a new bound alone would restart them."""
+    cpus = {i.name: i.cpus for i in instances}
+    return {r.name: r.prompt_cache_mib for r in running
+            if r.prompt_cache_mib is not None and cpus.get(r.name) == r.cpus}
 
 
 def _per_node_instances(config: Config, served: tuple[ServedModel, ...], topo: Topology, view: Topology,

@@ -126,3 +126,48 @@ def test_a_share_below_one_slots_full_state_turns_the_cache_off(machine) -> None
 def test_without_a_memory_check_nothing_is_sized(machine) -> None:
     """A caller that passes no memory (the goldens' renderings): the engine's own default, as before."""
     assert set(caches(make_plan(config(), machine(fakesys.dual_socket_smt))).values()) == {None}
+
+
+# a takes 4 cores of a node either way, so adding b keeps a's cores (its CPUAffinity).
+TWO_MODELS = '[[models]]\nname = "a"\npath = "/a.gguf"\ncores_per_instance = 4\n{b}[server]\nllama_server = "/bin/llama-server"\n'
+B = '[[models]]\nname = "b"\npath = "/b.gguf"\n'
+
+
+def test_a_running_instance_keeps_its_bound_when_a_model_is_added_beside_it(machine) -> None:
+    """The bound is in the engine's command line: a reload that adds a model on its node must
+    not restart a running instance for its cache's sake. It keeps its bound; the new model's
+    instances share what it leaves."""
+    topo = machine(fakesys.round_robin_sockets)
+    memory = {"a": sized(4, 8, "a.gguf"), "b": sized(4, 8, "b.gguf")}  # llama-server's own 8 GiB at most
+    alone = make_plan(parse_config(TWO_MODELS.format(b=""), SOURCE), topo, memory)
+    assert set(caches(alone).values()) == {8192}
+    both = make_plan(parse_config(TWO_MODELS.format(b=B), SOURCE), topo, memory, running=alone.instances)
+    left = share(32, 8 * GiB, 1) - 8192  # the node's budget less a's kept bound
+    assert {i.name: i.prompt_cache_mib for i in both.instances} == {
+        "infer@a-0": 8192, "infer@a-1": 8192, "infer@b-0": left, "infer@b-1": left} and left == 7782
+    # Without a running plan (a fresh start), the two share each node evenly.
+    fresh = make_plan(parse_config(TWO_MODELS.format(b=B), SOURCE), topo, memory)
+    assert set(caches(fresh).values()) == {share(32, 8 * GiB, 2)}
+
+
+def test_kept_bounds_a_node_cannot_hold_are_sized_again(machine) -> None:
+    """A bigger model file beside them leaves less: where the kept bounds would pass the
+    node's budget, every instance there is sized again, evenly."""
+    topo = machine(fakesys.round_robin_sockets)
+    cfg = parse_config(TWO_MODELS.format(b=B), SOURCE)
+    small = make_plan(cfg, topo, {"a": sized(4, 64, "a.gguf"), "b": sized(4, 64, "b.gguf")})
+    bigger = {"a": sized(4, 64, "a.gguf"), "b": sized(14, 64, "b.gguf")}
+    again = make_plan(cfg, topo, bigger, running=small.instances)
+    assert set(caches(again).values()) == {share(32, 18 * GiB, 2)} != set(caches(small).values())
+
+
+def test_an_instance_whose_cores_change_is_sized_again(machine) -> None:
+    """It restarts anyway (its CPUAffinity changes): it gets a fresh share, not its old bound."""
+    from dataclasses import replace
+    topo = machine(fakesys.round_robin_sockets)
+    memory = {"a": sized(4, 64, "a.gguf"), "b": sized(4, 64, "b.gguf")}
+    cfg = parse_config(TWO_MODELS.format(b=B), SOURCE)
+    first = make_plan(cfg, topo, memory)
+    moved = [replace(i, cpus=i.cpus[:1], prompt_cache_mib=1) if i.name == "infer@a-0" else i for i in first.instances]
+    plan = make_plan(cfg, topo, memory, running=moved)
+    assert caches(plan)["infer@a-0"] == share(32, 8 * GiB, 2)
