@@ -83,7 +83,8 @@ def models(instances: tuple[InstanceStatus, ...], frontdoor: Frontdoor,
         elif stats is not None:
             mine = [i for i in instances if i.model == key]
             load[key] = (sum(i.queued or 0 for i in mine), sum(i.in_flight or 0 for i in mine))
-    return group_models(served, instances, bool(frontdoor.listen), load)
+    return group_models(served, instances, bool(frontdoor.listen), load,
+                        getattr(frontdoor, "hold_s", None) if frontdoor.listen else None)
 
 
 def allowed_line(loaded: Loaded | None) -> str | None:

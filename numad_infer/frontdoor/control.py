@@ -30,6 +30,7 @@ from numad_infer.frontdoor.haproxy import (
     merged,
 )
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
+from numad_infer.frontdoor.hold import write_hold
 from numad_infer.frontdoor.listener import TWIN_FD_VARIABLE, HeldListener
 from numad_infer.frontdoor.request_log import RequestLog
 from numad_infer.frontdoor.routing import backends
@@ -77,6 +78,7 @@ class Frontdoor:
         self.backends: dict[str, str] = {"": BACKEND}  # model key (Instance.model) -> its backend, as applied
         self.answers: FrontendStat | None = None  # the listener's answers by class, read with `stats`
         self.queue_size = 0  # frontend.queue_size of the applied config: a full queue answers 503
+        self.hold_s = 0.0  # frontend.queue_timeout_s: how long a request waits for a model with none in rotation
         self.error = ""  # why the last apply or read failed, for status
         assert self.paths.requests is not None
         self.requests = RequestLog(self.paths.requests, runner.haproxy_uids)  # per-request timings
@@ -87,6 +89,7 @@ class Frontdoor:
         # Renamed into place, never written through: a link planted under this name is
         # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
         write_atomic(candidate, text, durable=False)
+        write_hold(self.paths.hold)  # the file it loads: the same text every time
         try:
             haproxy.validate(config.frontend.haproxy, str(candidate), listener_fds=self.runner.listener.fds)
         except HaproxyError:
@@ -134,6 +137,7 @@ class Frontdoor:
             current = ""
         self.binary = config.frontend.haproxy
         self.queue_size = config.frontend.queue_size
+        self.hold_s = config.frontend.queue_timeout_s
         if running and current == text:
             self.listen = config.frontend.listen
             self.backends = backends(served)
@@ -197,6 +201,16 @@ class Frontdoor:
     def timings(self, instance: Instance) -> tuple[Histogram, Histogram] | None:
         """The instance's time to first token and request duration, from HAProxy's log."""
         return self.requests.timings.snapshot().get(server_name(instance.name))
+
+    def others_in_rotation(self, instance: Instance) -> int | None:
+        """How many other servers of the instance's model HAProxy would send a request to, as
+        last read (None: not read). 0: taking it out holds its model's requests (hold.py)."""
+        stat = self.model_stats.get(instance.model)
+        if stat is None:
+            return None
+        mine = server_name(instance.name)
+        return sum(1 for name, s in stat.servers.items()
+                   if name != mine and s.admin == AdminState.READY and s.status.startswith("UP"))
 
     def in_flight(self, instance: Instance) -> int | None:
         stat = None if self.stats is None else self.stats.servers.get(server_name(instance.name))

@@ -38,6 +38,7 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
+from numad_infer.frontdoor.hold import HOLD_NAME, hold_rule, write_hold
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
 from numad_infer.frontdoor.routing import backend_of, health, route, routed
 from numad_infer.plan.model import Instance, Plan
@@ -124,6 +125,18 @@ class Paths:
     socket: Path  # runtime API (admin level)
     requests: Path | None = None  # where HAProxy sends one timing line per request (request_log.py)
 
+    @property
+    def hold(self) -> Path:
+        """The hold's Lua script (hold.py), beside haproxy.cfg: whoever writes the one writes the other."""
+        return self.config.with_name(HOLD_NAME)
+
+
+def write_config(paths: Paths, text: str) -> None:
+    """haproxy.cfg and the file it loads, for a caller that writes it in place (`check`'s
+    scratch copy, tests); the daemon renames a checked candidate into place (control.py)."""
+    write_hold(paths.hold)
+    paths.config.write_text(text, encoding="utf-8")
+
 
 def paths_in(run_dir: Path, socket: Path) -> Paths:
     """The files in the directory the daemon (or `check`, in a scratch one) writes them to."""
@@ -188,6 +201,8 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              "    http-request disable-l7-retry if !METH_GET",
              f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
              f"hdr Retry-After 1 if {{ queue({backend}) ge {front.queue_size} }}",
+             # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
+             hold_rule(front),
              f"    option httpchk GET {engine.liveness_path}",
              "    http-check expect status 200",
              f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {engine.slots(model.view)} "
@@ -237,6 +252,7 @@ def _global(config: Config, served: tuple[ServedModel, ...], paths: Paths, maxco
              # Either way the directory around it is HAProxy's, closed to everyone else.
              f"    stats socket {_socket_address(paths.socket)} mode 660 level admin",
              f"    server-state-file {quoted(paths.state)}",
+             f"    lua-load {quoted(paths.hold)}",  # the hold (hold.py)
              # Server up/down changes reach the journal (or the process backend's log file).
              "    log stderr format short local0 notice"]
     if config.frontend.affinity == Affinity.USER or routed(served):

@@ -271,9 +271,12 @@ class Status:
             raise StatusError(f"{source}: not a numa-infer state file ({exc})") from None
 
 
-def model_health(instances: tuple[InstanceStatus, ...], frontdoor: bool) -> tuple[bool, str | None]:
+def model_health(instances: tuple[InstanceStatus, ...], frontdoor: bool,
+                 hold_s: float | None = None) -> tuple[bool, str | None]:
     """A model answers while at least one of its instances is in rotation (healthy, where
-    there is no front door); otherwise what is wrong, as counts of its instances' states."""
+    there is no front door); otherwise what is wrong, as counts of its instances' states,
+    and, behind the front door (`hold_s`: frontend.queue_timeout_s), what its requests do
+    meanwhile: they wait for an instance (frontdoor/hold.py)."""
     healthy = [i for i in instances if i.state == State.HEALTHY]
     answering = any(in_rotation(i.rotation) for i in healthy) if frontdoor else bool(healthy)
     if answering:
@@ -285,18 +288,20 @@ def model_health(instances: tuple[InstanceStatus, ...], frontdoor: bool) -> tupl
         word = "healthy, out of rotation" if i.state == State.HEALTHY else i.state.value
         counts[word] = counts.get(word, 0) + 1
     states = ", ".join(f"{n} {word}" for word, n in sorted(counts.items()))
-    return False, f"no instance in rotation ({states})"
+    held = f"; its requests wait up to {hold_s:g}s for one (hold), then 503" if frontdoor and hold_s else ""
+    return False, f"no instance in rotation ({states}){held}"
 
 
 def group_models(served: tuple[tuple[str, str, tuple[str, ...]], ...], instances: tuple[InstanceStatus, ...],
-                 frontdoor: bool, load: dict[str, tuple[int, int]] | None = None) -> tuple[ModelStatus, ...]:
+                 frontdoor: bool, load: dict[str, tuple[int, int]] | None = None,
+                 hold_s: float | None = None) -> tuple[ModelStatus, ...]:
     """`served`: (key, name, aliases) per model, in the configuration's order; an instance is
     the model's whose key it carries (`Instance.model`: "" in the single form). `load`: the
     front door's (queued, in flight) per model key."""
     out = []
     for key, name, aliases in served:
         mine = tuple(i for i in instances if i.model == key)
-        healthy, problem = model_health(mine, frontdoor)
+        healthy, problem = model_health(mine, frontdoor, hold_s)
         queued, in_flight = (load or {}).get(key, (None, None))
         out.append(ModelStatus(name, aliases, tuple(i.name for i in mine), healthy, problem, queued, in_flight))
     return tuple(out)

@@ -167,6 +167,7 @@ class Supervisor:
         assert self.config is not None
         timeout_s = self.config.frontend.drain_timeout_s
         busy = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None else None
+        self._say_hold(rt)
         if self.frontdoor is not None and drain_first(busy, timeout_s, counted, rt.cpu.progress):
             self.frontdoor.set_state(rt.instance, AdminState.DRAIN)
             rt.supervision.on_drain(now, timeout_s, reason, counted)  # -> DRAINING
@@ -174,6 +175,17 @@ class Supervisor:
                      timeout_s)
             return
         self._restart_now(rt, now, reason, counted)
+
+    def _say_hold(self, rt: Runtime) -> None:
+        """The journal says how a restart keeps its model served: by the other instances, or,
+        where this is the only one in rotation, by holding the model's requests until it is
+        back (frontdoor/hold.py). A surge (a second copy started beside it) is not made."""
+        if self.frontdoor is None or not self.frontdoor.listen or self.config is None:
+            return
+        if self.frontdoor.others_in_rotation(rt.instance) == 0:
+            log.info("%s: the only instance of its model in rotation: while it restarts, requests for the model wait "
+                     "for it (hold, up to frontend.queue_timeout_s = %gs), then 503", rt.instance.name,
+                     self.config.frontend.queue_timeout_s)
 
     def _hold(self, rt: Runtime, pid: int | None, now: float, by: str) -> None:
         """Held by another process: out of the front door (drained first, as for a restart),

@@ -23,7 +23,7 @@ from numad_infer.engines.launch import launches
 from numad_infer.errors import ConfigError
 from numad_infer.frontdoor import haproxy
 from numad_infer.frontdoor.haproxy import check_haproxy
-from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy
+from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy, write_config
 from numad_infer.host.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_units
 from numad_infer.host.identity import BackendKind, RunAs, instances_run_as, systemd_frontdoor_user
 from numad_infer.host.pinning import memory_calls
@@ -148,5 +148,5 @@ def _check_frontdoor_config(config: Config, plan: Plan, served: tuple[ServedMode
     with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
         base = Path(scratch)
         paths = paths_in(base, base / "admin.sock")
-        paths.config.write_text(render_haproxy(config, plan, paths, served=served, engine=engine), encoding="utf-8")
+        write_config(paths, render_haproxy(config, plan, paths, served=served, engine=engine))
         haproxy.validate(config.frontend.haproxy, str(paths.config))

@@ -28,7 +28,7 @@ from numad_infer.config.load import parse_config
 from numad_infer.config.schema import Config
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import RuntimeAPI
-from numad_infer.frontdoor.haproxy_config import BACKEND, paths_in, render_haproxy
+from numad_infer.frontdoor.haproxy_config import BACKEND, paths_in, render_haproxy, write_config
 from numad_infer.plan.placement import make_plan
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
@@ -216,7 +216,7 @@ class FrontDoor:
         assert [i.port for i in plan.instances] == self.ports
         paths = paths_in(self.run_dir, self.run_dir / "haproxy.sock")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        paths.config.write_text(render_haproxy(self.config, plan, paths))
+        write_config(paths, render_haproxy(self.config, plan, paths))
         paths.state.write_text("1\n")
         self.haproxy = subprocess.Popen([HAPROXY, "-db", "-f", str(paths.config)], stdout=subprocess.DEVNULL,
                                         stderr=open(self.tmp / "haproxy.err", "w"))

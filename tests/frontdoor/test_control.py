@@ -30,7 +30,7 @@ from numad_infer.backends.process import SOCKET_DIR_NAME
 from numad_infer.units.render import render_frontdoor_unit, render_units
 from numad_infer.config.load import parse_config
 from numad_infer.frontdoor.haproxy import HaproxyError
-from numad_infer.frontdoor.haproxy_config import render_haproxy
+from numad_infer.frontdoor.haproxy_config import render_haproxy, write_config
 from numad_infer.host.identity import (
     FALLBACK_USER,
     FRONTDOOR_USER,
@@ -143,7 +143,7 @@ def test_without_the_capability_an_unprivileged_haproxy_cannot_bind_below_1024(d
     # port itself with no capability, fails.
     door = doors(listen_port=free_privileged_port())
     door.run_dir.mkdir(parents=True, exist_ok=True)
-    door.door.paths.config.write_text(render_haproxy(door.config, door.plan, door.door.paths))
+    write_config(door.door.paths, render_haproxy(door.config, door.plan, door.door.paths))
     door.door.paths.state.write_text("1\n")
     door.door.runner.start(HAPROXY, door.door.paths.config)  # holds no socket: HAProxy binds
     child = door.door.runner.child

@@ -23,7 +23,7 @@ import pytest
 from numad_infer.config.load import parse_config
 from numad_infer.errors import ConfigError
 from numad_infer.frontdoor.haproxy import AdminState, RuntimeAPI
-from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy
+from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy, write_config
 from tests.daemon_harness import free_port_block, wait_for
 from tests.frontdoor.harness import plan_for
 from tests.frontdoor.harness import _get, Answer, CRASH_MARKER, FrontDoor, HAPROXY, SLOW_MARKER
@@ -142,7 +142,8 @@ def test_every_path_in_haproxy_cfg_is_quoted_and_haproxy_accepts_it(tmp_path: Pa
     text = render_haproxy(config, plan, paths)
     assert f'stats socket "{run_dir}/haproxy.sock" mode 660' in text
     assert f'server-state-file "{run_dir}/state \\$HOME"' in text
-    paths.config.write_text(text)
+    assert f'lua-load "{run_dir}/hold.lua"' in text
+    write_config(paths, text)
     paths.state.write_text("1\n")
     check = subprocess.run([HAPROXY, "-c", "-f", str(paths.config)], capture_output=True, text=True)
     assert check.returncode == 0 and "WARNING" not in check.stdout + check.stderr, check

@@ -1,0 +1,145 @@
+"""The hold (frontdoor/hold.py), in a real HAProxy over stub servers: a request for a model
+none of whose instances is in rotation waits for one, up to frontend.queue_timeout_s,
+instead of HAProxy's immediate 503; at most queue_size wait; another model is not held.
+
+The daemon takes a server out of rotation by the runtime API (maintenance for a restart,
+drain before it); the tests do the same, so what is measured is HAProxy's behaviour under
+the rendered configuration, not a stand-in for it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from numad_infer.config.load import parse_config
+from numad_infer.frontdoor.haproxy import AdminState, RuntimeAPI
+from numad_infer.frontdoor.haproxy_config import BACKEND
+from tests.daemon_harness import free_port_block, wait_for
+from tests.frontdoor.harness import HAPROXY, Answer, FrontDoor, _get
+
+pytestmark = pytest.mark.skipif(not os.access(HAPROXY, os.X_OK), reason="haproxy not installed")
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture
+def door(tmp_path: Path):
+    made: list[FrontDoor] = []
+
+    def make(frontend: str = "", models: str = "", count: int = 2) -> FrontDoor:
+        base = free_port_block(count + 1)
+        model = models or '[model]\npath = "/m.gguf"\n'
+        config = parse_config(f'{model}[server]\nbase_port = {base + 1}\n'
+                              f'[frontend]\nlisten = "127.0.0.1:{base}"\n{frontend}', "/etc/numa-infer.toml")
+        made.append(FrontDoor(tmp_path, config, tmp_path / "run", [base + 1 + k for k in range(count)]))
+        return made[-1]
+
+    yield make
+    for made_door in made:
+        made_door.stop()
+
+
+def _started(door: FrontDoor, backends: tuple[str, ...] = (BACKEND,)) -> RuntimeAPI:
+    for k in range(len(door.ports)):
+        door.start_stub(k)
+    door.start_haproxy()
+    api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
+    wait_for(lambda: all(s.status == "UP" for b in backends for s in api.backend(b).servers.values()),
+             "every server UP")
+    return api
+
+
+def _out(api: RuntimeAPI, backend: str = BACKEND, state: AdminState = AdminState.MAINT) -> list[str]:
+    names = list(api.backend(backend).servers)
+    for name in names:
+        api.set_state(backend, name, state)
+    return names
+
+
+def _timed(door: FrontDoor, test_id: str, body: dict, into: dict[str, tuple[Answer, float]]) -> threading.Thread:
+    def send() -> None:
+        started = time.monotonic()
+        answer = door.post(test_id, body)
+        into[test_id] = (answer, time.monotonic() - started)
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def test_a_request_waits_for_the_only_instance_and_is_served_when_it_is_back(door) -> None:
+    front = door()
+    api = _started(front)
+    names = _out(api)  # every instance out of rotation: the one instance of a host restarting
+    got: dict[str, tuple[Answer, float]] = {}
+    thread = _timed(front, "held", CHAT, got)
+    time.sleep(1.5)
+    assert "held" not in got  # waiting, not refused
+    status, body, took = _get(front.port, "/healthz")
+    assert status == 503 and took < 1.0  # truthful meanwhile: no instance in rotation
+    api.set_state(BACKEND, names[0], AdminState.READY)
+    thread.join(30)
+    answer, waited = got["held"]
+    assert answer.status == 200 and answer.served_by() == "stub0", answer
+    assert 1.5 <= waited < 5, waited
+    # In rotation again: nothing waits.
+    started = time.monotonic()
+    assert front.post("after", CHAT).status == 200 and time.monotonic() - started < 1.0
+
+
+def test_a_drained_only_instance_holds_new_requests_too(door) -> None:
+    """Before a restart the daemon drains: the requests running finish there, new ones wait."""
+    front = door()
+    api = _started(front)
+    names = _out(api, state=AdminState.DRAIN)
+    got: dict[str, tuple[Answer, float]] = {}
+    thread = _timed(front, "held", CHAT, got)
+    time.sleep(1.0)
+    assert "held" not in got and front.log("stub0") + front.log("stub1") == []
+    api.set_state(BACKEND, names[1], AdminState.READY)
+    thread.join(30)
+    assert got["held"][0].status == 200 and got["held"][0].served_by() == "stub1"
+
+
+def test_a_hold_ends_at_the_queue_timeout_with_the_json_503(door) -> None:
+    front = door("queue_timeout_s = 1.5\n")
+    api = _started(front)
+    _out(api)
+    got: dict[str, tuple[Answer, float]] = {}
+    _timed(front, "late", CHAT, got).join(30)
+    answer, waited = got["late"]
+    assert answer.status == 503 and answer.error()["type"] == "server_busy", answer
+    assert 1.4 <= waited < 4, waited
+
+
+def test_at_most_queue_size_requests_wait_the_next_get_the_503_at_once(door) -> None:
+    front = door("queue_size = 2\nqueue_timeout_s = 20\n")
+    api = _started(front)
+    names = _out(api)
+    got: dict[str, tuple[Answer, float]] = {}
+    first = [_timed(front, f"held{n}", CHAT, got) for n in range(2)]
+    time.sleep(0.5)  # both inside the hold (nothing of HAProxy's counts them: the action does)
+    more = [_timed(front, f"more{n}", CHAT, got) for n in range(2)]
+    for thread in more:
+        thread.join(30)
+    assert all(got[f"more{n}"][0].status == 503 and got[f"more{n}"][1] < 1.0 for n in range(2)), got
+    api.set_state(BACKEND, names[0], AdminState.READY)
+    for thread in first:
+        thread.join(30)
+    assert [got[f"held{n}"][0].status for n in range(2)] == [200, 200]
+
+
+def test_one_models_hold_never_holds_another_model(door) -> None:
+    models = ('[[models]]\nname = "alpha"\npath = "/a.gguf"\n[[models]]\nname = "beta"\npath = "/b.gguf"\n')
+    front = door(models=models, count=4)
+    api = _started(front, ("model-alpha", "model-beta"))
+    names = _out(api, "model-alpha")
+    got: dict[str, tuple[Answer, float]] = {}
+    held = _timed(front, "alpha", {"model": "alpha", **CHAT}, got)
+    _timed(front, "beta", {"model": "beta", **CHAT}, got).join(30)
+    assert got["beta"][0].status == 200 and got["beta"][1] < 1.0 and "alpha" not in got
+    api.set_state("model-alpha", names[0], AdminState.READY)
+    held.join(30)
+    assert got["alpha"][0].status == 200 and got["alpha"][0].served_by() == "stub0"
