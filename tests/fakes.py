@@ -102,6 +102,7 @@ class FakeFrontdoor:
     def __init__(self) -> None:
         self.in_flight_by: dict[str, int] = {}
         self.states: list[tuple[str, AdminState]] = []
+        self.model_stats: dict = {}  # nothing read: the hold is not said (supervisor._say_hold)
 
     def observe(self):
         return None

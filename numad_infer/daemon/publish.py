@@ -84,7 +84,7 @@ def models(instances: tuple[InstanceStatus, ...], frontdoor: Frontdoor,
             mine = [i for i in instances if i.model == key]
             load[key] = (sum(i.queued or 0 for i in mine), sum(i.in_flight or 0 for i in mine))
     return group_models(served, instances, bool(frontdoor.listen), load,
-                        getattr(frontdoor, "hold_s", None) if frontdoor.listen else None)
+                        loaded.config.frontend.queue_timeout_s if frontdoor.listen else None)
 
 
 def allowed_line(loaded: Loaded | None) -> str | None:

@@ -30,7 +30,7 @@ from numad_infer.frontdoor.haproxy import (
     merged,
 )
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
-from numad_infer.frontdoor.hold import write_hold
+from numad_infer.frontdoor.hold import HOLD_LUA
 from numad_infer.frontdoor.listener import TWIN_FD_VARIABLE, HeldListener
 from numad_infer.frontdoor.request_log import RequestLog
 from numad_infer.frontdoor.routing import backends
@@ -78,7 +78,6 @@ class Frontdoor:
         self.backends: dict[str, str] = {"": BACKEND}  # model key (Instance.model) -> its backend, as applied
         self.answers: FrontendStat | None = None  # the listener's answers by class, read with `stats`
         self.queue_size = 0  # frontend.queue_size of the applied config: a full queue answers 503
-        self.hold_s = 0.0  # frontend.queue_timeout_s: how long a request waits for a model with none in rotation
         self.error = ""  # why the last apply or read failed, for status
         assert self.paths.requests is not None
         self.requests = RequestLog(self.paths.requests, runner.haproxy_uids)  # per-request timings
@@ -86,10 +85,10 @@ class Frontdoor:
     def _candidate(self, config: Config, text: str) -> Path:
         """`text` beside the running file, checked by `haproxy -c`: what is renamed into place."""
         candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
-        # Renamed into place, never written through: a link planted under this name is
+        # Renamed into place, never written through: a link planted under these names is
         # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
-        write_atomic(candidate, text, durable=False)
-        write_hold(self.paths.hold)  # the file it loads: the same text every time
+        for path, content in ((candidate, text), (self.paths.hold, HOLD_LUA)):  # and the file it loads (hold.py)
+            write_atomic(path, content, durable=False)
         try:
             haproxy.validate(config.frontend.haproxy, str(candidate), listener_fds=self.runner.listener.fds)
         except HaproxyError:
@@ -103,10 +102,7 @@ class Frontdoor:
 
     def apply(self, config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine) -> bool:
         """Bring HAProxy to this plan (`served`, `engine`: as validated). HaproxyError leaves
-        the running front door untouched.
-
-        True when HAProxy was started or reloaded.
-        """
+        the running front door untouched. True when HAProxy was started or reloaded."""
         # HAProxy answers its runtime API at once; one that does not is a peer to give up on
         # as soon as an instance's probe is: a pass then costs at most one probe timeout more,
         # whichever of the two drips.
@@ -137,7 +133,6 @@ class Frontdoor:
             current = ""
         self.binary = config.frontend.haproxy
         self.queue_size = config.frontend.queue_size
-        self.hold_s = config.frontend.queue_timeout_s
         if running and current == text:
             self.listen = config.frontend.listen
             self.backends = backends(served)
@@ -201,16 +196,6 @@ class Frontdoor:
     def timings(self, instance: Instance) -> tuple[Histogram, Histogram] | None:
         """The instance's time to first token and request duration, from HAProxy's log."""
         return self.requests.timings.snapshot().get(server_name(instance.name))
-
-    def others_in_rotation(self, instance: Instance) -> int | None:
-        """How many other servers of the instance's model HAProxy would send a request to, as
-        last read (None: not read). 0: taking it out holds its model's requests (hold.py)."""
-        stat = self.model_stats.get(instance.model)
-        if stat is None:
-            return None
-        mine = server_name(instance.name)
-        return sum(1 for name, s in stat.servers.items()
-                   if name != mine and s.admin == AdminState.READY and s.status.startswith("UP"))
 
     def in_flight(self, instance: Instance) -> int | None:
         stat = None if self.stats is None else self.stats.servers.get(server_name(instance.name))

@@ -38,7 +38,7 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor.hold import HOLD_NAME, hold_rule, write_hold
+from numad_infer.frontdoor.hold import HOLD_LUA, HOLD_NAME, hold_rule
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
 from numad_infer.frontdoor.routing import backend_of, health, route, routed
 from numad_infer.plan.model import Instance, Plan
@@ -134,7 +134,7 @@ class Paths:
 def write_config(paths: Paths, text: str) -> None:
     """haproxy.cfg and the file it loads, for a caller that writes it in place (`check`'s
     scratch copy, tests); the daemon renames a checked candidate into place (control.py)."""
-    write_hold(paths.hold)
+    paths.hold.write_text(HOLD_LUA, encoding="utf-8")
     paths.config.write_text(text, encoding="utf-8")
 
 

@@ -21,10 +21,7 @@ instance in rotation), so an outer balancer can send the traffic to another host
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from numad_infer.config.frontend import FrontendSection
-from numad_infer.util.atomicfile import write_atomic
 
 HOLD_NAME = "hold.lua"
 ACTION = "numa_hold"
@@ -73,9 +70,3 @@ end, 2)
 def hold_rule(front: FrontendSection) -> str:
     """The backend's first rule: hold the request while none of its servers is in rotation."""
     return f"    http-request lua.{ACTION} {int(front.queue_timeout_s * 1000)} {front.queue_size}"
-
-
-def write_hold(path: Path) -> None:
-    """The script, beside haproxy.cfg: written before every check and start (the same text
-    every time, so a reload that changes nothing else changes nothing here)."""
-    write_atomic(path, HOLD_LUA, durable=False)

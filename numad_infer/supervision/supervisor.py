@@ -15,7 +15,8 @@ from typing import TypeVar
 from numad_infer.backends.base import Backend, Observation
 from numad_infer.config.schema import Config
 from numad_infer.frontdoor.control import Frontdoor
-from numad_infer.frontdoor.haproxy import AdminState
+from numad_infer.frontdoor.haproxy import AdminState, BackendStat
+from numad_infer.frontdoor.haproxy_config import server_name
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import RestartDecision, Seen, State, Step, drain_first, drain_over, next_step
@@ -46,6 +47,15 @@ def judge_probe(result: ProbeResult, stalled_since: float | None, now: float) ->
         return ProbeResult(False, result.latency_s, f"stalled: requests in flight and no CPU used for "
                                                     f"{now - stalled_since:.0f}s")
     return result
+
+
+def others_in_rotation(stat: BackendStat | None, server: str) -> int | None:
+    """How many servers of a model's backend other than `server` HAProxy would send a
+    request to, as last read (None: not read). 0: taking `server` out holds the model."""
+    if stat is None:
+        return None
+    return sum(1 for name, s in stat.servers.items()
+               if name != server and s.admin == AdminState.READY and s.status.startswith("UP"))
 
 
 class Supervisor:
@@ -182,7 +192,8 @@ class Supervisor:
         back (frontdoor/hold.py). A surge (a second copy started beside it) is not made."""
         if self.frontdoor is None or not self.frontdoor.listen or self.config is None:
             return
-        if self.frontdoor.others_in_rotation(rt.instance) == 0:
+        stat = self.frontdoor.model_stats.get(rt.instance.model)
+        if others_in_rotation(stat, server_name(rt.instance.name)) == 0:
             log.info("%s: the only instance of its model in rotation: while it restarts, requests for the model wait "
                      "for it (hold, up to frontend.queue_timeout_s = %gs), then 503", rt.instance.name,
                      self.config.frontend.queue_timeout_s)
