@@ -127,16 +127,13 @@ def prompt_cache_bounds(instances: Sequence[tuple[Instance, InstanceMemory]], to
     `kept`: the bounds of instances running now on the same cores (name -> MiB). The bound
     is in the engine's command line, so a new one restarts the instance: a reload that adds
     a model beside a running one must not restart it for its cache's sake. Those bounds are
-    kept and the others share what they leave, unless a node cannot hold its kept bounds
-    any more (a bigger model, less memory): there every bound is sized again."""
+    kept and the others share what they leave (0, off, when nothing is left). Where the
+    kept bounds pass what a node has left now (a model added beside them), the node's
+    growth warning says so (growth_warnings): the caches are not shrunk behind the
+    operator's back by restarting what serves."""
     kept = dict(kept or {})
     fits = [fit for fit in node_fits(instances, topo) if fit.total > 0]
     sized = [(i, m) for i, m in instances if m.sized]
-    for fit in fits:  # a node that cannot hold the kept bounds there gives them up
-        here = [(i, kept[i.name]) for i, _ in sized if fit.node in i.mems and i.name in kept]
-        if sum((mib << 20) // len(i.mems) for i, mib in here) > _cache_budget(fit, instances):
-            for i, _ in here:
-                del kept[i.name]
     share = {fit.node: _cache_share(fit, instances, kept) for fit in fits}
     bounds = {}
     for instance, memory in sized:

@@ -150,15 +150,19 @@ def test_a_running_instance_keeps_its_bound_when_a_model_is_added_beside_it(mach
     assert set(caches(fresh).values()) == {share(32, 8 * GiB, 2)}
 
 
-def test_kept_bounds_a_node_cannot_hold_are_sized_again(machine) -> None:
-    """A bigger model file beside them leaves less: where the kept bounds would pass the
-    node's budget, every instance there is sized again, evenly."""
+def test_kept_bounds_a_node_can_no_longer_hold_are_kept_and_warned_on(machine) -> None:
+    """A bigger model beside them leaves less: the running instances keep their bounds (a
+    new one would restart them), the new ones get what is left, here nothing (off), and the
+    node's warning says the caches could pass its memory."""
     topo = machine(fakesys.round_robin_sockets)
     cfg = parse_config(TWO_MODELS.format(b=B), SOURCE)
-    small = make_plan(cfg, topo, {"a": sized(4, 64, "a.gguf"), "b": sized(4, 64, "b.gguf")})
+    alone = make_plan(parse_config(TWO_MODELS.format(b=""), SOURCE), topo, {"a": sized(4, 64, "a.gguf")})
+    kept = share(32, 4 * GiB, 1)
     bigger = {"a": sized(4, 64, "a.gguf"), "b": sized(14, 64, "b.gguf")}
-    again = make_plan(cfg, topo, bigger, running=small.instances)
-    assert set(caches(again).values()) == {share(32, 18 * GiB, 2)} != set(caches(small).values())
+    again = make_plan(cfg, topo, bigger, running=alone.instances)
+    assert {i.name: i.prompt_cache_mib for i in again.instances} == {
+        "infer@a-0": kept, "infer@a-1": kept, "infer@b-0": 0, "infer@b-1": 0}
+    assert len([w for w in again.warnings if "prompt cache" in w]) == 2
 
 
 def test_an_instance_whose_cores_change_is_sized_again(machine) -> None:

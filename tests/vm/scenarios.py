@@ -968,6 +968,38 @@ def e3_model_rollout() -> str:
     return f"{rolled}; {restarted}; progress {out.strip().splitlines()}; timed requests {counted}"
 
 
+@scenario("e5-one-instance-rollout")
+def e5_one_instance_rollout() -> str:
+    """Under systemd, one instance on the host (issue 40): a new model file rolled out under
+    load fails no request. With no other instance to take the traffic, the front door holds
+    the model's requests while the only one restarts (frontdoor/hold.py); the queue timeout
+    is raised past TCG's model load (over a minute)."""
+    write_config("nodes = [0]", frontend="queue_timeout_s = 280\n")
+    sh("systemctl", "reload", "numa-infer", timeout=300)
+    wait(lambda: sh("systemctl", "is-active", "infer@1", check=False).strip() != "active", 200,
+         "infer@1 stopped after its drain")
+    wait(lambda: (s := status()).get("frontdoor") and s["frontdoor"]["up"] and len(s["instances"]) == 1
+         and s["instances"][0]["rotation"] == "UP" and s["instances"][0]["state"] == "healthy", 300,
+         "one instance in rotation")
+    before = main_pid("infer@0")
+    since = now_str()
+
+    def move_into_place() -> None:
+        staged = MODEL + ".new"
+        sh("cp", MODEL, staged)
+        sh("chmod", "0644", staged)
+        os.replace(staged, MODEL)
+        wait(lambda: main_pid("infer@0") not in (0, before)
+             and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in status()["instances"]),
+             600, "infer@0 restarted on the new file", interval=2)
+
+    _, rolled = under_load(move_into_place, "the roll-out of the only instance")
+    journal = journal_since(since)
+    if "(hold, up to frontend.queue_timeout_s = 280s)" not in journal:
+        raise Fail(f"the journal does not say the requests were held: {journal[-800:]}")
+    return f"{rolled}; the journal says the hold"
+
+
 @scenario("e2-instances-elsewhere")
 def e2_instances_elsewhere() -> str:
     """server.host on another address of this machine, the front door on loopback: before,
@@ -1608,8 +1640,9 @@ GROUPS = {
     "tune": [s1_start, t1_tune, s9_stop],
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
-    "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, e3_model_rollout, e2_instances_elsewhere,
-               e4_two_models, s9_stop],
+    # e5 leaves one instance (nodes = [0]); e2 writes its own configuration and starts again.
+    "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, e3_model_rollout, e5_one_instance_rollout,
+               e2_instances_elsewhere, e4_two_models, s9_stop],
     "bench": [b1_aggregate],
     "filter-cost": [b2_filter_cost],
     # Not in CI: repeats the daemon replacements that must keep instances (a flake hunt).
