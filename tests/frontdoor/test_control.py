@@ -88,9 +88,11 @@ def test_the_process_backend_runs_haproxy_as_its_own_user_master_and_workers_ali
         assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
     # A reload re-executes the master: it stays unprivileged, and the daemon still drives it.
     old = set(children_of(door.master))
-    door.door.runner.reload()
-    # Generous bounds: a reload on a loaded 2-core machine (CI, a VM guest beside it) takes seconds.
-    wait_for(lambda: set(children_of(door.master)) - old, "a new worker after the reload", 60, detail=door.log)
+    door.door.reload()
+    # Generous bounds: a reload on a loaded 2-core machine (CI, a VM guest beside it) takes
+    # seconds. Each pass (observe) asks again for a reload HAProxy dropped (the test below).
+    wait_for(lambda: door.door.observe() is not None and set(children_of(door.master)) - old,
+             "a new worker after the reload", 60, detail=door.log)
     for pid in door.processes():
         try:
             uids = status_of(pid)["Uid"].split()
@@ -100,6 +102,24 @@ def test_the_process_backend_runs_haproxy_as_its_own_user_master_and_workers_ali
     # The runtime API answers again once the new worker has taken the socket over.
     wait_for(lambda: door.door.observe() is not None, "the runtime API after the reload", 60,
              detail=lambda: door.door.error)
+
+
+@with_haproxy
+def test_a_reload_haproxy_drops_while_it_starts_is_asked_for_again_until_taken(doors) -> None:
+    # HAProxy's master drops a SIGUSR2 that comes while it is still starting, though its
+    # worker already answers the runtime API (CI lost one so; 63 of 100 under load, measured).
+    # The daemon sees a reload taken when another worker answers, and asks again until then.
+    # Ten starts, each reloaded at once: without asking again, most of them lose it.
+    door = doors()
+    for attempt in range(10):
+        door.start()
+        before = door.door.api.worker_pid()
+        door.door.reload()
+        assert door.door.pending_reload is not None and door.door.pending_reload.worker_pid == before
+        wait_for(lambda: door.door.observe() is not None and door.door.pending_reload is None,
+                 f"reload {attempt} taken", 60, detail=door.log)
+        assert door.door.api.worker_pid() != before
+        door.stop()
 
 
 @as_root
