@@ -8,6 +8,8 @@ the rendered configuration, not a stand-in for it."""
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import threading
 import time
@@ -17,7 +19,7 @@ import pytest
 
 from numad_infer.config.load import parse_config
 from numad_infer.frontdoor.haproxy import AdminState, RuntimeAPI
-from numad_infer.frontdoor.haproxy_config import BACKEND
+from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND
 from tests.daemon_harness import free_port_block, wait_for
 from tests.frontdoor.harness import HAPROXY, Answer, FrontDoor, _get
 
@@ -50,6 +52,13 @@ def _started(door: FrontDoor, backends: tuple[str, ...] = (BACKEND,)) -> Runtime
     wait_for(lambda: all(s.status == "UP" for b in backends for s in api.backend(b).servers.values()),
              "every server UP")
     return api
+
+
+def _sessions(api: RuntimeAPI) -> int:
+    """The frontend's current sessions (show stat's scur on its FRONTEND row)."""
+    text = api.command("show stat")
+    rows = list(csv.DictReader(io.StringIO(text[2:])))
+    return sum(int(r["scur"] or 0) for r in rows if r["svname"] == "FRONTEND" and r["pxname"] == FRONTEND)
 
 
 def _out(api: RuntimeAPI, backend: str = BACKEND, state: AdminState = AdminState.MAINT) -> list[str]:
@@ -120,7 +129,10 @@ def test_at_most_queue_size_requests_wait_the_next_get_the_503_at_once(door) -> 
     names = _out(api)
     got: dict[str, tuple[Answer, float]] = {}
     first = [_timed(front, f"held{n}", CHAT, got) for n in range(2)]
-    time.sleep(0.5)  # both inside the hold (nothing of HAProxy's counts them: the action does)
+    # Both inside the hold before the next two come: nothing of HAProxy's counts the held
+    # (the action does), but the frontend counts both sessions once they are taken in.
+    wait_for(lambda: _sessions(api) >= 2, "both first requests at the front door")
+    time.sleep(0.2)  # from taken in to inside the action: parsing a small request
     more = [_timed(front, f"more{n}", CHAT, got) for n in range(2)]
     for thread in more:
         thread.join(30)
