@@ -55,6 +55,10 @@ class InstanceMemory:
     # then the engine's default, the most a sized cache gets.
     sized: bool = False
     slot_state: int = 0  # one slot's full prompt state (MemoryEstimate.slot_state): the smallest cache worth keeping
+    # The keys that set how many of its instances a node runs, and on which nodes: the shared
+    # [placement] table's, or its own [[models]] table's (ServedModel.key_for).
+    count_key: str = "placement.instances_per_node"
+    nodes_key: str = "placement.nodes"
 
 
 @dataclass(frozen=True)
@@ -191,8 +195,7 @@ def growth_warnings(instances: Sequence[tuple[Instance, InstanceMemory]], topo: 
     return warnings
 
 
-def check_fit(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topology, source: str,
-              instances_per_node: int = 1) -> None:
+def check_fit(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topology, source: str) -> None:
     """ConfigError for the first node whose instances need more than it has for them: the
     node, the models, the bytes needed and available, and what to change. A node whose
     memory size is unknown (0) is not checked."""
@@ -206,45 +209,33 @@ def check_fit(instances: Sequence[tuple[Instance, InstanceMemory]], topo: Topolo
             f"node {fit.node}'s memory cannot hold its instances: {', '.join(fit.instances)} "
             f"({', '.join(fit.models)}) need {_gib(fit.need)} ({fit.need} bytes), the node has {_gib(fit.available)} "
             f"for them ({fit.available} bytes: {_gib(fit.total)} less a {RESERVE_FRACTION:.0%} reserve); per "
-            f"instance {each}; use {_or(_fixes(fit, here, topo, instances_per_node))}",
+            f"instance {each}; use {_or(_fixes(fit, here, topo))}",
         )
 
 
-def _fixes(fit: NodeFit, here: list[tuple[Instance, InstanceMemory]], topo: Topology,
-           instances_per_node: int) -> list[str]:
-    """What would make the node's instances fit, most specific first."""
-    if any(i.model for i, _ in here):
-        return _models_fixes(fit, here)
+def _fixes(fit: NodeFit, here: list[tuple[Instance, InstanceMemory]], topo: Topology) -> list[str]:
+    """What would make the node's instances fit, most specific first, each named by the key
+    that sets it for those models (the single `[model]` form's are [placement]'s)."""
     fixes = dict.fromkeys(m.shrink for _, m in here)
-    if instances_per_node > 1:
-        fixes[f"fewer placement.instances_per_node (now {instances_per_node})"] = None
-    fixes["a smaller quantisation of the model"] = None
-    elsewhere = sorted({i.node for i, _ in here if i.node is not None and i.node != fit.node})
-    if elsewhere:  # CPUs of a node without memory of its own, allocating here
-        fixes[f"leaving node {', '.join(map(str, elsewhere))} out of placement.nodes (its instance allocates on "
-              f"node {fit.node})"] = None
-    bound = any(i.node is not None for i, _ in here)
-    if bound and sum(1 for n in topo.nodes if n.memory_total_bytes > 0) > 1:
-        fixes['placement.mode = "interleave" (one instance, its memory spread over every node)'] = None
-    return list(fixes)
-
-
-def _models_fixes(fit: NodeFit, here: list[tuple[Instance, InstanceMemory]]) -> list[str]:
-    """`_fixes` for `[[models]]`: each model's own keys (`models[k].context_size`, its
-    instances_per_node, its nodes); interleave is not one ([[models]] is per-node only)."""
-    fixes = dict.fromkeys(m.shrink for _, m in here)
-    keys = list(dict.fromkeys(m.key for _, m in here))
-    for key in keys:
-        count = sum(1 for _, m in here if m.key == key)
+    for count_key in dict.fromkeys(m.count_key for _, m in here):
+        count = sum(1 for _, m in here if m.count_key == count_key)
         if count > 1:
-            fixes[f"fewer {key}.instances_per_node ({count} instances on node {fit.node})"] = None
-    fixes["a smaller quantisation of " + ("the model" if len(keys) == 1 else "one of the models")] = None
+            fixes[f"fewer {count_key} ({count} instances on node {fit.node})"] = None
+    models = list(dict.fromkeys(m.key for _, m in here))
+    fixes["a smaller quantisation of " + ("the model" if len(models) == 1 else "one of the models")] = None
+    nodes_keys = _or(list(dict.fromkeys(m.nodes_key for _, m in here)))
     elsewhere = sorted({i.node for i, _ in here if i.node is not None and i.node != fit.node})
     if elsewhere:  # CPUs of a node without memory of its own, allocating here
-        fixes[f"leaving node {', '.join(map(str, elsewhere))} out of {_or([f'{k}.nodes' for k in keys])} (its "
-              f"instances allocate on node {fit.node})"] = None
-    if len(keys) > 1:
-        fixes[f"fewer models on node {fit.node} (leave it out of {_or([f'{k}.nodes' for k in keys])})"] = None
+        fixes[f"leaving node {', '.join(map(str, elsewhere))} out of {nodes_keys} (its instances allocate on "
+              f"node {fit.node})"] = None
+    if len(models) > 1:
+        fixes[f"fewer models on node {fit.node} (leave it out of {nodes_keys})"] = None
+    # Interleaving is a mode of the shared [placement] table: offered where it places them
+    # ([[models]] are placed per node only: config/models.check_models).
+    bound = any(i.node is not None for i, _ in here)
+    shared = nodes_keys == "placement.nodes"
+    if shared and bound and sum(1 for n in topo.nodes if n.memory_total_bytes > 0) > 1:
+        fixes['placement.mode = "interleave" (one instance, its memory spread over every node)'] = None
     return list(fixes)
 
 

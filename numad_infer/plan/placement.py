@@ -79,9 +79,8 @@ def _plan(config: Config, topo: Topology, models: tuple[ServedModel, ...], memor
     if memory is not None:  # step 4c: every node's instances fit in its memory
         def need(i: Instance) -> InstanceMemory:
             return memory if isinstance(memory, InstanceMemory) else memory[i.model]
-        per_node = max(s.view.placement.instances_per_node for s in models)
         needs = [(i, need(i)) for i in instances]
-        check_fit(needs, topo, source, per_node)
+        check_fit(needs, topo, source)
         # step 4d: the prompt caches the engine keeps unbounded by the operator, sized to what is left
         caches = prompt_cache_bounds(needs, topo, _kept_caches(instances, running))
         instances = [replace(i, prompt_cache_mib=caches.get(i.name)) for i in instances]

@@ -114,4 +114,6 @@ def instance_memory(served: ServedModel, engine: Engine, memory: MemoryEstimate)
     detail = (memory.describe().removesuffix(memory.describe_growth()) + ", and a prompt cache sized to its node "
               "(per instance)") if sized else memory.describe()
     return InstanceMemory(model.name or os.path.basename(model.path), memory.total, detail, shrink,
-                          served.key, memory.prompt_cache, grows_fix, sized, memory.slot_state)
+                          served.key, memory.prompt_cache, grows_fix, sized, memory.slot_state,
+                          served.key_for("placement.instances_per_node", fix=True),
+                          served.key_for("placement.nodes", fix=True))

@@ -54,7 +54,7 @@ def test_each_node_sums_its_instances(machine) -> None:
                               "infer@0.2, infer@0.3, infer@0.4 (m.gguf) need 250.0 GiB (268435456000 bytes), the node "
                               "has 230.4 GiB for them (247390116249 bytes: 256.0 GiB less a 10% reserve); per instance "
                               "m.gguf: weights 50 GiB; use a smaller model.context_size or server.parallel, fewer "
-                              "placement.instances_per_node (now 5), a smaller quantisation of the model or "
+                              "placement.instances_per_node (5 instances on node 0), a smaller quantisation of the model or "
                               'placement.mode = "interleave"')
     assert "\n" not in message
 
@@ -73,7 +73,7 @@ def test_a_node_holding_another_nodes_instance_names_it_in_the_fix(machine) -> N
     message = str(refused.value)
     # 4 GiB fits node 0 (7.2 GiB for the instances); node 2 holds its own and node 1's: 8 GiB.
     assert "node 2's memory cannot hold its instances: infer@1, infer@2 (m.gguf) need 8.0 GiB" in message
-    assert "leaving node 1 out of placement.nodes (its instance allocates on node 2)" in message
+    assert "leaving node 1 out of placement.nodes (its instances allocate on node 2)" in message
     assert make_plan(config("nodes = [0, 2]"), machine(fakesys.memoryless_cpu_node), need(4)).instances
 
 
@@ -153,3 +153,23 @@ def test_with_several_models_the_fix_names_each_models_own_extra_args() -> None:
         (8 << 30, 'models[0].extra_args = [..., "--cache-ram", "MIB"]'),
         (512 << 20, 'models[1].extra_args = [..., "--cache-ram", "MIB"]')]
     assert got[1].detail.endswith(", and a prompt cache of up to 512 MiB with use")
+
+
+def test_one_fix_builder_for_both_forms_each_naming_its_own_keys(machine) -> None:
+    """The single `[model]` and a `[[models]]` table get the same fixes from the same code,
+    each naming the keys that set it (InstanceMemory.count_key, nodes_key), and interleaving
+    only where the shared [placement] places the model."""
+    topo = machine(fakesys.dual_socket_smt)  # 256 GiB nodes
+    shared = need(50)
+    own = InstanceMemory("m.gguf", 50 * GiB, "weights 50 GiB", "a smaller models[0].context_size", "models[0]",
+                         count_key="models[0].instances_per_node", nodes_key="models[0].nodes")
+    fixes = []
+    for memory in (shared, own):
+        with pytest.raises(ConfigError) as refused:
+            make_plan(config("instances_per_node = 5"), topo, memory)
+        fixes.append(str(refused.value).split("; use ", 1)[1])
+    assert fixes[0] == ("a smaller model.context_size or server.parallel, fewer placement.instances_per_node (5 "
+                        "instances on node 0), a smaller quantisation of the model or placement.mode = \"interleave\" "
+                        "(one instance, its memory spread over every node)")
+    assert fixes[1] == ("a smaller models[0].context_size, fewer models[0].instances_per_node (5 instances on node 0) "
+                        "or a smaller quantisation of the model")
