@@ -269,9 +269,9 @@ def test_a_key_file_changed_after_validation_is_never_half_used(tmp_path: Path) 
     assert all(spec.endswith(fingerprint("k-CHECKED")) for spec in SystemdBackend().specs(units).values())
     rec = Reconciler(RecordingBackend())
     rec.apply(checked, 0.0)
-    assert rec.api_key == "k-CHECKED"  # what the probes and the key check send
+    assert rec.loaded is checked and rec.loaded.api_key == "k-CHECKED"  # what the probes and the key check send
     # The next reload reads the new file once, and every consumer moves to it together.
     reloaded = loaded_for(config, plan, api_key=read_api_key(config, "/etc/numa-infer.toml"))
     rec.apply(reloaded, 1.0)
     process.sync(reloaded)
-    assert process.loaded is not None and rec.api_key == process.loaded.api_key == "k-CHANGED"
+    assert rec.loaded is reloaded and process.loaded is reloaded and reloaded.api_key == "k-CHANGED"

@@ -88,7 +88,9 @@ class ProcessBackend:
         self.slots_dir = slots_dir  # STATE_DIR/slots: prompt caches kept across restarts (supervision/slot_keeper)
         self.output = ChildOutput(logs, log_dir)  # instances' and HAProxy's output: files or stdout
         self.children: dict[str, subprocess.Popen[bytes]] = {}
-        self.loaded: Loaded | None = None  # what the next starts use: the daemon's, as it was synced
+        # What the next starts use: the daemon's one value as it was last synced (a reference,
+        # never a copy or a part of it), as the systemd backend's units on disk are its own.
+        self.loaded: Loaded | None = None
 
     def specs(self, loaded: Loaded) -> dict[str, str]:
         key, user = fingerprint(loaded.api_key), loaded.runs_as

@@ -39,7 +39,6 @@ class PlanState:
                  frontdoor: Frontdoor, endpoint: metrics.Endpoint, state_file: Path) -> None:
         self.config_path, self.sysfs, self.backend = config_path, sysfs, backend
         self.reconciler, self.frontdoor, self.endpoint, self.state_file = reconciler, frontdoor, endpoint, state_file
-        self.loaded: Loaded | None = None  # the configuration running now (applied)
         self.online: frozenset[int] | None = None  # the CPUs it was planned on
         self.allowed: Allowed | None = None  # what the instances' cgroup allowed then
         self.generation = 0  # bumped by every start and reload, done or refused (`numa-infer reload` waits on it)
@@ -48,6 +47,12 @@ class PlanState:
         self._changed: tuple[str, float] | None = None  # artifacts seen changed, and since when
         self._refused = ""  # artifacts the pipeline refused: tried again only when they change
         self._failing: dict[str, str] = {}  # re-plan steps that raised at the last pass, and what
+
+    @property
+    def loaded(self) -> Loaded | None:
+        """The configuration running now: the reconciler's applied value (Reconciler.apply),
+        read there, never kept a second time here."""
+        return self.reconciler.loaded
 
     @property
     def config(self) -> Config | None:
@@ -82,7 +87,6 @@ class PlanState:
             log.error("%s failed, still running the previous configuration: cannot apply the plan: %s", why, exc)
             self.last_reload = ReloadResult(time.time(), False, why, f"cannot apply the plan: {exc}")
             return False
-        self.loaded = loaded
         refused = None
         try:
             self.frontdoor.apply(loaded.config, loaded.plan, loaded.served, loaded.engine)

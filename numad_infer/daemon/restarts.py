@@ -35,7 +35,7 @@ class Restarts:
             log.error("restart refused: %s", error)
         names = request.instances or tuple(rec.runtimes)
         self.last = RestartResult(request.id, time.time(), error is None, names, error, () if error else names)
-        rec.rollout.roll(rec.runtimes, rec.holds, time.monotonic())  # the first goes now, not a pass later
+        rec.roll(time.monotonic())  # the first goes now, not a pass later
 
     def follow(self) -> RestartResult | None:
         """The last restart with what is left of it; an instance once done stays done."""

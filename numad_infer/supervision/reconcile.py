@@ -8,8 +8,13 @@
 - drift_checks.py: one class per drift kind, each with its own memory of the process;
 - keycheck.py: does the process take the configured API key.
 
+`Reconciler.apply(loaded)` holds the pipeline's value (validate/loaded.py) as the one
+applied configuration, `self.loaded`; the supervisor and the rollout keep no copy of it or
+of its parts: each call is handed it.
+
 `Reconciler.monitor(now)` is one monitoring pass: it returns each instance's state after
-the pass (empty when the instance states could not be read and nothing was acted on).
+the pass (empty when nothing is applied yet, or when the instance states could not be read
+and nothing was acted on).
 
 A pass has a deadline: every probe and counter read runs at once, each bounded by its own
 deadline (health.py), and the pass waits for them until `probe_timeout_s` + PASS_SLACK_S;
@@ -27,8 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, TypeVar
 
 from numad_infer.backends.base import Backend, Observation
-from numad_infer.config.schema import Config
-from numad_infer.engines import Engine, EngineCounters
+from numad_infer.engines import EngineCounters
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import State
@@ -39,10 +43,9 @@ from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.keycheck import check_api_key
 from numad_infer.supervision.rollout import Rollout
 from numad_infer.supervision.supervisor import Supervisor, isolated
+from numad_infer.validate.loaded import Loaded
 
 __all__ = ["Reconciler", "Runtime"]
-
-from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +70,11 @@ class Reconciler:
         self.frontdoor = frontdoor
         self.proc = proc or ProcReader()
         self.wall = wall
-        self.config: Config | None = None
+        # The applied value (apply), the daemon's one configuration: what everything below
+        # reads its settings, key, engine and model files from. None until a plan is applied.
+        self.loaded: Loaded | None = None
         self.runtimes: dict[str, Runtime] = {}
         self.holds: dict[str, str] = {}  # instance -> who holds it stopped (holds.py), from the daemon each pass
-        self.api_key: str | None = None
-        self.engine: Engine | None = None  # the applied one's (with `config`)
         self.supervisor = Supervisor(backend, self.proc, frontdoor, wall)
         self.rollout = Rollout(backend, frontdoor, self.supervisor)
         self.keepalive = keepalive
@@ -82,16 +85,20 @@ class Reconciler:
         """Bring the instances to `loaded`, the pipeline's value: its key and engine are the
         ones checked, not read or looked up again. `why`: what the restarts of changed
         instances say in the journal."""
-        diff, specs = self.rollout.sync(loaded)
-        self.api_key, self.engine = loaded.api_key, loaded.engine
-        self.config = self.supervisor.config = loaded.config
-        self.supervisor.api_key = loaded.api_key
-        self.supervisor.model_paths = {m.ident: m.view.one_model.path for m in loaded.served}
+        diff, specs = self.rollout.sync(loaded)  # raises before anything running was touched
         if self.supervisor.keeper is not None:
             self.supervisor.keeper.forget_all_but({i.name for i in loaded.plan.instances})
-        self.rollout.apply(loaded.plan, diff, specs, self.runtimes, self.holds, now,
-                           loaded.config.frontend.drain_timeout_s, why)
+        self.rollout.apply(loaded, diff, specs, self.runtimes, self.holds, now, why)
+        # The one place it is set: an apply that raised leaves the previous one applied, as
+        # the daemon then says (daemon/desired.py), everywhere at once.
+        self.loaded = loaded
         return diff
+
+    def roll(self, now: float) -> None:
+        """Go on with the rolling restart under way, if any (`numa-infer restart`'s first
+        restart goes at once, not a pass later). Nothing applied: nothing runs to restart."""
+        if self.loaded is not None:
+            self.rollout.roll(self.loaded, self.runtimes, self.holds, now)
 
     def stop_all(self) -> None:
         # All at once: a stop then takes one instance's stop timeout, however many there are.
@@ -103,7 +110,9 @@ class Reconciler:
             rt.pid = None
 
     def monitor(self, now: float) -> dict[str, State]:
-        assert self.config is not None
+        loaded = self.loaded
+        if loaded is None:  # nothing applied: no instance to look at
+            return {}
         try:
             observed = self.backend.observe(list(self.runtimes))
         except Exception as exc:
@@ -113,9 +122,9 @@ class Reconciler:
         if self.frontdoor is not None:
             self.frontdoor.observe()  # bounded by the runtime API's deadline
             self.keepalive()
-        limit = self.config.monitor.probe_timeout_s + PASS_SLACK_S
+        limit = loaded.config.monitor.probe_timeout_s + PASS_SLACK_S
         deadline = time.monotonic() + limit
-        probes, counters = self._dispatch(observed)
+        probes, counters = self._dispatch(loaded, observed)
         self._await([*probes.values(), *counters.values()], deadline)
         late = ProbeResult(False, limit, f"probe did not finish within {limit:g}s")
         for name, rt in self.runtimes.items():
@@ -123,25 +132,23 @@ class Reconciler:
                 if name in counters:
                     rt.on_counters(_outcome(counters[name], None), now)
                 probed = _outcome(probes[name], late) if name in probes else None
-                self._monitor_one(rt, observed[name], probed, now)
+                self._monitor_one(loaded, rt, observed[name], probed, now)
             except Exception:  # one instance's trouble never stops the others' monitoring
                 log.exception("%s: monitoring failed", name)
             self.supervisor.rotate(rt)
             self.keepalive()
-        self.rollout.roll(self.runtimes, self.holds, now)
+        self.rollout.roll(loaded, self.runtimes, self.holds, now)
         self.rollout.retire(self.proc, now)
         return {name: rt.supervision.state for name, rt in self.runtimes.items()}
 
-    def _dispatch(self, observed: dict[str, Observation]) -> tuple[dict[str, Future[ProbeResult]],
-                                                                    dict[str, Future[EngineCounters | None]]]:
+    def _dispatch(self, loaded: Loaded, observed: dict[str, Observation]) -> tuple[
+            dict[str, Future[ProbeResult]], dict[str, Future[EngineCounters | None]]]:
         """Every running instance probed (and its counters read) at once: a slow one holds up none."""
-        cfg = self.config
-        assert cfg is not None
         up = {name: (rt.instance.port, pid) for name, rt in self.runtimes.items() if (pid := observed[name].pid)}
-        reads_counters = self.engine is not None and self.engine.metrics_path is not None
+        reads_counters = loaded.engine.metrics_path is not None
         pool = self._pool_for(len(up) * (2 if reads_counters else 1))
-        probes = {name: pool.submit(self._probe, port, pid) for name, (port, pid) in up.items()}
-        counters = {name: pool.submit(self._counters, port, pid) for name, (port, pid) in up.items()
+        probes = {name: pool.submit(self._probe, loaded, port, pid) for name, (port, pid) in up.items()}
+        counters = {name: pool.submit(self._counters, loaded, port, pid) for name, (port, pid) in up.items()
                     if reads_counters}
         return probes, counters
 
@@ -166,31 +173,27 @@ class Reconciler:
     # Both ask first whether the port is the instance's: a process that took it while the
     # instance restarted must not be marked healthy (clients' keys would go to it) nor be
     # sent the API key.
-    def _probe(self, port: int, pid: int) -> ProbeResult:
-        cfg = self.config
-        assert cfg is not None
+    def _probe(self, loaded: Loaded, port: int, pid: int) -> ProbeResult:
+        cfg = loaded.config
         owner = self.proc.port_owner(cfg.server.host, port, pid)
         if not owner.ours:
             return ProbeResult(False, 0.0, owner.detail)
-        assert self.engine is not None
-        return self.liveness_probe(cfg.server.host, port, cfg.monitor.probe_timeout_s, self.engine.liveness_path)
+        return self.liveness_probe(cfg.server.host, port, cfg.monitor.probe_timeout_s, loaded.engine.liveness_path)
 
-    def _counters(self, port: int, pid: int) -> EngineCounters | None:
-        cfg = self.config
-        assert cfg is not None
+    def _counters(self, loaded: Loaded, port: int, pid: int) -> EngineCounters | None:
+        cfg = loaded.config
         if not self.proc.port_owner(cfg.server.host, port, pid).ours:
             return None
-        assert self.engine is not None
-        return read_engine_metrics(self.engine, cfg.server.host, port, self.api_key, cfg.monitor.probe_timeout_s)
+        return read_engine_metrics(loaded.engine, cfg.server.host, port, loaded.api_key, cfg.monitor.probe_timeout_s)
 
-    def _monitor_one(self, rt: Runtime, seen: Observation, probed: ProbeResult | None, now: float) -> None:
-        cfg = self.config
-        assert cfg is not None
-        if not self.supervisor.step(rt, seen, self.holds.get(rt.instance.name), probed, now):
+    def _monitor_one(self, loaded: Loaded, rt: Runtime, seen: Observation, probed: ProbeResult | None,
+                     now: float) -> None:
+        cfg = loaded.config
+        if not self.supervisor.step(loaded, rt, seen, self.holds.get(rt.instance.name), probed, now):
             return
-        assert seen.pid is not None
-        if self.api_key is not None and self.engine is not None:
-            check_api_key(rt, cfg, self.api_key, self.frontdoor, self.proc, self.engine.key_check_path)
+        assert seen.pid is not None  # a passed probe is of a running process
+        if loaded.api_key is not None:
+            check_api_key(rt, cfg, loaded.api_key, self.frontdoor, self.proc, loaded.engine.key_check_path)
         ctx = CheckContext(rt.instance, seen.pid, now, self.wall, cfg.monitor, self.proc,
                            self.backend.instance_cgroups, rt)
         rt.drifting = run_checks(rt.checks, ctx)

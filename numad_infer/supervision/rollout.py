@@ -11,7 +11,7 @@ from numad_infer.backends.base import Backend
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import IN_TRANSITION, State, Supervision
-from numad_infer.plan.model import Instance, Plan, PlanDiff, diff_plans
+from numad_infer.plan.model import Instance, PlanDiff, diff_plans
 from numad_infer.supervision.instance import PromptTally, Runtime
 from numad_infer.supervision.supervisor import Supervisor, isolated
 from numad_infer.validate.loaded import Loaded
@@ -28,10 +28,14 @@ class Retiring:
 
 
 class Rollout:
+    """Keeps what it needs to roll, not the configuration: the plan, its settings and the
+    engine come with the applied `Loaded` each call is handed."""
+
     def __init__(self, backend: Backend, frontdoor: Frontdoor | None, supervisor: Supervisor) -> None:
         self.backend, self.frontdoor, self.supervisor = backend, frontdoor, supervisor
-        self.plan: Plan | None = None
-        self.specs: dict[str, str] = {}
+        # The applied instances' definitions (what the next plan is compared with); None
+        # until a plan is applied: then it is compared with what a previous daemon left.
+        self.specs: dict[str, str] | None = None
         self.rolling: list[str] = []  # definition changed, restart still to come (one at a time)
         self.rolled: list[str] = []  # restarted by the current rollout: must be healthy before the next
         self.why = "definition changed"  # what the rollout under way is for, in its log lines
@@ -42,20 +46,22 @@ class Rollout:
         """The difference to the plan, with the definitions written: if they cannot be (or
         systemd cannot reload them), this raises before anything running was touched."""
         new_specs = self.backend.specs(loaded)
-        old_specs = self.specs if self.plan is not None else self.backend.current_specs(loaded)
+        old_specs = self.specs if self.specs is not None else self.backend.current_specs(loaded)
         diff = diff_plans(old_specs, new_specs)
         self.backend.sync(loaded)
         return diff, new_specs
 
-    def apply(self, plan: Plan, diff: PlanDiff, specs: dict[str, str], runtimes: dict[str, Runtime],
-              holds: dict[str, str], now: float, drain_timeout_s: float = 0.0, why: str = "definition changed") -> None:
+    def apply(self, loaded: Loaded, diff: PlanDiff, specs: dict[str, str], runtimes: dict[str, Runtime],
+              holds: dict[str, str], now: float, why: str = "definition changed") -> None:
+        """Bring the running set to `loaded`'s plan (`diff`, `specs`: what `sync` returned for it)."""
+        plan, drain_timeout_s = loaded.plan, loaded.config.frontend.drain_timeout_s
         for name in [n for n in self.retiring if n in {i.name for i in plan.instances}]:
             # Planned again while it still finished its requests: the new one needs its port.
             isolated(name, "stop", functools.partial(self.backend.stop, name))
             del self.retiring[name]
         for name in diff.removed:
             self._remove(name, runtimes.pop(name, None), now, drain_timeout_s)
-        self.plan, self.specs = plan, specs
+        self.specs = specs
         try:
             running = {name: seen.pid for name, seen in self.backend.observe([i.name for i in plan.instances]).items()}
         except Exception as exc:  # unknown: start (a no-op on a running unit); monitoring adopts the PID later
@@ -67,7 +73,7 @@ class Rollout:
         self.rolling = [name for name in self.rolling if name in runtimes]
         if diff.changed:  # a new rollout; one still under way continues with the new definition
             self.rolled, self._stopped_said, self.why = [], False, why
-        self.roll(runtimes, holds, now)
+        self.roll(loaded, runtimes, holds, now)
 
     def _bring_up(self, instance: Instance, runtimes: dict[str, Runtime], changed: bool, held: bool,
                   already: int | None, now: float) -> None:
@@ -127,9 +133,10 @@ class Rollout:
             isolated(name, "stop", functools.partial(self.backend.stop, name))
             del self.retiring[name]
 
-    def roll(self, runtimes: dict[str, Runtime], holds: dict[str, str], now: float) -> None:
+    def roll(self, loaded: Loaded, runtimes: dict[str, Runtime], holds: dict[str, str], now: float) -> None:
         """Restart instances whose definition changed: behind a front door one at a time, so
         the others keep serving; without one, all at once (nothing routes around them).
+        `loaded`: the applied value, whose definition they restart on.
 
         The next one goes only once every instance restarted so far is healthy on the new
         definition: one that does not come up (a bad extra_args, a model the engine cannot
@@ -143,7 +150,7 @@ class Rollout:
             name = self.rolling.pop(0)
             self.rolled.append(name)
             log.info("%s: %s: restarting", name, self.why)
-            self.supervisor.restart(runtimes[name], now, self.why, counted=False)
+            self.supervisor.restart(loaded, runtimes[name], now, self.why, counted=False)
 
     def request(self, names: list[str], runtimes: dict[str, Runtime], holds: dict[str, str]) -> str | None:
         """`numa-infer restart`: roll `names` (all instances when empty) as a changed

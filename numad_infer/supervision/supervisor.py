@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from numad_infer.backends.base import Backend, Observation
-from numad_infer.config.schema import Config
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import AdminState, BackendStat
 from numad_infer.frontdoor.haproxy_config import server_name
@@ -23,6 +22,7 @@ from numad_infer.lifecycle.states import RestartDecision, Seen, State, Step, dra
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.slot_keeper import SlotKeeper
+from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
 
@@ -59,22 +59,23 @@ def others_in_rotation(stat: BackendStat | None, server: str) -> int | None:
 
 
 class Supervisor:
+    """Holds no configuration of its own: every step is handed the applied `Loaded` (the
+    one Reconciler.apply took), and reads the settings, key and model files from it."""
+
     def __init__(self, backend: Backend, proc: ProcReader, frontdoor: Frontdoor | None,
                  wall: Callable[[], float]) -> None:
         self.backend, self.proc, self.frontdoor, self.wall = backend, proc, frontdoor, wall
-        self.config: Config | None = None  # the applied one (Reconciler.apply)
         # Prompt caches kept across the restarts made here, where the backend gives the
         # engine a directory for them (slot_keeper.py); with the applied key and model files.
         slots_dir = getattr(backend, "slots_dir", None)
         self.keeper = SlotKeeper(slots_dir, "127.0.0.1") if isinstance(slots_dir, Path) else None
-        self.api_key: str | None = None
-        self.model_paths: dict[str, str] = {}  # Instance.model -> its model file
 
-    def step(self, rt: Runtime, seen: Observation, held_by: str | None, probed: ProbeResult | None,
+    def step(self, loaded: Loaded, rt: Runtime, seen: Observation, held_by: str | None, probed: ProbeResult | None,
              now: float) -> bool:
-        """One pass for one instance. True when its probe passed judgement (it is up and not
-        being restarted): then its process is the caller's to check for drift. `probed`: this
-        pass's probe (None: not probed), already in or already given up on."""
+        """One pass for one instance, under `loaded` (the applied value). True when its probe
+        passed judgement (it is up and not being restarted): then its process is the caller's
+        to check for drift. `probed`: this pass's probe (None: not probed), already in or
+        already given up on."""
         self._follow_pid(rt, seen.pid, now)
         step = next_step(rt.supervision, Seen(held_by, seen.pid is not None, seen.pending))
         if step == Step.RESUME:
@@ -87,17 +88,17 @@ class Supervisor:
             isolated(rt.instance.name, "stop", lambda: self.backend.stop(rt.instance.name))
         elif step == Step.HOLD:
             assert held_by is not None
-            self._hold(rt, seen.pid, now, held_by)
+            self._hold(loaded, rt, seen.pid, now, held_by)
         elif step == Step.RELEASE:
             log.info("%s: released: starting it again", rt.instance.name)
             isolated(rt.instance.name, "start", lambda: self.backend.start(rt.instance))
             rt.supervision.on_released(now)
         elif step == Step.RESTART_GONE:
-            self._maybe_restart(rt, now, f"not running ({seen.description})")
+            self._maybe_restart(loaded, rt, now, f"not running ({seen.description})")
         elif step == Step.DRAIN:
-            self._continue_drain(rt, now)
+            self._continue_drain(loaded, rt, now)
         elif step == Step.PROBE:
-            return self._probe(rt, probed, now)
+            return self._probe(loaded, rt, probed, now)
         return False
 
     def _follow_pid(self, rt: Runtime, pid: int | None, now: float) -> None:
@@ -116,45 +117,42 @@ class Supervisor:
                 rt.record_drift(EventKind.EXIT, f"main process {exited} replaced by {pid}", self.wall())
         rt.new_process(pid)
 
-    def _probe(self, rt: Runtime, probed: ProbeResult | None, now: float) -> bool:
-        assert self.config is not None
+    def _probe(self, loaded: Loaded, rt: Runtime, probed: ProbeResult | None, now: float) -> bool:
         sup = rt.supervision
         result = probed if probed is not None else ProbeResult(False, 0.0, "not probed")
         result = rt.last_probe = judge_probe(result, rt.cpu.stalled_since, now)
         was = sup.state
-        if sup.on_probe(result.ok, now, self.config.monitor, result.error):
-            self._maybe_restart(rt, now, f"{sup.failures} failed probes: {result.error}")
+        if sup.on_probe(result.ok, now, loaded.config.monitor, result.error):
+            self._maybe_restart(loaded, rt, now, f"{sup.failures} failed probes: {result.error}")
             return False
         if was != State.HEALTHY and sup.state == State.HEALTHY:
-            self._healthy_again(rt)  # before this pass puts it back in rotation (rotate)
+            self._healthy_again(loaded, rt)  # before this pass puts it back in rotation (rotate)
         return True
 
     # -- prompt caches kept across a restart (slot_keeper.py) ----------------------------------------
-    def _keeps_slots(self) -> SlotKeeper | None:
-        if self.keeper is not None and self.config is not None:
-            self.keeper.host = self.config.server.host
-            return self.keeper
-        return None
+    def _keeps_slots(self, loaded: Loaded) -> SlotKeeper | None:
+        if self.keeper is not None:
+            self.keeper.host = loaded.config.server.host
+        return self.keeper
 
-    def _healthy_again(self, rt: Runtime) -> None:
-        keeper, path = self._keeps_slots(), self.model_paths.get(rt.instance.model)
-        if keeper is not None and path is not None and self.config is not None:
+    def _healthy_again(self, loaded: Loaded, rt: Runtime) -> None:
+        keeper, path = self._keeps_slots(loaded), _model_path(loaded, rt.instance.model)
+        if keeper is not None and path is not None:
             # Out of rotation until this returns: never longer than a drain may take.
-            timeout_s, inst = self.config.frontend.drain_timeout_s, rt.instance
+            timeout_s, inst, key = loaded.config.frontend.drain_timeout_s, rt.instance, loaded.api_key
             isolated(inst.name, "restore of its prompt cache",
-                     lambda: keeper.after_start(inst.name, inst.port, self.api_key, path, timeout_s))
+                     lambda: keeper.after_start(inst.name, inst.port, key, path, timeout_s))
 
-    def _save_slots(self, rt: Runtime) -> None:
-        keeper, path = self._keeps_slots(), self.model_paths.get(rt.instance.model)
+    def _save_slots(self, loaded: Loaded, rt: Runtime) -> None:
+        keeper, path = self._keeps_slots(loaded), _model_path(loaded, rt.instance.model)
         answers = rt.pid is not None and rt.last_probe is not None and rt.last_probe.ok  # a hung one cannot save
-        if keeper is not None and path is not None and self.config is not None and answers:
-            timeout_s, inst = self.config.frontend.drain_timeout_s, rt.instance
+        if keeper is not None and path is not None and answers:
+            timeout_s, inst, key = loaded.config.frontend.drain_timeout_s, rt.instance, loaded.api_key
             isolated(inst.name, "save of its prompt cache",
-                     lambda: keeper.before_restart(inst.name, inst.port, self.api_key, path, timeout_s))
+                     lambda: keeper.before_restart(inst.name, inst.port, key, path, timeout_s))
 
-    def _maybe_restart(self, rt: Runtime, now: float, reason: str) -> None:
-        cfg = self.config
-        assert cfg is not None
+    def _maybe_restart(self, loaded: Loaded, rt: Runtime, now: float, reason: str) -> None:
+        cfg = loaded.config
         sup = rt.supervision
         decision = sup.restart_decision(now, cfg.monitor)
         if decision == RestartDecision.FAIL:
@@ -165,44 +163,42 @@ class Supervisor:
                           rt.instance.name, cfg.monitor.max_restarts, cfg.monitor.restart_window_s, reason)
             return
         if decision == RestartDecision.RESTART:
-            self.restart(rt, now, reason, counted=True)
+            self.restart(loaded, rt, now, reason, counted=True)
 
     # -- restarts and holds, drained out of the front door first ------------------------------------
-    def restart(self, rt: Runtime, now: float, reason: str, counted: bool) -> None:
+    def restart(self, loaded: Loaded, rt: Runtime, now: float, reason: str, counted: bool) -> None:
         """Restart one instance; with requests in flight at the front door, drain it first.
 
         `counted`: a repair, which counts against monitor.max_restarts (a definition
         change does not).
         """
-        assert self.config is not None
-        timeout_s = self.config.frontend.drain_timeout_s
+        timeout_s = loaded.config.frontend.drain_timeout_s
         busy = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None else None
-        self._say_hold(rt)
+        self._say_hold(loaded, rt)
         if self.frontdoor is not None and drain_first(busy, timeout_s, counted, rt.cpu.progress):
             self.frontdoor.set_state(rt.instance, AdminState.DRAIN)
             rt.supervision.on_drain(now, timeout_s, reason, counted)  # -> DRAINING
             log.info("%s: %s: draining %d request(s) before the restart (at most %gs)", rt.instance.name, reason, busy,
                      timeout_s)
             return
-        self._restart_now(rt, now, reason, counted)
+        self._restart_now(loaded, rt, now, reason, counted)
 
-    def _say_hold(self, rt: Runtime) -> None:
+    def _say_hold(self, loaded: Loaded, rt: Runtime) -> None:
         """The journal says how a restart keeps its model served: by the other instances, or,
         where this is the only one in rotation, by holding the model's requests until it is
         back (frontdoor/hold.py). A surge (a second copy started beside it) is not made."""
-        if self.frontdoor is None or not self.frontdoor.listen or self.config is None:
+        if self.frontdoor is None or not self.frontdoor.listen:
             return
         stat = self.frontdoor.model_stats.get(rt.instance.model)
         if others_in_rotation(stat, server_name(rt.instance.name)) == 0:
             log.info("%s: the only instance of its model in rotation: while it restarts, requests for the model wait "
                      "for it (hold, up to frontend.queue_timeout_s = %gs), then 503", rt.instance.name,
-                     self.config.frontend.queue_timeout_s)
+                     loaded.config.frontend.queue_timeout_s)
 
-    def _hold(self, rt: Runtime, pid: int | None, now: float, by: str) -> None:
+    def _hold(self, loaded: Loaded, rt: Runtime, pid: int | None, now: float, by: str) -> None:
         """Held by another process: out of the front door (drained first, as for a restart),
         then stopped until the hold is released."""
-        assert self.config is not None
-        timeout_s = self.config.frontend.drain_timeout_s
+        timeout_s = loaded.config.frontend.drain_timeout_s
         busy = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None and pid is not None else None
         if self.frontdoor is not None and drain_first(busy, timeout_s):
             self.frontdoor.set_state(rt.instance, AdminState.DRAIN)
@@ -219,7 +215,7 @@ class Supervisor:
         isolated(rt.instance.name, "stop", lambda: self.backend.stop(rt.instance.name))
         rt.supervision.on_held(by)  # -> HELD
 
-    def _continue_drain(self, rt: Runtime, now: float) -> None:
+    def _continue_drain(self, loaded: Loaded, rt: Runtime, now: float) -> None:
         drain = rt.supervision.drain
         assert drain is not None
         left = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None else None
@@ -231,18 +227,17 @@ class Supervisor:
             self._stop_held(rt, drain.hold_by)  # DRAINING -> HELD
             return
         log.info("%s: %s: restarting", rt.instance.name, why)
-        self._restart_now(rt, now, drain.reason, drain.counted)  # DRAINING -> RESTARTING
+        self._restart_now(loaded, rt, now, drain.reason, drain.counted)  # DRAINING -> RESTARTING
 
-    def _restart_now(self, rt: Runtime, now: float, reason: str, counted: bool) -> None:
-        assert self.config is not None
+    def _restart_now(self, loaded: Loaded, rt: Runtime, now: float, reason: str, counted: bool) -> None:
         if self.frontdoor is not None:
             self.frontdoor.set_state(rt.instance, AdminState.MAINT)
         if counted:
             log.warning("%s: %s: restarting", rt.instance.name, reason)
             rt.record_repair(EventKind.HEALTH, f"restarted: {reason}", self.wall())
-        self._save_slots(rt)
+        self._save_slots(loaded, rt)
         isolated(rt.instance.name, "restart", lambda: self.backend.restart(rt.instance))
-        rt.supervision.on_restart(now, self.config.monitor if counted else None, reason)  # -> RESTARTING
+        rt.supervision.on_restart(now, loaded.config.monitor if counted else None, reason)  # -> RESTARTING
         rt.new_process(rt.pid)
 
     def _track_progress(self, rt: Runtime, pid: int, now: float) -> None:
@@ -257,3 +252,12 @@ class Supervisor:
         wanted = (AdminState.READY if state == State.HEALTHY
                   else AdminState.DRAIN if state == State.DRAINING else AdminState.MAINT)
         self.frontdoor.set_state(rt.instance, wanted)
+
+
+def _model_path(loaded: Loaded, ident: str) -> str | None:
+    """The model file an instance (by `Instance.model`) loads, as the applied value says; None
+    for a model it does not serve."""
+    try:
+        return loaded.model(ident).served.view.one_model.path
+    except KeyError:
+        return None

@@ -152,3 +152,26 @@ def test_a_bug_in_rolling_out_a_changed_model_keeps_the_old_plan_and_shows_in_st
     running.assert_still_running_the_old_plan()
     assert running.status_error(40.0) == ("model or engine check",
                                           "internal error: ZeroDivisionError: integer division or modulo by zero")
+
+
+def test_the_daemon_holds_one_applied_value_and_a_reload_moves_it_everywhere_at_once(
+        running: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: the plan's state reads the reconciler's applied value, the one `Loaded`, and
+    keeps none of its own: a reload moves everything to the new one at once, and one that
+    cannot be applied leaves the previous one applied everywhere."""
+    plan, reconciler = running.daemon.plan, running.daemon.reconciler
+    assert plan.loaded is reconciler.loaded is running.loaded
+    config = cfg('[frontend]\nlisten = ""\n[monitor]\nprobe_timeout_s = 3')
+    running.loaded = reloaded = loaded_for(config, make_plan(config, three_nodes()))
+    plan.reload()
+    assert plan.loaded is reconciler.loaded is reloaded and plan.config is reloaded.config
+    config = cfg('[frontend]\nlisten = ""\n[monitor]\nprobe_timeout_s = 4')
+    running.loaded = loaded_for(config, make_plan(config, three_nodes()))
+
+    def refuse(loaded: Loaded) -> bool:
+        raise OSError("Read-only file system")  # the definitions cannot be written
+
+    monkeypatch.setattr(running.backend, "sync", refuse)
+    plan.reload()
+    assert plan.last_reload is not None and not plan.last_reload.ok
+    assert plan.loaded is reconciler.loaded is reloaded

@@ -264,3 +264,30 @@ def test_another_file_for_one_of_several_models_rolls_that_models_instances_alon
                           (SystemdBackend.__new__(SystemdBackend), BackendKind.SYSTEMD)):
         old, new = backend.specs(with_b(kind, "1")), backend.specs(with_b(kind, "2"))
         assert sorted(n for n in new if new[n] != old[n]) == ["infer@b-2"], kind
+
+
+def test_the_applied_value_is_held_once_by_the_reconciler_and_handed_down() -> None:
+    """Issue 37: one read-only `Loaded`, the one applied, held by the reconciler and handed to
+    the supervisor and the rollout with each call. Neither keeps a configuration, key, engine,
+    plan or model file of its own, and the reconciler keeps no part of it beside it, so no
+    pass can run on half of one reload and half of another."""
+    from numad_infer.config.values import Section
+    from numad_infer.engines.base import Engine
+    from numad_infer.plan.model import Plan
+    from numad_infer.validate.loaded import Loaded
+
+    backend = RecordingBackend()
+    rec = Reconciler(backend, FakeProc(), frontdoor=FakeFrontdoor(), probe=answering_probe)  # type: ignore[arg-type]
+    assert rec.loaded is None
+    for n, key in enumerate(("k-FIRST-37", "k-SECOND-37")):
+        config = cfg(f"[monitor]\nprobe_timeout_s = {n + 1}\n[frontend]\ndrain_timeout_s = {n + 7}")
+        loaded = loaded_for(config, make_plan(config, three_nodes()), api_key=key)
+        rec.apply(loaded, float(n))
+        rec.monitor(n + 0.5)
+        assert rec.loaded is loaded
+        held = [(type(obj).__name__, name, value) for obj in (rec, rec.supervisor, rec.rollout)
+                for name, value in vars(obj).items() if not (obj is rec and name == "loaded")]
+        for owner, name, value in held:
+            parts = value.values() if isinstance(value, dict) else value if isinstance(value, list) else [value]
+            assert not any(isinstance(v, Loaded | Section | Engine | Plan) for v in parts), f"{owner}.{name}"
+            assert key not in repr(value), f"{owner}.{name} holds the key"

@@ -18,6 +18,7 @@ from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.reconcile import Reconciler
 from numad_infer.supervision.rollout import Rollout
 from numad_infer.supervision.supervisor import Supervisor
+from numad_infer.validate.loaded import Loaded
 from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
 
 
@@ -188,7 +189,7 @@ def test_a_restart_rolls_the_instances_one_at_a_time_and_reports_what_is_left() 
     assert rec.rollout.request([], rec.runtimes, rec.holds) is None
     everyone = ("infer@0", "infer@1", "infer@2")
     assert rec.rollout.left(everyone, rec.runtimes) == everyone
-    rec.rollout.roll(rec.runtimes, rec.holds, 1.0)
+    rec.roll(1.0)  # what the daemon does with the request (daemon/restarts.py)
     assert backend.calls == [("restart", "infer@0")]
     rec.monitor(2.0)  # infer@0 answers again: the next goes
     assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1")]
@@ -206,7 +207,7 @@ def test_a_restart_drains_an_instance_with_requests_first() -> None:
     rec, backend, front = running_fleet()
     front.in_flight_by["infer@1"] = 3
     assert rec.rollout.request(["infer@1"], rec.runtimes, rec.holds) is None
-    rec.rollout.roll(rec.runtimes, rec.holds, 1.0)
+    rec.roll(1.0)  # what the daemon does with the request (daemon/restarts.py)
     assert backend.calls == []
     assert rec.runtimes["infer@1"].supervision.state == State.DRAINING
     drain = rec.runtimes["infer@1"].supervision.drain
@@ -260,12 +261,13 @@ def rollout_over(front: FakeFrontdoor | None) -> tuple[Rollout, RecordingBackend
     return rollout, backend, runtimes
 
 
-def bring(rollout: Rollout, config, runtimes: dict[str, Runtime], holds: dict[str, str], now: float) -> None:
-    """What Reconciler.apply does with a new configuration, through the Rollout alone."""
+def bring(rollout: Rollout, config, runtimes: dict[str, Runtime], holds: dict[str, str], now: float) -> Loaded:
+    """What Reconciler.apply does with a new configuration, through the Rollout alone: the
+    value it applied, which the rollout is handed again for each later step."""
     loaded = loaded_for(config, make_plan(config, three_nodes()))
     diff, specs = rollout.sync(loaded)
-    rollout.supervisor.config = config
-    rollout.apply(loaded.plan, diff, specs, runtimes, holds, now, config.frontend.drain_timeout_s)
+    rollout.apply(loaded, diff, specs, runtimes, holds, now)
+    return loaded
 
 
 NODE_1_DROPPED = "[placement]\nnodes = [0, 2]\n"  # infer@1 goes; infer@2 moves from port 8082 to 8081
@@ -298,15 +300,15 @@ def test_a_new_plan_stops_restarts_and_leaves_to_roll_what_the_table_says(
 def test_the_rollouts_next_restart_waits_until_the_last_one_is_healthy() -> None:
     front = FakeFrontdoor()
     rollout, backend, runtimes = rollout_over(front)
-    bring(rollout, cfg(NEW_ARGS), runtimes, {}, 1.0)
+    loaded = bring(rollout, cfg(NEW_ARGS), runtimes, {}, 1.0)
     assert backend.calls == [("restart", "infer@0")]
-    rollout.roll(runtimes, {}, 2.0)  # infer@0 is restarting: nobody else goes
+    rollout.roll(loaded, runtimes, {}, 2.0)  # infer@0 is restarting: nobody else goes
     assert backend.calls == [("restart", "infer@0")]
     runtimes["infer@0"].supervision.on_started(3.0)
-    rollout.roll(runtimes, {}, 3.0)  # starting is not healthy yet
+    rollout.roll(loaded, runtimes, {}, 3.0)  # starting is not healthy yet
     assert backend.calls == [("restart", "infer@0")]
     runtimes["infer@0"].supervision.on_probe(True, 4.0, cfg().monitor)
-    rollout.roll(runtimes, {}, 4.0)
+    rollout.roll(loaded, runtimes, {}, 4.0)
     assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1")]
     assert rollout.left(("infer@0", "infer@1", "infer@2"), runtimes) == ("infer@1", "infer@2")
 
@@ -321,6 +323,6 @@ def test_sync_gives_the_difference_against_a_previous_daemons_units_on_the_first
     rollout = Rollout(backend, None, Supervisor(backend, FakeProc(), None, wall=lambda: 0.0))  # type: ignore[arg-type]
     diff, specs = rollout.sync(loaded)
     assert (diff.unchanged, diff.changed, diff.added, diff.removed) == (("infer@0", "infer@2"), ("infer@1",), (), ())
-    rollout.plan, rollout.specs = loaded.plan, specs
+    rollout.specs = specs  # what apply keeps
     diff, _ = rollout.sync(loaded)
     assert (diff.unchanged, diff.changed) == (("infer@0", "infer@1", "infer@2"), ())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from numad_infer.backends.base import Observation
+from numad_infer.config.load import parse_config
 from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.lifecycle.states import State
 from numad_infer.plan.placement import make_plan
@@ -19,6 +20,7 @@ from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.reconcile import Reconciler
 from numad_infer.supervision.slot_keeper import SlotKeeper
 from numad_infer.supervision.supervisor import Supervisor
+from numad_infer.validate.loaded import Loaded
 from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
 
 
@@ -209,6 +211,13 @@ def test_a_probe_that_answers_while_requests_stall_for_30s_counts_as_failed() ->
 # -- Supervisor.step alone: one instance's state and what was seen of it -> the call made ---------
 
 TABLE_CONFIG = "[monitor]\nstartup_grace_s = 10\nunhealthy_after = 2\nrestart_backoff_s = 2\n"
+
+
+def table_loaded() -> Loaded:
+    """The applied value the supervisor is handed (Reconciler.apply's), with TABLE_CONFIG."""
+    config = cfg(TABLE_CONFIG)
+    return loaded_for(config, make_plan(config, three_nodes()))
+
 NOW = 5.0  # within the grace period of an instance started at 0
 
 
@@ -255,11 +264,10 @@ def test_one_step_for_one_instance_makes_the_call_and_the_move_the_table_says(
     # supervisor is given what a monitor pass saw, and nothing here runs a server.
     backend = RecordingBackend()
     supervisor = Supervisor(backend, FakeProc(), None, wall=lambda: NOW)
-    supervisor.config = cfg(TABLE_CONFIG)
     rt = runtime_in(start)
     seen = Observation(pid, pending, "active (running)" if pid else "inactive")
     result = None if probe_ok is None else ProbeResult(probe_ok, 0.001, "" if probe_ok else "refused")
-    assert supervisor.step(rt, seen, held_by, result, NOW) is probed
+    assert supervisor.step(table_loaded(), rt, seen, held_by, result, NOW) is probed
     assert backend.calls == calls
     assert (rt.supervision.state, rt.supervision.restarts) == (state, restarts)
 
@@ -282,14 +290,14 @@ def test_an_instance_is_in_the_front_doors_rotation_only_while_healthy(state: St
 def test_a_hold_behind_the_front_door_drains_first_and_a_release_before_its_end_resumes_service() -> None:
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     supervisor = Supervisor(backend, proc, front, wall=lambda: 0.0)  # type: ignore[arg-type]
-    supervisor.config = cfg(TABLE_CONFIG)
+    loaded = table_loaded()
     rt = runtime_in("healthy")
     front.in_flight_by["infer@0"] = 2
-    supervisor.step(rt, Observation(101, False, "active"), "numa-infer tune", None, NOW)
+    supervisor.step(loaded, rt, Observation(101, False, "active"), "numa-infer tune", None, NOW)
     assert rt.supervision.state == State.DRAINING and backend.calls == []
     assert front.states == [("infer@0", AdminState.DRAIN)]
     # The holder gave up before the requests were answered: back in service, never stopped.
-    supervisor.step(rt, Observation(101, False, "active"), None, ProbeResult(True, 0.001), NOW + 1)
+    supervisor.step(loaded, rt, Observation(101, False, "active"), None, ProbeResult(True, 0.001), NOW + 1)
     assert rt.supervision.state == State.HEALTHY and backend.calls == []
 
 
@@ -326,11 +334,11 @@ def _kept(tmp_path, extra: str = ""):
     rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
     keeper = RecordingKeeper(backend.calls, front)
     rec.supervisor.keeper = keeper  # type: ignore[assignment]
-    config = cfg(extra)
-    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    rec.supervisor.model_paths = {"": str(model)}
+    # The model file the keeper is given is the applied value's: this one, on disk.
+    config = parse_config(f'[model]\npath = "{model}"\n{extra}', "/etc/numa-infer.toml")
+    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     rec.monitor(0.5)  # healthy: the model file it loaded is noted
     return backend, front, rec, keeper, model
 
