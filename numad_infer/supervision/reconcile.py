@@ -86,7 +86,7 @@ class Reconciler:
         self.api_key, self.engine = loaded.api_key, loaded.engine
         self.config = self.supervisor.config = loaded.config
         self.supervisor.api_key = loaded.api_key
-        self.supervisor.model_paths = {m.ident: m.view.one_model.path for m in loaded.served}
+        self.supervisor.model_paths = {m.ident: m.view.model.path for m in loaded.served}
         if self.supervisor.keeper is not None:
             self.supervisor.keeper.forget_all_but({i.name for i in loaded.plan.instances})
         self.rollout.apply(loaded.plan, diff, specs, self.runtimes, self.holds, now,
