@@ -6,6 +6,11 @@ placement keys, per-node only, and each table's engine keys (engines/keys.py) as
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -151,4 +156,37 @@ def test_a_whole_config_has_no_one_model_and_a_view_has_every_key_of_it() -> Non
     assert not hasattr(parse_config(models(""), SRC), "one_model")
     assert list(ModelView.model_fields) == list(Config.model_fields)
     assert ModelView.model_fields["model"].is_required() and not Config.model_fields["model"].is_required()
+
+
+READS_ONE_MODEL = """\
+from numad_infer.config.schema import Config, ModelView
+from numad_infer.engines import engine_of
+from numad_infer.plan.model import Instance
+
+
+def whole(config: Config, instance: Instance) -> list[str]:
+    return engine_of(config).argv(config, instance)
+
+
+def one(view: ModelView, instance: Instance) -> list[str]:
+    return engine_of(view).argv(view, instance) + [view.model.path]
+
+
+def whole_model(config: Config) -> str:
+    return config.model.path
+"""
+
+
+def test_the_type_checker_refuses_a_whole_config_where_one_model_is_read(tmp_path: Path) -> None:
+    """What issue 37 found failing at run time (`one_model` of a [[models]] file) is mypy's
+    error now: a whole Config handed to what reads one model, or its `model` read unchecked."""
+    pytest.importorskip("mypy.api")
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "reads_one_model.py").write_text(READS_ONE_MODEL)
+    found = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(root / "pyproject.toml"), "--cache-dir",
+         str(tmp_path / "cache"), "--follow-imports", "silent", str(tmp_path / "reads_one_model.py")],
+        cwd=root, env={**os.environ, "MYPYPATH": str(root)}, capture_output=True, text=True, timeout=600)
+    errors = re.findall(r"reads_one_model\.py:(\d+): error: .*\[([a-z-]+)\]$", found.stdout, re.MULTILINE)
+    assert errors == [("7", "arg-type"), ("15", "union-attr")], found.stdout + found.stderr
 
