@@ -3,9 +3,11 @@ reads, `served_models(config)`, whichever form the file uses.
 
 Each served model comes with its *view*: the whole configuration as that model's
 instances see it (its `[model]`, its nodes and instances per node, its slots and
-arguments). The engines, the units and the memory check take a view, so they read one
-model's values the way they always read `[model]`, and the single-`[model]` form is the
-view of itself (nothing about it changes).
+arguments), a `ModelView` (config/schema.py) whose `model` is always set. The engines, the
+units and the memory check take a view, so they read one model's values the way they
+always read `[model]`, and the type checker refuses them a whole `Config`. The single
+`[model]` form's view is built the same way, with the same values (nothing about it
+changes).
 
 Pure. Checks across models (names, aliases, engine keys) raise `ConfigError` naming the
 `models[i]` key and the fix.
@@ -16,10 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from numad_infer.config.model_tables import ModelEntry
-from numad_infer.config.schema import Config, ModelSection
+from numad_infer.config.schema import Config, ModelSection, ModelView
 from numad_infer.errors import ConfigError
 
-__all__ = ["ModelEntry", "ServedModel", "check_models", "find", "served_models"]
+__all__ = ["ModelEntry", "ModelView", "ServedModel", "check_models", "find", "served_models"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class ServedModel:
 
     name: str  # what clients send; "" only in the single form without model.name
     aliases: tuple[str, ...]
-    view: Config  # the configuration as this model's instances see it
+    view: ModelView  # the configuration as this model's instances see it, its `model` set
     cores_per_instance: int  # 0: an even share of what is left
     key: str  # the table that configures it, for messages: "model" or "models[1]"
     # The model's one key: what its instances carry as `Instance.model`, what memory needs,
@@ -70,7 +72,7 @@ def served_models(config: Config) -> tuple[ServedModel, ...]:
     table with its view. Called once per load (validate/pipeline.py): everything after
     takes the result, carried in `Loaded`."""
     if config.model is not None:
-        return (ServedModel(config.model.name, (), config, 0, "model"),)
+        return (ServedModel(config.model.name, (), ModelView.of(config, config.model), 0, "model"),)
     return tuple(_served(config, k, entry) for k, entry in enumerate(config.models))
 
 
@@ -92,12 +94,11 @@ def _served(config: Config, k: int, entry: ModelEntry) -> ServedModel:
         if getattr(entry, key) is not None:
             placement_update[key] = getattr(entry, key)
             own.add(f"placement.{key}")
-    view = config.model_copy(update={
-        "model": ModelSection(path=entry.path, name=entry.name, context_size=entry.context_size, mlock=entry.mlock),
+    view = ModelView.of(config.model_copy(update={
         "models": [],
         "placement": config.placement.model_copy(update=placement_update),
         "server": server.model_copy(update=server_update),
-    })
+    }), ModelSection(path=entry.path, name=entry.name, context_size=entry.context_size, mlock=entry.mlock))
     return ServedModel(entry.name, tuple(entry.aliases), view, entry.cores_per_instance, f"models[{k}]",
                        entry.name, frozenset(own), _SETTABLE)
 

@@ -308,13 +308,22 @@ class Config(Section):
         ),
     )
 
-    @property
-    def one_model(self) -> ModelSection:
-        """`[model]`: of a single-model file, or of one model's view (config/models.py). A
-        `[[models]]` file as a whole has none: what reads one model takes a view."""
-        if self.model is None:
-            raise LookupError("a [[models]] configuration has no single model: take a served model's view "
-                              "(config.models.served_models)")
-        return self.model
 
+class ModelView(Config):
+    """One model's view of the configuration: the whole file as that model's instances see
+    it (its `[model]`, its nodes, instances per node, slots and arguments), with `model`
+    always set. What reads one model's keys takes a `ModelView`, so the type checker refuses
+    a whole `Config` there (a `[[models]]` file as a whole has no single model).
 
+    Never parsed from a file: config/models.py's `served_models` builds one per model with
+    `of`, for `[model]` and `[[models]]` alike."""
+
+    model: ModelSection  # narrowed: a view always has its model
+
+    @classmethod
+    def of(cls, config: Config, model: ModelSection) -> ModelView:
+        """`config`'s values with `model` as its `[model]`: the same objects, not validated
+        again (they were, as `config`)."""
+        values = dict(config)
+        values["model"] = model
+        return cls.model_construct(_fields_set=config.model_fields_set | {"model"}, **values)

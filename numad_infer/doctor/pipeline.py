@@ -20,7 +20,7 @@ def plan_needs(loaded: Loaded) -> Needs:
     """The inference CPUs and what each node must hold for its instances (weights, KV cache,
     overhead; an interleaved instance's spread evenly over its nodes), from the validated plan."""
     fits = loaded.fits()
-    views = [m.served.view.one_model for m in loaded.models]
+    views = [m.served.view.model for m in loaded.models]
     return Needs(cpus=frozenset(c for i in loaded.plan.instances for c in i.cpus),
                  online_cpus=frozenset(c for n in loaded.topology.nodes for c in n.cpus),
                  need_bytes={f.node: f.need for f in fits}, model_path=" and ".join(v.path for v in views),

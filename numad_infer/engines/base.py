@@ -24,7 +24,7 @@ from numad_infer.model.ggml import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from numad_infer.model.memory import EngineContext, Overhead
 
 if TYPE_CHECKING:
-    from numad_infer.config.schema import Config
+    from numad_infer.config.schema import Config, ModelView
     from numad_infer.plan.model import Instance
 
 # Where systemd puts the API key (LoadCredential=KEY_CREDENTIAL:server.api_key_file).
@@ -115,8 +115,10 @@ class Engine(ABC):
     prompt_cache_flags: ClassVar[tuple[str, ...]] = ()
 
     @abstractmethod
-    def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
+    def argv(self, view: ModelView, instance: Instance, key_from_credential: bool = False) -> list[str]:
         """The command line of one instance (systemd's ExecStart=, the process backend's argv).
+        `view`: its model's view (`ServedModel.view`); what reads one model's keys (argv,
+        slots, context) takes a view, never a whole `Config`, which with `[[models]]` has none.
 
         `key_from_credential`: under systemd, where the API key is a credential file
         (KEY_CREDENTIAL in the directory $CREDENTIALS_DIRECTORY names)."""
@@ -126,14 +128,14 @@ class Engine(ABC):
         no key names it)."""
         return str(getattr(config.server, self.program_key)) if self.program_key else ""
 
-    def slots(self, config: Config) -> int:
+    def slots(self, view: ModelView) -> int:
         """Requests one instance works on at once (the front door's per-server maxconn)."""
         return 1
 
-    def context(self, config: Config) -> EngineContext:
+    def context(self, view: ModelView) -> EngineContext:
         """The KV cache and batch one instance's command line asks for (model/memory.py sizes
         them): by default one slot of `model.context_size` tokens, llama.cpp's f16 cache."""
-        size, f16 = config.one_model.context_size, CACHE_TYPES[DEFAULT_CACHE_TYPE]
+        size, f16 = view.model.context_size, CACHE_TYPES[DEFAULT_CACHE_TYPE]
         return EngineContext(size, size, f16, f16)
 
     def key_environment(self, key: str) -> dict[str, str]:

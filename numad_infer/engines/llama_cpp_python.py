@@ -11,7 +11,7 @@ from numad_infer.model.ggml import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from numad_infer.model.memory import EngineContext, Overhead
 
 if TYPE_CHECKING:
-    from numad_infer.config.schema import Config
+    from numad_infer.config.schema import Config, ModelView
     from numad_infer.plan.model import Instance
 
 # llama_cpp.server reads its settings from the environment (pydantic-settings): under
@@ -85,32 +85,32 @@ class LlamaCppPython(Engine):
                "install --force-reinstall --no-binary :all: llama-cpp-python), or use server.engine = \"llama-server\" "
                "with scripts/build-llama-server's build")
 
-    def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
-        start = (["-c", _FROM_CREDENTIAL] if key_from_credential and config.server.api_key_file
+    def argv(self, view: ModelView, instance: Instance, key_from_credential: bool = False) -> list[str]:
+        start = (["-c", _FROM_CREDENTIAL] if key_from_credential and view.server.api_key_file
                  else ["-m", "llama_cpp.server"])
         return [
-            config.server.python, *start,
-            "--model", config.one_model.path,
-            "--host", config.server.host,
+            view.server.python, *start,
+            "--model", view.model.path,
+            "--host", view.server.host,
             "--port", str(instance.port),
-            "--n_ctx", str(config.one_model.context_size),
+            "--n_ctx", str(view.model.context_size),
             "--n_threads", str(instance.threads),
             "--n_threads_batch", str(instance.threads_batch),
             # With mmap every instance would share one page cache of the file, on whichever
             # node read it first: each instance must own a copy of the weights on its node.
             "--use_mmap", "false",
-            "--use_mlock", "true" if config.one_model.mlock else "false",
+            "--use_mlock", "true" if view.model.mlock else "false",
             # The default (true) ends a running stream whenever another request arrives:
             # concurrent clients, or a probe, would cut answers short.
             "--interrupt_requests", "false",
-            *(["--model_alias", config.one_model.name] if config.one_model.name else []),
-            *config.server.extra_args,
+            *(["--model_alias", view.model.name] if view.model.name else []),
+            *view.server.extra_args,
         ]
 
-    def context(self, config: Config) -> EngineContext:
+    def context(self, view: ModelView) -> EngineContext:
         # One sequence of --n_ctx tokens; server.extra_args come after argv's and win.
-        extra = config.server.extra_args
-        tokens = positive(last_option(extra, "--n_ctx"), config.one_model.context_size)
+        extra = view.server.extra_args
+        tokens = positive(last_option(extra, "--n_ctx"), view.model.context_size)
         return EngineContext(tokens, tokens, _cache_type(last_option(extra, "--type_k")),
                              _cache_type(last_option(extra, "--type_v")),
                              positive(last_option(extra, "--n_ubatch"), 512), _prompt_cache(extra))

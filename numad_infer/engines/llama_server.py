@@ -23,7 +23,7 @@ from numad_infer.model.ggml import CACHE_TYPES, DEFAULT_CACHE_TYPE
 from numad_infer.model.memory import EngineContext, Overhead
 
 if TYPE_CHECKING:
-    from numad_infer.config.schema import Config
+    from numad_infer.config.schema import Config, ModelView
     from numad_infer.plan.model import Instance
 
 # Its --metrics counters that status and the decode efficiency read.
@@ -95,37 +95,37 @@ class LlamaServer(Engine):
     cpu_fix = ("build server.llama_server with `NUMA_INFER_CPU_VARIANTS=all scripts/build-llama-server` (one CPU "
                "backend per x86 level, the best chosen at start), or with scripts/build-llama-server on this machine")
 
-    def argv(self, config: Config, instance: Instance, key_from_credential: bool = False) -> list[str]:
-        parallel = config.server.parallel
+    def argv(self, view: ModelView, instance: Instance, key_from_credential: bool = False) -> list[str]:
+        parallel = view.server.parallel
         return [
-            config.server.llama_server,
-            "--model", config.one_model.path,
-            "--host", config.server.host,
+            view.server.llama_server,
+            "--model", view.model.path,
+            "--host", view.server.host,
             "--port", str(instance.port),
             # The context is shared by the slots: each gets context_size tokens.
-            "--ctx-size", str(config.one_model.context_size * parallel),
+            "--ctx-size", str(view.model.context_size * parallel),
             "--parallel", str(parallel),
             "--threads", str(instance.threads),
             "--threads-batch", str(instance.threads_batch),
             # Not mmap (this llama.cpp spells --no-mmap as a load mode): the weights are read
             # into the instance's own memory, allocated under its NUMA policy, on its node.
-            "--load-mode", "mlock" if config.one_model.mlock else "none",
+            "--load-mode", "mlock" if view.model.mlock else "none",
             "--metrics",
             "--no-webui",
-            *(["--alias", config.one_model.name] if config.one_model.name else []),
-            *config.server.extra_args,
+            *(["--alias", view.model.name] if view.model.name else []),
+            *view.server.extra_args,
         ]
 
-    def slots(self, config: Config) -> int:
-        return config.server.parallel
+    def slots(self, view: ModelView) -> int:
+        return view.server.parallel
 
-    def context(self, config: Config) -> EngineContext:
+    def context(self, view: ModelView) -> EngineContext:
         # What argv asks, with server.extra_args given after it (the last one wins there):
         # --ctx-size cells in all, of the --cache-type-k/-v types (an unknown one counted as
         # f32, the largest: the server refuses it anyway). Each slot attends over its
         # n_ctx / parallel of them, or over all with --kv-unified.
-        extra, parallel = config.server.extra_args, config.server.parallel
-        tokens = positive(last_option(extra, "-c", "--ctx-size"), config.one_model.context_size * parallel)
+        extra, parallel = view.server.extra_args, view.server.parallel
+        tokens = positive(last_option(extra, "-c", "--ctx-size"), view.model.context_size * parallel)
         unified = any(a in ("-kvu", "--kv-unified") for a in extra)
         k, v = (last_option(extra, *flags) or DEFAULT_CACHE_TYPE for flags in (("-ctk", "--cache-type-k"),
                                                                               ("-ctv", "--cache-type-v")))

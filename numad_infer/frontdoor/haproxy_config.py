@@ -287,7 +287,7 @@ def _defaults(front: FrontendSection) -> list[str]:
 def body_buffer(served: tuple[ServedModel, ...]) -> int:
     """HAProxy's tune.bufsize for affinity = "user" or routing by `model`: the longest prompt
     an instance of any model accepts fits."""
-    context = max(s.view.one_model.context_size for s in served)
+    context = max(s.view.model.context_size for s in served)
     wanted = context * _BYTES_PER_TOKEN + _HEADER_ROOM
     return max(_MIN_BUFFER, -(-wanted // 1024) * 1024)
 

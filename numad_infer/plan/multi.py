@@ -24,9 +24,10 @@ from numad_infer.plan.model import Instance
 from numad_infer.topology.model import Node
 
 if TYPE_CHECKING:
-    from numad_infer.config.schema import Config
+    from numad_infer.config.schema import ModelView
 
-ThreadStep = Callable[["Config", list[Instance], str, tuple[str, str]], list[Instance]]
+# One model's thread counts from its view (placement.py's `_thread_counts`).
+ThreadStep = Callable[["ModelView", list[Instance], str, tuple[str, str]], list[Instance]]
 
 Core = tuple[int, ...]
 

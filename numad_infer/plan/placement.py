@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from numad_infer.config.models import ServedModel, served_models
-from numad_infer.config.schema import Config
+from numad_infer.config.schema import Config, ModelView
 from numad_infer.errors import ConfigError
 from numad_infer.plan.memory_fit import InstanceMemory, bounded, check_fit, growth_warnings, prompt_cache_bounds
 from numad_infer.plan.model import Instance, Placed, Plan, Policy
@@ -285,7 +285,7 @@ def _machine_ports(config: Config, topo: Topology, served: tuple[ServedModel, ..
 
 
 
-def _thread_counts(config: Config, instances: list[Instance], source: str,
+def _thread_counts(config: ModelView, instances: list[Instance], source: str,
                    keys: tuple[str, str] = ("placement.threads", "placement.threads_batch")) -> list[Instance]:
     """Step 6: threads (generation) and threads_batch (prompt): one per CPU of the instance
     ("auto"), or the configured count, which no instance may have more of than CPUs. `keys`:

@@ -258,6 +258,6 @@ def _model_path(loaded: Loaded, ident: str) -> str | None:
     """The model file an instance (by `Instance.model`) loads, as the applied value says; None
     for a model it does not serve."""
     try:
-        return loaded.model(ident).served.view.one_model.path
+        return loaded.model(ident).served.view.model.path
     except KeyError:
         return None

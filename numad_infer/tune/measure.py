@@ -13,7 +13,7 @@ from pathlib import Path
 
 from numad_infer.backends.process import ProcessBackend
 from numad_infer.config.models import served_models
-from numad_infer.config.schema import Config
+from numad_infer.config.schema import ModelView
 from numad_infer.engines.launch import launches
 from numad_infer.host import pinning
 from numad_infer.host.identity import BackendKind, instances_run_as
@@ -42,7 +42,7 @@ class Settings:
     startup_timeout_s: float
 
 
-def candidate_config(config: Config, node: int, threads: int, port: int, smt: bool) -> Config:
+def candidate_config(config: ModelView, node: int, threads: int, port: int, smt: bool) -> ModelView:
     """The configuration of one measuring server: the node's instance as the daemon would
     plan it, with `threads` for both thread counts, on a port of tune's own. `smt`: with
     the SMT siblings among its CPUs (needed for more threads than physical cores)."""
@@ -55,7 +55,7 @@ def candidate_config(config: Config, node: int, threads: int, port: int, smt: bo
 
 class Measurer:
     def __init__(self, loaded: Loaded, topology: Topology, log_dir: Path, settings: Settings,
-                 progress: Callable[[str], None], model: str = "", config: Config | None = None) -> None:
+                 progress: Callable[[str], None], model: str = "", config: ModelView | None = None) -> None:
         """`loaded`: the configuration as the pipeline checked it (its key and engine are the
         ones used); `topology`: the part of the machine the instances may use; `model`: the
         model measured (`Instance.model`), `config` its view as tune plans it (default: the
@@ -68,9 +68,9 @@ class Measurer:
         self.runs_as = (loaded.runs_as if loaded.kind == BackendKind.PROCESS
                         else instances_run_as(self.config.server.user, loaded.source, BackendKind.PROCESS))
         self.proc = ProcReader()
-        self.no_stop = loaded.engine.no_stop_fields(stop_token_ids(self.config.one_model.path))
+        self.no_stop = loaded.engine.no_stop_fields(stop_token_ids(self.config.model.path))
 
-    def _candidate(self, cfg: Config, plan: Plan) -> Loaded:
+    def _candidate(self, cfg: ModelView, plan: Plan) -> Loaded:
         # A measuring server's configuration is the validated one with tune's own placement
         # and port (candidate_config): the same key and engine. Its servers are tune's own
         # child processes, whatever runs the fleet: under systemd the fleet's user is a
@@ -82,12 +82,12 @@ class Measurer:
                                    runs_as=self.runs_as, models=(model,),
                                    launches=launches(self.loaded.engine, (served,), plan))
 
-    def instance_for(self, node: int, threads: int, port: int) -> tuple[Config, Instance]:
+    def instance_for(self, node: int, threads: int, port: int) -> tuple[ModelView, Instance]:
         physical = len(self._plan(candidate_config(self.config, node, 1, port, smt=False)).cpus)
         cfg = candidate_config(self.config, node, threads, port, smt=self.config.placement.smt or threads > physical)
         return cfg, self._plan(cfg)
 
-    def _plan(self, cfg: Config) -> Instance:
+    def _plan(self, cfg: ModelView) -> Instance:
         (instance,) = make_plan(cfg, self.topology, self.memory, source="tune").instances
         return instance
 
@@ -102,7 +102,7 @@ class Measurer:
             client = Client(cfg.server.host, instance.port, self.key, self.no_stop)
             _, probe_tokens, _ = client.complete(client.fresh(20), 4)  # warm up, and the tokens per word
             # The prompt fills at most ~70 % of the context (the generated models tokenise "wordN" into several).
-            words = max(8, min(PROMPT_WORDS, int(0.7 * cfg.one_model.context_size * 21 / max(probe_tokens, 1))))
+            words = max(8, min(PROMPT_WORDS, int(0.7 * cfg.model.context_size * 21 / max(probe_tokens, 1))))
             decode, prompt = [], []
             for sample in range(self.settings.samples):
                 self.progress(f"node {node}, {candidate.threads} threads: sample {sample + 1}/{self.settings.samples}")
@@ -112,7 +112,7 @@ class Measurer:
         finally:
             backend.stop(instance.name)
 
-    def _wait_ready(self, backend: ProcessBackend, cfg: Config, instance: Instance) -> None:
+    def _wait_ready(self, backend: ProcessBackend, cfg: ModelView, instance: Instance) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout_s
         path = self.loaded.engine.liveness_path
         while time.monotonic() < deadline:

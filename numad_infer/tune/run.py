@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from numad_infer.config.models import ServedModel
-from numad_infer.config.schema import Config
+from numad_infer.config.schema import Config, ModelView
 from numad_infer.host.identity import BackendKind
 from numad_infer.plan.memory_fit import InstanceMemory
 from numad_infer.plan.model import Instance
@@ -105,10 +105,10 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     return report, _edits(report, config, current, len(cores), prefix)
 
 
-def _report(loaded: Loaded, chosen: LoadedModel, config: Config, node: int, instance: Instance) -> Report:
+def _report(loaded: Loaded, chosen: LoadedModel, config: ModelView, node: int, instance: Instance) -> Report:
     """The report before measuring: the chosen model's file, size and bytes a decoded token
     reads (its decode efficiency's numerator), never another model's."""
-    return Report(model=config.one_model.path, weight_bytes=chosen.model_bytes, decode_bytes=chosen.decode_bytes,
+    return Report(model=config.model.path, weight_bytes=chosen.model_bytes, decode_bytes=chosen.decode_bytes,
                   engine=config.server.engine, node=node, cpus=instance.cpus,
                   engine_cpu=None if loaded.engine_cpu.cpu is None else loaded.engine_cpu.cpu.describe())
 
@@ -133,7 +133,7 @@ def model_to_tune(request: TuneRequest, loaded: Loaded) -> LoadedModel:
 
 
 def _target(request: TuneRequest, loaded: Loaded, chosen: LoadedModel,
-            ident: str) -> tuple[Config, Topology, dict[int, Instance], list[int]]:
+            ident: str) -> tuple[ModelView, Topology, dict[int, Instance], list[int]]:
     """What tune measures: the model's view (a one-model configuration whose [model] and
     placement are its own), the topology its servers may use (what the cgroup allows), its
     planned instances by node, and the nodes to measure."""
@@ -152,7 +152,7 @@ def _target(request: TuneRequest, loaded: Loaded, chosen: LoadedModel,
 
 
 def _own_cores(topology: Topology, planned: dict[int, Instance], nodes: list[int],
-               config: Config) -> tuple[Topology, Config]:
+               config: ModelView) -> tuple[Topology, ModelView]:
     """The topology cut to the measured nodes' instances' cores (with their SMT siblings),
     and the view planning on it: nothing of it is reserved any more (the plan kept the
     reserved cores out already)."""

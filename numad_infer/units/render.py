@@ -125,7 +125,7 @@ def render_template(config: Config, engine: Engine, served: tuple[ServedModel, .
         "Environment=HOME=/tmp",
         "Environment=PYTHONUNBUFFERED=1",
     ]
-    if any(m.view.one_model.mlock for m in served):  # allowed here, asked per model (argv)
+    if any(m.view.model.mlock for m in served):  # allowed here, asked per model (argv)
         lines.append("LimitMEMLOCK=infinity")
     if config.server.api_key_file:
         lines.append(f"LoadCredential={KEY_CREDENTIAL}:{escape_value(config.server.api_key_file)}")

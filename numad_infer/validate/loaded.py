@@ -104,7 +104,7 @@ def instance_memory(served: ServedModel, engine: Engine, memory: MemoryEstimate)
     slots = served.key_for("server.parallel", fix=True)
     shrink = f"a smaller {served.key_for('model.context_size')}" + (
         f" or {slots}" if "parallel" in engine.own_keys else "")
-    model = served.view.one_model
+    model = served.view.model
     # The prompt cache is bounded in the engine's own arguments: the model's table's, or server's.
     args = served.key_for("server.extra_args", fix=True)
     grows_fix = f"{args} = [..., {engine.prompt_cache_args}]" if engine.prompt_cache_args else ""

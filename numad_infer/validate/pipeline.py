@@ -98,7 +98,7 @@ def _read_model(served: ServedModel, engine: Engine, source: str, runs_as: RunAs
     """One model's file read and its instance's memory estimated (its view's context and slots)."""
     view = served.view
     try:
-        model = read_model(view.one_model.path, source, runs_as)
+        model = read_model(view.model.path, source, runs_as)
     except ConfigError as exc:
         raise served.rekeyed(exc) from None
     memory = estimate(model.header.weight_bytes(), model.header.dims, engine.context(view), engine.overhead)
@@ -111,7 +111,7 @@ def artifacts(served: ServedModel, engine: Engine, model_id: str | None = None) 
     (model/file.artifact_id). `model_id`: the model as the pipeline read it (its
     descriptor's fstat), not whatever is at the path a moment later."""
     program = engine.program(served.view)
-    model = model_id if model_id is not None else artifact_id(served.view.one_model.path)
+    model = model_id if model_id is not None else artifact_id(served.view.model.path)
     return f"model {model}" + (f"; engine {artifact_id(program)}" if program else "")
 
 

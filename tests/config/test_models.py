@@ -6,11 +6,17 @@ placement keys, per-node only, and each table's engine keys (engines/keys.py) as
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from numad_infer.config.load import parse_config
 from numad_infer.config.models import find, served_models
+from numad_infer.config.schema import Config, ModelSection, ModelView
 from numad_infer.engines.keys import check_engine_keys
 from numad_infer.errors import ConfigError
 
@@ -116,6 +122,71 @@ def test_a_models_threads_and_extra_args_are_its_views_own() -> None:
     assert (big.placement.threads, big.placement.threads_batch) == (24, "auto")
     assert (small.placement.threads, small.placement.threads_batch) == (4, 8)
     assert big.server.extra_args == ["--mlock", "--batch-size", "256"] and small.server.extra_args == ["--mlock"]
-    assert big.one_model.path == "/m0.gguf" and big.models == [] and config.model is None
+    assert big.model.path == "/m0.gguf" and big.models == [] and config.model is None
     with pytest.raises(ConfigError, match=r"models\[0\]\.threads = 0: "):
         parse_config(models("threads = 0"), SRC)
+
+
+@pytest.mark.parametrize("text", [
+    '[model]\npath = "/one.gguf"\nname = "one"\n[server]\nparallel = 2\n',
+    models("parallel = 3", 'threads = 2\nextra_args = ["--x"]'),
+], ids=["[model]", "[[models]]"])
+def test_every_served_models_view_is_a_model_view_with_its_model_and_the_files_values(text: str) -> None:
+    config = parse_config(text, SRC)
+    served = served_models(config)
+    for model in served:
+        view = model.view
+        assert type(view) is ModelView and isinstance(view.model, ModelSection)
+        assert view.model.path.endswith(".gguf") and view.models == []
+        # Built from the validated file, not validated again: the same section objects where
+        # the model sets nothing of its own, and validating the view's values gives it back.
+        assert view.monitor is config.monitor and view.frontend is config.frontend
+        assert ModelView.model_validate(view.model_dump()) == view
+        assert "model" in view.model_fields_set
+    if config.model is not None:
+        (only,) = served
+        assert only.view.model is config.model
+        assert dict(only.view) == dict(config) and only.view.model_fields_set == config.model_fields_set
+    else:
+        assert [m.view.model.path for m in served] == [e.path for e in config.models]
+
+
+def test_a_whole_config_has_no_one_model_and_a_view_has_every_key_of_it() -> None:
+    assert not hasattr(Config, "one_model")
+    assert not hasattr(parse_config(models(""), SRC), "one_model")
+    assert list(ModelView.model_fields) == list(Config.model_fields)
+    assert ModelView.model_fields["model"].is_required() and not Config.model_fields["model"].is_required()
+
+
+READS_ONE_MODEL = """\
+from numad_infer.config.schema import Config, ModelView
+from numad_infer.engines import engine_of
+from numad_infer.plan.model import Instance
+
+
+def whole(config: Config, instance: Instance) -> list[str]:
+    return engine_of(config).argv(config, instance)
+
+
+def one(view: ModelView, instance: Instance) -> list[str]:
+    return engine_of(view).argv(view, instance) + [view.model.path]
+
+
+def whole_model(config: Config) -> str:
+    return config.model.path
+"""
+
+
+def test_the_type_checker_refuses_a_whole_config_where_one_model_is_read(tmp_path: Path) -> None:
+    """What issue 37 found failing at run time (`one_model` of a [[models]] file) is mypy's
+    error now: a whole Config handed to what reads one model, or its `model` read unchecked."""
+    pytest.importorskip("mypy.api")
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "reads_one_model.py").write_text(READS_ONE_MODEL)
+    found = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(root / "pyproject.toml"), "--cache-dir",
+         str(tmp_path / "cache"), "--follow-imports", "silent", str(tmp_path / "reads_one_model.py")],
+        cwd=root, env={**os.environ, "MYPYPATH": str(root)}, capture_output=True, text=True, timeout=600)
+    errors = re.findall(r"reads_one_model\.py:(\d+): error: .*\[([a-z-]+)\]$", found.stdout, re.MULTILINE)
+    assert errors == [("7", "arg-type"), ("15", "union-attr")], found.stdout + found.stderr
+

@@ -529,8 +529,8 @@ def test_tune_model_reports_the_chosen_models_bytes_not_the_first_models(tmp_pat
     instance = next(i for i in loaded.plan.instances if i.model == chosen.served.ident and i.node == 0)
     report = _report(loaded, chosen, chosen.served.view, 0, instance)
     assert (report.model, report.decode_bytes, report.weight_bytes) == (
-        chosen.served.view.one_model.path, 4 * 512, chosen.model_bytes)
-    assert report.weight_bytes == Path(chosen.served.view.one_model.path).stat().st_size != loaded.models[0].model_bytes
+        chosen.served.view.model.path, 4 * 512, chosen.model_bytes)
+    assert report.weight_bytes == Path(chosen.served.view.model.path).stat().st_size != loaded.models[0].model_bytes
 
 
 def test_tune_takes_its_ports_below_the_ephemeral_range_and_off_the_plans(tmp_path: Path) -> None:
