@@ -151,6 +151,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/routing": (CORE, "several models behind one front door: a backend per model, routing by the "
                                 "body's `model`, GET /v1/models"),
     "frontdoor/haproxy_config": (CORE, "haproxy.cfg from the plan"),
+    "frontdoor/reload_watch": (CORE, "whether HAProxy took the reload asked for (another worker answers)"),
     "frontdoor/hold": (CORE, "requests for a model with no instance in rotation wait for one (HAProxy Lua action)"),
     "frontdoor/control": (EDGE, "the daemon's handle on the running HAProxy: apply, observe, rotation"),
     "frontdoor/handover": (EDGE, "what HAProxy's unit runs: takes the daemon's socket, then executes HAProxy"),

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -34,6 +34,7 @@ from numad_infer.frontdoor.haproxy import (
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
 from numad_infer.frontdoor.hold import HOLD_LUA
 from numad_infer.frontdoor.listener import TWIN_FD_VARIABLE, HeldListener
+from numad_infer.frontdoor.reload_watch import ReloadWatch
 from numad_infer.frontdoor.request_log import RequestLog
 from numad_infer.frontdoor.routing import backends
 from numad_infer.plan.model import Instance, Plan
@@ -44,22 +45,6 @@ from numad_infer.util.printable import printable
 log = logging.getLogger(__name__)
 
 _STATUS_OF = {AdminState.READY: "UP", AdminState.DRAIN: "DRAIN", AdminState.MAINT: "MAINT"}
-
-# HAProxy's master drops a SIGUSR2 that arrives while it is still starting (its worker
-# already answers the runtime API): measured, 63 of 100 reloads sent right after the
-# first answer, under load, were never taken. A reload not taken within this many
-# seconds is asked for again, at the next pass that sees it.
-RELOAD_TAKEN_S = 2.0
-
-
-@dataclass(frozen=True)
-class PendingReload:
-    """A reload asked for and not yet seen taken: the worker that answered before it."""
-
-    worker_pid: int
-    asked_at: float  # the clock's reading when last asked
-    asks: int
-
 
 class FrontdoorRunner(Protocol):
     """How HAProxy runs: a systemd unit, or a child of the daemon (process backend)."""
@@ -85,11 +70,10 @@ class FrontdoorRunner(Protocol):
 class Frontdoor:
     def __init__(self, runner: FrontdoorRunner, clock: Callable[[], float] = time.monotonic) -> None:
         self.runner = runner
-        self.clock = clock
-        self.pending_reload: PendingReload | None = None  # asked, not yet seen taken
         run_dir = runner.run_dir
         self.paths = paths_in(run_dir, runner.socket_path)
         self.api = RuntimeAPI(str(runner.socket_path))
+        self.reloads = ReloadWatch(self.api.worker_pid, runner.reload, clock)
         self.listen = ""
         self.binary = ""
         self.stats: BackendStat | None = None  # last pass's counters, None when unreadable (every model's)
@@ -114,10 +98,6 @@ class Frontdoor:
             candidate.unlink(missing_ok=True)
             raise
         return candidate
-
-    def _render(self, config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine) -> str:
-        return render_haproxy(config, plan, self.paths, held=True, twin=TWIN_FD_VARIABLE in self.runner.listener.fds,
-                              served=served, engine=engine)
 
     def apply(self, config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine) -> bool:
         """Bring HAProxy to this plan (`served`, `engine`: as validated). HaproxyError leaves
@@ -145,7 +125,8 @@ class Frontdoor:
             self.runner.stop()
             running = False
         # Once: compared, checked and written. A bind line per socket held (no twin without IPv6).
-        text = self._render(config, plan, served, engine)
+        text = render_haproxy(config, plan, self.paths, held=True, twin=TWIN_FD_VARIABLE in self.runner.listener.fds,
+                              served=served, engine=engine)
         try:
             current = self.paths.config.read_text(encoding="utf-8")
         except OSError:
@@ -167,57 +148,27 @@ class Frontdoor:
         self.backends = backends(served)
         if running:
             log.info("front door: plan changed: reloading haproxy seamlessly")
-            self.reload()
+            self.reloads.ask()  # and each pass sees it taken, or asks again (reload_watch.py)
         else:
             log.info("front door: starting haproxy on %s over %d instance(s)", config.frontend.listen,
                      len(plan.instances))
-            self.pending_reload = None  # a new HAProxy reads the new file
+            self.reloads.forget()
             self.runner.start(config.frontend.haproxy, self.paths.config)
         self.listen = config.frontend.listen
         self.error = ""
         return True
-
-    def reload(self) -> None:
-        """Ask HAProxy to load its file again, and remember which worker answered before,
-        so that `observe` can tell whether the reload was taken (and ask again if not)."""
-        try:
-            before: int | None = self.api.worker_pid()
-        except HaproxyError:
-            before = None  # not answering: a new start, not a lost reload, is what will follow
-        self.runner.reload()
-        asks = 1 if self.pending_reload is None else self.pending_reload.asks + 1
-        self.pending_reload = None if before is None else PendingReload(before, self.clock(), asks)
-
-    def _check_reload(self) -> None:
-        """A pending reload: seen taken (a new worker answers), or asked for again once
-        RELOAD_TAKEN_S has passed without it."""
-        pending = self.pending_reload
-        if pending is None:
-            return
-        try:
-            now_pid = self.api.worker_pid()
-        except HaproxyError:
-            return  # between workers, or not answering: the next pass looks again
-        if now_pid != pending.worker_pid:
-            self.pending_reload = None
-            return
-        if self.clock() - pending.asked_at >= RELOAD_TAKEN_S:
-            log.warning("front door: haproxy has not taken the reload asked %d time(s) (worker %d still "
-                        "answers): asking again", pending.asks, now_pid)
-            self.runner.reload()
-            self.pending_reload = replace(pending, asked_at=self.clock(), asks=pending.asks + 1)
 
     def observe(self) -> BackendStat | None:
         """Read the counters once for this pass (None while HAProxy is not answering)."""
         if not self.listen:
             self._unread()
             return None
-        self._check_reload()
+        self.reloads.check()
         if not self.runner.restarted_by_manager and not self.runner.running():
             log.error("front door: haproxy exited: starting it again")
             try:
                 # On the held socket: what clients sent while it was dead waits there for it.
-                self.pending_reload = None
+                self.reloads.forget()
                 self.runner.start(self.binary, self.paths.config)
             except HaproxyError as exc:
                 self._unread(str(exc))

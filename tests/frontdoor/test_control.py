@@ -88,7 +88,7 @@ def test_the_process_backend_runs_haproxy_as_its_own_user_master_and_workers_ali
         assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0
     # A reload re-executes the master: it stays unprivileged, and the daemon still drives it.
     old = set(children_of(door.master))
-    door.door.reload()
+    door.door.reloads.ask()
     # Generous bounds: a reload on a loaded 2-core machine (CI, a VM guest beside it) takes
     # seconds. Each pass (observe) asks again for a reload HAProxy dropped (the test below).
     wait_for(lambda: door.door.observe() is not None and set(children_of(door.master)) - old,
@@ -114,9 +114,9 @@ def test_a_reload_haproxy_drops_while_it_starts_is_asked_for_again_until_taken(d
     for attempt in range(10):
         door.start()
         before = door.door.api.worker_pid()
-        door.door.reload()
-        assert door.door.pending_reload is not None and door.door.pending_reload.worker_pid == before
-        wait_for(lambda: door.door.observe() is not None and door.door.pending_reload is None,
+        door.door.reloads.ask()
+        assert door.door.reloads.pending is not None and door.door.reloads.pending.worker_pid == before
+        wait_for(lambda: door.door.observe() is not None and door.door.reloads.pending is None,
                  f"reload {attempt} taken", 60, detail=door.log)
         assert door.door.api.worker_pid() != before
         door.stop()

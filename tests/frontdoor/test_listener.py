@@ -128,7 +128,7 @@ def test_a_seamless_reload_keeps_the_held_socket(doors, tmp_path: Path) -> None:
         serving(door)
         held = door.door.runner.listener.fd  # type: ignore[attr-defined]
         workers = set(children_of(door.master))
-        door.door.reload()
+        door.door.reloads.ask()
         # Each pass asks again for a reload HAProxy dropped while starting (test_control.py).
         wait_for(lambda: door.door.observe() is not None and set(children_of(door.master)) - workers,
                  "a new worker after the reload")
