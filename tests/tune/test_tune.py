@@ -592,12 +592,16 @@ def test_tune_model_on_a_single_model_file_is_refused_unless_it_names_that_model
 def test_tune_model_measures_that_models_instance_on_its_own_cores_only(daemon) -> None:
     # This host (2 cores, one node) split between two models of one core each: the grid of
     # model b is its one core (the whole node's would be 2 and 1), and the choice is its key.
+    # Model a is a larger file: the report's figures are b's, through the whole command.
     from bench.serving import host_machine
+    from numad_infer.host.identity import BackendKind
+    from numad_infer.validate.pipeline import load
     from tests.daemon_harness import engine_keys
 
     run = daemon(machine=host_machine(), frontend='listen = ""\n')
     run.stop()
-    tables = "".join(f'[[models]]\nname = "{name}"\npath = "{run.model}"\ncontext_size = {run.context_size}\n'
+    files = {"a": generated_model("small"), "b": run.model}
+    tables = "".join(f'[[models]]\nname = "{name}"\npath = "{files[name]}"\ncontext_size = {run.context_size}\n'
                      "cores_per_instance = 1\n" for name in ("a", "b"))
     run.config.write_text(f'[server]\nbase_port = {run.base_port}\n{engine_keys(run.engine)}\n[frontend]\nlisten = ""\n'
                           + tables)
@@ -609,5 +613,10 @@ def test_tune_model_measures_that_models_instance_on_its_own_cores_only(daemon) 
     assert [c["threads"] for c in report["candidates"]] == [1] and report["cpus"] == [1]
     assert report["candidates"][0]["decode_tokens_per_s"]["median"] > 0
     assert [c["key"] for c in report["choices"]] == ["models[1].threads", "models[1].threads_batch"]
+    loaded = load(str(run.config), BackendKind.PROCESS, str(run.fsroot))
+    a, b = loaded.model("a"), loaded.model("b")
+    assert a.decode_bytes != b.decode_bytes and a.model_bytes != b.model_bytes
+    assert (report["model"], report["weight_bytes"], report["decode_bytes"]) == (
+        str(run.model), run.model.stat().st_size, b.decode_bytes)
     applied = tune(run, "--model", "b", "--quick", "--samples", "1", "--tokens", "8", "--apply")
     assert applied.returncode == 0 and "unchanged" in applied.stdout, applied.stderr[-1500:]
