@@ -95,7 +95,8 @@ def main() -> None:
                                for c in report["candidates"]) + f"; pick {pick['value']} ({pick['verdict']})")
 
     loaded = load(str(config_path), BackendKind.PROCESS)  # checked as the daemon checks it: key, engine, user
-    measurer = Measurer(loaded, topo, tmp, Settings(args.samples, args.tokens, 300.0), progress=lambda text: None)
+    measurer = Measurer(loaded, loaded.allowed, tmp, Settings(args.samples, args.tokens, 300.0),
+                        progress=lambda text: None)
     port = _free_port()
     sweep = {n: measurer.measure(0, Candidate(n, "sweep"), port) for n in range(1, logical + 1)}
     best = max(sweep, key=lambda n: sweep[n].decode.median)

@@ -242,6 +242,7 @@ def test_the_candidate_haproxy_cfg_replaces_a_planted_link_instead_of_writing_th
     from numad_infer.engines import engine_of
     from numad_infer.frontdoor.control import Frontdoor
     from numad_infer.plan.placement import make_plan
+    from numad_infer.frontdoor.haproxy_config import render_haproxy
     from numad_infer.topology.sysfs import read_topology
     from tests import fakesys
 
@@ -256,7 +257,8 @@ def test_the_candidate_haproxy_cfg_replaces_a_planted_link_instead_of_writing_th
     config = parse_config(MINIMAL + '[frontend]\nlisten = "127.0.0.1:8000"\nhaproxy = "/usr/sbin/haproxy"\n')
     plan = make_plan(config, read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())))
     front.runner.listener.hold("127.0.0.1", 0)  # as apply() does first: the file binds the held socket
-    candidate = front._candidate(config, front._render(config, plan, served_models(config), engine_of(config)))
+    candidate = front._candidate(config, render_haproxy(config, plan, front.paths, held=True, served=served_models(config),
+                                                        engine=engine_of(config)))
     # Before: the daemon wrote haproxy.cfg into the link's target and chmod-ed it 0644.
     assert secret.read_text() == "untouched\n" and stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert not candidate.is_symlink() and "backend" in candidate.read_text()

@@ -173,6 +173,7 @@ def test_a_socket_held_by_a_child_of_the_instance_process_is_the_instances(squat
 
 def test_tune_refuses_a_measuring_port_another_process_holds_before_any_request(tmp_path: Path, squatter) -> None:
     from numad_infer.plan.placement import make_plan
+    from numad_infer.topology.cgroup_limits import UNRESTRICTED
     from numad_infer.tune.errors import TuneError
     from numad_infer.tune.measure import Measurer, Settings
     from tests.fakes import cfg, loaded_for, three_nodes
@@ -187,8 +188,8 @@ def test_tune_refuses_a_measuring_port_another_process_holds_before_any_request(
             return server.pid
 
     try:
-        measurer = Measurer(loaded_for(config, make_plan(config, three_nodes()), api_key="k-TUNE-1"), three_nodes(), tmp_path,
-                            Settings(1, 2, 10.0), lambda line: None)
+        measurer = Measurer(loaded_for(config, make_plan(config, three_nodes()), api_key="k-TUNE-1"), UNRESTRICTED,
+                            tmp_path, Settings(1, 2, 10.0), lambda line: None)
         with pytest.raises(TuneError, match=rf"port {port} is held by pid {process.pid} "):
             measurer._wait_ready(Started(), config, make_plan(config, three_nodes()).instances[0])
     finally:

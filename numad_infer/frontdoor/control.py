@@ -73,7 +73,7 @@ class Frontdoor:
         run_dir = runner.run_dir
         self.paths = paths_in(run_dir, runner.socket_path)
         self.api = RuntimeAPI(str(runner.socket_path))
-        self.reloads = ReloadWatch(self.api.worker_pid, runner.reload, clock)
+        self.reloads = ReloadWatch(self.api.worker_pid, lambda: self.runner.reload(), clock)
         self.listen = ""
         self.binary = ""
         self.stats: BackendStat | None = None  # last pass's counters, None when unreadable (every model's)

@@ -1,34 +1,36 @@
 """The measurer of `numa-infer tune`: real servers of the configured engine on the real
 topology with the configured model, one candidate at a time, pinned and bound the way the
 daemon would run them (the process backend's start), and the bandwidth matrix.
+
+Each candidate (a layout's placement, threads, tune's port, no front door) is a
+configuration of its own and goes through the one validation door, pipeline.validate, as
+any configuration the daemon loads does: its plan, launches and engine are the ones that
+door works out, and what it refuses is refused here with its ConfigError.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.backends.process import ProcessBackend
-from numad_infer.config.models import served_models
-from numad_infer.config.schema import ModelView
-from numad_infer.engines.launch import launches
+from numad_infer.config.schema import Config, ModelView, PlacementSection
 from numad_infer.host import pinning
-from numad_infer.host.identity import BackendKind, instances_run_as
+from numad_infer.host.identity import BackendKind
 from numad_infer.host.portowner import Holder
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.gguf import stop_token_ids
-from numad_infer.plan.model import Instance, Plan
-from numad_infer.plan.placement import make_plan
+from numad_infer.plan.model import Instance
 from numad_infer.supervision.health import probe
-from numad_infer.topology.model import Topology
+from numad_infer.topology.cgroup_limits import Allowed
 from numad_infer.tune import bandwidth
 from numad_infer.tune.choice import Candidate, Figure, Layout, LayoutResult, Result, percentile
 from numad_infer.tune.client import Client
 from numad_infer.tune.errors import TuneError
 from numad_infer.validate.loaded import Loaded
+from numad_infer.validate.pipeline import validate
 
 # Prompt processing is measured on this many words (~1.3 tokens each with the generated
 # models' vocabulary); decoding on --tokens generated tokens minus one.
@@ -48,58 +50,74 @@ def candidate_config(config: ModelView, node: int, threads: int, port: int, smt:
     the SMT siblings among its CPUs (needed for more threads than physical cores)."""
     placement = config.placement.model_copy(update={"nodes": [node], "mode": "per-node", "instances_per_node": 1,
                                                       "threads": threads, "threads_batch": threads, "smt": smt})
+    return _measuring(config, placement, port)
+
+
+def layout_config(config: ModelView, layout: Layout, port: int) -> ModelView:
+    """The configuration of one layout's measuring servers: `layout`'s mode and instances per
+    node, the rest as configured, on ports of tune's own from `port`."""
+    placement = config.placement.model_copy(update={"mode": layout.mode,
+                                                      "instances_per_node": layout.instances_per_node})
+    return _measuring(config, placement, port)
+
+
+def _measuring(config: ModelView, placement: PlacementSection, port: int) -> ModelView:
+    # No front door: tune's servers are reached directly, and the fleet's front door (if
+    # any) is not checked, written or touched for them.
     server = config.server.model_copy(update={"base_port": port})
     frontend = config.frontend.model_copy(update={"listen": ""})
     return config.model_copy(update={"placement": placement, "server": server, "frontend": frontend})
 
 
 class Measurer:
-    def __init__(self, loaded: Loaded, topology: Topology, log_dir: Path, settings: Settings,
+    def __init__(self, loaded: Loaded, allowed: Allowed, log_dir: Path, settings: Settings,
                  progress: Callable[[str], None], model: str = "", config: ModelView | None = None) -> None:
-        """`loaded`: the configuration as the pipeline checked it (its key and engine are the
-        ones used); `topology`: the part of the machine the instances may use; `model`: the
-        model measured (`Instance.model`), `config` its view as tune plans it (default: the
-        model's view)."""
-        self.loaded, self.topology, self.memory = loaded, topology, loaded.memory_of(model)
-        self.model = loaded.model(model)
-        self.config = config if config is not None else self.model.served.view
+        """`loaded`: the configuration as the pipeline checked it (its source, topology and
+        measured model); `allowed`: what the measuring servers may use of its topology (the
+        load's cgroup set, or within it the cores the plan gives the measured model);
+        `model`: the model measured (`Instance.model`), `config` its view as tune plans it
+        (default: the model's view). Nothing is validated yet: each candidate is, as it is
+        measured (`candidate`)."""
+        self.loaded, self.allowed = loaded, allowed
+        self.config = config if config is not None else loaded.model(model).served.view
         self.log_dir, self.settings, self.progress = log_dir, settings, progress
-        self.key = loaded.api_key
-        self.runs_as = (loaded.runs_as if loaded.kind == BackendKind.PROCESS
-                        else instances_run_as(self.config.server.user, loaded.source, BackendKind.PROCESS))
         self.proc = ProcReader()
         self.no_stop = loaded.engine.no_stop_fields(stop_token_ids(self.config.model.path))
+        self._physical: dict[int, int] = {}  # node -> physical cores of its measuring server
 
-    def _candidate(self, cfg: ModelView, plan: Plan) -> Loaded:
-        # A measuring server's configuration is the validated one with tune's own placement
-        # and port (candidate_config): the same key and engine. Its servers are tune's own
-        # child processes, whatever runs the fleet: under systemd the fleet's user is a
-        # DynamicUser, which only systemd can create, so the process backend's user is
-        # worked out for them (once, here).
-        (served,) = served_models(cfg)  # the model's view, as one [model]: its instances carry key ""
-        model = dataclasses.replace(self.model, served=served)
-        return dataclasses.replace(self.loaded, config=cfg, plan=plan, units={}, kind=BackendKind.PROCESS,
-                                   runs_as=self.runs_as, models=(model,),
-                                   launches=launches(self.loaded.engine, (served,), plan))
+    def candidate(self, cfg: ModelView) -> Loaded:
+        """`cfg` as the pipeline validates it (its ConfigError when refused): the plan, the
+        launches, the engine, the key and the model as read now. On the load's topology
+        and within `allowed`, like the daemon's own plan. Its servers are tune's own child
+        processes whatever runs the fleet, so it is validated for the process backend:
+        under systemd the fleet's user is a DynamicUser, which only systemd can create, and
+        the pipeline works out the process backend's user instead. unit_dirs=(): nothing
+        installs units for it. Its warnings (the plan's, the engine's, the host's) are not
+        reported: they are the configuration's, which `check` says, not the measurement's."""
+        return validate(cfg, self.loaded.source, self.loaded.topology, BackendKind.PROCESS, unit_dirs=(),
+                        allowed=self.allowed)
 
-    def instance_for(self, node: int, threads: int, port: int) -> tuple[ModelView, Instance]:
-        physical = len(self._plan(candidate_config(self.config, node, 1, port, smt=False)).cpus)
-        cfg = candidate_config(self.config, node, threads, port, smt=self.config.placement.smt or threads > physical)
-        return cfg, self._plan(cfg)
-
-    def _plan(self, cfg: ModelView) -> Instance:
-        (instance,) = make_plan(cfg, self.topology, self.memory, source="tune").instances
-        return instance
+    def instance_for(self, node: int, threads: int, port: int) -> Loaded:
+        """The validated candidate of `threads` threads on `node`: one instance, with the SMT
+        siblings among its CPUs when the configuration asks for them or `threads` needs them."""
+        if node not in self._physical:
+            # The node's physical cores as the plan gives them (one thread per core, no siblings).
+            (one,) = self.candidate(candidate_config(self.config, node, 1, port, smt=False)).plan.instances
+            self._physical[node] = len(one.cpus)
+        smt = self.config.placement.smt or threads > self._physical[node]
+        return self.candidate(candidate_config(self.config, node, threads, port, smt=smt))
 
     def measure(self, node: int, candidate: Candidate, port: int) -> Result:
-        cfg, instance = self.instance_for(node, candidate.threads, port)
+        loaded = self.instance_for(node, candidate.threads, port)
+        (instance,) = loaded.plan.instances
+        cfg = loaded.model(instance.model).served.view  # the candidate's one model, as validated
         backend = ProcessBackend(self.log_dir)
-        backend.sync(self._candidate(cfg, make_plan(cfg, self.topology, self.memory, source="tune")))
+        backend.sync(loaded)
         self.progress(f"node {node}, {candidate.threads} threads ({candidate.label}): starting the server")
         backend.start(instance)
         try:
             self._wait_ready(backend, cfg, instance)
-            client = Client(cfg.server.host, instance.port, self.key, self.no_stop)
+            client = Client(cfg.server.host, instance.port, loaded.api_key, self.no_stop)
             _, probe_tokens, _ = client.complete(client.fresh(20), 4)  # warm up, and the tokens per word
             # The prompt fills at most ~70 % of the context (the generated models tokenise "wordN" into several).
             words = max(8, min(PROMPT_WORDS, int(0.7 * cfg.model.context_size * 21 / max(probe_tokens, 1))))
@@ -112,7 +130,7 @@ class Measurer:
         finally:
             backend.stop(instance.name)
 
-    def _wait_ready(self, backend: ProcessBackend, cfg: ModelView, instance: Instance) -> None:
+    def _wait_ready(self, backend: ProcessBackend, cfg: Config, instance: Instance) -> None:
         deadline = time.monotonic() + self.settings.startup_timeout_s
         path = self.loaded.engine.liveness_path
         while time.monotonic() < deadline:
@@ -134,14 +152,10 @@ class Measurer:
     def measure_layout(self, layout: Layout, clients: int, rounds: int, port: int) -> LayoutResult:
         """Every instance of `layout` at once, `clients` concurrent clients spread over them
         (client k on instance k mod n), each sending `rounds` completions, `samples` times."""
-        placement = self.config.placement.model_copy(update={"mode": layout.mode,
-                                                              "instances_per_node": layout.instances_per_node})
-        cfg = self.config.model_copy(update={
-            "placement": placement, "server": self.config.server.model_copy(update={"base_port": port}),
-            "frontend": self.config.frontend.model_copy(update={"listen": ""})})
-        plan = make_plan(cfg, self.topology, self.memory, source="tune")
+        loaded = self.candidate(layout_config(self.config, layout, port))
+        cfg, plan = loaded.config, loaded.plan
         backend = ProcessBackend(self.log_dir)
-        backend.sync(self._candidate(cfg, plan))
+        backend.sync(loaded)
         self.progress(f"layout {layout.name}: starting {len(plan.instances)} instance(s)")
         try:
             for instance in plan.instances:
@@ -150,12 +164,12 @@ class Measurer:
                 self._wait_ready(backend, cfg, instance)
             ports = [i.port for i in plan.instances]
             for port_ in ports:
-                Client(cfg.server.host, port_, self.key, self.no_stop).complete("warm up", 2)
+                Client(cfg.server.host, port_, loaded.api_key, self.no_stop).complete("warm up", 2)
             rates: list[float] = []
             latencies: list[float] = []
             for sample in range(self.settings.samples):
                 self.progress(f"layout {layout.name}: {clients} clients, sample {sample + 1}/{self.settings.samples}")
-                rate, seconds = self._concurrent(cfg.server.host, ports, clients, rounds)
+                rate, seconds = self._concurrent(cfg.server.host, ports, loaded.api_key, clients, rounds)
                 rates.append(rate)
                 latencies += seconds
             return LayoutResult(layout, len(plan.instances), clients, Figure(tuple(rates)),
@@ -164,7 +178,8 @@ class Measurer:
             for instance in plan.instances:
                 backend.stop(instance.name)
 
-    def _concurrent(self, host: str, ports: list[int], clients: int, rounds: int) -> tuple[float, list[float]]:
+    def _concurrent(self, host: str, ports: list[int], key: str | None, clients: int,
+                    rounds: int) -> tuple[float, list[float]]:
         import threading
 
         tokens: list[int] = []
@@ -173,7 +188,7 @@ class Measurer:
         lock = threading.Lock()
 
         def client(port: int) -> None:
-            session = Client(host, port, self.key, self.no_stop)
+            session = Client(host, port, key, self.no_stop)
             for _ in range(rounds):
                 try:
                     took, _, got = session.complete(session.fresh(8), self.settings.tokens)
@@ -206,9 +221,9 @@ class Measurer:
                             "or run tune where it is allowed")
         cpus = {}
         for node in nodes:
-            _, instance = self.instance_for(node, 1, self.config.server.base_port)
+            (instance,) = self.instance_for(node, 1, self.config.server.base_port).plan.instances
             cpus[node] = instance.cpus
-        memory_nodes = [n.id for n in self.topology.nodes if n.memory_total_bytes > 0]
+        memory_nodes = [n.id for n in self.loaded.topology.nodes if n.memory_total_bytes > 0]
         found = bandwidth.matrix(cpus, memory_nodes, samples, progress=self.progress)
         return {k: Figure(v.samples_gbs) for k, v in found.items()}
 

@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from numad_infer.config.models import ServedModel
-from numad_infer.config.schema import Config, ModelView
+from numad_infer.config.schema import ModelView
 from numad_infer.host.identity import BackendKind
-from numad_infer.plan.memory_fit import InstanceMemory
 from numad_infer.plan.model import Instance
-from numad_infer.plan.placement import make_plan, reserved_cores, unreserved_cores
+from numad_infer.plan.placement import reserved_cores, unreserved_cores
 from numad_infer.topology.cgroup_limits import Allowed, within
 from numad_infer.topology.model import Topology
 from numad_infer.tune import bandwidth_file
@@ -58,7 +57,8 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     chosen = model_to_tune(request, loaded)
     # [[models]]: tune writes the model's own table (models[k].threads), else [placement].
     several, ident = bool(loaded.config.models), chosen.served.ident
-    config, topology, planned, nodes = _target(request, loaded, chosen, ident)
+    config, allowed, planned, nodes = _target(request, loaded, chosen, ident)
+    topology = within(loaded.topology, allowed)  # what the measuring servers may use
     fleet = Fleet(request.state_file, progress)
     _refuse_cutting_clients_off(request, config, fleet)
     settings = Settings(samples=request.samples or (3 if request.quick else 5),
@@ -66,7 +66,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
                         startup_timeout_s=config.monitor.startup_grace_s or 300.0)
     log_dir = Path(tempfile.mkdtemp(prefix="numa-infer-tune-"))
     log_dir.chmod(0o700)
-    measurer = Measurer(loaded, topology, log_dir, settings, progress, model=ident, config=config)
+    measurer = Measurer(loaded, allowed, log_dir, settings, progress, model=ident, config=config)
     node = nodes[0]
     instance = planned[node]
     node_obj = next(n for n in topology.nodes if n.id == node)
@@ -94,8 +94,8 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     finally:
         fleet.drop()
     if request.layouts:
-        _measure_layouts(report, measurer, fleet, config, topology, loaded.memory_of(ident),
-                         len(node_obj.l3_groups) or 1, len(cores), progress, _plan_ports(loaded))
+        _measure_layouts(report, measurer, fleet, config, len(node_obj.l3_groups) or 1, len(cores), progress,
+                         _plan_ports(loaded))
     # For the daemon: status then shows llama-server's decode as a share of this bandwidth.
     try:
         bandwidth_file.save(request.state_file.parent / bandwidth_file.RESULTS_NAME,
@@ -133,12 +133,12 @@ def model_to_tune(request: TuneRequest, loaded: Loaded) -> LoadedModel:
 
 
 def _target(request: TuneRequest, loaded: Loaded, chosen: LoadedModel,
-            ident: str) -> tuple[ModelView, Topology, dict[int, Instance], list[int]]:
+            ident: str) -> tuple[ModelView, Allowed, dict[int, Instance], list[int]]:
     """What tune measures: the model's view (a one-model configuration whose [model] and
-    placement are its own), the topology its servers may use (what the cgroup allows), its
-    planned instances by node, and the nodes to measure."""
+    placement are its own), what its servers may use of the load's topology (what the
+    cgroup allows), its planned instances by node, and the nodes to measure."""
     config = chosen.served.view
-    topology = within(loaded.topology, loaded.allowed)
+    allowed = loaded.allowed
     planned = {i.node: i for i in loaded.plan.instances if i.node is not None and i.model == ident}
     nodes = _nodes_to_measure(request, config, planned, chosen.served)
     if loaded.config.models:
@@ -147,22 +147,24 @@ def _target(request: TuneRequest, loaded: Loaded, chosen: LoadedModel,
                             "cores are its cores_per_instance: leave out --layouts to tune this model's threads")
         # The model's instances share their nodes with the other models: measured on the cores
         # the plan gives them (and those cores' SMT siblings), not on the whole node.
-        topology, config = _own_cores(topology, planned, nodes, config)
-    return config, topology, planned, nodes
+        allowed, config = _own_cores(loaded.topology, allowed, planned, nodes, config, chosen.served.key)
+    return config, allowed, planned, nodes
 
 
-def _own_cores(topology: Topology, planned: dict[int, Instance], nodes: list[int],
-               config: ModelView) -> tuple[Topology, ModelView]:
-    """The topology cut to the measured nodes' instances' cores (with their SMT siblings),
-    and the view planning on it: nothing of it is reserved any more (the plan kept the
-    reserved cores out already)."""
-    own = {cpu for node in topology.nodes if node.id in nodes for core in node.cores
+def _own_cores(topology: Topology, allowed: Allowed, planned: dict[int, Instance], nodes: list[int],
+               config: ModelView, key: str) -> tuple[Allowed, ModelView]:
+    """`allowed` narrowed to the measured nodes' instances' cores (with their SMT siblings),
+    and the view planning within it: nothing of it is reserved any more (the plan kept the
+    reserved cores out already). Its memory nodes and CPU quota stay the cgroup's. `key`:
+    the model's table, as a message about the narrowed set names it."""
+    own = {cpu for node in within(topology, allowed).nodes if node.id in nodes for core in node.cores
            if set(core) & set(planned[node.id].cpus) for cpu in core}
-    cut = within(topology, Allowed(frozenset(own), None))
-    return cut, config.model_copy(update={"placement": config.placement.model_copy(update={"reserve_cpus": ""})})
+    narrowed = Allowed(frozenset(own), allowed.mems, allowed.quota_cpus,
+                       f"the cores the plan gives {key}" + (f", within {allowed.source}" if allowed.source else ""))
+    return narrowed, config.model_copy(update={"placement": config.placement.model_copy(update={"reserve_cpus": ""})})
 
 
-def _nodes_to_measure(request: TuneRequest, config: Config, planned: dict[int, Instance],
+def _nodes_to_measure(request: TuneRequest, config: ModelView, planned: dict[int, Instance],
                       served: ServedModel) -> list[int]:
     from numad_infer.errors import ConfigError
 
@@ -178,7 +180,7 @@ def _nodes_to_measure(request: TuneRequest, config: Config, planned: dict[int, I
     return nodes
 
 
-def _refuse_cutting_clients_off(request: TuneRequest, config: Config, fleet: Fleet) -> None:
+def _refuse_cutting_clients_off(request: TuneRequest, config: ModelView, fleet: Fleet) -> None:
     if fleet.live and request.layouts and not request.stop_instances:
         raise TuneError("measuring layouts needs every CPU of the machine, so the whole service would be down: "
                         "pass --stop-instances to accept that, or stop numa-infer first")
@@ -188,11 +190,11 @@ def _refuse_cutting_clients_off(request: TuneRequest, config: Config, fleet: Fle
                         "it is measured, or stop numa-infer first")
 
 
-def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: Config, topology: Topology,
-                     memory: InstanceMemory, l3_groups: int, cores: int, progress: Callable[[str], None],
-                     taken: frozenset[int] = frozenset()) -> None:
+def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: ModelView, l3_groups: int, cores: int,
+                     progress: Callable[[str], None], taken: frozenset[int] = frozenset()) -> None:
     from numad_infer.errors import ConfigError
     from numad_infer.tune.choice import layouts
+    from numad_infer.tune.measure import layout_config
 
     candidates = layouts(l3_groups, cores)
     current_layout = next((lay for lay in candidates if lay.mode == config.placement.mode
@@ -202,11 +204,11 @@ def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: C
         candidates.insert(0, current_layout)
     most = 0
     for layout in list(candidates):
-        placement = config.placement.model_copy(update={"mode": layout.mode,
-                                                      "instances_per_node": layout.instances_per_node})
+        # Possible here is what the pipeline accepts (its plan's instances tell the ports and
+        # clients needed); measure_layout validates it again on the ports it gets.
         try:
-            most = max(most, len(make_plan(config.model_copy(update={"placement": placement}), topology, memory,
-                                           source="tune").instances))
+            most = max(most, len(measurer.candidate(layout_config(config, layout, config.server.base_port))
+                                 .plan.instances))
         except ConfigError as exc:
             progress(f"layout {layout.name}: not possible here ({exc}); skipped")
             candidates = [c for c in candidates if c is not layout]
@@ -221,7 +223,7 @@ def _measure_layouts(report: Report, measurer: Measurer, fleet: Fleet, config: C
         fleet.drop()
 
 
-def _edits(report: Report, config: Config, current: dict[str, int], cores: int,
+def _edits(report: Report, config: ModelView, current: dict[str, int], cores: int,
            prefix: str = "placement.") -> list[Edit]:
     """What to write into the file: only what beat the current setting by more than the noise.
     `prefix`: where the threads go, `placement.` or one model's `models[k].`."""

@@ -400,20 +400,25 @@ def test_layouts_are_measured_under_concurrency_and_compared_with_the_current_on
 
 def test_tune_measures_as_the_process_backends_user_even_when_systemd_runs_the_fleet(tmp_path: Path) -> None:
     """Under systemd the fleet's user is a DynamicUser, which only systemd can create; tune's
-    measuring servers are its own children and run as the process backend's user."""
+    measuring servers are its own children and run as the process backend's user: each
+    candidate is validated for the process backend, which works that user out."""
+    import dataclasses
+
     from numad_infer.backends.process import ProcessBackend
     from numad_infer.host.identity import BackendKind, instances_run_as
     from numad_infer.tune.measure import Measurer, Settings
-    from tests.fakes import cfg, loaded_for, three_nodes
+    from numad_infer.validate.pipeline import load
 
-    config = cfg()
-    plan = make_plan(config, three_nodes())
-    fleet = loaded_for(config, plan, kind=BackendKind.SYSTEMD,
-                       runs_as=instances_run_as(config.server.user, "cfg", BackendKind.SYSTEMD))
-    measurer = Measurer(fleet, three_nodes(), tmp_path, Settings(1, 2, 10.0), lambda line: None)
-    candidate = measurer._candidate(config, plan)
+    path, fsroot = _checked_setup(tmp_path)
+    loaded = load(str(path), BackendKind.PROCESS, str(fsroot))
+    user = loaded.config.server.user
+    # The fleet as the systemd backend validated it (only its kind and user differ here).
+    fleet = dataclasses.replace(loaded, kind=BackendKind.SYSTEMD,
+                                runs_as=instances_run_as(user, str(path), BackendKind.SYSTEMD))
+    measurer = Measurer(fleet, fleet.allowed, tmp_path, Settings(1, 2, 10.0), lambda line: None)
+    candidate = measurer.instance_for(0, 1, 10000)
     assert candidate.kind == BackendKind.PROCESS
-    assert candidate.runs_as == instances_run_as(config.server.user, "cfg", BackendKind.PROCESS)
+    assert candidate.runs_as == instances_run_as(user, str(path), BackendKind.PROCESS)
     backend = ProcessBackend(tmp_path / "logs")
     backend.sync(candidate)
     assert backend.loaded is not None and backend.loaded.runs_as == candidate.runs_as
@@ -478,6 +483,7 @@ def _models_setup(tmp_path: Path, tables: str) -> tuple[Path, Path]:
 
 def test_tune_model_is_required_with_several_models_and_names_one_of_them(tmp_path: Path) -> None:
     from numad_infer.host.identity import BackendKind
+    from numad_infer.topology.cgroup_limits import within
     from numad_infer.tune.run import TuneRequest, _own_cores, model_to_tune
     from numad_infer.validate.pipeline import load
 
@@ -500,9 +506,11 @@ def test_tune_model_is_required_with_several_models_and_names_one_of_them(tmp_pa
     # The small model is measured on its own cores (32 - 28 = 4 on node 0, with their SMT siblings), not the node's.
     planned = {i.node: i for i in loaded.plan.instances if i.model == "small"}
     view = model_to_tune(request("small"), loaded).served.view
-    cut, config = _own_cores(within_all(loaded), planned, [0], view)
+    allowed, config = _own_cores(loaded.topology, loaded.allowed, planned, [0], view, "models[1]")
+    cut = within(loaded.topology, allowed)  # what its candidates are planned within (Measurer.candidate)
     node0 = next(n for n in cut.nodes if n.id == 0)
     assert len(node0.cores) == 4 and set(planned[0].cpus) < set(node0.cpus) and len(node0.cpus) == 8
+    assert allowed.source.startswith("the cores the plan gives models[1]")
     assert not next(n for n in cut.nodes if n.id == 1).cpus and config.placement.reserve_cpus == ""
     # The CLI says the same and measures nothing.
     done = _numa_infer("--config", str(path), "--fsroot", str(fsroot), "--state-file", str(tmp_path / "s.json"),
@@ -514,7 +522,8 @@ def test_tune_model_reports_the_chosen_models_bytes_not_the_first_models(tmp_pat
     # `tune --model small` printed big's bytes per token (loaded.models[0]'s) and so its
     # decode efficiency: each model here reads a different number of bytes per token.
     from numad_infer.host.identity import BackendKind
-    from numad_infer.tune.run import TuneRequest, _report, model_to_tune
+    from numad_infer.tune.measure import Measurer, Settings
+    from numad_infer.tune.run import TuneRequest, _report, _target, model_to_tune
     from numad_infer.validate.pipeline import load
     from tests.model import raw
 
@@ -524,13 +533,25 @@ def test_tune_model_reports_the_chosen_models_bytes_not_the_first_models(tmp_pat
         model.write_bytes(raw.gguf(tensors=[raw.tensor("output.weight", (floats,), 0, 0)], data=bytes(4 * floats)))
     loaded = load(str(path), BackendKind.PROCESS, str(fsroot))
     assert [m.decode_bytes for m in loaded.models] == [4 * 4096, 4 * 512]
-    chosen = model_to_tune(TuneRequest(str(path), str(fsroot), tmp_path / "s.json", None, True, False, False, None,
-                                       None, model="small"), loaded)
+    request = TuneRequest(str(path), str(fsroot), tmp_path / "s.json", None, True, False, False, None, None,
+                          model="small")
+    chosen = model_to_tune(request, loaded)
     instance = next(i for i in loaded.plan.instances if i.model == chosen.served.ident and i.node == 0)
     report = _report(loaded, chosen, chosen.served.view, 0, instance)
     assert (report.model, report.decode_bytes, report.weight_bytes) == (
         chosen.served.view.model.path, 4 * 512, chosen.model_bytes)
     assert report.weight_bytes == Path(chosen.served.view.model.path).stat().st_size != loaded.models[0].model_bytes
+    # What is measured is that model too: each candidate the pipeline validates reads small's
+    # file (its figures, not big's) and its server is launched on it.
+    config, allowed, _, _ = _target(request, loaded, chosen, chosen.served.ident)
+    measurer = Measurer(loaded, allowed, tmp_path, Settings(1, 2, 10.0), lambda line: None,
+                        model=chosen.served.ident, config=config)
+    candidate = measurer.instance_for(0, 1, 10000)
+    (measured,) = candidate.models
+    assert (measured.decode_bytes, measured.model_bytes) == (4 * 512, chosen.model_bytes)
+    (server,) = candidate.plan.instances
+    assert chosen.served.view.model.path in candidate.launches[server.name].argv
+    assert set(server.cpus) <= set(next(i for i in loaded.plan.instances if i.model == "small" and i.node == 0).cpus)
 
 
 def test_tune_takes_its_ports_below_the_ephemeral_range_and_off_the_plans(tmp_path: Path) -> None:
@@ -554,12 +575,6 @@ def test_tune_takes_its_ports_below_the_ephemeral_range_and_off_the_plans(tmp_pa
             _free_port_block(1, frozenset({base + 1}), low=base, top=base + 2)  # nor one of the plan's
 
 
-def within_all(loaded):
-    from numad_infer.topology.cgroup_limits import within
-
-    return within(loaded.topology, loaded.allowed)
-
-
 def test_tune_model_on_a_single_model_file_is_refused_unless_it_names_that_model(tmp_path: Path) -> None:
     from numad_infer.host.identity import BackendKind
     from numad_infer.tune.run import TuneRequest, model_to_tune
@@ -577,12 +592,16 @@ def test_tune_model_on_a_single_model_file_is_refused_unless_it_names_that_model
 def test_tune_model_measures_that_models_instance_on_its_own_cores_only(daemon) -> None:
     # This host (2 cores, one node) split between two models of one core each: the grid of
     # model b is its one core (the whole node's would be 2 and 1), and the choice is its key.
+    # Model a is a larger file: the report's figures are b's, through the whole command.
     from bench.serving import host_machine
+    from numad_infer.host.identity import BackendKind
+    from numad_infer.validate.pipeline import load
     from tests.daemon_harness import engine_keys
 
     run = daemon(machine=host_machine(), frontend='listen = ""\n')
     run.stop()
-    tables = "".join(f'[[models]]\nname = "{name}"\npath = "{run.model}"\ncontext_size = {run.context_size}\n'
+    files = {"a": generated_model("small"), "b": run.model}
+    tables = "".join(f'[[models]]\nname = "{name}"\npath = "{files[name]}"\ncontext_size = {run.context_size}\n'
                      "cores_per_instance = 1\n" for name in ("a", "b"))
     run.config.write_text(f'[server]\nbase_port = {run.base_port}\n{engine_keys(run.engine)}\n[frontend]\nlisten = ""\n'
                           + tables)
@@ -594,5 +613,10 @@ def test_tune_model_measures_that_models_instance_on_its_own_cores_only(daemon) 
     assert [c["threads"] for c in report["candidates"]] == [1] and report["cpus"] == [1]
     assert report["candidates"][0]["decode_tokens_per_s"]["median"] > 0
     assert [c["key"] for c in report["choices"]] == ["models[1].threads", "models[1].threads_batch"]
+    loaded = load(str(run.config), BackendKind.PROCESS, str(run.fsroot))
+    a, b = loaded.model("a"), loaded.model("b")
+    assert a.decode_bytes != b.decode_bytes and a.model_bytes != b.model_bytes
+    assert (report["model"], report["weight_bytes"], report["decode_bytes"]) == (
+        str(run.model), run.model.stat().st_size, b.decode_bytes)
     applied = tune(run, "--model", "b", "--quick", "--samples", "1", "--tokens", "8", "--apply")
     assert applied.returncode == 0 and "unchanged" in applied.stdout, applied.stderr[-1500:]

@@ -181,16 +181,14 @@ def test_one_name_rule_for_both_forms(name: str) -> None:
 
 
 # Where production code may call what validation works out: the pipeline, once each; the
-# renderers' and the planner's fallback for a caller holding no `Loaded` (a test, a bench);
-# tune's measuring servers, each planned on tune's own cut of the machine (issue 37 leaves
-# that for tune to move onto the pipeline: named here so the list cannot grow unseen).
+# renderers' and the planner's fallback for a caller holding no `Loaded` (a test, a bench).
+# tune is not here: each of its candidates goes through the pipeline (tests/tune/test_candidates.py).
 ALLOWED_CALLS = {
     ("validate/pipeline.py", "engine_of"): 1, ("validate/pipeline.py", "served_models"): 1,
     ("validate/pipeline.py", "make_plan"): 1,
     ("plan/placement.py", "served_models"): 1,
     ("units/render.py", "served_models"): 1, ("units/render.py", "engine_of"): 1,
     ("frontdoor/haproxy_config.py", "served_models"): 1, ("frontdoor/haproxy_config.py", "engine_of"): 1,
-    ("tune/measure.py", "served_models"): 1, ("tune/measure.py", "make_plan"): 3, ("tune/run.py", "make_plan"): 1,
 }
 
 
