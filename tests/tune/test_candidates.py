@@ -19,8 +19,8 @@ from numad_infer.tune.choice import Candidate, Layout
 from numad_infer.tune.measure import Measurer, Settings, candidate_config
 from numad_infer.validate import pipeline
 from numad_infer.validate.loaded import Loaded
-from tests.tune.test_tune import _checked_setup
-from tests.validate.test_pipeline import DERIVED, calls_counted
+from tests.tune.harness import checked_setup
+from tests.calls import DERIVED, calls_counted
 
 PORT = 10000  # no server binds it: the backend below starts nothing
 
@@ -34,7 +34,7 @@ def measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Measurer,
     """A measurer of a configuration `check` accepts (the fake 2-node machine), with (1) what
     the process backend was given to run and (2) what pipeline.validate returned to tune;
     the backend stops at its sync, so no server starts."""
-    path, fsroot = _checked_setup(tmp_path)
+    path, fsroot = checked_setup(tmp_path)
     loaded = pipeline.load(str(path), BackendKind.PROCESS, str(fsroot))
     synced: list[Loaded] = []
     returned: list[Loaded] = []

@@ -19,6 +19,7 @@ from numad_infer.topology.sysfs import read_topology
 from numad_infer.tune.choice import Candidate, Figure, Report, Result, Verdict, choose, format_report, thread_grid
 from numad_infer.tune.config_edit import Edit, apply_edits, edited_text
 from tests import fakesys
+from tests.tune.harness import checked_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -140,22 +141,6 @@ def test_apply_refuses_a_result_the_plan_refuses_and_writes_nothing(tmp_path: Pa
     assert path.read_text() == CONFIG and list(tmp_path.glob("*.bak")) == []
 
 
-def _checked_setup(tmp_path: Path) -> tuple[Path, Path]:
-    """A configuration `check` accepts on the fake 2-node machine (no front door)."""
-    from tests.conftest import searchable_by_others
-
-    model = searchable_by_others(tmp_path) / "m.gguf"
-    model.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(4088))  # version 3, no tensors, no metadata
-    model.chmod(0o644)
-    path = tmp_path / "numa-infer.toml"
-    from tests.daemon_harness import llama_server_binary
-
-    # No engine named: the default, llama-server, this tree's build of it.
-    path.write_text(f'# kept\n[model]\npath = "{model}"\n\n[server]\nllama_server = "{llama_server_binary()}"\n\n'
-                    '[frontend]\nlisten = ""\n')
-    return path, fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())
-
-
 def _numa_infer(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "numad_infer", "--backend", "process", *args], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
@@ -174,7 +159,7 @@ def test_tune_apply_refuses_exactly_what_check_refuses_and_writes_nothing(tmp_pa
 
     if edits[0].key == "template" and not Path("/lib/systemd/system/e2scrub@.service").exists():
         pytest.skip("no e2scrub@.service on this host to shadow")
-    path, fsroot = _checked_setup(tmp_path)
+    path, fsroot = checked_setup(tmp_path)
     before = path.read_text()
     assert _numa_infer("--config", str(path), "--fsroot", str(fsroot), "check").returncode == 0
     # What `check` says of the edited file ...
@@ -409,7 +394,7 @@ def test_tune_measures_as_the_process_backends_user_even_when_systemd_runs_the_f
     from numad_infer.tune.measure import Measurer, Settings
     from numad_infer.validate.pipeline import load
 
-    path, fsroot = _checked_setup(tmp_path)
+    path, fsroot = checked_setup(tmp_path)
     loaded = load(str(path), BackendKind.PROCESS, str(fsroot))
     user = loaded.config.server.user
     # The fleet as the systemd backend validated it (only its kind and user differ here).
@@ -580,7 +565,7 @@ def test_tune_model_on_a_single_model_file_is_refused_unless_it_names_that_model
     from numad_infer.tune.run import TuneRequest, model_to_tune
     from numad_infer.validate.pipeline import load
 
-    path, fsroot = _checked_setup(tmp_path)
+    path, fsroot = checked_setup(tmp_path)
     loaded = load(str(path), BackendKind.PROCESS, str(fsroot))
     request = TuneRequest(str(path), str(fsroot), tmp_path / "s.json", None, True, False, False, None, None)
     assert model_to_tune(request, loaded) is loaded.models[0]  # without --model: unchanged

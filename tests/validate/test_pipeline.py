@@ -24,32 +24,10 @@ from numad_infer.host.identity import BackendKind
 from numad_infer.plan import placement
 from numad_infer.units.render import render_units
 from numad_infer.validate.pipeline import validate
+from tests.calls import DERIVED, calls_counted
 from tests.validate.conftest import small_nodes
 
 SOURCE = "/etc/numa-infer.toml"
-DERIVED = {"served_models": config_models.served_models, "engine_of": engines_base.engine_of,
-           "make_plan": placement.make_plan}
-
-
-@contextmanager
-def calls_counted(functions: dict[str, Callable[..., Any]]) -> Iterator[Counter[str]]:
-    """How often each function's code runs, whatever name or module it is reached by (a
-    profile hook sees every Python call: an alias or a `from x import f` cannot hide one)."""
-    codes = {f.__code__: name for name, f in functions.items()}
-    counts: Counter[str] = Counter()
-
-    def hook(frame: FrameType, event: str, arg: object) -> None:
-        if event == "call" and frame.f_code in codes:
-            counts[codes[frame.f_code]] += 1
-
-    previous = sys.getprofile()
-    sys.setprofile(hook)
-    try:
-        yield counts
-    finally:
-        sys.setprofile(previous)
-
-
 def _two(model: Path, server: Path) -> str:
     return (f'[[models]]\nname = "a"\npath = "{model}"\ncontext_size = 256\n'
             f'[[models]]\nname = "b"\npath = "{model}"\ncontext_size = 256\n'
