@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _STATUS_OF = {AdminState.READY: "UP", AdminState.DRAIN: "DRAIN", AdminState.MAINT: "MAINT"}
 
+
 class FrontdoorRunner(Protocol):
     """How HAProxy runs: a systemd unit, or a child of the daemon (process backend)."""
 
