@@ -164,6 +164,15 @@ def free_port() -> int:
     return free_port_block(1)
 
 
+def door_settled(state: dict[str, Any], required: bool = False) -> bool:
+    """The front door (when there is one, or `required`) answers, and routes by the plan the
+    status shows: no reload still pending (a removed model would still be served)."""
+    front = state.get("frontdoor")
+    if front is None:
+        return not required
+    return bool(front["up"]) and not front.get("reloading")
+
+
 def wait_for(condition: Callable[[], object], what: str, timeout_s: float = 20.0,
              detail: Callable[[], str] = lambda: "", interval_s: float = 0.05) -> None:
     """Poll `condition` until it is true; AssertionError naming `what` after `timeout_s`.
@@ -329,8 +338,7 @@ class DaemonRun:
         """`count` healthy instances, and the front door up when there is one (llama-server
         loads the tiny model before haproxy has started)."""
         return self.wait(lambda s: len(s["instances"]) == count and all(i["state"] == "healthy" for i in s["instances"])
-                         and (s.get("frontdoor") is None or s["frontdoor"]["up"]),
-                         timeout, f"{count} healthy instances")
+                         and door_settled(s), timeout, f"{count} healthy instances")
 
     def instance(self, state: dict[str, Any], name: str) -> dict[str, Any]:
         return next(i for i in state["instances"] if i["name"] == name)

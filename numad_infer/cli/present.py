@@ -124,7 +124,8 @@ def format_status(status: Status) -> str:
     front = status.frontdoor
     if front is not None:
         if front.up:
-            lines.append(f"front door: http://{front.listen} up, {front.in_flight} in flight, {front.queued} queued")
+            lines.append(f"front door: http://{front.listen} up, {front.in_flight} in flight, {front.queued} queued"
+                         + ("; reloading (still routing by the previous plan)" if front.reloading else ""))
         else:
             lines.append(f"front door: http://{front.listen} DOWN" + (f": {front.error}" if front.error else ""))
     # The engine's own columns only where an instance has them (llama-server).

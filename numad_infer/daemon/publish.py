@@ -101,7 +101,7 @@ def frontdoor_status(fd: Frontdoor) -> FrontdoorStatus | None:
     stats = fd.stats
     return FrontdoorStatus(fd.listen, stats is not None, None if stats is None else stats.queued,
                            None if stats is None else stats.in_flight, fd.error or None, fd.queue_size or None,
-                           {} if fd.answers is None else dict(fd.answers.responses))
+                           {} if fd.answers is None else dict(fd.answers.responses), fd.reloads.pending is not None)
 
 
 def _efficiency(rt: Runtime, weights: int, tuned: Results) -> float | None:

@@ -265,6 +265,10 @@ def _defaults(front: FrontendSection) -> list[str]:
              "    mode http",
              "    log global",
              "    option dontlognull",
+             # A connection closed before a byte of request (a TCP health check of an outer
+             # balancer, a port probe) is otherwise answered and counted as a 400: the 4xx
+             # the metrics publish would count probes, not clients.
+             "    option http-ignore-probes",
              # Each chunk of a stream goes out as it comes, not held back for a fuller
              # packet: measured, a stream's first token reached the client 170 ms later
              # without it (bench/README.md).

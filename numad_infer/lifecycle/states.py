@@ -275,11 +275,17 @@ def next_step(sup: Supervision, seen: Seen) -> Step:
     return Step.PROBE
 
 
-def drain_first(busy: int | None, drain_timeout_s: float, counted: bool = False, progress: bool | None = None) -> bool:
+def drain_first(busy: int | None, drain_timeout_s: float, counted: bool = False, progress: bool | None = None,
+                serving: bool = False) -> bool:
     """Wait for requests in flight before stopping? Not for a repair of a process that makes
-    no progress: a stopped or wedged one would never finish what it has."""
+    no progress: a stopped or wedged one would never finish what it has.
+
+    `busy` is the count HAProxy gave at the last pass, up to a pass old: a request sent
+    since would be cut by a restart made on a 0. So an instance still `serving` (in rotation)
+    is drained even then; the next pass, with it out of rotation, reads the count that
+    holds (a `numa-infer restart` in the VM cut one request this way: 502)."""
     worth_waiting = not counted or progress is True
-    return bool(busy) and worth_waiting and drain_timeout_s > 0
+    return (bool(busy) or (serving and busy is not None)) and worth_waiting and drain_timeout_s > 0
 
 
 def drain_over(drain: Drain, left: int | None, now: float, progress: bool | None) -> str | None:

@@ -172,6 +172,9 @@ class FrontdoorStatus:
     queue_size: int | None = None  # frontend.queue_size: one more waiting request gets a 503
     # Answers sent to clients by class ("2xx", "5xx"...) since HAProxy (re)started.
     responses: dict[str, int] = field(default_factory=dict)
+    # A new haproxy.cfg was written and its reload not yet seen taken (reload_watch.py):
+    # until then HAProxy still routes by the previous plan (a removed model still answers).
+    reloading: bool = False
 
 
 @dataclass(frozen=True)

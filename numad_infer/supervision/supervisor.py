@@ -175,11 +175,12 @@ class Supervisor:
         timeout_s = loaded.config.frontend.drain_timeout_s
         busy = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None else None
         self._say_hold(loaded, rt)
-        if self.frontdoor is not None and drain_first(busy, timeout_s, counted, rt.cpu.progress):
+        serving = rt.supervision.state == State.HEALTHY
+        if self.frontdoor is not None and drain_first(busy, timeout_s, counted, rt.cpu.progress, serving):
             self.frontdoor.set_state(rt.instance, AdminState.DRAIN)
             rt.supervision.on_drain(now, timeout_s, reason, counted)  # -> DRAINING
-            log.info("%s: %s: draining %d request(s) before the restart (at most %gs)", rt.instance.name, reason, busy,
-                     timeout_s)
+            log.info("%s: %s: draining before the restart (%d request(s) in flight at the last pass; at most %gs)",
+                     rt.instance.name, reason, busy, timeout_s)
             return
         self._restart_now(loaded, rt, now, reason, counted)
 
@@ -200,7 +201,7 @@ class Supervisor:
         then stopped until the hold is released."""
         timeout_s = loaded.config.frontend.drain_timeout_s
         busy = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None and pid is not None else None
-        if self.frontdoor is not None and drain_first(busy, timeout_s):
+        if self.frontdoor is not None and drain_first(busy, timeout_s, serving=rt.supervision.state == State.HEALTHY):
             self.frontdoor.set_state(rt.instance, AdminState.DRAIN)
             rt.supervision.on_drain(now, timeout_s, f"held by {by}", counted=False, hold_by=by)  # -> DRAINING
             log.info("%s: held by %s: draining %d request(s) first (at most %gs)", rt.instance.name, by, busy,

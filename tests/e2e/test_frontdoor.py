@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.daemon_harness import ENGINES, ROOT, DaemonRun, daemons, generated_model
+from tests.daemon_harness import ENGINES, ROOT, DaemonRun, daemons, door_settled, generated_model
 
 REQUEST_TIMEOUT_S = 120.0
 
@@ -147,7 +147,7 @@ def fresh_state(run: DaemonRun) -> dict:
 
 
 def healthy_behind_frontdoor(run: DaemonRun, count: int = 2, timeout: float = 120) -> dict:
-    return run.wait(lambda s: len(s["instances"]) == count and (s.get("frontdoor") or {}).get("up")
+    return run.wait(lambda s: len(s["instances"]) == count and door_settled(s, required=True)
                     and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in s["instances"]),
                     timeout, f"{count} healthy instances in rotation")
 

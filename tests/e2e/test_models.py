@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_harness import DaemonRun, daemons, generated_model, wait_for
+from tests.daemon_harness import DaemonRun, daemons, door_settled, generated_model, wait_for
 
 ALPHA = '[[models]]\nname = "alpha"\naliases = ["a1"]\npath = "{model}"\ncontext_size = 256\nnodes = [0]\n'
 BETA = '[[models]]\nname = "beta"\npath = "{model}"\ncontext_size = 256\nnodes = [1]\n'
@@ -42,7 +42,7 @@ def ask(port: int, model: object, timeout: float = 60) -> tuple[int, dict]:
 
 def in_rotation(run: DaemonRun, names: list[str], timeout: float = 120) -> dict:
     return run.wait(lambda s: sorted(i["name"] for i in s["instances"]) == sorted(names)
-                    and (s.get("frontdoor") or {}).get("up")
+                    and door_settled(s, required=True)
                     and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in s["instances"]),
                     timeout, f"{names} healthy and in rotation")
 

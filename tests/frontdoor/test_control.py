@@ -29,6 +29,7 @@ import pytest
 from numad_infer.backends.process import SOCKET_DIR_NAME
 from numad_infer.units.render import render_frontdoor_unit, render_units
 from numad_infer.config.load import parse_config
+from numad_infer.daemon.publish import frontdoor_status
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.haproxy_config import render_haproxy, write_config
 from numad_infer.host.identity import (
@@ -116,9 +117,13 @@ def test_a_reload_haproxy_drops_while_it_starts_is_asked_for_again_until_taken(d
         before = door.door.api.worker_pid()
         door.door.reloads.ask()
         assert door.door.reloads.pending is not None and door.door.reloads.pending.worker_pid == before
+        status = frontdoor_status(door.door)  # the status says so until the reload shows taken
+        assert status is not None and status.reloading
         wait_for(lambda: door.door.observe() is not None and door.door.reloads.pending is None,
                  f"reload {attempt} taken", 60, detail=door.log)
         assert door.door.api.worker_pid() != before
+        status = frontdoor_status(door.door)
+        assert status is not None and not status.reloading
         door.stop()
 
 

@@ -134,6 +134,11 @@ def test_next_step_priority(state: State, hold_by: str | None, held: str | None,
 def test_a_restart_drains_only_with_requests_in_flight_and_a_drain_timeout() -> None:
     assert drain_first(busy=2, drain_timeout_s=30)
     assert not drain_first(busy=0, drain_timeout_s=30)
+    # 0 at the last pass, but still in rotation: a request may have come since (a pass old)
+    assert drain_first(busy=0, drain_timeout_s=30, serving=True)
+    assert not drain_first(busy=None, drain_timeout_s=30, serving=True)  # not in the front door
+    assert not drain_first(busy=0, drain_timeout_s=0, serving=True)
+    assert not drain_first(busy=0, drain_timeout_s=30, counted=True, progress=False, serving=True)
     assert not drain_first(busy=None, drain_timeout_s=30)  # no front door
     assert not drain_first(busy=2, drain_timeout_s=0)
 

@@ -239,6 +239,8 @@ def test_another_model_file_changes_every_instances_definition_and_rolls_them_on
     backend.calls.clear()
     diff = rec.apply(after, 1.0)
     assert set(diff.changed) == {"infer@0", "infer@1", "infer@2"}
+    assert backend.calls == []  # infer@0 leaves rotation first (its count of requests is a pass old)
+    rec.monitor(1.5)
     assert backend.calls == [("restart", "infer@0")]  # the others wait for it to be healthy
 
 

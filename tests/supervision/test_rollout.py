@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from numad_infer.backends.base import Observation
 from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.lifecycle.states import State
 from numad_infer.plan.placement import make_plan
@@ -59,10 +60,15 @@ def test_behind_the_front_door_changed_instances_restart_one_at_a_time() -> None
     backend.calls.clear()
     new = cfg('[server]\nextra_args = ["--n_batch", "64"]')
     rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
+    # Out of rotation first: the count of requests it has is a pass old (states.drain_first).
+    assert backend.calls == [] and rec.runtimes["infer@0"].supervision.state == State.DRAINING
+    rec.monitor(1.5)  # nothing in flight now: restarted
     assert backend.calls == [("restart", "infer@0")]
-    rec.monitor(2.0)  # infer@0 answers: healthy again, so the next one goes
+    rec.monitor(2.0)  # infer@0 answers: healthy again, so the next one goes (drained first)
+    rec.monitor(2.5)
     assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1")]
     rec.monitor(3.0)
+    rec.monitor(3.5)
     assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1"), ("restart", "infer@2")]
     rec.monitor(4.0)
     assert all(rt.supervision.state == State.HEALTHY for rt in rec.runtimes.values())
@@ -190,12 +196,15 @@ def test_a_restart_rolls_the_instances_one_at_a_time_and_reports_what_is_left() 
     everyone = ("infer@0", "infer@1", "infer@2")
     assert rec.rollout.left(everyone, rec.runtimes) == everyone
     rec.roll(1.0)  # what the daemon does with the request (daemon/restarts.py)
+    assert backend.calls == []  # out of rotation first, even with no request seen at the last pass
+    rec.monitor(1.5)
     assert backend.calls == [("restart", "infer@0")]
     rec.monitor(2.0)  # infer@0 answers again: the next goes
+    rec.monitor(2.5)
     assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1")]
     assert rec.rollout.left(everyone, rec.runtimes) == ("infer@1", "infer@2")
-    rec.monitor(3.0)
-    rec.monitor(4.0)
+    for t in (3.0, 3.5, 4.0):
+        rec.monitor(t)
     assert [c for c in backend.calls if c[0] == "restart"] == [("restart", n) for n in everyone]
     assert rec.rollout.left(everyone, rec.runtimes) == ()
     assert all(rt.supervision.state == State.HEALTHY for rt in rec.runtimes.values())
@@ -279,9 +288,10 @@ NEW_ARGS = '[server]\nextra_args = ["--n_batch", "64"]\n'  # every instance's de
     ("", True, {}, [], [], []),
     (NODE_1_DROPPED, False, {}, [("stop", "infer@1"), ("restart", "infer@2")], [], []),
     # Behind the front door the dropped one is healthy and serving: it finishes its requests first.
-    (NODE_1_DROPPED, True, {}, [("restart", "infer@2")], [], ["infer@1"]),
+    # infer@2 (changed) leaves rotation first: its restart comes at the next pass.
+    (NODE_1_DROPPED, True, {}, [], [], ["infer@1"]),
     (NEW_ARGS, False, {}, [("restart", "infer@0"), ("restart", "infer@1"), ("restart", "infer@2")], [], []),
-    (NEW_ARGS, True, {}, [("restart", "infer@0")], ["infer@1", "infer@2"], []),
+    (NEW_ARGS, True, {}, [], ["infer@1", "infer@2"], []),  # infer@0 drains first
     # A held instance's restart waits for its release, and the ones after it wait too.
     (NEW_ARGS, False, {"infer@1": "numa-infer tune"}, [("restart", "infer@0")], ["infer@1", "infer@2"], []),
 ], ids=["same", "same-behind-front-door", "node-dropped", "node-dropped-behind-front-door", "changed-all-at-once",
@@ -301,6 +311,10 @@ def test_the_rollouts_next_restart_waits_until_the_last_one_is_healthy() -> None
     front = FakeFrontdoor()
     rollout, backend, runtimes = rollout_over(front)
     loaded = bring(rollout, cfg(NEW_ARGS), runtimes, {}, 1.0)
+    assert backend.calls == [] and runtimes["infer@0"].supervision.state == State.DRAINING
+    zero = runtimes["infer@0"]
+    # The monitor's next pass: nothing in flight, the drain is over and it restarts.
+    rollout.supervisor.step(loaded, zero, Observation(zero.pid, False, "active"), None, None, 1.5)
     assert backend.calls == [("restart", "infer@0")]
     rollout.roll(loaded, runtimes, {}, 2.0)  # infer@0 is restarting: nobody else goes
     assert backend.calls == [("restart", "infer@0")]
@@ -309,7 +323,7 @@ def test_the_rollouts_next_restart_waits_until_the_last_one_is_healthy() -> None
     assert backend.calls == [("restart", "infer@0")]
     runtimes["infer@0"].supervision.on_probe(True, 4.0, cfg().monitor)
     rollout.roll(loaded, runtimes, {}, 4.0)
-    assert backend.calls == [("restart", "infer@0"), ("restart", "infer@1")]
+    assert runtimes["infer@1"].supervision.state == State.DRAINING  # its turn: out of rotation first
     assert rollout.left(("infer@0", "infer@1", "infer@2"), runtimes) == ("infer@1", "infer@2")
 
 

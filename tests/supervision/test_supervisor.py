@@ -356,7 +356,9 @@ def test_a_requested_restart_saves_the_slots_first_and_restores_them_before_rota
         fresh.write_bytes(b"GGUF2")
         fresh.replace(model)
     assert rec.rollout.request(["infer@0"], rec.runtimes, rec.holds) is None
-    rec.monitor(1.0)  # nothing in flight: restarted at once
+    rec.monitor(1.0)  # out of rotation first: the count it had is a pass old
+    assert ("infer@0", AdminState.DRAIN) in front.states and not [c for c in backend.calls if c[0] == "restart"]
+    rec.monitor(1.2)  # nothing in flight: restarted
     first = ("save", "infer@0", 7.0) if saved else ("forget", "infer@0")
     assert backend.calls[:2] == [first, ("restart", "infer@0")], backend.calls
     front.states.clear()
