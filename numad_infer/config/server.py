@@ -59,7 +59,8 @@ class ServerSection(Section):
     base_port: int = Field(
         8080, ge=1, le=65535,
         description=("the k-th instance of the plan listens on `base_port + k` (k counted on the whole machine: an "
-                     "instance keeps its port when a cgroup takes other nodes away)"),
+                     "instance keeps its port when a cgroup takes other nodes away, and across a reload while it "
+                     "runs; a new one takes the lowest free port)"),
     )
     python: SafeStr = Field(
         "/usr/bin/python3",

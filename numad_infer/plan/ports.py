@@ -18,12 +18,13 @@ from numad_infer.plan.model import Instance
 def assign_ports(config: Config, instances: list[Instance], source: str, kept: Mapping[str, int],
                  running: Mapping[str, int] | None = None) -> list[Instance]:
     """Step 5: the k-th instance listens on base_port + k (k counted on the whole machine,
-    `kept`, where every instance has a port there). With `[[models]]`, `running` (the ports of the plan
-    running now): an instance there keeps its port, so a reload that adds or removes a model
-    leaves every other model's instances as they are; a new one takes the lowest free port."""
+    `kept`, where every instance has a port there). `running` (the ports of the plan running
+    now), for both forms: an instance there keeps its port, so a reload that adds or removes
+    a model or a node leaves every other instance as it is (a moved port is a restart); a
+    new one takes the lowest free port."""
     if kept and all(i.name in kept for i in instances):
         return [replace(i, port=kept[i.name]) for i in instances]
-    if running and any(i.model for i in instances):
+    if running:
         return _keep_running(config, instances, source, running)
     base = config.server.base_port
     last = base + len(instances) - 1

@@ -140,6 +140,22 @@ def test_a_reload_that_adds_or_removes_a_model_keeps_every_other_instance(machin
     assert diff.removed == ("infer@a-0", "infer@a-1") and diff.changed == () and diff.added == ()
 
 
+def test_a_reload_that_drops_a_node_keeps_every_other_instance_in_both_forms(machine) -> None:
+    # One code path for [model] and [[models]]: a running instance keeps its port (and so its
+    # process) when another goes; before, the single form moved infer@2 down to 8081.
+    topo = machine(fakesys.epyc_nps4)
+    for form in ('[model]\npath = "/m.gguf"\n[placement]\nnodes = {}\n',
+                 '[[models]]\nname = "a"\npath = "/m.gguf"\nnodes = {}\n'):
+        every = make_plan(parse_config(form.format("[0, 1, 2, 3]"), "f"), topo)
+        fewer = make_plan(parse_config(form.format("[0, 2, 3]"), "f"), topo, running=every.instances)
+        diff = diff_plans({i.name: i for i in every.instances}, {i.name: i for i in fewer.instances})
+        assert len(diff.removed) == 1 and diff.changed == () and diff.added == (), (form, diff)
+        again = make_plan(parse_config(form.format("[0, 1, 2, 3]"), "f"), topo, running=fewer.instances)
+        back = {i.name: i.port for i in again.instances}
+        assert sorted(back.values()) == [8080, 8081, 8082, 8083]  # the one that came back takes the free port
+        assert diff_plans({i.name: i for i in fewer.instances}, {i.name: i for i in again.instances}).changed == ()
+
+
 def test_names_with_dashes_never_collide(machine) -> None:
     topo = machine(fakesys.epyc_nps4)
     a = 'name = "m-1"\npath = "/m/a.gguf"\nnodes = [0]\n'
