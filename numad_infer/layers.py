@@ -155,6 +155,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/hold": (CORE, "requests for a model with no instance in rotation wait for one (HAProxy Lua action)"),
     "frontdoor/control": (EDGE, "the daemon's handle on the running HAProxy: apply, observe, rotation"),
     "frontdoor/handover": (EDGE, "what HAProxy's unit runs: takes the daemon's socket, then executes HAProxy"),
+    "frontdoor/checked_config": (EDGE, "haproxy.cfg rendered once per plan for the front door's directory, and "
+                                        "`haproxy -c` on exactly that text (stand-in sockets)"),
     "frontdoor/haproxy": (EDGE, "the HAProxy binary (version, `-c`) and its runtime API socket"),
     "frontdoor/request_log": (EDGE, "HAProxy's timing line per request, received by the daemon: time to first "
                                     "token and duration per instance"),

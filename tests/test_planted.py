@@ -237,12 +237,12 @@ class IdleRunner:
 
 
 @pytest.mark.skipif(not Path("/usr/sbin/haproxy").exists(), reason="needs haproxy (apt-get install haproxy)")
-def test_the_candidate_haproxy_cfg_replaces_a_planted_link_instead_of_writing_through_it(tmp_path: Path) -> None:
+def test_haproxy_cfg_and_its_lua_file_replace_planted_links_instead_of_writing_through_them(tmp_path: Path) -> None:
     from numad_infer.config.models import served_models
     from numad_infer.engines import engine_of
+    from numad_infer.frontdoor.checked_config import render_checked
     from numad_infer.frontdoor.control import Frontdoor
     from numad_infer.plan.placement import make_plan
-    from numad_infer.frontdoor.haproxy_config import render_haproxy
     from numad_infer.topology.sysfs import read_topology
     from tests import fakesys
 
@@ -252,16 +252,20 @@ def test_the_candidate_haproxy_cfg_replaces_a_planted_link_instead_of_writing_th
     run_dir = tmp_path / "frontdoor"
     run_dir.mkdir()
     front = Frontdoor(IdleRunner(run_dir))
-    planted = front.paths.config.with_name(f".{front.paths.config.name}.new")
-    planted.symlink_to(secret)
-    config = parse_config(MINIMAL + '[frontend]\nlisten = "127.0.0.1:8000"\nhaproxy = "/usr/sbin/haproxy"\n')
+    for planted in (front.paths.config, front.paths.hold):
+        planted.symlink_to(secret)
+    from tests.daemon_harness import free_port_block
+
+    listen = f"127.0.0.1:{free_port_block(1)}"
+    config = parse_config(MINIMAL + f'[frontend]\nlisten = "{listen}"\nhaproxy = "/usr/sbin/haproxy"\n')
     plan = make_plan(config, read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())))
-    front.runner.listener.hold("127.0.0.1", 0)  # as apply() does first: the file binds the held socket
-    candidate = front._candidate(config, render_haproxy(config, plan, front.paths, held=True, served=served_models(config),
-                                                        engine=engine_of(config)))
+    served = served_models(config)
+    # Validation puts the Lua file in place to check the text; the front door writes both.
+    assert front.apply(config, plan, served, render_checked(config, plan, served, engine_of(config), front.paths))
     # Before: the daemon wrote haproxy.cfg into the link's target and chmod-ed it 0644.
     assert secret.read_text() == "untouched\n" and stat.S_IMODE(secret.stat().st_mode) == 0o600
-    assert not candidate.is_symlink() and "backend" in candidate.read_text()
+    for written in (front.paths.config, front.paths.hold):
+        assert not written.is_symlink() and written.read_text()
     front.runner.listener.release()
 
 

@@ -61,7 +61,8 @@ class PlanState:
     def load(self) -> Loaded:
         """The pipeline every command uses (validate/pipeline.py); refused there, nothing changes here."""
         running = self.loaded.plan.instances if self.loaded is not None else self._left_running()
-        return pipeline.load(self.config_path, self.backend.kind, self.sysfs, running=running)
+        return pipeline.load(self.config_path, self.backend.kind, self.sysfs, running=running,
+                             frontdoor=self.frontdoor.paths)
 
     def _left_running(self) -> Sequence[Placed]:
         """At start: the instances the last daemon ran, as its state file says (kept across
@@ -89,7 +90,7 @@ class PlanState:
             return False
         refused = None
         try:
-            self.frontdoor.apply(loaded.config, loaded.plan, loaded.served, loaded.engine)
+            self.frontdoor.apply(loaded.config, loaded.plan, loaded.served, loaded.haproxy_cfg)
         except NumaInferError as exc:
             self.frontdoor.error = refused = str(exc)
             log.error("front door: %s", exc)

@@ -1,17 +1,17 @@
 """The front door at run time: the daemon's handle on the running HAProxy.
 
-`Frontdoor` applies a plan (render with `haproxycfg`, validate with `haproxy -c`, then
-start or reload seamlessly), reads the live counters once a pass, and moves servers in
-and out of rotation through the runtime API. How HAProxy runs (a systemd unit, or a
-child process) is a `FrontdoorRunner` from the backend. Why the configuration says what
-it says: `haproxycfg`.
+`Frontdoor` applies a plan (writes the haproxy.cfg that validation rendered for its
+directory and `haproxy -c` passed: checked_config.py; then starts or reloads HAProxy
+seamlessly), reads the live counters once a pass, and moves servers in and out of rotation
+through the runtime API. How HAProxy runs (a systemd unit, or a child process) is a
+`FrontdoorRunner` from the backend. Why the configuration says what it says:
+haproxy_config.py.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -20,8 +20,7 @@ from typing import Protocol
 
 from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
-from numad_infer.engines import Engine
-from numad_infer.frontdoor import haproxy
+from numad_infer.frontdoor.checked_config import put_hold
 from numad_infer.frontdoor.haproxy import (
     AdminState,
     BackendStat,
@@ -31,9 +30,8 @@ from numad_infer.frontdoor.haproxy import (
     RuntimeAPI,
     merged,
 )
-from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, paths_in, render_haproxy, server_name
-from numad_infer.frontdoor.hold import HOLD_LUA
-from numad_infer.frontdoor.listener import TWIN_FD_VARIABLE, HeldListener
+from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, CheckedConfig, paths_in, server_name
+from numad_infer.frontdoor.listener import HeldListener
 from numad_infer.frontdoor.reload_watch import ReloadWatch
 from numad_infer.frontdoor.request_log import RequestLog
 from numad_infer.frontdoor.routing import backends
@@ -86,23 +84,11 @@ class Frontdoor:
         assert self.paths.requests is not None
         self.requests = RequestLog(self.paths.requests, runner.haproxy_uids)  # per-request timings
 
-    def _candidate(self, config: Config, text: str) -> Path:
-        """`text` beside the running file, checked by `haproxy -c`: what is renamed into place."""
-        candidate = self.paths.config.with_name(f".{self.paths.config.name}.new")
-        # Renamed into place, never written through: a link planted under these names is
-        # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
-        for path, content in ((candidate, text), (self.paths.hold, HOLD_LUA)):  # and the file it loads (hold.py)
-            write_atomic(path, content, durable=False)
-        try:
-            haproxy.validate(config.frontend.haproxy, str(candidate), listener_fds=self.runner.listener.fds)
-        except HaproxyError:
-            candidate.unlink(missing_ok=True)
-            raise
-        return candidate
-
-    def apply(self, config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine) -> bool:
-        """Bring HAProxy to this plan (`served`, `engine`: as validated). HaproxyError leaves
-        the running front door untouched. True when HAProxy was started or reloaded."""
+    def apply(self, config: Config, plan: Plan, served: tuple[ServedModel, ...], checked: CheckedConfig | None) -> bool:
+        """Bring HAProxy to this plan (`served`: as validated; `checked`: the haproxy.cfg
+        validation rendered for this front door's files and `haproxy -c` passed, written
+        here as it is). HaproxyError leaves the running front door untouched. True when
+        HAProxy was started or reloaded."""
         # HAProxy answers its runtime API at once; one that does not is a peer to give up on
         # as soon as an instance's probe is: a pass then costs at most one probe timeout more,
         # whichever of the two drips.
@@ -115,6 +101,9 @@ class Frontdoor:
             self.listen, self.stats, self.answers = "", None, None
             self.model_stats = {}
             return False
+        if checked is None or checked.paths != self.paths:
+            raise HaproxyError(f"no haproxy.cfg was checked for {self.paths.config} (validation was not given "
+                               "this front door's directory): nothing changed")
         try:
             self.requests.start()
         except OSError as exc:  # the front door works without its timings; say why they are missing
@@ -125,9 +114,7 @@ class Frontdoor:
             log.info("front door: listening on %s now: restarting haproxy", config.frontend.listen)
             self.runner.stop()
             running = False
-        # Once: compared, checked and written. A bind line per socket held (no twin without IPv6).
-        text = render_haproxy(config, plan, self.paths, held=True, twin=TWIN_FD_VARIABLE in self.runner.listener.fds,
-                              served=served, engine=engine)
+        text = checked.text
         try:
             current = self.paths.config.read_text(encoding="utf-8")
         except OSError:
@@ -138,13 +125,15 @@ class Frontdoor:
             self.listen = config.frontend.listen
             self.backends = backends(served)
             return False
-        candidate = self._candidate(config, text)
         if running:
             _save_server_states(self.api, self.paths.state)
         elif not self.paths.state.exists():
             # An empty state file (version line only): HAProxy warns about a missing one.
             write_atomic(self.paths.state, "1\n", durable=False)
-        os.replace(candidate, self.paths.config)
+        # Renamed into place, never written through: a link planted under these names is
+        # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
+        put_hold(self.paths)
+        write_atomic(self.paths.config, text, durable=False)
         # From here on the running HAProxy has (or is about to have) these backends.
         self.backends = backends(served)
         if running:

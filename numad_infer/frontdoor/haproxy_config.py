@@ -131,6 +131,14 @@ class Paths:
         return self.config.with_name(HOLD_NAME)
 
 
+@dataclass(frozen=True)
+class CheckedConfig:
+    """haproxy.cfg as `haproxy -c` passed it (checked_config.py), and the files it names."""
+
+    paths: Paths  # the directory it was rendered for: the front door writes it only there
+    text: str
+
+
 def write_config(paths: Paths, text: str) -> None:
     """haproxy.cfg and the file it loads, for a caller that writes it in place (`check`'s
     scratch copy, tests); the daemon renames a checked candidate into place (control.py)."""

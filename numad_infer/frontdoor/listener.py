@@ -99,6 +99,22 @@ class Held:
             return False
 
 
+def twin_of(host: str) -> str | None:
+    """The loopback twin a front door on `host` also listens on, where this host has that
+    address (no IPv6 on `lo`: no ::1). A host fact, read as validation reads the topology:
+    haproxy.cfg binds the twin exactly then. Port 0: nothing is taken, the socket is closed."""
+    twin = loopback_twin(host)
+    if twin is None:
+        return None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in twin else socket.AF_INET) as probe:
+            probe.bind((twin, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            return None
+    return twin
+
+
 def _tcp_address(sock: socket.socket) -> tuple[str, int] | None:
     """Where a TCP socket is bound, None for anything else (or an unbound one)."""
     if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
@@ -209,10 +225,10 @@ class HeldListener:
         to report in the operator's words; nothing changes then."""
         before = [*self._held.values(), *self._kept]
         new = {FD_VARIABLE: self._acquire((host, port))}
-        twin = loopback_twin(host)
+        twin = twin_of(host)
         port = new[FD_VARIABLE].sock.getsockname()[1]  # port 0 (tests): the twin at the port it got
-        if twin is not None and (found := self._acquire_twin((twin, port))) is not None:
-            new[TWIN_FD_VARIABLE] = found
+        if twin is not None:  # haproxy.cfg binds it exactly then (checked_config.py)
+            new[TWIN_FD_VARIABLE] = self._acquire_twin((twin, port))
         self._drop_kept((host, port))
         with self.lock:
             old, self._held, self.refused = self._held, new, False
@@ -243,19 +259,20 @@ class HeldListener:
         log.info("front door: holding the listening socket on %s (fd %d)", host_port(*address), sock.fileno())
         return Held(sock, address, "", False)
 
-    def _acquire_twin(self, address: tuple[str, int]) -> Held | None:
+    def _acquire_twin(self, address: tuple[str, int]) -> Held:
+        """The twin's socket; where its port is taken, one at port 0 in its place: haproxy.cfg
+        binds a twin wherever the host has the address, and its check passed so."""
         try:
             return self._acquire(address)
         except OSError as exc:
-            where = host_port(*address)
-            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-                log.info("front door: no %s on this host (%s): `localhost` cannot mean it either", where,
-                         exc.strerror)
-            else:
-                log.warning("front door: cannot listen on %s too (%s): a client that says `localhost` may reach "
-                            "whoever holds it before the front door, and send it its API key; free it (ss -ltnp)",
-                            where, exc.strerror)
-            return None
+            log.warning("front door: cannot listen on %s too (%s): a client that says `localhost` may reach "
+                        "whoever holds it before the front door, and send it its API key; free it (ss -ltnp)",
+                        host_port(*address), exc.strerror)
+        try:
+            stand_in = _bind((address[0], 0))
+        except OSError:
+            stand_in = _bind(("127.0.0.1", 0))
+        return Held(stand_in, stand_in.getsockname()[:2], "", False)
 
     def _drop_kept(self, wanted: tuple[str, int]) -> None:
         """What systemd passed and `hold` did not use: another address than frontend.listen's."""

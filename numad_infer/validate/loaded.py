@@ -14,6 +14,7 @@ from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
 from numad_infer.engines.base import last_option
 from numad_infer.engines.launch import Launch
+from numad_infer.frontdoor.haproxy_config import CheckedConfig
 from numad_infer.host.cpufeatures import EngineCpuReport
 from numad_infer.host.identity import BackendKind, RunAs
 from numad_infer.model.memory import MemoryEstimate
@@ -63,6 +64,9 @@ class Loaded:
     # Instance name -> how it starts (argv, unit argv, environment), worked out once here:
     # the process backend executes it, the units carry it.
     launches: dict[str, Launch]
+    # haproxy.cfg as `haproxy -c` passed it, for the front door's directory the load was
+    # given (frontdoor/checked_config.py): what the daemon writes. None: no front door.
+    haproxy_cfg: CheckedConfig | None = None
 
     @property
     def served(self) -> tuple[ServedModel, ...]:

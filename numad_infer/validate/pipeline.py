@@ -9,9 +9,7 @@ refuses, all of them refuse, and nothing is written or changed before it passes.
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 
 from numad_infer.config.apikey import read_api_key
 from numad_infer.config.load import load_config
@@ -21,16 +19,16 @@ from numad_infer.engines import Engine, engine_of
 from numad_infer.engines.keys import check_engine_keys
 from numad_infer.engines.launch import launches
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor import haproxy
+from numad_infer.frontdoor.checked_config import render_checked
 from numad_infer.frontdoor.haproxy import check_haproxy
-from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy, write_config
+from numad_infer.frontdoor.haproxy_config import Paths
 from numad_infer.host.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_units
 from numad_infer.host.identity import BackendKind, RunAs, instances_run_as, systemd_frontdoor_user
 from numad_infer.host.pinning import memory_calls
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.file import artifact_id, read_model
 from numad_infer.model.memory import estimate
-from numad_infer.plan.model import Placed, Plan
+from numad_infer.plan.model import Placed
 from numad_infer.plan.placement import make_plan
 from numad_infer.systemd.unitdir import SYSTEM_UNIT_DIRS, check_unit_names
 from numad_infer.topology.cgroup_limits import UNRESTRICTED, Allowed
@@ -43,11 +41,14 @@ from numad_infer.validate.loaded import Loaded, LoadedModel, instance_memory
 
 
 def load(source: str, kind: BackendKind, sysfs: SysfsReader | str = "/",
-         unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS, running: Sequence[Placed] = ()) -> Loaded:
+         unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS, running: Sequence[Placed] = (),
+         frontdoor: Paths | None = None) -> Loaded:
     """Read the file at `source` and validate it on this machine (ConfigError otherwise).
-    `running`: the running plan's instances, whose cores and ports are kept where they can be."""
+    `running`: the running plan's instances, whose cores and ports are kept where they can be.
+    `frontdoor`: where the daemon's front door keeps its files (None: not the daemon's load)."""
     reader = sysfs if isinstance(sysfs, SysfsReader) else SysfsReader(sysfs)
-    return validate(load_config(source), source, reader.topology(), kind, unit_dirs, read_allowed(kind), running)
+    return validate(load_config(source), source, reader.topology(), kind, unit_dirs, read_allowed(kind), running,
+                    frontdoor)
 
 
 def read_allowed(kind: BackendKind) -> Allowed:
@@ -60,8 +61,9 @@ def read_allowed(kind: BackendKind) -> Allowed:
 
 def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
              unit_dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS, allowed: Allowed = UNRESTRICTED,
-             running: Sequence[Placed] = ()) -> Loaded:
-    """Every check a configuration must pass before anything runs it; changes nothing.
+             running: Sequence[Placed] = (), frontdoor: Paths | None = None) -> Loaded:
+    """Every check a configuration must pass before anything runs it; changes nothing (but
+    the front door's Lua file, put beside the haproxy.cfg checked for `frontdoor`).
 
     The order is the order an operator fixes things in: the engine's keys and the names, then what the instances
     need (a readable model, a working engine), then the plan, then the front door and key.
@@ -81,7 +83,8 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     launched = launches(engine, served, plan)
     check_haproxy(config, source)
     api_key = read_api_key(config, source)
-    _check_frontdoor_config(config, plan, served, engine)
+    # Rendered once, for the front door's own directory, and checked as it is written.
+    haproxy_cfg = render_checked(config, plan, served, engine, frontdoor) if config.frontend.enabled else None
     # The units as systemd would run them, rendered once: what the systemd backend writes and
     # compares, and what `render` and `check` write or compare, under either backend.
     unit_user = systemd_frontdoor_user()
@@ -91,7 +94,7 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as),
                 *memory_call_warnings(memory_calls(), kind))
     return Loaded(source, config, topology, plan, kind, runs_as, engine, models, allowed, engine_cpu, warnings,
-                  api_key, frontdoor_user, units, launched)
+                  api_key, frontdoor_user, units, launched, haproxy_cfg)
 
 
 def _read_model(served: ServedModel, engine: Engine, source: str, runs_as: RunAs | None) -> LoadedModel:
@@ -138,15 +141,3 @@ def _idle_unit_warnings(report: EngineCpuReport) -> list[str]:
         return []
     return [f"this CPU has {' and '.join(idle)} that the engine does not use (it runs {report.cpu.describe()})"
             f"{'; ' + report.fix if report.fix else ''}"]
-
-
-def _check_frontdoor_config(config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine) -> None:
-    """`haproxy -c` on what the daemon would write (HaproxyError when refused), in a
-    scratch directory: the running front door's files are not touched."""
-    if not config.frontend.enabled:
-        return
-    with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
-        base = Path(scratch)
-        paths = paths_in(base, base / "admin.sock")
-        write_config(paths, render_haproxy(config, plan, paths, served=served, engine=engine))
-        haproxy.validate(config.frontend.haproxy, str(paths.config))

@@ -26,6 +26,7 @@ import pytest
 from numad_infer.backends.process import ProcessBackend
 from numad_infer.config.load import parse_config
 from numad_infer.config.schema import Config
+from numad_infer.frontdoor.checked_config import render_checked
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import RuntimeAPI
 from numad_infer.frontdoor.haproxy_config import BACKEND, paths_in, render_haproxy, write_config
@@ -112,8 +113,15 @@ class Door:
         path = self.run_dir / "logs" / "frontdoor.log"
         return path.read_text() if path.exists() else ""
 
+    def apply(self) -> bool:
+        """What the daemon does with a load: haproxy.cfg rendered and checked for this front
+        door's directory (validation's step), then applied."""
+        served = served_models(self.config)
+        checked = render_checked(self.config, self.plan, served, engine_of(self.config), self.door.paths)
+        return self.door.apply(self.config, self.plan, served, checked)
+
     def start(self) -> None:
-        assert self.door.apply(self.config, self.plan, served_models(self.config), engine_of(self.config))
+        assert self.apply()
         wait_for(lambda: self.door.api.command("show info").startswith("Name: HAProxy"), f"the admin socket\n{self.log()}")
 
     def processes(self) -> list[int]:

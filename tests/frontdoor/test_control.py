@@ -185,7 +185,7 @@ def test_a_link_planted_as_the_socket_directory_is_refused_not_followed(doors, t
     door.run_dir.mkdir(parents=True, exist_ok=True)
     (door.run_dir / SOCKET_DIR_NAME).symlink_to(target)
     with pytest.raises(HaproxyError, match="socket directory.* is not a directory"):
-        door.door.apply(door.config, door.plan, served_models(door.config), engine_of(door.config))
+        door.apply()
     info = os.stat(target)
     assert info.st_uid == 0 and stat.S_IMODE(info.st_mode) == 0o755
 
@@ -198,7 +198,7 @@ def test_a_run_directory_haproxys_user_cannot_reach_is_named_with_the_fix(doors,
     door = doors(directory=private / "run")
     with pytest.raises(HaproxyError, match=r"haproxy runs as .*, who cannot read .*haproxy.cfg: directory .* is not "
                                            r"searchable by .*chmod o\+x"):
-        door.door.apply(door.config, door.plan, served_models(door.config), engine_of(door.config))
+        door.apply()
 
 
 def _directives(text: str) -> list[str]:

@@ -234,7 +234,7 @@ def unit_door(tmp_path: Path):
 def test_under_systemd_haproxy_starts_on_the_daemons_socket_and_a_request_sent_while_it_is_dead_is_answered(
         unit_door) -> None:
     door, runner, stored = unit_door
-    assert door.door.apply(door.config, door.plan, served_models(door.config), engine_of(door.config))
+    assert door.apply()
     serving(door)
     held = runner.listener.fds
     # Kept in the daemon unit's file descriptor store, with the twin where this host has ::1.
@@ -265,7 +265,7 @@ def test_under_systemd_haproxy_starts_on_the_daemons_socket_and_a_request_sent_w
 @with_haproxy
 def test_a_restarted_daemon_takes_back_the_kept_socket_and_leaves_haproxy_running(unit_door) -> None:
     door, runner, stored = unit_door
-    assert door.door.apply(door.config, door.plan, served_models(door.config), engine_of(door.config))
+    assert door.apply()
     serving(door)
     master = runner.child.pid if runner.child else 0
     # What the store gives the next daemon (LISTEN_FDS), the loopback twin with it.
@@ -275,7 +275,7 @@ def test_a_restarted_daemon_takes_back_the_kept_socket_and_leaves_haproxy_runnin
     runner.handout.listener = runner.listener
     runner.listener.offer(kept)
     door.door = Frontdoor(runner)
-    assert not door.door.apply(door.config, door.plan, served_models(door.config), engine_of(door.config))  # nothing to do: same socket, same file
+    assert not door.apply()  # nothing to do: same socket, same file
     assert runner.child is not None and runner.child.pid == master
     serving(door)
     assert runner.listener.fd == kept[STORE_NAME][0]

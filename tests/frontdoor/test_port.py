@@ -20,7 +20,7 @@ import pytest
 
 from numad_infer.config.load import parse_config
 from numad_infer.frontdoor.haproxy_config import HELD_BIND, TWIN_BIND, paths_in, render_haproxy
-from numad_infer.frontdoor.listener import FD_VARIABLE, STORE_NAME, TWIN_FD_VARIABLE, HeldListener
+from numad_infer.frontdoor.listener import FD_VARIABLE, STORE_NAME, TWIN_FD_VARIABLE, HeldListener, twin_of
 from numad_infer.systemd.unitnames import PORT_FD_NAME
 from numad_infer.util.addresses import loopback_twin
 from tests.daemon_harness import free_port_block
@@ -208,5 +208,18 @@ def test_a_twin_someone_else_holds_is_reported_and_the_front_door_still_listens(
         squatter.listen(1)
         caplog.set_level(logging.WARNING)
         listener.hold("127.0.0.1", port)
-    assert list(listener.fds) == [FD_VARIABLE]
+    # haproxy.cfg binds a twin wherever the host has ::1 (checked_config.py): HAProxy is
+    # handed one at a port no client is told of, never the squatter's.
+    fds = listener.fds
+    assert list(fds) == [FD_VARIABLE, TWIN_FD_VARIABLE]
+    stand_in = socket.socket(fileno=os.dup(fds[TWIN_FD_VARIABLE]))
+    assert stand_in.getsockname()[0] == "::1" and stand_in.getsockname()[1] != port and listening(stand_in)
+    stand_in.close()
     assert f"cannot listen on [::1]:{port} too" in caplog.text and "send it its API key" in caplog.text
+
+
+def test_the_twin_is_bound_exactly_where_the_host_has_its_address() -> None:
+    # What haproxy.cfg's second bind line follows (checked_config.py): a host fact.
+    assert twin_of("10.1.2.3") is None
+    assert twin_of("127.0.0.1") == ("::1" if has_ipv6_loopback() else None)
+    assert twin_of("::1") == "127.0.0.1" or not has_ipv6_loopback()

@@ -182,3 +182,41 @@ def test_production_code_calls_the_derivations_only_where_listed() -> None:
                 if name in DERIVED:
                     found[(str(path.relative_to(root)), name)] += 1
     assert dict(found) == ALLOWED_CALLS
+
+
+@pytest.mark.skipif(not Path("/usr/sbin/haproxy").exists(), reason="needs haproxy (apt-get install haproxy)")
+def test_haproxy_cfg_is_rendered_once_for_the_front_doors_directory_and_written_as_checked(tmp_path: Path,
+                                                                                            host) -> None:
+    """Before: validation rendered and `haproxy -c`-checked a scratch copy (HAProxy binding
+    the address, files in a temporary directory), and the front door rendered and checked
+    its own again: two texts. Now one, rendered and checked in validation, written as is."""
+    from numad_infer.frontdoor import haproxy, haproxy_config
+    from numad_infer.frontdoor.control import Frontdoor
+    from numad_infer.frontdoor.haproxy import HaproxyError
+    from numad_infer.frontdoor.haproxy_config import CheckedConfig
+    from tests.daemon_harness import free_port_block
+
+    model, server = host
+    listen = f'listen = "127.0.0.1:{free_port_block(1)}"\nhaproxy = "/usr/sbin/haproxy"'
+    config = parse_config(_two(model, server).replace('listen = ""', listen), SOURCE)
+    (tmp_path / "run").mkdir()
+    door = Frontdoor(ProcessBackend(tmp_path / "logs").frontdoor_runner(tmp_path / "run"))
+    counted = {"render": haproxy_config.render_haproxy, "haproxy -c": haproxy.validate}
+    try:
+        with calls_counted(counted) as counts:
+            loaded = validate(config, SOURCE, small_nodes(tmp_path, 4), BackendKind.PROCESS, unit_dirs=(),
+                              frontdoor=door.paths)
+            assert loaded.haproxy_cfg is not None and loaded.haproxy_cfg.paths == door.paths
+            assert door.apply(loaded.config, loaded.plan, loaded.served, loaded.haproxy_cfg)
+        assert counts == Counter({"render": 1, "haproxy -c": 1})
+        assert door.paths.config.read_text() == loaded.haproxy_cfg.text
+        assert '"fd@${NUMA_INFER_FRONTDOOR_FD}"' in loaded.haproxy_cfg.text and str(door.paths.hold) in loaded.haproxy_cfg.text
+        # A text checked for another directory (`check`'s scratch one) is never written here.
+        elsewhere = validate(config, SOURCE, small_nodes(tmp_path / "b", 4), BackendKind.PROCESS, unit_dirs=())
+        assert elsewhere.haproxy_cfg is not None and elsewhere.haproxy_cfg.paths != door.paths
+        with pytest.raises(HaproxyError, match="no haproxy.cfg was checked for"):
+            door.apply(elsewhere.config, elsewhere.plan, elsewhere.served,
+                       CheckedConfig(elsewhere.haproxy_cfg.paths, "bogus"))
+        assert door.paths.config.read_text() == loaded.haproxy_cfg.text
+    finally:
+        door.stop()

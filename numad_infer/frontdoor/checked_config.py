@@ -1,0 +1,88 @@
+"""haproxy.cfg rendered once per plan, for the directory the front door runs from, and
+checked by `haproxy -c` as it is: the text validation carries and the daemon writes.
+
+Before, validation rendered and checked a scratch copy (the address bound by HAProxy, files
+in a temporary directory), and the front door rendered and checked its own (the daemon's
+sockets, its run directory): two texts, two checks, and a refusal that came only after the
+instances had moved to the new plan. Now the text depends on nothing the front door learns
+later:
+- its files' paths are the front door's directory (`paths`), handed to validation;
+- its binds are always the held sockets (`fd@`), and the loopback twin's bind is there
+  exactly when this host has the twin's address (`twin_of`, a host fact read as the
+  topology is). The listener hands HAProxy a socket for it in every case (listener.py).
+
+`haproxy -c` is given stand-in sockets (loopback, port 0, bound, not listening) for the
+descriptors the text binds: the check refuses a descriptor it lacks, and the daemon's own
+are HAProxy's, or not held yet. An edge: a socket bound and closed, and a child process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from numad_infer.config.models import ServedModel
+from numad_infer.config.schema import Config
+from numad_infer.engines import Engine
+from numad_infer.frontdoor import haproxy
+from numad_infer.frontdoor.haproxy import HaproxyError
+from numad_infer.frontdoor.haproxy_config import CheckedConfig, Paths, paths_in, render_haproxy
+from numad_infer.frontdoor.hold import HOLD_LUA
+from numad_infer.frontdoor.listener import FD_VARIABLE, TWIN_FD_VARIABLE, twin_of
+from numad_infer.plan.model import Plan
+from numad_infer.util.atomicfile import write_atomic
+
+
+def put_hold(paths: Paths) -> None:
+    """The Lua file haproxy.cfg loads (hold.py), in place before the text is checked there."""
+    try:
+        if paths.hold.read_text(encoding="utf-8") == HOLD_LUA:
+            return
+    except OSError:
+        pass
+    # Renamed into place, never written through; 0644: HAProxy runs as another user.
+    write_atomic(paths.hold, HOLD_LUA, durable=False)
+
+
+def render_checked(config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine,
+                   paths: Paths | None = None) -> CheckedConfig:
+    """The plan's haproxy.cfg for the front door whose files are at `paths` (None: a scratch
+    directory, for `check`, `plan` and tune, whose text is never written), checked as it is.
+    HaproxyError with HAProxy's words when refused."""
+    if paths is not None:
+        try:
+            put_hold(paths)
+        except OSError as exc:
+            raise HaproxyError(f"cannot write {paths.hold} (the front door's Lua file): {exc.strerror}") from None
+        return _checked(config, plan, served, engine, paths)
+    with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
+        base = Path(scratch)
+        where = paths_in(base, base / "admin.sock")
+        put_hold(where)
+        return _checked(config, plan, served, engine, where)
+
+
+def _checked(config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine,
+             paths: Paths) -> CheckedConfig:
+    twin = twin_of(config.frontend.address[0]) is not None
+    text = render_haproxy(config, plan, paths, held=True, twin=twin, served=served, engine=engine)
+    with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
+        candidate = Path(scratch) / paths.config.name
+        candidate.write_text(text, encoding="utf-8")
+        with _stand_ins([FD_VARIABLE, *([TWIN_FD_VARIABLE] if twin else [])]) as fds:
+            haproxy.validate(config.frontend.haproxy, str(candidate), listener_fds=fds)
+    return CheckedConfig(paths, text)
+
+
+@contextlib.contextmanager
+def _stand_ins(variables: list[str]) -> Iterator[dict[str, int]]:
+    with contextlib.ExitStack() as stack:
+        fds = {}
+        for variable in variables:
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            fds[variable] = sock.fileno()
+        yield fds
