@@ -113,11 +113,12 @@ def with_server_keys(toml: str, keys: str) -> str:
     return toml.replace("[server]\n", "[server]\n" + keys, 1) if "[server]\n" in toml else f"{toml}\n[server]\n{keys}"
 
 
-def engine_keys(engine: str) -> str:
-    """The [server] keys that choose an engine, for a test config."""
+def engine_keys(engine: str, python: str | None = None) -> str:
+    """The [server] keys that choose an engine, for a test config (`python`: the
+    interpreter llama-cpp-python's server runs in; server_python() by default)."""
     if engine == "llama-server":
         return f'engine = "llama-server"\nllama_server = "{llama_server_binary()}"\n'
-    return f'engine = "llama-cpp-python"\npython = "{server_python()}"\n'
+    return f'engine = "llama-cpp-python"\npython = "{python or server_python()}"\n'
 
 
 _models: dict[str, Path] = {}
@@ -256,8 +257,9 @@ class DaemonRun:
                  machine: fakesys.FakeMachine | None = None, extra_config: str = "", interval_s: float = 0.5,
                  backoff_s: float = 0.2, frontend: str | None = None, context_size: int = 256,
                  engine: str = "llama-cpp-python", cgroup: Path | None = None, run_args: tuple[str, ...] = (),
-                 seccomp_refuse: tuple[str, ...] = (), models: str = "") -> None:
+                 seccomp_refuse: tuple[str, ...] = (), models: str = "", python: str | None = None) -> None:
         """`cgroup`: a cgroup v1 directory (a cpuset) the daemon, and so its servers, start in.
+        `python`: the interpreter llama-cpp-python's servers run in (server_python()).
         `run_args`: more options for `numa-infer run`.
         `seccomp_refuse`: system calls a real seccomp filter refuses (EPERM) to the daemon and
         everything it starts, as a container runtime's profile does (tests/seccomp.py)."""
@@ -270,7 +272,7 @@ class DaemonRun:
         self.extra_config = extra_config
         self.context_size = context_size
         self.server_extra = ""  # more [server] keys
-        self.engine = engine
+        self.engine, self.python = engine, python
         self.models = models  # [[models]] tables instead of [model] ("{model}" stands for the model's path)
         # The front door on a port of its own per run (tests may run while another daemon does).
         self.frontend_port = self.base_port + 500
@@ -310,7 +312,7 @@ class DaemonRun:
                  else f'[model]\npath = "{self.model}"\ncontext_size = {self.context_size}\n')
         self.config.write_text(
             f"{model}[placement]\n{placement}\n"
-            f'[server]\nbase_port = {self.base_port}\n{engine_keys(self.engine)}{self.server_extra}\n'
+            f'[server]\nbase_port = {self.base_port}\n{engine_keys(self.engine, self.python)}{self.server_extra}\n'
             f"[monitor]\ninterval_s = {self.interval_s}\nprobe_timeout_s = 1.0\nstartup_grace_s = 60\nunhealthy_after = 2\n"
             f"restart_backoff_s = {self.backoff_s}\nnuma_maps_interval_s = 1\n{monitor}\n"
             f"[frontend]\n{self.frontend}\n{extra or self.extra_config}"

@@ -6,6 +6,7 @@ own; the end-to-end tests run the real thing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from numad_infer.engines import engine_of
 from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.host.cpufeatures import EngineCpuReport
 from numad_infer.host.identity import BackendKind, RunAs
+from numad_infer.host.pinning import MemoryCalls
 from numad_infer.host.portowner import Holder, PortOwner
 from numad_infer.model.memory import MemoryEstimate
 from numad_infer.config.models import served_models
@@ -148,3 +150,26 @@ def private_key(directory: Path, key: str) -> Path:
     path.write_text(key + "\n")
     path.chmod(0o600)
     return path
+
+
+class StandInPinner:
+    """Stands in for the calls a repair makes (host/pinning.py, drift_checks.Pinner): these
+    hosts have one node, where nothing can drift. `migrate`: what migrate_pages does (none
+    given: calling it fails the test); `calls`: what the seccomp probe says (all allowed)."""
+
+    def __init__(self, migrate: Callable[[int, tuple[int, ...], tuple[int, ...]], int] | None = None,
+                 calls: MemoryCalls | None = None) -> None:
+        self.migrate, self.calls = migrate, calls or MemoryCalls(None, None)
+        self.pinned: list[tuple[int, frozenset[int]]] = []
+
+    def set_thread_affinity(self, tid: int, cpus: frozenset[int]) -> bool:
+        self.pinned.append((tid, cpus))
+        return True
+
+    def migrate_pages(self, pid: int, from_nodes: tuple[int, ...], to_nodes: tuple[int, ...]) -> int:
+        if self.migrate is None:
+            raise AssertionError(f"migrate_pages called for pid {pid}")
+        return self.migrate(pid, from_nodes, to_nodes)
+
+    def memory_calls(self) -> MemoryCalls:
+        return self.calls

@@ -34,7 +34,7 @@ from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import State
 from numad_infer.plan.model import Instance, Policy
 from numad_infer.status.records import DaemonState, DaemonStatus, Event, InstanceStatus, Status
-from numad_infer.supervision.drift_checks import CheckContext
+from numad_infer.supervision.drift_checks import CheckContext, HostPinner
 from numad_infer.supervision.instance import Runtime
 from numad_infer.validate.pipeline import load
 from tests.doctor import hosts as doctor_base
@@ -106,7 +106,7 @@ def test_a_drift_naming_the_thread_is_escaped_in_status_and_in_the_log() -> None
     try:
         with named_thread() as tid:
             ctx = CheckContext(instance, os.getpid(), 0.0, lambda: 1000.0, MonitorSection(repair=False),
-                               OneThread(tid), False, runtime)
+                               OneThread(tid), False, runtime, HostPinner())
             assert runtime.checks[EventKind.AFFINITY].run(ctx)
     finally:
         logger.removeHandler(handler)

@@ -8,11 +8,16 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from numad_infer.backends.base import Backend
+from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
+from numad_infer.engines import Engine
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor.control import Frontdoor
+from numad_infer.frontdoor.haproxy_config import Paths
+from numad_infer.host.identity import BackendKind
 from numad_infer.plan.model import Placed
 from numad_infer.status import metrics
 from numad_infer.status.records import ReloadResult
@@ -34,10 +39,36 @@ SETTLE_S = 5.0
 ARTIFACTS_CHANGED = "model or engine changed"
 
 
+class Validation(Protocol):
+    """What the re-plan reads through the pipeline: a seam, so a test can stand in for the
+    machine (the model file, the cgroup) without patching the module."""
+
+    def load(self, source: str, kind: BackendKind, sysfs: SysfsReader, running: Sequence[Placed],
+             frontdoor: Paths) -> Loaded: ...
+    def allowed(self, kind: BackendKind) -> Allowed: ...
+    def artifacts(self, served: tuple[ServedModel, ...], engine: Engine) -> str: ...
+
+
+class Pipeline:
+    """The real one: validate/pipeline.py."""
+
+    def load(self, source: str, kind: BackendKind, sysfs: SysfsReader, running: Sequence[Placed],
+             frontdoor: Paths) -> Loaded:
+        return pipeline.load(source, kind, sysfs, running=running, frontdoor=frontdoor)
+
+    def allowed(self, kind: BackendKind) -> Allowed:
+        return pipeline.read_allowed(kind)
+
+    def artifacts(self, served: tuple[ServedModel, ...], engine: Engine) -> str:
+        return pipeline.current_artifacts(served, engine)
+
+
 class PlanState:
     def __init__(self, config_path: str, sysfs: SysfsReader, backend: Backend, reconciler: Reconciler,
-                 frontdoor: Frontdoor, endpoint: metrics.Endpoint, state_file: Path) -> None:
+                 frontdoor: Frontdoor, endpoint: metrics.Endpoint, state_file: Path,
+                 validation: Validation | None = None) -> None:
         self.config_path, self.sysfs, self.backend = config_path, sysfs, backend
+        self.validation: Validation = validation or Pipeline()
         self.reconciler, self.frontdoor, self.endpoint, self.state_file = reconciler, frontdoor, endpoint, state_file
         self.online: frozenset[int] | None = None  # the CPUs it was planned on
         self.allowed: Allowed | None = None  # what the instances' cgroup allowed then
@@ -61,8 +92,7 @@ class PlanState:
     def load(self) -> Loaded:
         """The pipeline every command uses (validate/pipeline.py); refused there, nothing changes here."""
         running = self.loaded.plan.instances if self.loaded is not None else self._left_running()
-        return pipeline.load(self.config_path, self.backend.kind, self.sysfs, running=running,
-                             frontdoor=self.frontdoor.paths)
+        return self.validation.load(self.config_path, self.backend.kind, self.sysfs, running, self.frontdoor.paths)
 
     def _left_running(self) -> Sequence[Placed]:
         """At start: the instances the last daemon ran, as its state file says (kept across
@@ -159,7 +189,7 @@ class PlanState:
         behind the front door and drained first, as a reload that changes them is."""
         if self.loaded is None:
             return
-        seen = pipeline.current_artifacts(self.loaded.served, self.loaded.engine)
+        seen = self.validation.artifacts(self.loaded.served, self.loaded.engine)
         if seen == self.loaded.artifacts:
             self._changed = None
             return
@@ -186,7 +216,7 @@ class PlanState:
         set-property`): a new plan, never drift to fight. Only the instances whose placement
         changed restart, drained first."""
         online = self.sysfs.online_cpus()
-        allowed = pipeline.read_allowed(self.backend.kind)
+        allowed = self.validation.allowed(self.backend.kind)
         hotplug = online is not None and self.online is not None and online != self.online
         narrowed = self.allowed is not None and allowed != self.allowed
         if not hotplug and not narrowed:

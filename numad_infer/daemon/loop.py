@@ -20,7 +20,7 @@ from numad_infer import __version__
 from numad_infer.backends.base import Backend
 from numad_infer.config.schema import Config
 from numad_infer.daemon import publish
-from numad_infer.daemon.desired import PlanState
+from numad_infer.daemon.desired import PlanState, Validation
 from numad_infer.daemon.restarts import Restarts
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor.control import Frontdoor
@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 class Daemon:
     def __init__(self, config_path: str, fsroot: str, backend: Backend, state_file: Path,
-                 notifier: Notifier | None = None) -> None:
+                 notifier: Notifier | None = None, validation: Validation | None = None) -> None:
+        """`validation`: the pipeline the re-plan reads through (desired.Pipeline unless a
+        test stands in for the machine)."""
         self.config_path = config_path
         self.backend = backend
         self.state_file = state_file
@@ -53,7 +55,7 @@ class Daemon:
         self.latest: Status | None = None  # last published snapshot (immutable), read by the metrics thread
         self.metrics = metrics.Endpoint(lambda: self.latest)
         self.plan = PlanState(config_path, SysfsReader(fsroot), backend, self.reconciler, self.frontdoor, self.metrics,
-                              state_file)
+                              state_file, validation)
         # what `numa-infer tune` measured
         self.tuned = bandwidth_file.Results(state_file.parent / bandwidth_file.RESULTS_NAME)
         self.started_at = time.time()

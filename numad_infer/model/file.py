@@ -10,7 +10,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from numad_infer.errors import ConfigError
 from numad_infer.host.identity import RunAs, unreadable_reason
@@ -26,17 +28,19 @@ class ModelFile:
     artifact_id: str  # which file was read (see artifact_id)
 
 
-def read_model(path: str, source: str, runs_as: RunAs | None = None) -> ModelFile:
+def read_model(path: str, source: str, runs_as: RunAs | None = None,
+               opener: Callable[[str], tuple[BinaryIO | None, os.stat_result]] = open_model) -> ModelFile:
     """The readable, whole GGUF file at `path`, or a ConfigError on `model.path` saying what
     is wrong with it: missing, not a regular file, unreadable, not GGUF, a header that is
     malformed or larger than a header can be, or shorter than its tensor table (a copy in
     progress).
 
     `runs_as`: the instances run as another user (identity.instances_run_as): check what
-    that user can read, not what the daemon (root, as a rule) can.
+    that user can read, not what the daemon (root, as a rule) can. `opener`: gguf.open_model
+    (a test stands in for it to swap the file right after the open).
     """
     try:
-        handle, info = open_model(path)
+        handle, info = opener(path)
     except OSError as exc:
         raise _cannot_open(path, source, exc) from None
     if handle is None:  # a FIFO, a device or a directory: opened without waiting (O_NONBLOCK), never read

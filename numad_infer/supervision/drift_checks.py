@@ -35,6 +35,28 @@ class EventSink(Protocol):
     def record_repair(self, kind: EventKind, detail: str, at: float, counted: bool = True) -> None: ...
 
 
+class Pinner(Protocol):
+    """What a repair changes on the host (host/pinning.py): a seam, so a test on a one-node
+    host can stand in for the calls that move threads and pages between nodes."""
+
+    def set_thread_affinity(self, tid: int, cpus: frozenset[int]) -> bool: ...
+    def migrate_pages(self, pid: int, from_nodes: tuple[int, ...], to_nodes: tuple[int, ...]) -> int: ...
+    def memory_calls(self) -> pinning.MemoryCalls: ...
+
+
+class HostPinner:
+    """The real calls."""
+
+    def set_thread_affinity(self, tid: int, cpus: frozenset[int]) -> bool:
+        return pinning.set_thread_affinity(tid, cpus)
+
+    def migrate_pages(self, pid: int, from_nodes: tuple[int, ...], to_nodes: tuple[int, ...]) -> int:
+        return pinning.migrate_pages(pid, from_nodes, to_nodes)
+
+    def memory_calls(self) -> pinning.MemoryCalls:
+        return pinning.memory_calls()
+
+
 @dataclass(frozen=True)
 class CheckContext:
     """One process of one instance, as a check sees it this pass."""
@@ -47,6 +69,7 @@ class CheckContext:
     proc: ProcReader
     instance_cgroups: bool  # the backend gives each instance a cgroup (memory.numa_stat)
     events: EventSink
+    pinner: Pinner
 
 
 class DriftCheck(ABC):
@@ -87,7 +110,7 @@ class AffinityCheck(DriftCheck):
         fixed, gone = [], 0
         for d in verdict.drifted:
             try:
-                if pinning.set_thread_affinity(d.tid, d.target):
+                if ctx.pinner.set_thread_affinity(d.tid, d.target):
                     fixed.append(f"{d.tid}->{format_list(d.target)}")
                     self.good_masks[d.tid] = d.target
                 else:
@@ -144,12 +167,12 @@ class MemoryCheck(DriftCheck):
         if not ctx.monitor.repair or ctx.instance.policy == Policy.INTERLEAVE:
             log.warning("%s: memory drift: %s (not repaired)", name, found)
             return
-        refused = pinning.memory_calls().migrate_refused
+        refused = ctx.pinner.memory_calls().migrate_refused
         if refused is not None:  # a seccomp profile: every try would fail the same way
             log.warning("%s: memory drift: %s (not repaired: migrate_pages is refused here: %s)", name, found, refused)
             return
         try:
-            left = pinning.migrate_pages(ctx.pid, verdict.remote_nodes, ctx.instance.mems)
+            left = ctx.pinner.migrate_pages(ctx.pid, verdict.remote_nodes, ctx.instance.mems)
         except OSError as exc:
             log.error("%s: memory drift: %s; migrate_pages failed: %s", name, found, exc.strerror)
             return

@@ -37,7 +37,7 @@ from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import State
 from numad_infer.plan.model import PlanDiff
-from numad_infer.supervision.drift_checks import CheckContext, run_checks
+from numad_infer.supervision.drift_checks import CheckContext, HostPinner, Pinner, run_checks
 from numad_infer.supervision.health import ProbeResult, probe, read_engine_metrics
 from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.keycheck import check_api_key
@@ -62,9 +62,11 @@ T = TypeVar("T")
 class Reconciler:
     def __init__(self, backend: Backend, proc: ProcReader | None = None, wall: Callable[[], float] = time.time,
                  frontdoor: Frontdoor | None = None, keepalive: Callable[[], None] = lambda: None,
-                 probe: Callable[[str, int, float, str], ProbeResult] = probe) -> None:
+                 probe: Callable[[str, int, float, str], ProbeResult] = probe, pinner: Pinner | None = None) -> None:
         """`probe`: asks an instance whether it is alive (host, port, timeout, path); the
-        real one (health.probe) unless a test stands in for the servers."""
+        real one (health.probe) unless a test stands in for the servers. `pinner`: the
+        calls a repair makes (drift_checks.HostPinner unless a test stands in for them)."""
+        self.pinner: Pinner = pinner or HostPinner()
         self.backend = backend
         self.liveness_probe = probe
         self.frontdoor = frontdoor
@@ -195,7 +197,7 @@ class Reconciler:
         if loaded.api_key is not None:
             check_api_key(rt, cfg, loaded.api_key, self.frontdoor, self.proc, loaded.engine.key_check_path)
         ctx = CheckContext(rt.instance, seen.pid, now, self.wall, cfg.monitor, self.proc,
-                           self.backend.instance_cgroups, rt)
+                           self.backend.instance_cgroups, rt, self.pinner)
         rt.drifting = run_checks(rt.checks, ctx)
 
     def close(self) -> None:

@@ -71,14 +71,19 @@ def _measuring(config: ModelView, placement: PlacementSection, port: int) -> Mod
 
 class Measurer:
     def __init__(self, loaded: Loaded, allowed: Allowed, log_dir: Path, settings: Settings,
-                 progress: Callable[[str], None], model: str = "", config: ModelView | None = None) -> None:
+                 progress: Callable[[str], None], model: str = "", config: ModelView | None = None, *,
+                 backend: Callable[[Path], ProcessBackend] = ProcessBackend,
+                 validation: Callable[..., Loaded] = validate) -> None:
         """`loaded`: the configuration as the pipeline checked it (its source, topology and
         measured model); `allowed`: what the measuring servers may use of its topology (the
         load's cgroup set, or within it the cores the plan gives the measured model);
         `model`: the model measured (`Instance.model`), `config` its view as tune plans it
         (default: the model's view). Nothing is validated yet: each candidate is, as it is
-        measured (`candidate`)."""
+        measured (`candidate`). `backend`, `validation`: what runs the measuring servers and
+        what validates each candidate (the process backend and the pipeline, unless a test
+        stands in for them)."""
         self.loaded, self.allowed = loaded, allowed
+        self.backend, self.validation = backend, validation
         self.config = config if config is not None else loaded.model(model).served.view
         self.log_dir, self.settings, self.progress = log_dir, settings, progress
         self.proc = ProcReader()
@@ -94,7 +99,7 @@ class Measurer:
         the pipeline works out the process backend's user instead. unit_dirs=(): nothing
         installs units for it. Its warnings (the plan's, the engine's, the host's) are not
         reported: they are the configuration's, which `check` says, not the measurement's."""
-        return validate(cfg, self.loaded.source, self.loaded.topology, BackendKind.PROCESS, unit_dirs=(),
+        return self.validation(cfg, self.loaded.source, self.loaded.topology, BackendKind.PROCESS, unit_dirs=(),
                         allowed=self.allowed)
 
     def instance_for(self, node: int, threads: int, port: int) -> Loaded:
@@ -111,7 +116,7 @@ class Measurer:
         loaded = self.instance_for(node, candidate.threads, port)
         (instance,) = loaded.plan.instances
         cfg = loaded.model(instance.model).served.view  # the candidate's one model, as validated
-        backend = ProcessBackend(self.log_dir)
+        backend = self.backend(self.log_dir)
         backend.sync(loaded)
         self.progress(f"node {node}, {candidate.threads} threads ({candidate.label}): starting the server")
         backend.start(instance)
@@ -154,7 +159,7 @@ class Measurer:
         (client k on instance k mod n), each sending `rounds` completions, `samples` times."""
         loaded = self.candidate(layout_config(self.config, layout, port))
         cfg, plan = loaded.config, loaded.plan
-        backend = ProcessBackend(self.log_dir)
+        backend = self.backend(self.log_dir)
         backend.sync(loaded)
         self.progress(f"layout {layout.name}: starting {len(plan.instances)} instance(s)")
         try:

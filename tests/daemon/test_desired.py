@@ -48,25 +48,32 @@ class Running:
         config = cfg('[frontend]\nlisten = ""')
         self.loaded = loaded_for(config, make_plan(config, three_nodes()))
         self.backend = Backend()
-        self.daemon = Daemon(str(tmp_path / "numa-infer.toml"), str(tmp_path), self.backend, tmp_path / "state.json")
+        # The pipeline's seam (desired.Validation): this machine's model file and cgroup
+        # are not the test's.
+        self.daemon = Daemon(str(tmp_path / "numa-infer.toml"), str(tmp_path), self.backend, tmp_path / "state.json",
+                             validation=self)
         assert self.daemon.plan.apply(self.loaded, "start")
         self.sysfs = Sysfs(self.loaded.topology.online_cpus)
         self.daemon.plan.sysfs = self.sysfs  # type: ignore[assignment]
         self.loads: list[str] = []
         self.load_error: Exception | None = None
         self.monitored: list[float] = []
-        monkeypatch.setattr(self.daemon.plan, "load", self._load)
         monkeypatch.setattr(self.daemon.reconciler, "monitor", self.monitored.append)
-        monkeypatch.setattr(desired.pipeline, "read_allowed", lambda kind: UNRESTRICTED)
-        self.artifacts = lambda: self.loaded.artifacts  # the model and engine files are the ones loaded
-        monkeypatch.setattr(desired.pipeline, "current_artifacts", lambda served, engine: self.artifacts())
+        self.current = lambda: self.loaded.artifacts  # the model and engine files are the ones loaded
         self.backend.calls.clear()
 
-    def _load(self) -> Loaded:
+    # -- desired.Validation ------------------------------------------------------------------
+    def load(self, source, kind, sysfs, running, frontdoor) -> Loaded:
         self.loads.append("load")
         if self.load_error is not None:
             raise self.load_error
         return self.loaded
+
+    def allowed(self, kind):
+        return UNRESTRICTED
+
+    def artifacts(self, served, engine) -> str:
+        return self.current()
 
     def assert_still_running_the_old_plan(self) -> None:
         assert self.daemon.plan.loaded is self.loaded
@@ -136,7 +143,7 @@ def test_a_machine_check_that_raises_keeps_the_old_plan_logs_once_and_shows_in_s
 
 
 def test_a_bug_in_rolling_out_a_changed_model_keeps_the_old_plan_and_shows_in_status(running: Running) -> None:
-    running.artifacts = lambda: "model /m.gguf: 1:2:3:4"  # another file moved into place
+    running.current = lambda: "model /m.gguf: 1:2:3:4"  # another file moved into place
     running.load_error = RecursionError("maximum recursion depth exceeded")
     running.daemon.monitor_pass(10.0)  # noticed: waits until the file holds still
     assert running.loads == []
@@ -147,7 +154,7 @@ def test_a_bug_in_rolling_out_a_changed_model_keeps_the_old_plan_and_shows_in_st
     running.daemon.monitor_pass(30.0)
     assert running.loads == ["load"]  # the same file is not tried again until it changes
     # A bug before the pipeline (the engine's program path, a plugin's) is caught the same way.
-    running.artifacts = lambda: str(1 // 0)
+    running.current = lambda: str(1 // 0)
     running.daemon.monitor_pass(40.0)
     running.assert_still_running_the_old_plan()
     assert running.status_error(40.0) == ("model or engine check",

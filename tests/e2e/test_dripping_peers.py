@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import pytest
-
 from numad_infer.supervision.reconcile import PASS_SLACK_S
 from tests import daemon_harness
 from tests.daemon_harness import daemons, generated_model, shared_dir
@@ -90,11 +88,10 @@ def _pings(run: daemon_harness.DaemonRun) -> list[float]:
     return [at for at, message in run.notify.messages if "WATCHDOG=1" in message.split("\n")]
 
 
-def test_a_dripping_instance_and_admin_socket_stall_no_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dripping_instance_and_admin_socket_stall_no_pass(tmp_path: Path) -> None:
     wrapper = _wrapper(daemon_harness.server_python())
-    monkeypatch.setattr(daemon_harness, "server_python", lambda: wrapper)
     with daemons(tmp_path, generated_model("tiny")) as start:
-        run = start(env={"WATCHDOG_USEC": str(int(WATCHDOG_S * 1e6))})
+        run = start(env={"WATCHDOG_USEC": str(int(WATCHDOG_S * 1e6))}, python=wrapper)
         state = run.wait(lambda s: len(s["instances"]) == 2 and run.instance(s, "infer@0")["state"] == "healthy"
                          and run.instance(s, "infer@1").get("error") == f"no answer within {PROBE_TIMEOUT_S:g}s"
                          and bool(s.get("frontdoor")) and s["frontdoor"]["up"],

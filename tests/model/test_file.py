@@ -82,7 +82,7 @@ def test_a_fifo_at_the_path_or_behind_a_link_is_refused_without_waiting_for_a_wr
         assert str(refused) == f'cfg: model.path = "{path}": is not a regular file; name the .gguf file itself'
 
 
-def test_size_header_and_identity_come_from_the_one_open_file(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_size_header_and_identity_come_from_the_one_open_file(model: Path) -> None:
     """Before: the size was checked on the path, then the header read by opening it again: a
     FIFO swapped in between hung the daemon. Here one is swapped in right after the open."""
     opened = file.open_model
@@ -94,8 +94,7 @@ def test_size_header_and_identity_come_from_the_one_open_file(model: Path, monke
         os.mkfifo(model)
         return handle
 
-    monkeypatch.setattr(file, "open_model", open_then_swap)
-    read = _in_thread(lambda: read_model(str(model), "cfg"))
+    read = _in_thread(lambda: read_model(str(model), "cfg", opener=open_then_swap))
     assert isinstance(read, file.ModelFile), read
     assert read.size == model.with_name("moved.gguf").stat().st_size and read.header.tensors
     assert read.artifact_id == before != artifact_id(str(model))  # the file read, not the FIFO now there

@@ -16,7 +16,9 @@ from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import RestartDecision, State, Supervision
 from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.reconcile import Reconciler
-from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
+from numad_infer.host.pinning import MemoryCalls
+from tests.fakes import (FakeFrontdoor, FakeProc, RecordingBackend, StandInPinner, answering_probe, cfg, loaded_for,
+                         three_nodes)
 
 MON = MonitorSection(startup_grace_s=10, unhealthy_after=3, max_restarts=3, restart_window_s=100, restart_backoff_s=2)
 
@@ -58,11 +60,9 @@ def test_unknown_instance_states_never_cause_a_restart() -> None:
     assert backend.calls == []
 
 
-def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(monkeypatch) -> None:
+def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes() -> None:
     # A fake /proc/PID/numa_maps with most anonymous pages on the wrong node (this CI host
     # has one node, where memory is always local), and migrate_pages recorded, not called.
-    from numad_infer.host import pinning
-
     backend, proc = RecordingBackend(), FakeProc()
     usage: dict[int, NodeUsage] = {}
     proc.numa_maps = lambda pid: usage.get(pid, NodeUsage(anon={0: 200 << 20, 2: 800 << 20}, file={1: 50 << 20},
@@ -74,8 +74,7 @@ def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(monkeypa
         usage[pid] = NodeUsage(anon={0: 990 << 20, 2: 10 << 20}, file={1: 50 << 20}, source="numa_maps")
         return 0
 
-    monkeypatch.setattr(pinning, "migrate_pages", migrate)
-    rec = Reconciler(backend, proc, probe=answering_probe)
+    rec = Reconciler(backend, proc, probe=answering_probe, pinner=StandInPinner(migrate=migrate))
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(1.0)
     pid0 = backend.running["infer@0"]
@@ -91,18 +90,14 @@ def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes(monkeypa
     assert (backend.running["infer@1"], (0, 2), (1,)) in moved
 
 
-def test_memory_drift_under_a_profile_that_refuses_migrate_pages_is_reported_not_retried(
-        monkeypatch, caplog) -> None:
+def test_memory_drift_under_a_profile_that_refuses_migrate_pages_is_reported_not_retried(caplog) -> None:
     # podman's and Kubernetes' default seccomp profiles refuse migrate_pages (tests/host/test_pinning_under_seccomp.py
     # shows the probe with a real filter): the drift is shown, no call is made, and the log
     # says why, rather than an ERROR for a call that can only fail again.
-    from numad_infer.host import pinning
-
     backend, proc = RecordingBackend(), FakeProc()
     proc.numa_maps = lambda pid: NodeUsage(anon={0: 200 << 20, 2: 800 << 20}, source="numa_maps")
-    monkeypatch.setattr(pinning, "memory_calls", lambda: pinning.MemoryCalls(None, "Operation not permitted"))
-    monkeypatch.setattr(pinning, "migrate_pages", lambda *a: pytest.fail("migrate_pages called"))
-    rec = Reconciler(backend, proc, probe=answering_probe)
+    pinner = StandInPinner(calls=MemoryCalls(None, "Operation not permitted"))
+    rec = Reconciler(backend, proc, probe=answering_probe, pinner=pinner)
     rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
     with caplog.at_level("WARNING"):
         rec.monitor(1.0)
@@ -112,14 +107,11 @@ def test_memory_drift_under_a_profile_that_refuses_migrate_pages_is_reported_not
     assert "not repaired: migrate_pages is refused here: Operation not permitted" in caplog.text
 
 
-def test_interleaved_instances_are_never_migrated(monkeypatch) -> None:
-    from numad_infer.host import pinning
-
+def test_interleaved_instances_are_never_migrated() -> None:
     backend, proc = RecordingBackend(), FakeProc()
     proc.numa_maps = lambda pid: NodeUsage(anon={0: 1 << 20, 1: 1 << 20, 2: 1 << 20}, source="numa_maps")
-    monkeypatch.setattr(pinning, "migrate_pages", lambda *a: pytest.fail("migrate_pages called"))
     config = cfg('[placement]\nmode = "interleave"')
-    rec = Reconciler(backend, proc, probe=answering_probe)
+    rec = Reconciler(backend, proc, probe=answering_probe, pinner=StandInPinner())
     rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     rec.monitor(1.0)
     (rt,) = rec.runtimes.values()

@@ -149,7 +149,7 @@ def test_an_instance_whose_cpuset_narrowed_under_it_is_drift_told_once_and_statu
     from numad_infer.config.schema import MonitorSection
     from numad_infer.host.procfs import ProcReader
     from numad_infer.lifecycle.drift import EventKind
-    from numad_infer.supervision.drift_checks import AllowedSetCheck, CheckContext
+    from numad_infer.supervision.drift_checks import AllowedSetCheck, CheckContext, HostPinner
     from numad_infer.supervision.instance import Runtime
 
     instance = make_plan(cfg(), machine, allowed=Allowed(frozenset({0, 1}), None)).instances[0]
@@ -162,7 +162,8 @@ def test_an_instance_whose_cpuset_narrowed_under_it_is_drift_told_once_and_statu
     check = runtime.checks[EventKind.ALLOWED]
     assert isinstance(check, AllowedSetCheck)
     check.reader = CgroupReader(str(tmp_path))
-    ctx = CheckContext(instance, 42, 0.0, lambda: 1000.0, MonitorSection(), ProcReader(str(tmp_path)), False, runtime)
+    ctx = CheckContext(instance, 42, 0.0, lambda: 1000.0, MonitorSection(), ProcReader(str(tmp_path)), False, runtime,
+                       HostPinner())
     assert not check.run(ctx) and runtime.runnable_cpus == (0, 1) and runtime.last_drift is None
     _write(tmp_path, effective, "1\n")  # the kubelet (or an NRI plugin) moved CPU 0 away
     assert check.run(ctx) and check.run(ctx)

@@ -30,7 +30,7 @@ class Synced(Exception):
 
 
 @pytest.fixture
-def measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Measurer, list[Loaded], list[Loaded]]:
+def measured(tmp_path: Path) -> tuple[Measurer, list[Loaded], list[Loaded]]:
     """A measurer of a configuration `check` accepts (the fake 2-node machine), with (1) what
     the process backend was given to run and (2) what pipeline.validate returned to tune;
     the backend stops at its sync, so no server starts."""
@@ -52,9 +52,8 @@ def measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Measurer,
         returned.append(found)
         return found
 
-    monkeypatch.setattr(measure, "ProcessBackend", Backend)
-    monkeypatch.setattr(measure, "validate", validate)
-    return Measurer(loaded, loaded.allowed, tmp_path, Settings(1, 2, 10.0), lambda line: None), synced, returned
+    return (Measurer(loaded, loaded.allowed, tmp_path, Settings(1, 2, 10.0), lambda line: None, backend=Backend,
+                     validation=validate), synced, returned)
 
 
 def test_each_candidate_is_validated_once_and_run_as_the_pipeline_returned_it(measured) -> None:
