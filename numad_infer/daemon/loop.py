@@ -18,7 +18,7 @@ from types import FrameType
 
 from numad_infer import __version__
 from numad_infer.backends.base import Backend
-from numad_infer.config.schema import Config
+from numad_infer.config.schema import MonitorSection
 from numad_infer.daemon import publish
 from numad_infer.daemon.desired import PlanState, Validation
 from numad_infer.daemon.restarts import Restarts
@@ -161,7 +161,9 @@ class Daemon:
             now = time.monotonic()
             if now >= next_pass:
                 self.monitor_pass(now)
-                next_pass = now + next_interval(self.plan.config, self.reconciler.runtimes.values())
+                # No plan applied yet (the start was refused): the schema's interval.
+                monitor = self.plan.config.monitor if self.plan.config is not None else MonitorSection()
+                next_pass = now + next_interval(monitor, self.reconciler.runtimes.values())
             if self.notifier.watchdog_due(time.monotonic()):
                 self.notifier.watchdog(time.monotonic())
             wait = next_pass - time.monotonic()
@@ -235,11 +237,10 @@ class Daemon:
         return 0
 
 
-def next_interval(config: Config | None, runtimes: Iterable[Runtime]) -> float:
+def next_interval(monitor: MonitorSection, runtimes: Iterable[Runtime]) -> float:
     """While an instance is starting, look again within a second: it answers as soon as its
     model is loaded, and status should say so without waiting a whole interval. A draining
     one restarts as soon as its last request ends."""
-    assert config is not None
-    interval = config.monitor.interval_s
+    interval = monitor.interval_s
     waiting = any(rt.supervision.state in IN_TRANSITION for rt in runtimes)
     return min(interval, 1.0) if waiting else interval
