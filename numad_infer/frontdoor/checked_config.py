@@ -19,6 +19,7 @@ are HAProxy's, or not held yet. An edge: a socket bound and closed, and a child 
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -31,9 +32,26 @@ from numad_infer.frontdoor import haproxy
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.haproxy_config import CheckedConfig, Paths, paths_in, render_haproxy
 from numad_infer.frontdoor.hold import HOLD_LUA
-from numad_infer.frontdoor.listener import FD_VARIABLE, TWIN_FD_VARIABLE, twin_of
 from numad_infer.plan.model import Plan
+from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE, FRONTDOOR_TWIN_FD_VARIABLE
+from numad_infer.util.addresses import loopback_twin
 from numad_infer.util.atomicfile import write_atomic
+
+
+def twin_of(host: str) -> str | None:
+    """The loopback twin a front door on `host` also listens on, where this host has that
+    address (no IPv6 on `lo`: no ::1). A host fact, read as validation reads the topology:
+    haproxy.cfg binds the twin exactly then. Port 0: nothing is taken, the socket is closed."""
+    twin = loopback_twin(host)
+    if twin is None:
+        return None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in twin else socket.AF_INET) as probe:
+            probe.bind((twin, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+            return None
+    return twin
 
 
 def put_hold(paths: Paths) -> None:
@@ -72,7 +90,7 @@ def _checked(config: Config, plan: Plan, served: tuple[ServedModel, ...], engine
     with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
         candidate = Path(scratch) / paths.config.name
         candidate.write_text(text, encoding="utf-8")
-        with _stand_ins([FD_VARIABLE, *([TWIN_FD_VARIABLE] if twin else [])]) as fds:
+        with _stand_ins([FRONTDOOR_FD_VARIABLE, *([FRONTDOOR_TWIN_FD_VARIABLE] if twin else [])]) as fds:
             haproxy.validate(config.frontend.haproxy, str(candidate), listener_fds=fds)
     return CheckedConfig(paths, text)
 

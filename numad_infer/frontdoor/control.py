@@ -125,15 +125,7 @@ class Frontdoor:
             self.listen = config.frontend.listen
             self.backends = backends(served)
             return False
-        if running:
-            _save_server_states(self.api, self.paths.state)
-        elif not self.paths.state.exists():
-            # An empty state file (version line only): HAProxy warns about a missing one.
-            write_atomic(self.paths.state, "1\n", durable=False)
-        # Renamed into place, never written through: a link planted under these names is
-        # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
-        put_hold(self.paths)
-        write_atomic(self.paths.config, text, durable=False)
+        self._write(text, running)
         # From here on the running HAProxy has (or is about to have) these backends.
         self.backends = backends(served)
         if running:
@@ -147,6 +139,18 @@ class Frontdoor:
         self.listen = config.frontend.listen
         self.error = ""
         return True
+
+    def _write(self, text: str, running: bool) -> None:
+        """The checked text in place, with the server states the reload reads back."""
+        if running:
+            _save_server_states(self.api, self.paths.state)
+        elif not self.paths.state.exists():
+            # An empty state file (version line only): HAProxy warns about a missing one.
+            write_atomic(self.paths.state, "1\n", durable=False)
+        # Renamed into place, never written through: a link planted under these names is
+        # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
+        put_hold(self.paths)
+        write_atomic(self.paths.config, text, durable=False)
 
     def observe(self) -> BackendStat | None:
         """Read the counters once for this pass (None while HAProxy is not answering)."""

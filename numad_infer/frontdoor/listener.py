@@ -43,7 +43,6 @@ An edge: sockets and nothing else. The front door (`control.py`) decides when.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import socket
@@ -52,8 +51,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from numad_infer.frontdoor.checked_config import twin_of
 from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE, FRONTDOOR_TWIN_FD_VARIABLE, PORT_FD_NAME, PORT_SOCKET
-from numad_infer.util.addresses import host_port, loopback_twin, same_address
+from numad_infer.util.addresses import host_port, same_address
 
 log = logging.getLogger(__name__)
 
@@ -97,22 +97,6 @@ class Held:
             return bool(self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
         except OSError:
             return False
-
-
-def twin_of(host: str) -> str | None:
-    """The loopback twin a front door on `host` also listens on, where this host has that
-    address (no IPv6 on `lo`: no ::1). A host fact, read as validation reads the topology:
-    haproxy.cfg binds the twin exactly then. Port 0: nothing is taken, the socket is closed."""
-    twin = loopback_twin(host)
-    if twin is None:
-        return None
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in twin else socket.AF_INET) as probe:
-            probe.bind((twin, 0))
-    except OSError as exc:
-        if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
-            return None
-    return twin
 
 
 def _tcp_address(sock: socket.socket) -> tuple[str, int] | None:

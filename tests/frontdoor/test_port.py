@@ -20,7 +20,8 @@ import pytest
 
 from numad_infer.config.load import parse_config
 from numad_infer.frontdoor.haproxy_config import HELD_BIND, TWIN_BIND, paths_in, render_haproxy
-from numad_infer.frontdoor.listener import FD_VARIABLE, STORE_NAME, TWIN_FD_VARIABLE, HeldListener, twin_of
+from numad_infer.frontdoor.checked_config import twin_of
+from numad_infer.frontdoor.listener import FD_VARIABLE, STORE_NAME, TWIN_FD_VARIABLE, HeldListener
 from numad_infer.systemd.unitnames import PORT_FD_NAME
 from numad_infer.util.addresses import loopback_twin
 from tests.daemon_harness import free_port_block
