@@ -20,7 +20,8 @@ from numad_infer.config.apikey import fingerprint
 from numad_infer.config.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
-from numad_infer.engines.launch import Launch, slot_directory
+from numad_infer.engines.launch import Launch
+from numad_infer.engines.slot_cache import slot_directory
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.listener import HeldListener

@@ -13,7 +13,7 @@ from pathlib import Path
 from numad_infer.backends.base import Observation
 from numad_infer.backends.portunit import PortUnit
 from numad_infer.config.apikey import fingerprint
-from numad_infer.config.defaults import FRONTDOOR_USER, SLOTS_DIR
+from numad_infer.config.defaults import FRONTDOOR_USER
 from numad_infer.config.schema import Config
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.listener import Handout, HeldListener, Store
@@ -44,9 +44,8 @@ class SystemdBackend:
     name = "systemd"
     kind = BackendKind.SYSTEMD
     instance_cgroups = True
-    # Each unit's StateDirectory= below it (units/render.py): the daemon saves the prompt
-    # caches there before a restart it makes, and restores them after.
-    slots_dir: Path | None = Path(SLOTS_DIR)
+    # Not yet: the units' sandbox and the servers' DynamicUser need a directory of their own.
+    slots_dir: Path | None = None
 
     def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = DAEMON_UNIT,
                  handout: FrontdoorHandout | None = None) -> None:

@@ -4,11 +4,6 @@ DEFAULT_CONFIG_PATH = "/etc/numa-infer.toml"
 # The daemon's RuntimeDirectory (packaging/systemd/numa-infer.service): its state file, and
 # the front door's haproxy.cfg and listener handout (units/render.py).
 RUN_DIR = "/run/numa-infer"
-# Under systemd, each instance's saved prompt cache (its engine's --slot-save-path): a
-# StateDirectory= of its unit below this (the DynamicUser owns it, mode 700), kept across
-# its restarts; the daemon saves into it before a restart it makes and restores after.
-SLOTS_STATE_NAME = "numa-infer-slots"
-SLOTS_DIR = f"/var/lib/{SLOTS_STATE_NAME}"
 DEFAULT_STATE_FILE = f"{RUN_DIR}/state.json"
 
 # How long a stop waits before SIGKILL: every instance at once (the process backend's wait,

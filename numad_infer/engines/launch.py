@@ -5,12 +5,9 @@ argv again. Pure."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
-from numad_infer.config.defaults import SLOTS_DIR
 from numad_infer.config.models import ServedModel, find
 from numad_infer.engines.base import Engine
 from numad_infer.plan.model import Instance, Plan
@@ -23,9 +20,6 @@ class Launch:
     argv: tuple[str, ...]  # the process backend's (the key from the environment)
     unit_argv: tuple[str, ...]  # ExecStart='s (the key from $CREDENTIALS_DIRECTORY)
     environment: tuple[tuple[str, str], ...]  # OpenMP's pinning and the instance's own name, in order
-    # Under systemd, the unit's StateDirectory= below SLOTS_DIR that unit_argv saves prompt
-    # caches to; None where the engine saves none or the operator named a path of their own.
-    slots: str | None = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -46,32 +40,15 @@ def instance_environment(instance: Instance) -> dict[str, str]:
     }
 
 
-def directory_name(instance: str) -> str:
-    """An instance's own directory for its saved prompt caches (STATE_DIR/slots under the
-    process backend, SLOTS_DIR under systemd): its name, nothing but [A-Za-z0-9_-]."""
-    return re.sub(r"[^A-Za-z0-9_-]", "-", instance)
-
-
-def slot_directory(root: Path, instance: str) -> Path:
-    return root / directory_name(instance)
-
-
 def launch_of(engine: Engine, model: ServedModel, instance: Instance) -> Launch:
     """One instance's launch: its model's view gives the engine its file, context and slots."""
     # The prompt cache's bound as the planner sized it (none where it did not): after the
     # engine's arguments, where the operator's extra_args named no bound of their own.
     cache = [engine.prompt_cache_flags[-1], str(instance.prompt_cache_mib)] \
         if engine.prompt_cache_flags and instance.prompt_cache_mib is not None else []
-    argv = engine.argv(model.view, instance) + cache
-    # The unit's saved prompt caches: the process backend adds its own at start (its
-    # directory is the state file's); an operator's own --slot-save-path is kept.
-    option, slots = engine.slot_save_option, None
-    saves: list[str] = []
-    if option is not None and option not in argv:
-        slots = directory_name(instance.name)
-        saves = [option, f"{SLOTS_DIR}/{slots}/"]
-    return Launch(tuple(argv), tuple(engine.argv(model.view, instance, key_from_credential=True) + cache + saves),
-                  tuple(instance_environment(instance).items()), slots)
+    return Launch(tuple(engine.argv(model.view, instance) + cache),
+                  tuple(engine.argv(model.view, instance, key_from_credential=True) + cache),
+                  tuple(instance_environment(instance).items()))
 
 
 def launches(engine: Engine, served: Sequence[ServedModel], plan: Plan) -> dict[str, Launch]:

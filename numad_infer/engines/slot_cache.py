@@ -9,15 +9,25 @@ slot that says how many of its prompt tokens it found cached (POST /completion w
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from numad_infer.engines.launch import directory_name
 from numad_infer.util.addresses import connect_host
 from numad_infer.util.peer import PeerError, http_get, http_post_json
 
 # /slots is about 1.5 KiB a slot; a /completion answer of one token about 3 KiB.
 ANSWER_CAP = 1 << 20
+
+
+def directory_name(instance: str) -> str:
+    """An instance's own directory under STATE_DIR/slots: its name, nothing but [A-Za-z0-9_-]."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", instance)
+
+
+def slot_directory(root: Path, instance: str) -> Path:
+    return root / directory_name(instance)
 
 
 def file_name(instance: str, slot: int) -> str:

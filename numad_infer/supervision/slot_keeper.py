@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 
 from numad_infer.engines import slot_cache
-from numad_infer.engines.launch import slot_directory
-from numad_infer.engines.slot_cache import file_name
+from numad_infer.engines.slot_cache import file_name, slot_directory
 from numad_infer.supervision.kept_slots import (
     Kept,
     ModelFile,

@@ -13,7 +13,7 @@ import ipaddress
 import re
 import sys
 
-from numad_infer.config.defaults import FRONTDOOR_STOP_S, FRONTDOOR_USER, INSTANCE_STOP_S, RUN_DIR, SLOTS_STATE_NAME
+from numad_infer.config.defaults import FRONTDOOR_STOP_S, FRONTDOOR_USER, INSTANCE_STOP_S, RUN_DIR
 from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import KEY_CREDENTIAL, Engine, engine_of
@@ -147,8 +147,6 @@ def render_dropin(instance: Instance, launch: Launch) -> str:
         f"Environment={env}",
         "ExecStart=" + " ".join(quote_arg(a) for a in launch.unit_argv),
     ]
-    if launch.slots is not None:  # its --slot-save-path: made by systemd, the DynamicUser's, kept
-        lines += [f"StateDirectory={SLOTS_STATE_NAME}/{launch.slots}", "StateDirectoryMode=0700"]
     return "\n".join(lines) + "\n"
 
 

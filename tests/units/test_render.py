@@ -263,29 +263,3 @@ def test_a_loopback_front_door_may_reach_instances_on_another_address_of_this_ma
     assert "IPAddressDeny=any" in lines and f"IPAddressAllow={allowed}" in lines
     public = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nhost = "{host}"\n[frontend]\nlisten = "0.0.0.0:8000"\n')
     assert not [l for l in render_frontdoor_unit(public).splitlines() if l.startswith("IPAddress")]
-
-
-def _llama_server_units(tmp_path: Path, extra: str = "") -> dict[str, str]:
-    # sys.executable stands in for the binary: systemd-analyze verify wants one that exists.
-    config = parse_config(f'[model]\npath = "/var/lib/numa-infer/models/model.gguf"\n[server]\nengine = "llama-server"\n'
-                          f'llama_server = "{sys.executable}"\n{extra}', "/etc/numa-infer.toml")
-    topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
-    return render_units(config, make_plan(config, topo), python="/usr/bin/python3")
-
-
-def test_a_llama_server_unit_saves_its_prompt_caches_in_a_state_directory_of_its_own(tmp_path: Path) -> None:
-    # Issue 38: caches kept across the restarts numa-infer makes, under systemd too. The
-    # unit's DynamicUser owns the directory (systemd makes it, mode 700); the daemon saves
-    # and restores through the server (supervision/slot_keeper.py).
-    files = _llama_server_units(tmp_path)
-    for name, directory in (("infer@0", "infer-0"), ("infer@1", "infer-1")):
-        d = dict(directives(files[f"{name}.service.d/50-numa-infer.conf"]))
-        argv = systemd_split(d["ExecStart"])
-        assert argv[argv.index("--slot-save-path") + 1] == f"/var/lib/numa-infer-slots/{directory}/"
-        assert (d["StateDirectory"], d["StateDirectoryMode"]) == (f"numa-infer-slots/{directory}", "0700")
-    write_units(tmp_path / "units", files)
-    assert systemd_verify(tmp_path / "units", ["infer@0.service", "infer@1.service"]) == ""
-    # An operator's own path is theirs: no second one, no directory made for it.
-    own = _llama_server_units(tmp_path / "own", 'extra_args = ["--slot-save-path", "/srv/slots/"]\n')
-    d = dict(directives(own["infer@0.service.d/50-numa-infer.conf"]))
-    assert systemd_split(d["ExecStart"]).count("--slot-save-path") == 1 and "StateDirectory" not in d
