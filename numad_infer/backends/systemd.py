@@ -44,7 +44,10 @@ class SystemdBackend:
     name = "systemd"
     kind = BackendKind.SYSTEMD
     instance_cgroups = True
-    # Not yet: the units' sandbox and the servers' DynamicUser need a directory of their own.
+    # Not yet. Tried in the VM: a StateDirectory= per unit works for the server, but it is its
+    # DynamicUser's, mode 700, and the daemon (root without CAP_DAC_*: its unit's bounding
+    # set) cannot read, check or remove the files there ("Permission denied"). Needs a group
+    # both share, or the engine doing the file work.
     slots_dir: Path | None = None
 
     def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = DAEMON_UNIT,
