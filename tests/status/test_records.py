@@ -81,3 +81,16 @@ def test_status_shows_the_share_of_prompt_tokens_taken_from_the_cache_per_instan
     rows = {line.split()[0]: line[column:].strip() for line in lines if line.startswith("  infer@")}
     assert rows == {"infer@chat-0": "75% of 4.0k", "infer@chat-1": "0% of 1.0k", "infer@small-0": "-"}
     assert Status.from_json(json.loads(json.dumps(status.to_json()))) == status
+
+
+def test_a_front_door_reload_not_yet_taken_is_said_in_json_and_text() -> None:
+    # Until HAProxy takes the reload (frontdoor/reload_watch.py) it routes by the previous
+    # plan: a model the status no longer lists is still answered. The status says so.
+    instances = (_inst("infer@0", ""),)
+    daemon = DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml")
+    status = Status(daemon, instances, FrontdoorStatus("127.0.0.1:8000", True, 0, 0, reloading=True))
+    data = json.loads(json.dumps(status.to_json()))
+    assert data["frontdoor"]["reloading"] is True and Status.from_json(data) == status
+    assert "reloading (still routing by the previous plan)" in format_status(status)
+    settled = replace(status, frontdoor=FrontdoorStatus("127.0.0.1:8000", True, 0, 0))
+    assert "reloading" not in format_status(settled)
