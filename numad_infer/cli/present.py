@@ -133,6 +133,9 @@ def format_status(status: Status) -> str:
     if status.multi:
         lines += _by_model(status, engine)
     else:
+        # One model: said only when it is not served (e.g. its only instance restarting,
+        # its requests held), as the [[models]] form says it on its model line.
+        lines += [f"model: NOT SERVING: {m.problem}" for m in status.models if not m.healthy and m.problem]
         lines += _instance_table(status.instances, engine)
     for i in status.instances:
         for label, event in (("last drift", i.last_drift), ("last repair", i.last_repair)):

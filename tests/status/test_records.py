@@ -63,6 +63,20 @@ def test_status_groups_by_model_only_with_models_and_the_single_form_reads_as_be
     assert format_status(Status(daemon, single)) == plain and "model " not in plain
 
 
+def test_the_single_form_says_when_its_model_is_not_served_and_that_requests_are_held() -> None:
+    # Issue 40: while the only instance restarts, status says the model's requests wait (hold).
+    daemon = DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml")
+    restarting = (replace(_inst("infer@0", ""), state=State.RESTARTING, rotation="MAINT"),)
+    models = group_models((("", "", ()),), restarting, True, hold_s=30.0)
+    text = format_status(Status(daemon, restarting, FrontdoorStatus("127.0.0.1:8000", True, 0, 0), models))
+    assert "model: NOT SERVING: no instance in rotation (1 restarting); its requests wait up to 30s for one " \
+           "(hold), then 503" in text.splitlines()
+    serving = (_inst("infer@0", ""),)
+    text = format_status(Status(daemon, serving, FrontdoorStatus("127.0.0.1:8000", True, 0, 0),
+                                group_models((("", "", ()),), serving, True, hold_s=30.0)))
+    assert "model" not in text
+
+
 def test_status_shows_the_share_of_prompt_tokens_taken_from_the_cache_per_instance_and_per_model() -> None:
     chat0 = replace(_inst("infer@chat-0", "chat"), slots=1, busy_slots=0, prompt_tokens_cached=3000,
                     prompt_tokens_computed=1000)
