@@ -31,10 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from numad_infer.config.load import parse_config  # noqa: E402
-from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy  # noqa: E402
+from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy, write_config  # noqa: E402
 from tests.daemon_harness import free_port_block  # noqa: E402
 from tests.engines.test_builtin_engines import plan_for  # noqa: E402
-from tests.frontdoor.test_haproxy_config import HAPROXY, _accepts, wait_for  # noqa: E402
+from tests.daemon_harness import wait_for  # noqa: E402
+from tests.frontdoor.harness import HAPROXY, _accepts  # noqa: E402
 
 # Answers every POST at once with its own name, keeps each request's X-Test-Id, and lists
 # them on GET /seen (GET / is the health check).
@@ -97,7 +98,7 @@ class Door:
         run = tmp / "run"
         run.mkdir()
         paths = paths_in(run, run / "haproxy.sock")
-        paths.config.write_text(render_haproxy(self.config, plan, paths))
+        write_config(paths, render_haproxy(self.config, plan, paths))
         paths.state.write_text("1\n")
         self.procs.append(subprocess.Popen([HAPROXY, "-db", "-f", str(paths.config)], stdout=subprocess.DEVNULL,
                                            stderr=subprocess.DEVNULL))

@@ -36,7 +36,7 @@ from numad_infer.topology.sysfs import read_topology  # noqa: E402
 from numad_infer.tune import bandwidth  # noqa: E402
 from numad_infer.tune.choice import Candidate  # noqa: E402
 from numad_infer.tune.measure import Measurer, Settings  # noqa: E402
-from numad_infer.tune.run import _free_port  # noqa: E402
+from tests.daemon_harness import free_port  # noqa: E402
 from numad_infer.validate.pipeline import load  # noqa: E402
 from tests import fakesys  # noqa: E402
 from tests.daemon_harness import engine_keys, generated_model  # noqa: E402
@@ -77,7 +77,7 @@ def main() -> None:
     fsroot = fakesys.write_tree(tmp / "fs", host_machine())
     config_path = tmp / "numa-infer.toml"
     config_path.write_text(f'[model]\npath = "{model}"\ncontext_size = 1024\n[server]\n{engine_keys("llama-cpp-python")}'
-                           f'base_port = {_free_port()}\n[frontend]\nlisten = ""\n')
+                           f'base_port = {free_port()}\n[frontend]\nlisten = ""\n')
     topo = read_topology(str(fsroot))
     node = topo.nodes[0]
     logical = len(node.cpus)
@@ -97,7 +97,7 @@ def main() -> None:
     loaded = load(str(config_path), BackendKind.PROCESS)  # checked as the daemon checks it: key, engine, user
     measurer = Measurer(loaded, loaded.allowed, tmp, Settings(args.samples, args.tokens, 300.0),
                         progress=lambda text: None)
-    port = _free_port()
+    port = free_port()
     sweep = {n: measurer.measure(0, Candidate(n, "sweep"), port) for n in range(1, logical + 1)}
     best = max(sweep, key=lambda n: sweep[n].decode.median)
     print("sweep: " + "  ".join(f"{n} threads {r.decode} tok/s" for n, r in sweep.items()))

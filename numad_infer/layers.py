@@ -86,6 +86,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "config/example": (CORE, "the shipped etc/numa-infer.toml generated from the schema: every key, its "
                              "description, its default or the listed override and why"),
     "config/frontend": (CORE, "the [frontend] table: the front door's address, queue, timeouts, affinity, limits"),
+    "config/tenants": (CORE, "a [[tenants]] table: a front-door client's key file, limits and models"),
     "config/model_tables": (CORE, "one [[models]] table: the model's file, names, placement and engine keys"),
     "config/models": (CORE, "the served models, each with its view of the configuration; checks across tables"),
     "config/load": (CORE, "TOML text -> a validated `Config`, each error one line naming the file, key and fix"),
@@ -153,6 +154,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/haproxy_config": (CORE, "haproxy.cfg from the plan"),
     "frontdoor/reload_watch": (CORE, "whether HAProxy took the reload asked for (another worker answers)"),
     "frontdoor/hold": (CORE, "requests for a model with no instance in rotation wait for one (HAProxy Lua action)"),
+    "frontdoor/tenants": (CORE, "tenants at the front door: keys, limits and models as HAProxy rules and key files"),
     "frontdoor/control": (EDGE, "the daemon's handle on the running HAProxy: apply, observe, rotation"),
     "frontdoor/handover": (EDGE, "what HAProxy's unit runs: takes the daemon's socket, then executes HAProxy"),
     "frontdoor/checked_config": (EDGE, "haproxy.cfg rendered once per plan for the front door's directory, and "

@@ -223,6 +223,7 @@ def test_a_sticky_world_writable_directory_is_refused_for_the_daemons_files(tmp_
 class IdleRunner:
     restarted_by_manager = False
     haproxy_uids = frozenset({0})
+    haproxy_gid = None
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir, self.socket_path = run_dir, run_dir / "admin.sock"

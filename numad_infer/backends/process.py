@@ -230,6 +230,7 @@ class ProcessFrontdoorRunner:
         self.runs_as = runs_as
         uid = os.geteuid() if runs_as is None or runs_as.uid is None else runs_as.uid
         self.haproxy_uids = frozenset({0, uid})
+        self.haproxy_gid = None if runs_as is None else runs_as.gid
         self.child: subprocess.Popen[bytes] | None = None
         # The daemon holds the port; HAProxy, killed or restarted, finds the same socket.
         self.listener = HeldListener()

@@ -196,6 +196,7 @@ class SystemdFrontdoorRunner:
         self.listener = HeldListener(None if handout is None else handout.store)
         user = frontdoor_runs_as(BackendKind.SYSTEMD)  # None: the unit keeps HAProxy root
         self.haproxy_uids = frozenset({0} | ({user.uid} if user is not None and user.uid is not None else set()))
+        self.haproxy_gid = None if user is None else user.gid  # the daemon is in it (SupplementaryGroups=)
         self.port = None if handout is None else handout.port
         if handout is not None:
             self.listener.offer(handout.kept)

@@ -1,4 +1,5 @@
-"""`server.api_key_file`: the key the instances require, read by root only.
+"""`server.api_key_file` (the key the instances require) and `tenants[].key_file` (the
+keys the front door takes, frontdoor/tenants.py), read by root only.
 
 The key never reaches argv or a unit file: under systemd it is a credential
 (LoadCredential=, see render.py), under the process backend the child's environment.
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
 
 from numad_infer.config.schema import Config
+from numad_infer.config.tenants import TenantKey
 from numad_infer.errors import ConfigError
 
 # More than any key: a file this large is not one.
@@ -34,11 +37,39 @@ _MAX_BYTES = 64 * 1024
 def read_api_key(config: Config, source: str) -> str | None:
     """The key, or None when none is configured; a ConfigError on `server.api_key_file` otherwise."""
     path = config.server.api_key_file
-    if not path:
-        return None
+    return read_key_file(path, "server.api_key_file", source) if path else None
+
+
+# RFC 6750's Bearer token (token68): what a client can send after "Bearer " unquoted, and
+# what HAProxy's map file holds as one word (no #, no space, no backslash to misread).
+_TOKEN68 = re.compile(r"[A-Za-z0-9._~+/-]+=*")
+
+
+def read_tenant_keys(config: Config, source: str) -> tuple[TenantKey, ...]:
+    """Each `[[tenants]]` table's key, in order; every key its own (a ConfigError on
+    `tenants[i].key_file` otherwise)."""
+    keys: list[TenantKey] = []
+    owner: dict[str, str] = {}
+    for k, tenant in enumerate(config.tenants):
+        where = f"tenants[{k}].key_file"
+        key = read_key_file(tenant.key_file, where, source)
+        if not _TOKEN68.fullmatch(key):
+            raise ConfigError(source, where, "must hold a key of letters, digits and - . _ ~ + / (then = only), as "
+                              "a Bearer token is (RFC 6750); e.g. openssl rand -hex 32 > FILE", tenant.key_file, True)
+        if key in owner:
+            # One key naming two tenants would make one of them the other's.
+            raise ConfigError(source, where, f"holds the same key as tenant {owner[key]}'s file: give every tenant "
+                              "a key of its own", tenant.key_file, True)
+        owner[key] = tenant.name
+        keys.append(TenantKey(tenant.name, key))
+    return tuple(keys)
+
+
+def read_key_file(path: str, key: str, source: str) -> str:
+    """The key in `path` (configured at `key`, as errors name it), checked as the module says."""
 
     def refuse(problem: str) -> ConfigError:
-        return ConfigError(source, "server.api_key_file", problem, path, True)
+        return ConfigError(source, key, problem, path, True)
 
     linked = os.path.islink(path)
     real = _follow_in_volume(path, refuse) if linked else path
@@ -58,12 +89,12 @@ def read_api_key(config: Config, source: str) -> str | None:
         _check_file(os.fstat(fd), real, refuse, group_may_read=linked)
         data = handle.read(_MAX_BYTES + 1)
     try:
-        key = data.decode("utf-8").strip()
+        secret = data.decode("utf-8").strip()
     except UnicodeDecodeError:
         raise refuse("is not UTF-8 text") from None
-    if len(data) > _MAX_BYTES or not key or any(c.isspace() or not c.isprintable() for c in key):
+    if len(data) > _MAX_BYTES or not secret or any(c.isspace() or not c.isprintable() for c in secret):
         raise refuse("must hold one key: printable characters without spaces, on one line")
-    return key
+    return secret
 
 
 def _owner() -> tuple[int, str]:

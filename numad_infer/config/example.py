@@ -12,7 +12,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass
 
-from numad_infer.config.reference import EXCLUSIVE, MODELS_EXAMPLE, MODELS_EXAMPLE_ABOUT, KeyDoc, keys, table_of, tables
+from numad_infer.config.reference import ARRAYS, KeyDoc, keys, table_of, tables
 
 PATH = "etc/numa-infer.toml"  # in the source tree
 WIDTH = 88  # a terminal's width, less an editor's line numbers
@@ -105,13 +105,13 @@ def _array(table: str, about: str, docs: list[KeyDoc]) -> list[str]:
     """An array of tables (`[[models]]`), all commented out: the file's active form is the
     single `[model]`. Each key's description as a paragraph, then the worked example, which
     uncommented (and `[model]` removed) is a valid file."""
-    lines = ["", *_comment(f"[[{table}]]: {about}. {EXCLUSIVE}. To serve several models, remove [{table[:-1]}] "
-                           f"above and uncomment the [[{table}]] tables below. Each table's keys:")]
+    array = ARRAYS[table]
+    lines = ["", *_comment(f"[[{table}]]: {about}. {array.file_intro}")]
     for doc in docs:
         if doc.section == table:
             lines += ["#", *_comment(f"{doc.key}: {doc.meaning}", _facts(doc))]
-    lines += ["#", *_comment(MODELS_EXAMPLE_ABOUT + ":"), "#"]
-    return lines + [f"# {line}".rstrip() for line in MODELS_EXAMPLE.splitlines()]
+    lines += ["#", *_comment(array.about + ":"), "#"]
+    return lines + [f"# {line}".rstrip() for line in array.example.splitlines()]
 
 
 def example_toml() -> str:

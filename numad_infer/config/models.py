@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from numad_infer.config.model_tables import ModelEntry
 from numad_infer.config.schema import Config, ModelSection, ModelView
+from numad_infer.config.tenants import check_tenants
 from numad_infer.errors import ConfigError
 
 __all__ = ["ModelEntry", "ModelView", "ServedModel", "check_models", "find", "served_models"]
@@ -136,3 +137,5 @@ def check_models(config: Config, source: str) -> None:
                 raise ConfigError(source, f"models[{k}].{what}", f"\"{ident}\" is already {seen[ident]}; every name "
                                   "and alias must route to one model: rename one of them", ident, True)
             seen[ident] = f"models[{k}]'s " + ("name" if what == "name" else "alias")
+    ids = tuple(seen) if config.models else ((config.model.name,) if config.model and config.model.name else ())
+    check_tenants(config.tenants, ids, config.frontend.enabled, source)

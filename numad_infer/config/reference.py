@@ -49,6 +49,39 @@ context_size = 8192
 cores_per_instance = 4
 """
 EXCLUSIVE = "`[model]` and `[[models]]` are exclusive: a file has one or the other"
+TENANTS_EXAMPLE_ABOUT = (
+    "Two teams sharing the host, each with its own key; the batch team at most 4 requests at once and 600 a minute"
+)
+TENANTS_EXAMPLE = """\
+[[tenants]]
+name = "chat"
+key_file = "/etc/numa-infer/tenants/chat.key"
+
+[[tenants]]
+name = "batch"
+key_file = "/etc/numa-infer/tenants/batch.key"
+max_in_flight = 4
+requests_per_minute = 600
+"""
+
+
+@dataclass(frozen=True)
+class ArrayDoc:
+    """What the man page and the shipped file say around an array of tables."""
+
+    man_intro: str  # before its keys, in the man page
+    file_intro: str  # the same in the shipped file, where its tables are commented out
+    about: str  # the worked example's caption
+    example: str  # TOML
+
+
+ARRAYS = {
+    "models": ArrayDoc(f"{EXCLUSIVE}. Each table's keys:",
+                       f"{EXCLUSIVE}. To serve several models, remove [model] above and uncomment the [[models]] "
+                       "tables below. Each table's keys:", MODELS_EXAMPLE_ABOUT, MODELS_EXAMPLE),
+    "tenants": ArrayDoc("Each table's keys:", "To give each client its own key, uncomment the [[tenants]] tables "
+                        "below and write their key files. Each table's keys:", TENANTS_EXAMPLE_ABOUT, TENANTS_EXAMPLE),
+}
 
 
 @dataclass(frozen=True)
@@ -175,22 +208,24 @@ def man_sections() -> str:
     for doc in keys():
         if doc.section != section:
             if section is not None and table_of(section)[1]:
-                lines += _man_models_example()
+                lines += _man_example(ARRAYS[section])
             section = doc.section
             lines += [f'.SH "{heading(section)}"', _roff(about[section][:1].upper() + about[section][1:] + ".")]
             if doc.array:
-                lines += [".PP", _roff(f"{EXCLUSIVE}. Each table's keys:")]
+                lines += [".PP", _roff(ARRAYS[section].man_intro)]
         kind = doc.kind.replace("`", "").replace('"', '""')
         default = "required" if doc.default is None else "default " + doc.default.replace('"', '""')
         lines += [".TP", f'.BR {doc.name} " ({kind}; {default})"', _roff(doc.meaning)]
+    if section is not None and table_of(section)[1]:
+        lines += _man_example(ARRAYS[section])
     lines.append(MAN_END)
     return "\n".join(lines)
 
 
-def _man_models_example() -> list[str]:
+def _man_example(array: ArrayDoc) -> list[str]:
     # .EX keeps the TOML's lines; a backslash would start a roff escape.
-    toml = [line.replace("\\", "\\e") for line in MODELS_EXAMPLE.splitlines()]
-    return [".PP", _roff(MODELS_EXAMPLE_ABOUT + ":"), ".PP", ".RS", ".EX", *toml, ".EE", ".RE"]
+    toml = [line.replace("\\", "\\e") for line in array.example.splitlines()]
+    return [".PP", _roff(array.about + ":"), ".PP", ".RS", ".EX", *toml, ".EE", ".RE"]
 
 
 def replace_between(text: str, begin: str, end: str, generated: str) -> str:

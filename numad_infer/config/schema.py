@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 from numad_infer.config.frontend import FrontendSection
 from numad_infer.config.model_tables import ModelEntry
 from numad_infer.config.server import ServerSection
+from numad_infer.config.tenants import TenantEntry
 from numad_infer.config.values import (
     ModelPath,
     NodeSelection,
@@ -305,6 +306,15 @@ class Config(Section):
         description=(
             "the front door: one OpenAI endpoint over every instance, an HAProxy that the daemon configures "
             "and drives"
+        ),
+    )
+    tenants: list[TenantEntry] = Field(
+        default_factory=list,
+        description=(
+            "clients of the front door, one `[[tenants]]` table each, with their own key and limits: once one is "
+            "set, every request through the front door needs one of their keys (`401` without), and is held to "
+            "its tenant's limits (`429`) and models (`403`). Needs the front door (`frontend.listen`). The "
+            "instances' own key (`server.api_key_file`) is then sent to them by the front door"
         ),
     )
 

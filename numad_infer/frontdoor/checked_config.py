@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -27,8 +28,9 @@ from pathlib import Path
 
 from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
+from numad_infer.config.tenants import TenantKey
 from numad_infer.engines import Engine
-from numad_infer.frontdoor import haproxy
+from numad_infer.frontdoor import haproxy, tenants
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.haproxy_config import CheckedConfig, Paths, paths_in, render_haproxy
 from numad_infer.frontdoor.hold import HOLD_LUA
@@ -65,26 +67,61 @@ def put_hold(paths: Paths) -> None:
     write_atomic(paths.hold, HOLD_LUA, durable=False)
 
 
+def put_key_files(paths: Paths) -> None:
+    """The key files haproxy.cfg names (tenants.py), so that `haproxy -c` finds them: made
+    empty where missing (0600, the daemon's), never overwritten. Their keys are written
+    only with the text that uses them (control.py), so a check never puts a key in force."""
+    for path in paths.keys:
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(tenants.HEADER)
+
+
+def put_keys(paths: Paths, texts: tuple[str, str], group: int | None) -> bool:
+    """The key files with their keys (`texts`: CheckedConfig.keys), readable by HAProxy's
+    `group` alone (None: HAProxy runs as the daemon's user, 0600); True when one changed.
+    Written on every apply (never in the monitoring loop): cheap, and a file someone
+    chmod-ed is put right. HaproxyError when one cannot be written."""
+    changed = False
+    for path, text in zip(paths.keys, texts, strict=True):
+        try:
+            changed |= path.read_text(encoding="utf-8") != text
+        except OSError:
+            changed = True
+        try:
+            write_atomic(path, text, durable=False, mode=0o640 if group is not None else 0o600, group=group)
+        except OSError as exc:
+            raise HaproxyError(f"cannot write {path} (the front door's keys): {exc.strerror}; nothing "
+                               "changed") from None
+    return changed
+
+
 def render_checked(config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine,
-                   paths: Paths | None = None) -> CheckedConfig:
+                   paths: Paths | None = None, keys: tuple[TenantKey, ...] = (),
+                   api_key: str | None = None) -> CheckedConfig:
     """The plan's haproxy.cfg for the front door whose files are at `paths` (None: a scratch
-    directory, for `check`, `plan` and tune, whose text is never written), checked as it is.
+    directory, for `check`, `plan` and tune, whose text is never written), checked as it is,
+    with the key files' texts for `keys` (the tenants') and `api_key` (the instances').
     HaproxyError with HAProxy's words when refused."""
+    texts = (tenants.keys_text(keys), tenants.upstream_text(api_key if config.tenants else None))
     if paths is not None:
         try:
             put_hold(paths)
+            put_key_files(paths)
         except OSError as exc:
-            raise HaproxyError(f"cannot write {paths.hold} (the front door's Lua file): {exc.strerror}") from None
-        return _checked(config, plan, served, engine, paths)
+            raise HaproxyError(f"cannot write the front door's files beside {paths.config}: {exc.strerror}") from None
+        return _checked(config, plan, served, engine, paths, texts)
     with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
         base = Path(scratch)
         where = paths_in(base, base / "admin.sock")
         put_hold(where)
-        return _checked(config, plan, served, engine, where)
+        put_key_files(where)
+        return _checked(config, plan, served, engine, where, texts)
 
 
 def _checked(config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine,
-             paths: Paths) -> CheckedConfig:
+             paths: Paths, keys: tuple[str, str]) -> CheckedConfig:
     twin = twin_of(config.frontend.address[0]) is not None
     text = render_haproxy(config, plan, paths, held=True, twin=twin, served=served, engine=engine)
     with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
@@ -92,7 +129,7 @@ def _checked(config: Config, plan: Plan, served: tuple[ServedModel, ...], engine
         candidate.write_text(text, encoding="utf-8")
         with _stand_ins([FRONTDOOR_FD_VARIABLE, *([FRONTDOOR_TWIN_FD_VARIABLE] if twin else [])]) as fds:
             haproxy.validate(config.frontend.haproxy, str(candidate), listener_fds=fds)
-    return CheckedConfig(paths, text)
+    return CheckedConfig(paths, text, keys)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
-from numad_infer.frontdoor.checked_config import put_hold
+from numad_infer.frontdoor.checked_config import put_hold, put_keys
 from numad_infer.frontdoor.haproxy import (
     AdminState,
     BackendStat,
@@ -56,6 +56,7 @@ class FrontdoorRunner(Protocol):
     listener: HeldListener
     # Who HAProxy runs as (and root): only their timing lines count (request_log.py).
     haproxy_uids: frozenset[int]
+    haproxy_gid: int | None  # HAProxy's group, which may read the key files (None: it runs as the daemon's user)
 
     def running(self) -> bool: ...
     def start(self, binary: str, config_path: Path) -> None: ...
@@ -121,7 +122,8 @@ class Frontdoor:
             current = ""
         self.binary = config.frontend.haproxy
         self.queue_size = config.frontend.queue_size
-        if running and current == text:
+        keys_changed = put_keys(self.paths, checked.keys, self.runner.haproxy_gid)
+        if running and current == text and not keys_changed:
             self.listen = config.frontend.listen
             self.backends = backends(served)
             return False
@@ -129,7 +131,9 @@ class Frontdoor:
         # From here on the running HAProxy has (or is about to have) these backends.
         self.backends = backends(served)
         if running:
-            log.info("front door: plan changed: reloading haproxy seamlessly")
+            # The same rules over other keys: HAProxy reads the key files again on a reload.
+            log.info("front door: %s: reloading haproxy seamlessly",
+                     "tenant keys changed" if current == text else "plan changed")
             self.reloads.ask()  # and each pass sees it taken, or asks again (reload_watch.py)
         else:
             log.info("front door: starting haproxy on %s over %d instance(s)", config.frontend.listen,

@@ -30,7 +30,7 @@ Why these HAProxy settings (each one is a finding, see issue 9):
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from numad_infer.config.frontend import Affinity, FrontendSection
@@ -38,6 +38,7 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
+from numad_infer.frontdoor import tenants
 from numad_infer.frontdoor.hold import HOLD_LUA, HOLD_NAME, hold_rule
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
 from numad_infer.frontdoor.routing import backend_of, health, route, routed
@@ -130,6 +131,11 @@ class Paths:
         """The hold's Lua script (hold.py), beside haproxy.cfg: whoever writes the one writes the other."""
         return self.config.with_name(HOLD_NAME)
 
+    @property
+    def keys(self) -> tuple[Path, Path]:
+        """The tenants' keys and the instances' key, beside haproxy.cfg (tenants.py)."""
+        return tenants.files(self.config.parent)
+
 
 @dataclass(frozen=True)
 class CheckedConfig:
@@ -137,12 +143,18 @@ class CheckedConfig:
 
     paths: Paths  # the directory it was rendered for: the front door writes it only there
     text: str
+    # tenant-keys.map and upstream-key.map's texts (tenants.py), written with it, readable by
+    # HAProxy's user alone; never in a repr.
+    keys: tuple[str, str] = field(default=(tenants.HEADER, tenants.HEADER), repr=False)
 
 
 def write_config(paths: Paths, text: str) -> None:
     """haproxy.cfg and the file it loads, for a caller that writes it in place (`check`'s
     scratch copy, tests); the daemon renames a checked candidate into place (control.py)."""
     paths.hold.write_text(HOLD_LUA, encoding="utf-8")
+    for path in paths.keys:
+        if not path.exists():
+            path.write_text(tenants.HEADER, encoding="utf-8")
     paths.config.write_text(text, encoding="utf-8")
 
 
@@ -181,9 +193,13 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
              *([f"    bind {TWIN_BIND}"] if held and twin else []),
              *_timing_log(paths),
              *_health(config, models),
+             *tenants.gate(config.tenants, quoted(paths.keys[0]), quoted(paths.keys[1]),
+                           bool(config.server.api_key_file)),
              *pick]
     for model in models:
         lines += ["", *_backend(config, engine, model, _instances_of(plan, model))]
+    if config.tenants:
+        lines += ["", *tenants.table(config.tenants)]
     return "\n".join(lines) + "\n"
 
 
@@ -199,6 +215,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
     target = connect_host(config.server.host)
     lines = [f"backend {backend}",
              "    balance leastconn",
+             *tenants.model_rule(config.tenants, model),
              *_first_byte(front),
              # Needed for retries (the request is replayed from the buffer) and for json_query.
              "    option http-buffer-request",

@@ -58,10 +58,10 @@ def read_descriptor(fd: int, path: Path, limit: int, whole: bool = True) -> tupl
     return data, info
 
 
-def write_atomic(path: Path, content: str, durable: bool = True, mode: int = 0o644) -> None:
+def write_atomic(path: Path, content: str, durable: bool = True, mode: int = 0o644, group: int | None = None) -> None:
     """Write `content` to a temporary file beside `path` (created private, given `mode`
-    before it appears under its name), then rename it over `path`. The rename replaces a
-    link planted at `path` rather than writing through it.
+    and `group` before it appears under its name), then rename it over `path`. The rename
+    replaces a link planted at `path` rather than writing through it.
 
     durable=False skips the fsync, for files rewritten every few seconds on tmpfs.
     """
@@ -73,6 +73,8 @@ def write_atomic(path: Path, content: str, durable: bool = True, mode: int = 0o6
             if durable:
                 handle.flush()
                 os.fsync(handle.fileno())
+        if group is not None:
+            os.chown(tmp, -1, group)  # a group the writer is in: no capability needed
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from numad_infer.config.apikey import read_api_key
+from numad_infer.config.apikey import read_api_key, read_tenant_keys
 from numad_infer.config.load import load_config
 from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
@@ -83,8 +83,10 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     launched = launches(engine, served, plan)
     check_haproxy(config, source)
     api_key = read_api_key(config, source)
+    tenant_keys = read_tenant_keys(config, source)
     # Rendered once, for the front door's own directory, and checked as it is written.
-    haproxy_cfg = render_checked(config, plan, served, engine, frontdoor) if config.frontend.enabled else None
+    haproxy_cfg = (render_checked(config, plan, served, engine, frontdoor, tenant_keys, api_key)
+                   if config.frontend.enabled else None)
     # The units as systemd would run them, rendered once: what the systemd backend writes and
     # compares, and what `render` and `check` write or compare, under either backend.
     unit_user = systemd_frontdoor_user()

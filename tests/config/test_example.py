@@ -35,19 +35,23 @@ def _values(config: Config) -> dict[str, Any]:
     return found
 
 
-def _array_block() -> tuple[int, int]:
-    """Where the commented-out [[models]] block lies: its first line and the line after it."""
+def _array_block(table: str = "models") -> tuple[int, int]:
+    """Where the commented-out [[table]] block lies: its first line and the line after it."""
     lines = SHIPPED_FILE.read_text().splitlines()
-    start = next(k for k, line in enumerate(lines) if line.startswith("# [[models]]: "))
-    end = next(k for k in range(start, len(lines)) if not lines[k].startswith("#"))
+    start = next(k for k, line in enumerate(lines) if line.startswith(f"# [[{table}]]: "))
+    end = next((k for k in range(start, len(lines)) if not lines[k].startswith("#")), len(lines))
     return start, end
 
 
+ARRAYS = ("models", "tenants")
+
+
 def _active_lines() -> list[str]:
-    """The file without the [[models]] block: the single-[model] file it is."""
+    """The file without the [[models]] and [[tenants]] blocks: the single-[model] file it is."""
     lines = SHIPPED_FILE.read_text().splitlines()
-    start, end = _array_block()
-    return lines[:start] + lines[end:]
+    for start, end in sorted((_array_block(table) for table in ARRAYS), reverse=True):
+        lines = lines[:start] + lines[end:]
+    return lines
 
 
 def _commented() -> dict[str, str]:
@@ -116,7 +120,7 @@ def test_every_table_and_key_is_in_schema_order_under_its_own_description() -> N
     expected = []
     docs = [doc for doc in keys() if not doc.array]  # the [[models]] block: its own tests below
     for table, about in tables():
-        if table == "models":
+        if table in ARRAYS:
             continue
         expected.append((f"[{table}]", about))
         expected += [(doc.name, doc.meaning) for doc in docs if doc.section == table]
@@ -137,21 +141,23 @@ def test_an_override_shows_the_default_it_replaces_and_the_rest_none() -> None:
     assert comments["path"].endswith("[absolute path; required]")
 
 
-def _array_paragraphs() -> list[str]:
-    """The [[models]] block's comment paragraphs, each joined into one line, uncommented."""
+def _array_paragraphs(table: str = "models") -> list[str]:
+    """The [[table]] block's comment paragraphs, each joined into one line, uncommented."""
     lines = SHIPPED_FILE.read_text().splitlines()
-    start, end = _array_block()
+    start, end = _array_block(table)
     text = "\n".join(line.removeprefix("#").removeprefix(" ") for line in lines[start:end])
     return [" ".join(paragraph.split("\n")) for paragraph in text.split("\n\n")]
 
 
-def test_the_models_block_describes_every_models_key_in_schema_order() -> None:
-    paragraphs = _array_paragraphs()
-    about = dict(tables())["models"].replace("`", "")
-    assert paragraphs[0].startswith(f"[[models]]: {about}. [model] and [[models]] are exclusive")
-    described = [p for p in paragraphs if p.startswith("models[].")]
-    docs = [doc for doc in keys() if doc.array]
-    assert [p.split(":", 1)[0] for p in described] == [doc.key for doc in docs] and len(docs) >= 10
+@pytest.mark.parametrize(("table", "intro", "least"), [("models", "[model] and [[models]] are exclusive", 10),
+                                                   ("tenants", "To give each client its own key", 5)])
+def test_an_array_block_describes_every_key_of_its_table_in_schema_order(table: str, intro: str, least: int) -> None:
+    paragraphs = _array_paragraphs(table)
+    about = dict(tables())[table].replace("`", "")
+    assert paragraphs[0].startswith(f"[[{table}]]: {about}. {intro}")
+    described = [p for p in paragraphs if p.startswith(f"{table}[].")]
+    docs = [doc for doc in keys() if doc.array and doc.section == table]
+    assert [p.split(":", 1)[0] for p in described] == [doc.key for doc in docs] and len(docs) >= least
     for paragraph, doc in zip(described, docs, strict=True):
         assert paragraph.startswith(f"{doc.key}: {doc.meaning.replace('`', '')}"), doc.key
         assert paragraph.endswith("; required]" if doc.default is None else f"default {doc.default}]"), doc.key
@@ -192,6 +198,19 @@ def test_the_models_example_uncommented_in_place_of_model_is_a_valid_file_and_pl
     both = "\n".join(lines[:example_start] + uncommented + lines[end:]) + "\n"
     with pytest.raises(ConfigError, match=r"models: and \[model\] are both set"):
         parse_config(both, SRC)
+
+
+def test_the_tenants_example_uncommented_is_a_valid_file() -> None:
+    from numad_infer.config.reference import TENANTS_EXAMPLE
+
+    lines = SHIPPED_FILE.read_text().splitlines()
+    start, end = _array_block("tenants")
+    example_start = next(k for k in range(start, end) if lines[k] == "# [[tenants]]")
+    uncommented = [line.removeprefix("#").removeprefix(" ") for line in lines[example_start:end]]
+    assert "\n".join(uncommented) + "\n" == TENANTS_EXAMPLE
+    config = parse_config("\n".join(lines[:example_start] + uncommented + lines[end:]) + "\n", SRC)
+    assert [(t.name, t.max_in_flight, t.requests_per_minute) for t in config.tenants] == [
+        ("chat", None, None), ("batch", 4, 600)]
 
 
 def test_a_required_key_without_a_shipped_value_stops_the_generator() -> None:

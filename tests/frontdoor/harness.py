@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from numad_infer.backends.process import ProcessBackend
+from numad_infer.config.tenants import TenantKey
 from numad_infer.config.load import parse_config
 from numad_infer.config.schema import Config
 from numad_infer.frontdoor.checked_config import render_checked
@@ -92,11 +93,13 @@ class Door:
     """The daemon's own front door code over a real HAProxy, in a run directory HAProxy's
     user can reach (as /run/numa-infer is)."""
 
-    def __init__(self, tmp: Path, listen_port: int | None = None, directory: Path | None = None) -> None:
+    def __init__(self, tmp: Path, listen_port: int | None = None, directory: Path | None = None,
+                 models: str = '[model]\npath = "/m.gguf"\n', server: str = "", extra: str = "") -> None:
+        """`models`, `server`, `extra`: the model tables, more [server] keys, tables after [frontend]."""
         base = free_port_block(3)
         port = listen_port or base
-        self.config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nbase_port = {base + 1}\n'
-                                   f'[frontend]\nlisten = "127.0.0.1:{port}"\nhaproxy = "{HAPROXY}"\n')
+        self.config = parse_config(f'{models}[server]\nbase_port = {base + 1}\n{server}'
+                                   f'[frontend]\nlisten = "127.0.0.1:{port}"\nhaproxy = "{HAPROXY}"\n{extra}')
         self.plan = plan_for(tmp / "plan", self.config)
         self.run_dir = directory or run_dir(tmp)
         backend = ProcessBackend(self.run_dir / "logs")
@@ -113,11 +116,13 @@ class Door:
         path = self.run_dir / "logs" / "frontdoor.log"
         return path.read_text() if path.exists() else ""
 
-    def apply(self) -> bool:
+    def apply(self, keys: tuple[TenantKey, ...] = (), api_key: str | None = None) -> bool:
         """What the daemon does with a load: haproxy.cfg rendered and checked for this front
-        door's directory (validation's step), then applied."""
+        door's directory (validation's step), then applied. `keys`, `api_key`: as validation
+        read the tenants' and the instances' key files."""
         served = served_models(self.config)
-        checked = render_checked(self.config, self.plan, served, engine_of(self.config), self.door.paths)
+        checked = render_checked(self.config, self.plan, served, engine_of(self.config), self.door.paths, keys,
+                                 api_key)
         return self.door.apply(self.config, self.plan, served, checked)
 
     def start(self) -> None:

@@ -175,6 +175,7 @@ class UnitRunner:
     restarted_by_manager = True
 
     haproxy_uids = frozenset({0})
+    haproxy_gid = None
 
     def __init__(self, door: Door, tmp: Path, stored: list[tuple[str, int | None]]) -> None:
         self.run_dir, self.socket_path = door.run_dir, door.run_dir / "admin.sock"

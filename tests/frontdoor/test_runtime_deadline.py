@@ -53,6 +53,7 @@ class StandingRunner:
     run_dir: Path
     restarted_by_manager: bool = True
     haproxy_uids: frozenset[int] = frozenset({0})
+    haproxy_gid: int | None = None
 
     def running(self) -> bool:
         return True

@@ -1,0 +1,179 @@
+#!/usr/bin/env python3
+"""Tenants at the front door (issue 39), with a real HAProxy on the rendered haproxy.cfg and
+the key files written as the daemon writes them, over stub upstreams (bench/routing.py's:
+they answer at once, or after `--service-ms`, so what is measured is the front door):
+
+1. gate cost: the same chat request sent direct to an upstream, through a front door
+   without tenants, and through one with 100 tenants (each with a key, an in-flight limit
+   and a rate limit; the key sent is the last tenant's, so every tenant's rules are
+   passed over), interleaved; p50 and p99, and what the tenants add (goal <= 0.5 ms p50);
+2. isolation: upstreams that take `--service-ms` per request; tenant "quiet" sends one
+   request at a time, alone and then while tenant "flood" sends 10x its in-flight limit at
+   once without pause; quiet's p50/p99 latency both ways, its refusals (goal: 0), and the
+   flood's answers by status.
+
+    .venv/bin/python bench/tenants.py [--quick] [--service-ms 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.routing import STUB, body, pct  # noqa: E402
+from numad_infer.config.load import parse_config  # noqa: E402
+from numad_infer.config.tenants import TenantKey  # noqa: E402
+from numad_infer.frontdoor import tenants  # noqa: E402
+from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy, write_config  # noqa: E402
+from tests.daemon_harness import free_port_block  # noqa: E402
+from tests.engines.test_builtin_engines import plan_for  # noqa: E402
+from tests.daemon_harness import wait_for  # noqa: E402
+from tests.frontdoor.harness import HAPROXY, _accepts  # noqa: E402
+
+MODEL = '[model]\npath = "/a.gguf"\nname = "alpha"\n'
+
+
+def key_of(name: str) -> str:
+    return f"{name}-" + "k" * 32
+
+
+class Door:
+    """HAProxy over stubs for a single model, with `tables` ([[tenants]]) and their keys."""
+
+    def __init__(self, tmp: Path, tables: list[str], service_ms: int = 0, parallel: int = 1) -> None:
+        tmp.mkdir()
+        base = free_port_block(5)
+        text = "".join(f'[[tenants]]\nkey_file = "/k/{n}"\n{t}' for n, t in enumerate(tables))
+        self.config = parse_config(f'{MODEL}[server]\nbase_port = {base + 1}\nengine = "llama-server"\n'
+                                   f'parallel = {parallel}\n[frontend]\nlisten = "127.0.0.1:{base}"\n{text}',
+                                   "/etc/numa-infer.toml")
+        self.port = base
+        plan = plan_for(tmp / "plan", self.config)
+        self.procs: list[subprocess.Popen[bytes]] = []
+        script = tmp / "stub.py"
+        # The routing bench's stub, answering after service_ms.
+        script.write_text(STUB.replace("        seen.append(", f"        __import__('time').sleep({service_ms / 1000})\n"
+                                       "        seen.append("))
+        self.stubs = [i.port for i in plan.instances]
+        for instance in plan.instances:
+            self.procs.append(subprocess.Popen([sys.executable, str(script), instance.name, str(instance.port)]))
+        for port in self.stubs:
+            wait_for(lambda port=port: _accepts(port), f"stub on {port}")  # type: ignore[misc]
+        run = tmp / "run"
+        run.mkdir()
+        paths = paths_in(run, run / "haproxy.sock")
+        write_config(paths, render_haproxy(self.config, plan, paths))
+        keys = [TenantKey(t.name, key_of(t.name)) for t in self.config.tenants]
+        paths.keys[0].write_text(tenants.keys_text(keys))
+        paths.state.write_text("1\n")
+        self.procs.append(subprocess.Popen([HAPROXY, "-db", "-f", str(paths.config)], stdout=subprocess.DEVNULL,
+                                           stderr=subprocess.DEVNULL))
+        wait_for(lambda: _accepts(self.port), "haproxy")
+        time.sleep(3)  # the first health checks put every server UP
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+
+
+def once(port: int, data: bytes, key: str | None) -> tuple[float, int]:
+    """One request on a new connection; seconds and the status."""
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    conn.request("POST", "/v1/chat/completions", data, headers)
+    response = conn.getresponse()
+    response.read()
+    conn.close()
+    return time.perf_counter() - start, response.status
+
+
+def gate_cost(tmp: Path, count: int) -> None:
+    many = [f'name = "tenant-{n:03d}"\nmax_in_flight = 64\nrequests_per_minute = 1000000\n' for n in range(100)]
+    none, hundred = Door(tmp / "none", []), Door(tmp / "hundred", many)
+    try:
+        data, last = body("alpha"), key_of("tenant-099")
+        times: dict[str, list[float]] = {"direct": [], "no tenants": [], "100 tenants": []}
+        for _ in range(count):  # interleaved, so that the machine's moods fall on all three alike
+            times["direct"].append(once(none.stubs[0], data, None)[0])
+            times["no tenants"].append(once(none.port, data, None)[0])
+            took, status = once(hundred.port, data, last)
+            assert status == 200, status
+            times["100 tenants"].append(took)
+    finally:
+        none.stop()
+        hundred.stop()
+    print(f"gate cost, {count} requests each, a new connection each (ms):  p50     p99")
+    for name, values in times.items():
+        print(f"  {name:<12}  {pct(values, 0.5) * 1000:7.3f} {pct(values, 0.99) * 1000:7.3f}")
+    p50 = {name: pct(values, 0.5) * 1000 for name, values in times.items()}
+    print(f"  the tenants' rules add, p50: {p50['100 tenants'] - p50['no tenants']:.3f} ms (goal <= 0.5 ms)")
+
+
+def isolation(tmp: Path, count: int, service_ms: int) -> None:
+    tables = ['name = "quiet"\n', 'name = "flood"\nmax_in_flight = 2\n']
+    door = Door(tmp / "isolation", tables, service_ms, parallel=2)
+    data = body("alpha")
+    stop = threading.Event()
+    flood: dict[int, int] = {}
+    lock = threading.Lock()
+
+    def flooder() -> None:
+        while not stop.is_set():
+            status = once(door.port, data, key_of("flood"))[1]
+            with lock:
+                flood[status] = flood.get(status, 0) + 1
+
+    def quiet() -> tuple[list[float], int]:
+        times, refused = [], 0
+        for _ in range(count):
+            took, status = once(door.port, data, key_of("quiet"))
+            times.append(took)
+            refused += status != 200
+        return times, refused
+
+    try:
+        alone, refused_alone = quiet()
+        threads = [threading.Thread(target=flooder) for _ in range(20)]  # 10x flood's limit of 2
+        for thread in threads:
+            thread.start()
+        time.sleep(1)
+        beside, refused_beside = quiet()
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        door.stop()
+    print(f"isolation: upstreams take {service_ms} ms, 2 instances x 2 slots; quiet sends {count} one at a time, "
+          "flood keeps 20 in flight (limit 2):")
+    for name, values, refused in (("alone", alone, refused_alone), ("beside flood", beside, refused_beside)):
+        print(f"  quiet {name:<13} p50 {pct(values, 0.5) * 1000:7.1f} ms  p99 {pct(values, 0.99) * 1000:7.1f} ms  "
+              f"refused {refused}")
+    print(f"  quiet p99 beside flood / alone: {pct(beside, 0.99) / pct(alone, 0.99):.2f}x (goal <= 1.2x); "
+          f"flood's answers: {json.dumps(dict(sorted(flood.items())))}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--service-ms", type=int, default=50)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        gate_cost(Path(tmp), 300 if args.quick else 2000)
+        isolation(Path(tmp), 50 if args.quick else 200, args.service_ms)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

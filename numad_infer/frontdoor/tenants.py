@@ -1,0 +1,124 @@
+"""Tenants at the front door (issue 39): each `[[tenants]]` table's key, limits and models
+as HAProxy's rules, and the two files that carry keys to HAProxy. Pure.
+
+Why it is done this way:
+- a key names its tenant through a map file (`tenant-keys.map`, one `KEY TENANT` line
+  each) beside haproxy.cfg: HAProxy reads it on every start and reload, as its own user,
+  and nobody else can (mode 640, HAProxy's group). haproxy.cfg, world-readable and shown by
+  `check`, names only the file. A key changed, added or revoked is a new file and a
+  seamless reload: no instance restarts, no request in flight is dropped, and the next
+  request is judged by the new keys.
+- the key is read from `Authorization` whole (`req.fhdr`: a key may hold a comma) and
+  must be a Bearer token (RFC 6750's token68), so it is one word in the map file.
+- a request without a known key gets a JSON 401 before anything else runs: `/v1/models`
+  included. The front door's health path is answered before, for probes without a key.
+- per tenant, a stick table entry keyed by the tenant's name (from the map, so from the
+  configuration, never from the request: the table holds at most one entry per tenant).
+  `sc0_trackers` counts its requests in flight (answered or queued: the entry is tracked
+  for the request's life); `gpc0_rate(60s)` its requests let through in the last minute
+  (a request refused with 429 is not counted, so a tenant that floods gets its rate, no
+  less). Counters start again at zero when HAProxy reloads: a limit is exact between
+  reloads, not across them.
+- a model the tenant may not use gets a JSON 403 in that model's backend (one rule per
+  backend): the model is known there in both forms, without reading the body again.
+- the instances' own key (`server.api_key_file`), when set, replaces the tenant's key on
+  the way to them, from a second file (`upstream-key.map`) as private as the first: a
+  client never learns it, and instances reached without the front door still require it.
+  Two files, not one: no client-sent word can look up the instances' key as a tenant.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from numad_infer.config.models import ServedModel
+from numad_infer.config.tenants import TenantEntry, TenantKey
+
+KEYS_NAME = "tenant-keys.map"
+UPSTREAM_NAME = "upstream-key.map"
+TABLE = "tenant-usage"  # the backend that only holds the tenants' stick table
+_UPSTREAM_ENTRY = "instances"  # upstream-key.map's one key
+HEADER = "# numa-infer: written by the daemon from the [[tenants]] key files; do not edit\n"
+VARIABLE = "txn.tenant"  # the tenant's name, once its key is known (request_log.py may log it)
+
+
+def keys_text(keys: Sequence[TenantKey]) -> str:
+    """tenant-keys.map: one `KEY TENANT` line per tenant."""
+    return HEADER + "".join(f"{k.key} {k.tenant}\n" for k in keys)
+
+
+def upstream_text(api_key: str | None) -> str:
+    """upstream-key.map: the Authorization value the instances require, or nothing."""
+    return HEADER + (f"{_UPSTREAM_ENTRY} Bearer {api_key}\n" if api_key else "")
+
+
+def _body(status: int, kind: str, message: str) -> str:
+    text = json.dumps({"error": {"message": f"numa-infer: {message}", "type": kind, "code": status}},
+                      separators=(",", ":"))
+    assert "'" not in text, text  # the body is a single-quoted HAProxy string
+    return text
+
+
+def _answer(status: int, kind: str, message: str, condition: str, header: str = "") -> str:
+    """`header`: `NAME VALUE`, sent with the answer."""
+    extra = f" hdr {header}" if header else ""
+    return (f"    http-request return status {status} content-type application/json "
+            f"string '{_body(status, kind, message)}'{extra} if {condition}")
+
+
+_UNKNOWN = ("this front door needs an API key: send Authorization: Bearer KEY with the key your operator gave you "
+            "(a missing, unknown or revoked key is refused)")
+
+
+def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key: bool) -> list[str]:
+    """The frontend's rules, before any routing: the key names the tenant, its limits hold.
+    `keys`, `upstream`: the two files' paths as HAProxy words; `instance_key`: the instances
+    require their own key, which replaces the tenant's."""
+    if not tenants:
+        return []
+    lines = [f"    http-request set-var({VARIABLE}) req.fhdr(authorization),word(2,' '),map({keys}) "
+             "if { req.fhdr(authorization) -m beg -i \"bearer \" }",
+             _answer(401, "invalid_request_error", _UNKNOWN, f"!{{ var({VARIABLE}) -m found }}",
+                     "WWW-Authenticate Bearer"),
+             f"    http-request track-sc0 var({VARIABLE}) table {TABLE}"]
+    for tenant in tenants:
+        me = f"{{ var({VARIABLE}) -m str {tenant.name} }}"
+        if tenant.max_in_flight is not None:
+            lines.append(_answer(429, "rate_limit_exceeded",
+                                 f"tenant {tenant.name} has {tenant.max_in_flight} request(s) in flight already, its "
+                                 "limit; retry when one is answered",
+                                 f"{me} {{ sc0_trackers gt {tenant.max_in_flight} }}", "Retry-After 1"))
+        if tenant.requests_per_minute is not None:
+            rpm = tenant.requests_per_minute
+            lines.append(_answer(429, "rate_limit_exceeded",
+                                 f"tenant {tenant.name} sent {rpm} request(s) in the last minute, its limit; retry "
+                                 "later", f"{me} {{ sc0_gpc0_rate ge {rpm} }}", f"Retry-After {max(1, -(-60 // rpm))}"))
+    lines.append("    http-request sc-inc-gpc0(0)")  # let through: counted against its rate
+    lines.append(f"    http-request set-header Authorization %[str({_UPSTREAM_ENTRY}),map({upstream})]" if instance_key
+                 else "    http-request del-header Authorization")
+    return lines
+
+
+def table(tenants: Sequence[TenantEntry]) -> list[str]:
+    """The backend that holds the tenants' counters: one entry per tenant, never more."""
+    if not tenants:
+        return []
+    return [f"backend {TABLE}",
+            f"    stick-table type string len 64 size {len(tenants)} store gpc0,gpc0_rate(60s)"]
+
+
+def model_rule(tenants: Sequence[TenantEntry], model: ServedModel) -> list[str]:
+    """A model's backend's first rule: 403 for the tenants that may not use it."""
+    refused = [t.name for t in tenants if t.models is not None and not set(t.models) & set(model.ids)]
+    if not refused:
+        return []
+    who = f"{{ var({VARIABLE}) -m str {' '.join(refused)} }}"
+    return [_answer(403, "permission_error", f"this key may not use model {model.name or 'served here'}; the "
+                    "operator lists the models each tenant may use", who)]
+
+
+def files(directory: Path) -> tuple[Path, Path]:
+    """tenant-keys.map and upstream-key.map, beside haproxy.cfg."""
+    return directory / KEYS_NAME, directory / UPSTREAM_NAME

@@ -1,0 +1,100 @@
+"""Tenants end to end (issue 39): the real daemon (process backend), real HAProxy, real
+llama-server instances on the tiny model. The 2-node topology is fake (these hosts have
+one node); the keys, files, processes and requests are real."""
+
+from __future__ import annotations
+
+import json
+import stat
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.daemon_harness import daemons, door_settled, generated_model
+
+KEY_A = "tenant-a-" + "1" * 32
+KEY_A_NEW = "tenant-a-rotated-" + "2" * 32
+KEY_B = "tenant-b-" + "3" * 32
+INSTANCE_KEY = "instances-" + "4" * 32
+
+
+def completion(port: int, key: str | None, max_tokens: int = 4) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", method="POST",
+        data=json.dumps({"prompt": "hello", "max_tokens": max_tokens}).encode(),
+        headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def secret(path: Path, key: str) -> None:
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):
+    with daemons(tmp_path, generated_model("tiny")) as start:
+        yield start
+
+
+def test_tenant_keys_gate_the_front_door_rotate_by_reload_and_appear_nowhere(daemon, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    secret(keys / "a", KEY_A)
+    secret(keys / "b", KEY_B)
+    secret(keys / "instances", INSTANCE_KEY)
+    tenants = (f'[[tenants]]\nname = "team-a"\nkey_file = "{keys / "a"}"\n'
+               f'[[tenants]]\nname = "team-b"\nkey_file = "{keys / "b"}"\nmax_in_flight = 4\n')
+    run = daemon(engine="llama-server", extra_config=tenants)
+    run.server_extra = f'api_key_file = "{keys / "instances"}"\n'
+    run.write_config()
+    state = run.all_healthy(2)
+    door = run.frontend_port
+    assert completion(door, None)[0] == 401
+    assert completion(door, INSTANCE_KEY)[0] == 401  # the instances' key is no tenant's
+    status, answer = completion(door, KEY_A)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4, answer
+    # The instances keep requiring their own key, for clients that reach them directly.
+    port = run.instance(state, "infer@0")["port"]
+    assert completion(port, KEY_A)[0] == 401
+    assert completion(port, INSTANCE_KEY)[0] == 200
+    pids = {i["name"]: i["pid"] for i in state["instances"]}
+
+    # team-a's key rotated while a request of team-b runs: a reload that restarts nothing.
+    during: list[int] = []
+    running = threading.Thread(target=lambda: during.append(completion(door, KEY_B, max_tokens=48)[0]))
+    running.start()
+    secret(keys / "a", KEY_A_NEW)
+    reload = run.cli("reload")
+    assert reload.returncode == 0 and "changed none" in reload.stdout, reload
+    run.wait(lambda s: door_settled(s, required=True), 30, "the front door reloaded")
+    assert completion(door, KEY_A)[0] == 401
+    assert completion(door, KEY_A_NEW)[0] == 200
+    running.join(60)
+    assert during == [200]
+    state = run.wait(lambda s: all(i["state"] == "healthy" for i in s["instances"]), 30, "still healthy")
+    assert {i["name"]: i["pid"] for i in state["instances"]} == pids
+
+    # No key anywhere an operator or another user looks: argv, the logs, the state file,
+    # `status --json`, haproxy.cfg.
+    places = {"daemon log": run.logs(), "state file": run.state_file.read_text(),
+              "status --json": run.cli("status", "--json").stdout,
+              "haproxy.cfg": (run.state_file.parent / "haproxy.cfg").read_text()}
+    for log in (run.state_file.parent / "logs").glob("*"):
+        places[log.name] = log.read_text(errors="replace")
+    for process in psutil.process_iter(["cmdline"]):
+        places[f"argv of pid {process.pid}"] = " ".join(process.info["cmdline"] or ())
+    for key in (KEY_A, KEY_A_NEW, KEY_B, INSTANCE_KEY):
+        assert [where for where, text in places.items() if key in text] == [], key
+    assert "tenant-keys.map" in places["haproxy.cfg"]
+    keyfile = run.state_file.parent / "tenant-keys.map"
+    assert KEY_A_NEW in keyfile.read_text() and KEY_A not in keyfile.read_text()
+    assert stat.S_IMODE(keyfile.stat().st_mode) in (0o640, 0o600)

@@ -1,0 +1,285 @@
+"""Tenants at the front door (issue 39, frontdoor/tenants.py): the daemon's own front door
+code over a real HAProxy, with in-process stand-ins for the instances that echo the
+Authorization header they got. Keys reach HAProxy through the key files only; a rotation is
+a reload of HAProxy, never a restart."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from email.message import Message
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from numad_infer.config.apikey import read_tenant_keys
+from numad_infer.config.tenants import TenantKey
+from numad_infer.config.load import parse_config
+from numad_infer.errors import ConfigError
+from numad_infer.frontdoor import tenants
+from tests.daemon_harness import wait_for
+from tests.frontdoor.harness import Door, with_haproxy
+
+KEY_A = "team-a-" + "a" * 40
+KEY_B = "team-b-" + "b" * 40
+INSTANCE_KEY = "instance-" + "c" * 40
+TWO_MODELS = ('[[models]]\nname = "alpha"\npath = "/a.gguf"\nnodes = [0]\n'
+              '[[models]]\nname = "beta"\npath = "/b.gguf"\nnodes = [1]\n')
+SLOW = "please-answer-late"
+
+
+class _Echo(BaseHTTPRequestHandler):
+    """An instance's stand-in: 200 to the health check; a POST gets back the Authorization
+    header that reached it (after SLOW in the body: 2 s later)."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _answer(self, doc: dict) -> None:
+        body = json.dumps(doc).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._answer({"ok": True})
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if SLOW.encode() in body:
+            time.sleep(2)
+        self._answer({"authorization": self.headers.get("Authorization"), "port": self.server.server_port})
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # HAProxy's health checks close without reading the answer
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: Message  # names case-insensitive (HAProxy sends its own in lower case)
+    body: dict
+
+
+def post(port: int, key: str | None, model: str = "alpha", content: str = "hi") -> Reply:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    data = json.dumps({"model": model, "messages": [{"role": "user", "content": content}]}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as response:
+            return Reply(response.status, response.headers, json.loads(response.read()))
+    except urllib.error.HTTPError as exc:
+        return Reply(exc.code, exc.headers, json.loads(exc.read()))
+
+
+def key_file(directory: Path, name: str, key: str) -> Path:
+    directory.mkdir(mode=0o700, exist_ok=True)
+    path = directory / name
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def keys_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "keys"
+    path.mkdir(mode=0o700)
+    os.chmod(tmp_path, 0o755)
+    return path
+
+
+def tenant_tables(keys_dir: Path, a: str = "", b: str = "") -> str:
+    return (f'[[tenants]]\nname = "team-a"\nkey_file = "{keys_dir / "a"}"\n{a}'
+            f'[[tenants]]\nname = "team-b"\nkey_file = "{keys_dir / "b"}"\n{b}')
+
+
+@pytest.fixture
+def door_with(tmp_path: Path, keys_dir: Path) -> Iterator:
+    made: list[tuple[Door, list[_Server]]] = []
+
+    def make(models: str = TWO_MODELS, server: str = "", a: str = "", b: str = "") -> Door:
+        key_file(keys_dir, "a", KEY_A)
+        key_file(keys_dir, "b", KEY_B)
+        door = Door(tmp_path, models=models, server=server, extra=tenant_tables(keys_dir, a, b))
+        stubs = []
+        for instance in door.plan.instances:
+            stub = _Server(("127.0.0.1", instance.port), _Echo)
+            threading.Thread(target=stub.serve_forever, daemon=True).start()
+            stubs.append(stub)
+        made.append((door, stubs))
+        door.keys = read_tenant_keys(door.config, "test.toml")  # type: ignore[attr-defined]
+        assert door.apply(door.keys, INSTANCE_KEY if "api_key_file" in server else None)  # type: ignore[attr-defined]
+        wait_for(lambda: post(door.port, KEY_A).status == 200, f"the front door serving team-a\n{door.log()}")
+        return door
+
+    yield make
+    for door, stubs in made:
+        door.stop()
+        for stub in stubs:
+            stub.shutdown()
+            stub.server_close()
+
+
+@with_haproxy
+def test_a_request_without_a_known_key_gets_a_json_401_and_a_known_key_is_served(door_with) -> None:
+    door = door_with()
+    for key in (None, "not-a-key", KEY_A + "x"):
+        reply = post(door.port, key)
+        assert reply.status == 401, reply
+        assert reply.headers["WWW-Authenticate"] == "Bearer"
+        assert reply.body["error"]["code"] == 401 and "API key" in reply.body["error"]["message"]
+    # The models list is behind the key too.
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"http://127.0.0.1:{door.port}/v1/models", timeout=10)
+    assert refused.value.code == 401
+    for key in (KEY_A, KEY_B):
+        reply = post(door.port, key, model="beta")
+        assert reply.status == 200, reply
+        # The tenant's key stays at the front door: the instances require none here.
+        assert reply.body["authorization"] is None
+
+
+@with_haproxy
+def test_the_instances_get_their_own_key_and_never_the_tenants(door_with, keys_dir: Path) -> None:
+    key_file(keys_dir, "instance", INSTANCE_KEY)
+    door = door_with(server=f'api_key_file = "{keys_dir / "instance"}"\n')
+    reply = post(door.port, KEY_B)
+    assert reply.status == 200 and reply.body["authorization"] == f"Bearer {INSTANCE_KEY}"
+    # A client sending the instances' key is no tenant.
+    assert post(door.port, INSTANCE_KEY).status == 401
+
+
+@with_haproxy
+def test_keys_reach_haproxy_only_through_files_that_only_it_may_read(door_with) -> None:
+    door = door_with()
+    paths = door.door.paths
+    text = paths.config.read_text()
+    assert KEY_A not in text and KEY_B not in text and str(paths.keys[0]) in text
+    assert KEY_A not in repr(door.keys) and "team-a" in repr(door.keys)
+    for path in paths.keys:
+        info = path.stat()
+        gid = door.door.runner.haproxy_gid
+        assert info.st_uid == os.geteuid()
+        assert stat.S_IMODE(info.st_mode) == (0o640 if gid is not None else 0o600)
+        if gid is not None:
+            assert info.st_gid == gid
+    assert f"{KEY_A} team-a\n" in paths.keys[0].read_text()
+
+
+@with_haproxy
+def test_a_model_the_tenant_may_not_use_gets_a_json_403(door_with) -> None:
+    door = door_with(b='models = ["beta"]\n')
+    assert post(door.port, KEY_B, model="beta").status == 200
+    reply = post(door.port, KEY_B, model="alpha")
+    assert reply.status == 403, reply
+    assert reply.body["error"]["type"] == "permission_error" and "alpha" in reply.body["error"]["message"]
+    assert post(door.port, KEY_A, model="alpha").status == 200  # team-a may use every model
+
+
+def _at_once(port: int, key: str, count: int) -> list[Reply]:
+    replies: list[Reply] = []
+    threads = [threading.Thread(target=lambda: replies.append(post(port, key, content=SLOW))) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return replies
+
+
+@with_haproxy
+def test_a_tenant_over_its_requests_in_flight_gets_a_json_429_and_the_other_tenant_is_served(door_with) -> None:
+    door = door_with(a="max_in_flight = 2\n")
+    results: list[list[Reply]] = []
+    flood = threading.Thread(target=lambda: results.append(_at_once(door.port, KEY_A, 5)))
+    flood.start()
+    # While team-a's slow requests run, team-b is served.
+    time.sleep(0.5)
+    assert post(door.port, KEY_B).status == 200
+    flood.join(30)
+    statuses = sorted(r.status for r in results[0])
+    assert statuses == [200, 200, 429, 429, 429], statuses
+    refused = next(r for r in results[0] if r.status == 429)
+    assert refused.headers["Retry-After"] == "1" and refused.body["error"]["type"] == "rate_limit_exceeded"
+    assert "2 request(s) in flight" in refused.body["error"]["message"]
+    # Answered requests leave the count: the next one is served.
+    assert post(door.port, KEY_A).status == 200
+
+
+@with_haproxy
+def test_a_tenant_over_its_requests_per_minute_gets_a_json_429_and_refusals_do_not_count(door_with) -> None:
+    door = door_with(a="requests_per_minute = 4\n")
+    # The fixture's readiness probe was team-a's first request of the minute.
+    statuses = [post(door.port, KEY_A).status for _ in range(6)]
+    assert statuses == [200, 200, 200, 429, 429, 429], statuses
+    refused = post(door.port, KEY_A)
+    assert refused.status == 429 and refused.headers["Retry-After"] == "15"
+    assert post(door.port, KEY_B).status == 200
+
+
+@with_haproxy
+def test_a_rotated_key_is_a_reload_that_refuses_the_old_key_from_the_next_request(door_with, keys_dir: Path) -> None:
+    door = door_with()
+    master = door.master
+    # A slow request of team-b runs across the rotation of team-a's key.
+    slow: list[Reply] = []
+    running = threading.Thread(target=lambda: slow.append(post(door.port, KEY_B, content=SLOW)))
+    running.start()
+    time.sleep(0.3)
+    new_key = "team-a-new-" + "d" * 40
+    key_file(keys_dir, "a", new_key)
+    keys = read_tenant_keys(door.config, "test.toml")
+    assert door.apply(keys)  # the rules are the same; the keys are not: a reload
+    wait_for(lambda: post(door.port, new_key).status == 200, f"the new key served\n{door.log()}")
+    assert post(door.port, KEY_A).status == 401
+    running.join(30)
+    assert [r.status for r in slow] == [200]
+    assert door.master == master  # reloaded, not restarted
+    assert not door.apply(keys)  # the same keys again: nothing to do
+
+
+def test_tenant_keys_are_checked_as_the_instances_key_is(tmp_path: Path, keys_dir: Path) -> None:
+    def config(a: str = "", b: str = "", front: str = "") -> str:
+        return (f'[model]\npath = "/m.gguf"\nname = "alpha"\n{front}'
+                + tenant_tables(keys_dir, a, b))
+
+    key_file(keys_dir, "a", KEY_A)
+    key_file(keys_dir, "b", KEY_A)
+    with pytest.raises(ConfigError, match=r"tenants\[1\]\.key_file .*same key as tenant team-a"):
+        read_tenant_keys(parse_config(config()), "t.toml")
+    key_file(keys_dir, "b", "has#hash")
+    with pytest.raises(ConfigError, match=r"tenants\[1\]\.key_file .*Bearer token"):
+        read_tenant_keys(parse_config(config()), "t.toml")
+    key_file(keys_dir, "b", KEY_B)
+    (keys_dir / "b").chmod(0o644)
+    with pytest.raises(ConfigError, match=r"tenants\[1\]\.key_file .*chmod 600"):
+        read_tenant_keys(parse_config(config()), "t.toml")
+    (keys_dir / "b").chmod(0o600)
+    assert [k.tenant for k in read_tenant_keys(parse_config(config()), "t.toml")] == ["team-a", "team-b"]
+    with pytest.raises(ConfigError, match=r"tenants\[1\]\.models\[0\] = \"gamma\": is not a model served here"):
+        parse_config(config(b='models = ["gamma"]\n'))
+    with pytest.raises(ConfigError, match=r"tenants\[0\]\.models = \[\]: is empty"):
+        parse_config(config(a="models = []\n"))
+    with pytest.raises(ConfigError, match=r"tenants: needs the front door"):
+        parse_config(config(front='[frontend]\nlisten = ""\n'))
+    with pytest.raises(ConfigError, match=r"tenants\[1\]\.name = \"team-a\": is already another tenant's"):
+        parse_config(config().replace('name = "team-b"', 'name = "team-a"'))
+
+
+def test_the_gate_is_empty_without_tenants_and_the_key_files_hold_one_line_each() -> None:
+    assert tenants.gate([], "k", "u", instance_key=True) == [] and tenants.table([]) == []
+    text = tenants.keys_text((TenantKey("team-a", KEY_A), TenantKey("team-b", KEY_B)))
+    assert text.splitlines()[1:] == [f"{KEY_A} team-a", f"{KEY_B} team-b"]
+    assert tenants.upstream_text(None) == tenants.HEADER
+    assert tenants.upstream_text("k").endswith("instances Bearer k\n")
