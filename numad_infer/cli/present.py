@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from numad_infer.engines import Engine
     from numad_infer.plan.memory_fit import InstanceMemory, NodeFit
     from numad_infer.plan.model import Plan
-    from numad_infer.status.records import InstanceStatus, Status
+    from numad_infer.status.records import InstanceStatus, Status, TenantStatus
     from numad_infer.topology.cgroup_limits import Allowed
     from numad_infer.topology.model import Topology
 
@@ -128,6 +128,7 @@ def format_status(status: Status) -> str:
                          + ("; reloading (still routing by the previous plan)" if front.reloading else ""))
         else:
             lines.append(f"front door: http://{front.listen} DOWN" + (f": {front.error}" if front.error else ""))
+        lines += [_tenant_line(t) for t in front.tenants]
     # The engine's own columns only where an instance has them (llama-server).
     engine = any(i.slots is not None for i in status.instances)
     if status.multi:
@@ -212,3 +213,10 @@ def _dash(value: object) -> str:
 
 def join_names(names: Sequence[str]) -> str:
     return ", ".join(names) if names else "none"
+
+
+def _tenant_line(tenant: TenantStatus) -> str:
+    now = ("" if tenant.in_flight is None
+           else f"{tenant.in_flight} in flight, {tenant.last_minute} let through in the last minute; ")
+    answered = ", ".join(f"{status} x{n}" for status, n in sorted(tenant.answers.items())) or "none"
+    return f"  tenant {tenant.name}: {now}answers since the daemon started: {answered}"

@@ -15,6 +15,7 @@ from numad_infer.status.records import (
     MemoryStatus,
     ModelStatus,
     ReloadResult,
+    TenantStatus,
     group_models,
 )
 from numad_infer.supervision.health import KeyCheck
@@ -101,7 +102,24 @@ def frontdoor_status(fd: Frontdoor) -> FrontdoorStatus | None:
     stats = fd.stats
     return FrontdoorStatus(fd.listen, stats is not None, None if stats is None else stats.queued,
                            None if stats is None else stats.in_flight, fd.error or None, fd.queue_size or None,
-                           {} if fd.answers is None else dict(fd.answers.responses), fd.reloads.pending is not None)
+                           {} if fd.answers is None else dict(fd.answers.responses), fd.reloads.pending is not None,
+                           _tenants(fd))
+
+
+def _tenants(fd: Frontdoor) -> tuple[TenantStatus, ...]:
+    """The configured tenants only: a name in HAProxy's table or log that the configuration
+    no longer has (removed by a reload) is not shown, so the labels stay bounded."""
+    usage = fd.requests.timings.tenants()
+    out = []
+    for name in fd.tenants:
+        count, used = fd.tenant_counts.get(name), usage.get(name)
+        # No entry in a table that was read: no request since HAProxy started.
+        in_flight, last_minute = (count.in_flight, count.last_minute) if count else (
+            (0, 0) if fd.stats is not None else (None, None))
+        out.append(TenantStatus(name, in_flight, last_minute, {} if used is None else used.answers,
+                                None if used is None else used.time_to_first_token,
+                                None if used is None else used.request_duration))
+    return tuple(out)
 
 
 def _efficiency(rt: Runtime, weights: int, tuned: Results) -> float | None:

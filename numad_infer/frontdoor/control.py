@@ -35,6 +35,7 @@ from numad_infer.frontdoor.listener import HeldListener
 from numad_infer.frontdoor.reload_watch import ReloadWatch
 from numad_infer.frontdoor.request_log import RequestLog
 from numad_infer.frontdoor.routing import backends
+from numad_infer.frontdoor.tenants import TABLE, TenantCount, parse_usage
 from numad_infer.plan.model import Instance, Plan
 from numad_infer.util.atomicfile import write_atomic
 from numad_infer.util.histogram import Histogram
@@ -70,17 +71,17 @@ class FrontdoorRunner(Protocol):
 class Frontdoor:
     def __init__(self, runner: FrontdoorRunner, clock: Callable[[], float] = time.monotonic) -> None:
         self.runner = runner
-        run_dir = runner.run_dir
-        self.paths = paths_in(run_dir, runner.socket_path)
+        self.paths = paths_in(runner.run_dir, runner.socket_path)
         self.api = RuntimeAPI(str(runner.socket_path))
         self.reloads = ReloadWatch(self.api.worker_pid, lambda: self.runner.reload(), clock)
-        self.listen = ""
-        self.binary = ""
+        self.listen = self.binary = ""
         self.stats: BackendStat | None = None  # last pass's counters, None when unreadable (every model's)
         self.model_stats: dict[str, BackendStat] = {}  # the same per model key; empty when unreadable
         self.backends: dict[str, str] = {"": BACKEND}  # model key (Instance.model) -> its backend, as applied
         self.answers: FrontendStat | None = None  # the listener's answers by class, read with `stats`
         self.queue_size = 0  # frontend.queue_size of the applied config: a full queue answers 503
+        self.tenants: tuple[str, ...] = ()  # [[tenants]] of the applied config, by name
+        self.tenant_counts: dict[str, TenantCount] = {}  # their stick table entries, read each pass
         self.error = ""  # why the last apply or read failed, for status
         assert self.paths.requests is not None
         self.requests = RequestLog(self.paths.requests, runner.haproxy_uids)  # per-request timings
@@ -121,7 +122,7 @@ class Frontdoor:
         except OSError:
             current = ""
         self.binary = config.frontend.haproxy
-        self.queue_size = config.frontend.queue_size
+        self.queue_size, self.tenants = config.frontend.queue_size, tuple(t.name for t in config.tenants)
         keys_changed = put_keys(self.paths, checked.keys, self.runner.haproxy_gid)
         if running and current == text and not keys_changed:
             self.listen = config.frontend.listen
@@ -174,6 +175,7 @@ class Frontdoor:
                 return None
         try:
             per_backend, self.answers = self.api.backends(list(self.backends.values()), FRONTEND)
+            self.tenant_counts = parse_usage(self.api.command(f"show table {TABLE}")) if self.tenants else {}
         except HaproxyError as exc:
             self._unread(str(exc))
             return None

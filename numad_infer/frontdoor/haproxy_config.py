@@ -113,9 +113,11 @@ def server_name(instance_name: str) -> str:
 CONFIG_NAME = "haproxy.cfg"
 # HAProxy's timing line per request, to the daemon's socket of this name (request_log.py
 # reads it): the server, the status, the time to the first byte of the answer's body (a
-# variable the backend sets) and %Ta, the request's whole active time, both in ms.
+# variable the backend sets) and %Ta, the request's whole active time, both in ms. With
+# [[tenants]], then the tenant whose key it carried ("-": none), from the key file's map.
 REQUEST_LOG_NAME = "requests.sock"
 REQUEST_LOG_FORMAT = "%s %ST %[var(txn.first_byte_ms)] %Ta"
+TENANT_LOG_FORMAT = f"{REQUEST_LOG_FORMAT} %[var({tenants.VARIABLE})]"
 STATE_NAME = "haproxy.state"
 
 
@@ -191,7 +193,7 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
              f"frontend {FRONTEND}",
              f"    bind {HELD_BIND if held else host_port(host, port)}",
              *([f"    bind {TWIN_BIND}"] if held and twin else []),
-             *_timing_log(paths),
+             *_timing_log(paths, bool(config.tenants)),
              *_health(config, models),
              *tenants.gate(config.tenants, quoted(paths.keys[0]), quoted(paths.keys[1]),
                            bool(config.server.api_key_file)),
@@ -238,7 +240,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
     return lines
 
 
-def _timing_log(paths: Paths) -> list[str]:
+def _timing_log(paths: Paths, by_tenant: bool) -> list[str]:
     """One line per request to the daemon (request_log.py): the server, the status, the
     time to the first byte of the answer's body and the request's whole active time.
     Traffic is logged at `info`; the global stderr log keeps `notice` and above, so these
@@ -246,7 +248,7 @@ def _timing_log(paths: Paths) -> list[str]:
     if paths.requests is None:
         return []
     return [f"    log {_socket_address(paths.requests)} len 1024 format raw local0 info",
-            f'    log-format "{REQUEST_LOG_FORMAT}"',
+            f'    log-format "{TENANT_LOG_FORMAT if by_tenant else REQUEST_LOG_FORMAT}"',
             "    http-request set-var(txn.started_ms) date(0,ms)"]
 
 

@@ -11,7 +11,8 @@ token: for a stream it is the time to first token a client sees, for an answer s
 whole it is the whole answer, which is when such a client gets its first token too.
 
 Edge: a unix datagram socket the daemon binds in its run directory. HAProxy sends one
-line per request (haproxy_config.REQUEST_LOG_FORMAT: "<server> <status> <ttft ms> <active ms>"); a datagram counts only
+line per request (haproxy_config.REQUEST_LOG_FORMAT: "<server> <status> <ttft ms> <active ms>
+<tenant>", the tenant "-" without `[[tenants]]`); a datagram counts only
 when the kernel says (SCM_CREDENTIALS) its sender is HAProxy's user or root, so another
 local user cannot write figures into the metrics.
 """
@@ -24,6 +25,7 @@ import os
 import socket
 import struct
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.util.histogram import (
@@ -39,35 +41,61 @@ _MAX_DATAGRAM = 1024  # the line is ~40 bytes; HAProxy's `len` is set to this to
 _CREDENTIALS = struct.calcsize("3i")
 
 
+@dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's requests as the front door answered them (frontdoor/tenants.py)."""
+
+    answers: dict[str, int]  # by HTTP status ("200", "429"...), HAProxy's own refusals included
+    time_to_first_token: Histogram  # requests an instance answered
+    request_duration: Histogram
+
+
 class Timings:
-    """Per server: time to first token and request duration, filled from log lines."""
+    """Per server: time to first token and request duration; per tenant, the same and the
+    answers by status. Filled from log lines."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._first: dict[str, Recorder] = {}
         self._whole: dict[str, Recorder] = {}
+        self._tenants: dict[str, tuple[dict[str, int], Recorder, Recorder]] = {}
 
     def record(self, line: str) -> bool:
-        """One log line; False for one that is not a served request's (nothing recorded)."""
+        """One log line; False for one that is not a served request's (nothing recorded per
+        server; a tenant's refusal is still counted for the tenant)."""
         words = line.split()
-        if len(words) != 4 or words[0].startswith("<"):  # <NOSRV>: answered by HAProxy itself
+        if len(words) not in (4, 5):  # 4: a HAProxy started before tenants were logged
             return False
-        server, _status, first_ms, active_ms = words
+        server, status, first_ms, active_ms = words[:4]
+        tenant = words[4] if len(words) == 5 and words[4] != "-" else None
         try:
             first, whole = int(first_ms) / 1000, int(active_ms) / 1000
         except ValueError:
-            return False  # "-": no answer came from the server (cut, timed out)
-        if first < 0 or whole < 0:
-            return False
+            first = whole = -1.0  # "-": no answer came from the server (cut, timed out, refused)
+        served = not server.startswith("<") and first >= 0 and whole >= 0  # <NOSRV>: HAProxy's own answer
         with self._lock:
-            self._first.setdefault(server, Recorder(TIME_TO_FIRST_TOKEN_BOUNDS)).observe(first)
-            self._whole.setdefault(server, Recorder(REQUEST_DURATION_BOUNDS)).observe(whole)
-        return True
+            if tenant is not None and status.isdigit():
+                answers, tenant_first, tenant_whole = self._tenants.setdefault(
+                    tenant, ({}, Recorder(TIME_TO_FIRST_TOKEN_BOUNDS), Recorder(REQUEST_DURATION_BOUNDS)))
+                answers[status] = answers.get(status, 0) + 1
+                if served:
+                    tenant_first.observe(first)
+                    tenant_whole.observe(whole)
+            if served:
+                self._first.setdefault(server, Recorder(TIME_TO_FIRST_TOKEN_BOUNDS)).observe(first)
+                self._whole.setdefault(server, Recorder(REQUEST_DURATION_BOUNDS)).observe(whole)
+        return served
 
     def snapshot(self) -> dict[str, tuple[Histogram, Histogram]]:
         """server -> (time to first token, request duration)."""
         with self._lock:
             return {name: (first.snapshot(), self._whole[name].snapshot()) for name, first in self._first.items()}
+
+    def tenants(self) -> dict[str, TenantUsage]:
+        """tenant -> its usage since the daemon started."""
+        with self._lock:
+            return {name: TenantUsage(dict(answers), first.snapshot(), whole.snapshot())
+                    for name, (answers, first, whole) in self._tenants.items()}
 
 
 class RequestLog:

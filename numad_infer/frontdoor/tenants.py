@@ -30,7 +30,9 @@ Why it is done this way:
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.config.models import ServedModel
@@ -117,6 +119,24 @@ def model_rule(tenants: Sequence[TenantEntry], model: ServedModel) -> list[str]:
     who = f"{{ var({VARIABLE}) -m str {' '.join(refused)} }}"
     return [_answer(403, "permission_error", f"this key may not use model {model.name or 'served here'}; the "
                     "operator lists the models each tenant may use", who)]
+
+
+@dataclass(frozen=True)
+class TenantCount:
+    """A tenant's entry in the stick table, read each pass: its requests now, and lately."""
+
+    in_flight: int  # answered or queued now (the entry's trackers)
+    last_minute: int  # let through in the last 60 s (gpc0_rate), the figure its limit is held to
+
+
+# One `show table` line: "0x55d0...: key=team-a use=2 exp=0 gpc0=10 gpc0_rate(60000)=3".
+_ENTRY = re.compile(r"\bkey=(\S+) use=(\d+)\b.*\bgpc0_rate\(\d+\)=(\d+)")
+
+
+def parse_usage(text: str) -> dict[str, TenantCount]:
+    """HAProxy's `show table tenant-usage` -> tenant -> its counts (a tenant with no request
+    since HAProxy started has no entry)."""
+    return {m[1]: TenantCount(int(m[2]), int(m[3])) for m in map(_ENTRY.search, text.splitlines()) if m}
 
 
 def files(directory: Path) -> tuple[Path, Path]:

@@ -21,7 +21,7 @@ from numad_infer.config.values import parse_listen
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import State
 from numad_infer.status.httpserver import BoundedHTTPServer
-from numad_infer.status.records import InstanceStatus, Status, in_rotation
+from numad_infer.status.records import InstanceStatus, Status, TenantStatus, in_rotation
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
@@ -43,6 +43,8 @@ class SnapshotCollector(Collector):
         yield from _instance_metrics(snap.instances, models)
         yield from _model_metrics(snap)
         yield from _daemon_metrics(snap)
+        if snap.frontdoor is not None and snap.frontdoor.tenants:
+            yield from _tenant_metrics(snap.frontdoor.tenants)
 
 
 # `server`, not `instance`: Prometheus's own target label is `instance` (the host), and a
@@ -173,6 +175,36 @@ def _model_metrics(snap: Status) -> Iterator[Metric]:
             kv.add_metric([model.name], sum(i.kv_cache_tokens or 0 for i in mine) / sum(i.kv_cache_size or 0
                                                                                          for i in mine))
     yield from (healthy, queued, running, kv)
+
+
+def _tenant_metrics(tenants: tuple[TenantStatus, ...]) -> Iterator[Metric]:
+    """Per `[[tenants]]` table (frontdoor/tenants.py): the label's values come from the
+    configuration, never from a request."""
+    answers = CounterMetricFamily("numa_infer_tenant_requests",
+                                  "The tenant's requests answered by the front door since the daemon started, by HTTP "
+                                  "status (its own 429 and 403 included)", labels=["tenant", "code"])
+    in_flight = GaugeMetricFamily("numa_infer_tenant_requests_in_flight",
+                                  "The tenant's requests answered or queued now (what max_in_flight holds)",
+                                  labels=["tenant"])
+    last_minute = GaugeMetricFamily("numa_infer_tenant_requests_last_minute",
+                                    "The tenant's requests let through in the last 60 s (what requests_per_minute "
+                                    "holds)", labels=["tenant"])
+    first = HistogramMetricFamily("numa_infer_tenant_time_to_first_token_seconds",
+                                  "As numa_infer_time_to_first_token_seconds, for the tenant's requests",
+                                  labels=["tenant"])
+    whole = HistogramMetricFamily("numa_infer_tenant_request_duration_seconds",
+                                  "As numa_infer_request_duration_seconds, for the tenant's requests",
+                                  labels=["tenant"])
+    for tenant in tenants:
+        for code, count in sorted(tenant.answers.items()):
+            answers.add_metric([tenant.name, code], count)
+        if tenant.in_flight is not None and tenant.last_minute is not None:
+            in_flight.add_metric([tenant.name], tenant.in_flight)
+            last_minute.add_metric([tenant.name], tenant.last_minute)
+        for family, histogram in ((first, tenant.time_to_first_token), (whole, tenant.request_duration)):
+            if histogram is not None:
+                family.add_metric([tenant.name], histogram.cumulative(), histogram.sum)
+    yield from (answers, in_flight, last_minute, first, whole)
 
 
 def _daemon_metrics(snap: Status) -> Iterator[Metric]:

@@ -163,6 +163,19 @@ class ModelStatus:
 
 
 @dataclass(frozen=True)
+class TenantStatus:
+    """One `[[tenants]]` table's use of the front door (frontdoor/tenants.py)."""
+
+    name: str
+    in_flight: int | None = None  # answered or queued now; None: not read this pass
+    last_minute: int | None = None  # let through in the last 60 s (what requests_per_minute holds)
+    # Since the daemon started, by HTTP status; HAProxy's own refusals (429, 403) included.
+    answers: dict[str, int] = field(default_factory=dict)
+    time_to_first_token: Histogram | None = None  # of its requests an instance answered
+    request_duration: Histogram | None = None
+
+
+@dataclass(frozen=True)
 class FrontdoorStatus:
     listen: str
     up: bool
@@ -175,6 +188,7 @@ class FrontdoorStatus:
     # A new haproxy.cfg was written and its reload not yet seen taken (reload_watch.py):
     # until then HAProxy still routes by the previous plan (a removed model still answers).
     reloading: bool = False
+    tenants: tuple[TenantStatus, ...] = ()  # in the configuration's order
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.daemon_harness import daemons, door_settled, generated_model
+from tests.daemon_harness import daemons, door_settled, free_port, generated_model
 
 KEY_A = "tenant-a-" + "1" * 32
 KEY_A_NEW = "tenant-a-rotated-" + "2" * 32
@@ -32,6 +32,15 @@ def completion(port: int, key: str | None, max_tokens: int = 4) -> tuple[int, di
             return response.status, json.load(response)
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def _tenant(state: dict, name: str) -> dict:
+    front = state.get("frontdoor") or {}
+    return next((t for t in front.get("tenants", []) if t["name"] == name), {"answers": {}, "last_minute": None})
+
+
+def _answers(state: dict, name: str) -> dict[str, int]:
+    return _tenant(state, name)["answers"]
 
 
 def secret(path: Path, key: str) -> None:
@@ -53,7 +62,8 @@ def test_tenant_keys_gate_the_front_door_rotate_by_reload_and_appear_nowhere(dae
     secret(keys / "instances", INSTANCE_KEY)
     tenants = (f'[[tenants]]\nname = "team-a"\nkey_file = "{keys / "a"}"\n'
                f'[[tenants]]\nname = "team-b"\nkey_file = "{keys / "b"}"\nmax_in_flight = 4\n')
-    run = daemon(engine="llama-server", extra_config=tenants)
+    metrics_port = free_port()
+    run = daemon(engine="llama-server", extra_config=f'{tenants}[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n')
     run.server_extra = f'api_key_file = "{keys / "instances"}"\n'
     run.write_config()
     state = run.all_healthy(2)
@@ -83,10 +93,25 @@ def test_tenant_keys_gate_the_front_door_rotate_by_reload_and_appear_nowhere(dae
     state = run.wait(lambda s: all(i["state"] == "healthy" for i in s["instances"]), 30, "still healthy")
     assert {i["name"]: i["pid"] for i in state["instances"]} == pids
 
+    # Usage per tenant, in status and the metrics: team-a's answers (its 401s carried no
+    # known key, so they are no one's), team-b's across the rotation. The stick table's
+    # counts start again with the reloaded HAProxy: the last minute holds the later one.
+    assert completion(door, KEY_B)[0] == 200
+    state = run.wait(lambda s: _answers(s, "team-a").get("200", 0) >= 2 and _answers(s, "team-b").get("200") == 2
+                     and _tenant(s, "team-b")["last_minute"] == 1, 30, "the tenants' answers counted")
+    tenant_b = _tenant(state, "team-b")
+    assert tenant_b["in_flight"] == 0 and tenant_b["time_to_first_token"]["count"] == 2
+    text = run.cli("status").stdout
+    assert "  tenant team-a: 0 in flight" in text and "200 x" in text, text
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
+        metrics = response.read().decode()
+    assert 'numa_infer_tenant_requests_total{code="200",tenant="team-a"}' in metrics
+    assert 'numa_infer_tenant_time_to_first_token_seconds_count{tenant="team-b"} 2.0' in metrics
+
     # No key anywhere an operator or another user looks: argv, the logs, the state file,
-    # `status --json`, haproxy.cfg.
+    # `status --json`, the metrics, haproxy.cfg.
     places = {"daemon log": run.logs(), "state file": run.state_file.read_text(),
-              "status --json": run.cli("status", "--json").stdout,
+              "status --json": run.cli("status", "--json").stdout, "metrics": metrics,
               "haproxy.cfg": (run.state_file.parent / "haproxy.cfg").read_text()}
     for log in (run.state_file.parent / "logs").glob("*"):
         places[log.name] = log.read_text(errors="replace")

@@ -156,3 +156,16 @@ def test_haproxy_reports_the_first_token_not_the_headers_and_a_client_gets_it_as
     finally:
         door.stop()
         server.shutdown()
+
+
+def test_a_tenants_answers_are_counted_by_status_and_its_served_ones_timed() -> None:
+    timings = Timings()
+    lines = ("infer-0 200 40 600 team-a", "<NOSRV> 429 - 0 team-a", "<NOSRV> 401 - 0 -", "infer-1 502 - 12 team-a",
+             "infer-1 200 100 300 team-b", "infer-0 200 50 50")  # the last: a HAProxy from before tenants
+    served = [timings.record(line) for line in lines]
+    assert served == [True, False, False, False, True, True]
+    usage = timings.tenants()
+    assert set(usage) == {"team-a", "team-b"}  # a request without a known key is no one's
+    assert usage["team-a"].answers == {"200": 1, "429": 1, "502": 1}
+    assert usage["team-a"].time_to_first_token.count == 1 and usage["team-a"].request_duration.sum == 0.6
+    assert timings.snapshot()["infer-0"][0].count == 2

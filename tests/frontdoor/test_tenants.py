@@ -283,3 +283,29 @@ def test_the_gate_is_empty_without_tenants_and_the_key_files_hold_one_line_each(
     assert text.splitlines()[1:] == [f"{KEY_A} team-a", f"{KEY_B} team-b"]
     assert tenants.upstream_text(None) == tenants.HEADER
     assert tenants.upstream_text("k").endswith("instances Bearer k\n")
+
+
+def test_the_stick_tables_lines_give_each_tenants_in_flight_and_last_minute() -> None:
+    text = ("# table: tenant-usage, type: string, size:2, used:2\n"
+            "0x7fe5240374d0: key=flood use=2 exp=0 gpc0=12 gpc0_rate(60000)=7\n"
+            "0x7fe5240345c0: key=quiet use=0 exp=0 gpc0=3 gpc0_rate(60000)=3\n\n")
+    assert tenants.parse_usage(text) == {"flood": tenants.TenantCount(2, 7), "quiet": tenants.TenantCount(0, 3)}
+    assert tenants.parse_usage("") == {}
+
+
+def test_status_and_metrics_show_each_tenant_with_labels_from_the_configuration_only() -> None:
+    from numad_infer.cli.present import _tenant_line
+    from numad_infer.status.metrics import _tenant_metrics
+    from numad_infer.status.records import TenantStatus
+    from numad_infer.util.histogram import Histogram
+
+    first = Histogram((0.1, 1.0), (1, 1, 0), 0.55, 2)
+    shown = (TenantStatus("team-a", 1, 5, {"200": 4, "429": 2}, first, first), TenantStatus("team-b"))
+    assert _tenant_line(shown[0]) == ("  tenant team-a: 1 in flight, 5 let through in the last minute; answers since "
+                                      "the daemon started: 200 x4, 429 x2")
+    assert _tenant_line(shown[1]) == "  tenant team-b: answers since the daemon started: none"
+    families = {f.name: f for f in _tenant_metrics(shown)}
+    assert [(s.labels, s.value) for s in families["numa_infer_tenant_requests"].samples if s.name.endswith("_total")] \
+        == [({"tenant": "team-a", "code": "200"}, 4), ({"tenant": "team-a", "code": "429"}, 2)]
+    assert [s.labels["tenant"] for s in families["numa_infer_tenant_requests_in_flight"].samples] == ["team-a"]
+    assert {s.labels["tenant"] for f in families.values() for s in f.samples} == {"team-a"}
