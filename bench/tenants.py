@@ -10,7 +10,10 @@ they answer at once, or after `--service-ms`, so what is measured is the front d
 2. isolation: upstreams that take `--service-ms` per request; tenant "quiet" sends one
    request at a time, alone and then while tenant "flood" sends 10x its in-flight limit at
    once without pause; quiet's p50/p99 latency both ways, its refusals (goal: 0), and the
-   flood's answers by status.
+   flood's answers by status;
+3. priority: 12 clients of a batch tenant keep every slot busy and the queue 8 deep; an
+   interactive tenant's client asks now and then; each one's queue wait (latency less the
+   service time), p50 (goal: interactive <= 1/5 of batch).
 
     .venv/bin/python bench/tenants.py [--quick] [--service-ms 50]
 """
@@ -35,6 +38,7 @@ from numad_infer.config.load import parse_config  # noqa: E402
 from numad_infer.config.tenants import TenantKey  # noqa: E402
 from numad_infer.frontdoor import tenants  # noqa: E402
 from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy, write_config  # noqa: E402
+from numad_infer.plan.model import Plan  # noqa: E402
 from tests.daemon_harness import free_port_block  # noqa: E402
 from tests.engines.test_builtin_engines import plan_for  # noqa: E402
 from tests.daemon_harness import wait_for  # noqa: E402
@@ -65,6 +69,13 @@ class Door:
         script.write_text(STUB.replace("        seen.append(", f"        __import__('time').sleep({service_ms / 1000})\n"
                                        "        seen.append("))
         self.stubs = [i.port for i in plan.instances]
+        try:
+            self._start(tmp, plan, script)
+        except BaseException:
+            self.stop()  # no stub left behind holding the caller's output open
+            raise
+
+    def _start(self, tmp: Path, plan: Plan, script: Path) -> None:
         for instance in plan.instances:
             self.procs.append(subprocess.Popen([sys.executable, str(script), instance.name, str(instance.port)]))
         for port in self.stubs:
@@ -164,6 +175,44 @@ def isolation(tmp: Path, count: int, service_ms: int) -> None:
           f"flood's answers: {json.dumps(dict(sorted(flood.items())))}")
 
 
+def priority(tmp: Path, count: int, service_ms: int) -> None:
+    """The instances kept busy by a batch tenant; an interactive tenant's requests among its
+    queued ones. The queue wait of each: its latency less the service time."""
+    tables = ['name = "chat"\n', 'name = "bulk"\npriority = "batch"\n']
+    door = Door(tmp / "priority", tables, service_ms, parallel=2)
+    data = body("alpha")
+    stop = threading.Event()
+    waits: dict[str, list[float]] = {"chat": [], "bulk": []}
+    lock = threading.Lock()
+
+    def client(tenant: str, pause_s: float) -> None:
+        while not stop.is_set():
+            took, status = once(door.port, data, key_of(tenant))
+            if status == 200:
+                with lock:
+                    waits[tenant].append(max(0.0, took - service_ms / 1000))
+            time.sleep(pause_s)
+
+    # 12 batch clients on 4 slots keep the queue 8 deep; one interactive client asks now and then.
+    threads = [threading.Thread(target=client, args=("bulk", 0.0)) for _ in range(12)]
+    threads.append(threading.Thread(target=client, args=("chat", service_ms / 1000)))
+    try:
+        for thread in threads:
+            thread.start()
+        while len(waits["chat"]) < count:
+            time.sleep(0.2)
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        door.stop()
+    p50 = {name: pct(values, 0.5) * 1000 for name, values in waits.items()}
+    print(f"priority: upstreams take {service_ms} ms, 2 instances x 2 slots, 12 batch clients without pause, one "
+          f"interactive client; queue wait p50: interactive {p50['chat']:.1f} ms ({len(waits['chat'])} requests), "
+          f"batch {p50['bulk']:.1f} ms ({len(waits['bulk'])}); ratio {p50['chat'] / max(p50['bulk'], 1e-9):.2f} "
+          "(goal <= 0.2)")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -172,6 +221,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         gate_cost(Path(tmp), 300 if args.quick else 2000)
         isolation(Path(tmp), 50 if args.quick else 200, args.service_ms)
+        priority(Path(tmp), 30 if args.quick else 100, args.service_ms * 4)
     return 0
 
 

@@ -63,6 +63,13 @@ class FrontendSection(Section):
         30.0, gt=0, le=3600,
         description="longest wait in that queue before a `503`",
     )
+    batch_delay_s: float = Field(
+        10.0, ge=0, le=3600,
+        description=(
+            "how far back in the queue a `[[tenants]]` request of priority `\"batch\"` waits: it is served as if it "
+            "had arrived this much later (HAProxy's `set-priority-offset`)"
+        ),
+    )
     # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
     affinity: Affinity = Field(
         Affinity.NONE, strict=False,

@@ -7,6 +7,7 @@ model-name rule's characters; it comes from this file only, never from a request
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Annotated
 
 from pydantic import AfterValidator, Field, field_validator
@@ -23,6 +24,13 @@ class TenantKey:
 
     tenant: str
     key: str = field(repr=False)  # never in a repr: not in a log line, a traceback or a test's diff
+
+
+class Priority(str, Enum):
+    """Which requests a busy front door's queue serves first (frontdoor/tenants.py)."""
+
+    INTERACTIVE = "interactive"  # in arrival order
+    BATCH = "batch"  # after the interactive requests of the next frontend.batch_delay_s
 
 
 class TenantEntry(Section):
@@ -59,6 +67,16 @@ class TenantEntry(Section):
             "more gets `429` with `Retry-After` of about one request's share of the minute; unset: no limit"
         ),
         json_schema_extra={"kind": "integer", "default": "no limit"},
+    )
+    # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
+    priority: Priority = Field(
+        Priority.INTERACTIVE, strict=False,
+        description=(
+            "when every instance is busy and requests wait in the front door's queue: `\"interactive\"` ones are "
+            "served in arrival order, and a `\"batch\"` one as if it had arrived `frontend.batch_delay_s` "
+            "later, so interactive requests pass it, and none waits more than that delay longer than it would "
+            "in arrival order (batch never starves)"
+        ),
     )
     models: list[Name] | None = Field(
         None,

@@ -196,7 +196,7 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
              *_timing_log(paths, bool(config.tenants)),
              *_health(config, models),
              *tenants.gate(config.tenants, quoted(paths.keys[0]), quoted(paths.keys[1]),
-                           bool(config.server.api_key_file)),
+                           bool(config.server.api_key_file), front.batch_delay_s),
              *pick]
     for model in models:
         lines += ["", *_backend(config, engine, model, _instances_of(plan, model))]

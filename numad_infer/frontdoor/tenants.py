@@ -19,6 +19,12 @@ Why it is done this way:
   (a request refused with 429 is not counted, so a tenant that floods gets its rate, no
   less). Counters start again at zero when HAProxy reloads: a limit is exact between
   reloads, not across them.
+- priority: a `batch` tenant's request goes into a busy backend's queue as if it had come
+  `frontend.batch_delay_s` later (`set-priority-offset`), not in a lower class
+  (`set-priority-class`, which a steady interactive load would starve it with): interactive
+  requests pass it, and it waits at most that much longer than in arrival order. The
+  queue's deadline (`frontend.queue_timeout_s`) is the same for both: HAProxy 2.6 has one
+  queue timeout per backend, not per request.
 - a model the tenant may not use gets a JSON 403 in that model's backend (one rule per
   backend): the model is known there in both forms, without reading the body again.
 - the instances' own key (`server.api_key_file`), when set, replaces the tenant's key on
@@ -36,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numad_infer.config.models import ServedModel
-from numad_infer.config.tenants import TenantEntry, TenantKey
+from numad_infer.config.tenants import Priority, TenantEntry, TenantKey
 
 KEYS_NAME = "tenant-keys.map"
 UPSTREAM_NAME = "upstream-key.map"
@@ -74,10 +80,11 @@ _UNKNOWN = ("this front door needs an API key: send Authorization: Bearer KEY wi
             "(a missing, unknown or revoked key is refused)")
 
 
-def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key: bool) -> list[str]:
-    """The frontend's rules, before any routing: the key names the tenant, its limits hold.
-    `keys`, `upstream`: the two files' paths as HAProxy words; `instance_key`: the instances
-    require their own key, which replaces the tenant's."""
+def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key: bool,
+         batch_delay_s: float = 0.0) -> list[str]:
+    """The frontend's rules, before any routing: the key names the tenant, its limits and
+    priority hold. `keys`, `upstream`: the two files' paths as HAProxy words; `instance_key`:
+    the instances require their own key, which replaces the tenant's."""
     if not tenants:
         return []
     lines = [f"    http-request set-var({VARIABLE}) req.fhdr(authorization),word(2,' '),map({keys}) "
@@ -98,6 +105,11 @@ def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key:
                                  f"tenant {tenant.name} sent {rpm} request(s) in the last minute, its limit; retry "
                                  "later", f"{me} {{ sc0_gpc0_rate ge {rpm} }}", f"Retry-After {max(1, -(-60 // rpm))}"))
     lines.append("    http-request sc-inc-gpc0(0)")  # let through: counted against its rate
+    batch = [t.name for t in tenants if t.priority == Priority.BATCH]
+    if batch:
+        # In the backend's queue as if it came batch_delay later: no class, so never starved.
+        lines.append(f"    http-request set-priority-offset int({int(batch_delay_s * 1000)}) "
+                     f"if {{ var({VARIABLE}) -m str {' '.join(batch)} }}")
     lines.append(f"    http-request set-header Authorization %[str({_UPSTREAM_ENTRY}),map({upstream})]" if instance_key
                  else "    http-request del-header Authorization")
     return lines

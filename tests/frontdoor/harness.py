@@ -221,8 +221,11 @@ class FrontDoor:
         script = self.tmp / "stub.py"
         script.write_text(STUB)
         port = self.ports[index]
-        self.stubs[name] = subprocess.Popen([sys.executable, str(script), name, str(port), str(self.tmp / f"{name}.log")])
-        wait_for(lambda: _accepts(port), f"{name} listening on {port}")
+        stub = self.stubs[name] = subprocess.Popen([sys.executable, str(script), name, str(port),
+                                                    str(self.tmp / f"{name}.log")])
+        # A stub that exits (its port taken by another process) is said so, not waited for.
+        wait_for(lambda: stub.poll() is None and _accepts(port), f"{name} listening on {port}",
+                 detail=lambda: f"the stub's exit status: {stub.poll()}")
 
     def start_haproxy(self) -> None:
         plan = plan_for(self.tmp / "plan", self.config)

@@ -309,3 +309,30 @@ def test_status_and_metrics_show_each_tenant_with_labels_from_the_configuration_
         == [({"tenant": "team-a", "code": "200"}, 4), ({"tenant": "team-a", "code": "429"}, 2)]
     assert [s.labels["tenant"] for s in families["numa_infer_tenant_requests_in_flight"].samples] == ["team-a"]
     assert {s.labels["tenant"] for f in families.values() for s in f.samples} == {"team-a"}
+
+
+@with_haproxy
+def test_a_batch_tenants_queued_requests_let_an_interactive_request_pass(door_with) -> None:
+    """Two instances of one slot each, kept busy by team-b (batch) with four more of its
+    requests queued; team-a's request, sent after them, is served at the first free slot:
+    in arrival order it would wait for all four (two more rounds of 2 s)."""
+    door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', b='priority = "batch"\n')
+    finished: list[tuple[str, float]] = []
+    started = time.monotonic()
+
+    def ask(key: str, who: str) -> None:
+        assert post(door.port, key, content=SLOW).status == 200
+        finished.append((who, time.monotonic() - started))
+
+    batch = [threading.Thread(target=ask, args=(KEY_B, "batch")) for _ in range(6)]
+    for thread in batch:
+        thread.start()
+    wait_for(lambda: door.door.api.backend("instances").queued >= 4, "four batch requests queued")
+    interactive = threading.Thread(target=ask, args=(KEY_A, "interactive"))
+    interactive.start()
+    for thread in [*batch, interactive]:
+        thread.join(30)
+    order = [who for who, _ in sorted(finished, key=lambda f: f[1])]
+    assert len(order) == 7 and order.index("interactive") <= 3, finished
+    assert "    http-request set-priority-offset int(10000) if { var(txn.tenant) -m str team-b }" in \
+        door.door.paths.config.read_text()
