@@ -336,3 +336,27 @@ def test_a_batch_tenants_queued_requests_let_an_interactive_request_pass(door_wi
     assert len(order) == 7 and order.index("interactive") <= 3, finished
     assert "    http-request set-priority-offset int(10000) if { var(txn.tenant) -m str team-b }" in \
         door.door.paths.config.read_text()
+
+
+@with_haproxy
+def test_the_openai_client_reads_each_refusal_as_its_own_error_type(door_with) -> None:
+    """What a client written against OpenAI's SDK sees: the class it catches, and the
+    message from the body (not a parse failure)."""
+    import openai
+
+    door = door_with(a="requests_per_minute = 2\n", b='models = ["beta"]\n')
+
+    def ask(key: str, model: str = "alpha") -> None:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{door.port}/v1", api_key=key, max_retries=0, timeout=30)
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+
+    with pytest.raises(openai.AuthenticationError) as refused:
+        ask("not-a-key")
+    assert "API key" in refused.value.message and refused.value.status_code == 401
+    with pytest.raises(openai.PermissionDeniedError) as forbidden:
+        ask(KEY_B, model="alpha")
+    assert "model alpha" in forbidden.value.message
+    ask(KEY_A)  # the fixture's probe was team-a's first of the minute: this is its second
+    with pytest.raises(openai.RateLimitError) as limited:
+        ask(KEY_A)
+    assert limited.value.response.headers["retry-after"] == "30" and "2 request(s)" in limited.value.message
