@@ -155,6 +155,9 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/reload_watch": (CORE, "whether HAProxy took the reload asked for (another worker answers)"),
     "frontdoor/hold": (CORE, "requests for a model with no instance in rotation wait for one (HAProxy Lua action)"),
     "frontdoor/tenants": (CORE, "tenants at the front door: keys, limits and models as HAProxy rules and key files"),
+    "frontdoor/abandoned": (CORE, "requests whose client has left: which of HAProxy's streams to end"),
+    "frontdoor/abandon_watch": (EDGE, "twice a second: half-closed client connections (/proc/net/tcp), their streams "
+                                      "ended through the runtime API"),
     "frontdoor/control": (EDGE, "the daemon's handle on the running HAProxy: apply, observe, rotation"),
     "frontdoor/handover": (EDGE, "what HAProxy's unit runs: takes the daemon's socket, then executes HAProxy"),
     "frontdoor/checked_config": (EDGE, "haproxy.cfg rendered once per plan for the front door's directory, and "

@@ -124,7 +124,9 @@ def format_status(status: Status) -> str:
     front = status.frontdoor
     if front is not None:
         if front.up:
+            left = sum(front.abandoned.values())
             lines.append(f"front door: http://{front.listen} up, {front.in_flight} in flight, {front.queued} queued"
+                         + (f", {left} stopped as their client left" if left else "")
                          + ("; reloading (still routing by the previous plan)" if front.reloading else ""))
         else:
             lines.append(f"front door: http://{front.listen} DOWN" + (f": {front.error}" if front.error else ""))

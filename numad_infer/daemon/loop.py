@@ -23,6 +23,7 @@ from numad_infer.daemon import publish
 from numad_infer.daemon.desired import PlanState, Validation
 from numad_infer.daemon.restarts import Restarts
 from numad_infer.errors import NumaInferError
+from numad_infer.frontdoor.abandon_watch import AbandonWatch
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import IN_TRANSITION
@@ -48,6 +49,7 @@ class Daemon:
         self.state_file = state_file
         self.notifier = notifier or Notifier()
         self.frontdoor = Frontdoor(backend.frontdoor_runner(state_file.parent))
+        self.abandon = AbandonWatch(self.frontdoor)
         # Processes are always this machine's, even with --fsroot. The pass pings the
         # watchdog while it waits on its probes, each bounded (reconcile.py).
         self.reconciler = Reconciler(backend, ProcReader("/"), frontdoor=self.frontdoor,
@@ -113,7 +115,7 @@ class Daemon:
             min_local_fraction=config.monitor.min_local_fraction if config else None)
         runtimes = list(self.reconciler.runtimes.values())
         instances = publish.instances(runtimes, now, self.frontdoor, self.plan.loaded, self.tuned)
-        return Status(daemon, instances, publish.frontdoor_status(self.frontdoor),
+        return Status(daemon, instances, publish.frontdoor_status(self.frontdoor, self.abandon.ended),
                       publish.models(instances, self.frontdoor, self.plan.loaded))
 
     def publish(self, now: float) -> None:
@@ -142,6 +144,7 @@ class Daemon:
             self.notifier.send(f"STATUS={self.plan.last_reload.error}", "ERRNO=5")
             return 1
         self.state = DaemonState.RUNNING
+        self.abandon.start()  # its own thread: a pass comes every monitor.interval_s
         self.plan.generation += 1
         now = time.monotonic()
         self.publish(now)
@@ -229,6 +232,7 @@ class Daemon:
                     self.backend.forget(self.plan.config)
                 except Exception as exc:  # stopping must finish even if cleanup cannot
                     log.error("cannot remove rendered units: %s", exc)
+        self.abandon.stop()
         self.state = DaemonState.STOPPED
         self.publish(time.monotonic())
         self.reconciler.close()

@@ -3,6 +3,7 @@ the instances' runtimes and the front door's counters projected into `status` ty
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 
 from numad_infer.frontdoor.control import Frontdoor
@@ -96,14 +97,17 @@ def allowed_line(loaded: Loaded | None) -> str | None:
     return loaded.allowed.describe() + (f"; left out: CPUs {format_list(out)}" if out else "")
 
 
-def frontdoor_status(fd: Frontdoor) -> FrontdoorStatus | None:
+def frontdoor_status(fd: Frontdoor, abandoned: Mapping[str, int]) -> FrontdoorStatus | None:
+    """`abandoned`: requests the daemon ended because their client left, by backend
+    (frontdoor/abandon_watch.py), shown by model."""
     if not fd.listen:
         return None
     stats = fd.stats
+    models = {backend: model for model, backend in fd.backends.items()}
     return FrontdoorStatus(fd.listen, stats is not None, None if stats is None else stats.queued,
                            None if stats is None else stats.in_flight, fd.error or None, fd.queue_size or None,
                            {} if fd.answers is None else dict(fd.answers.responses), fd.reloads.pending is not None,
-                           _tenants(fd))
+                           _tenants(fd), {models.get(be, be): n for be, n in sorted(abandoned.items())})
 
 
 def _tenants(fd: Frontdoor) -> tuple[TenantStatus, ...]:

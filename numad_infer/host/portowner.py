@@ -78,6 +78,24 @@ def open_connections(proc: Path, port: int) -> int:
     return sum(1 for fields in _sockets(proc) if fields[3] == _ESTABLISHED and _port(fields[1]) == port)
 
 
+_CLOSE_WAIT = "08"  # TCP_CLOSE_WAIT: the peer sent its FIN, the local end is still open
+
+
+def clients_gone(proc: Path, port: int) -> set[tuple[IPAddress, int]]:
+    """The clients (address, port) that closed their connection to local `port` while the
+    local end is still open: for the front door's port, requests HAProxy has not yet seen
+    abandoned (frontdoor/abandoned.py). An IPv4 client of an IPv6 socket as IPv4."""
+    gone = set()
+    for fields in _sockets(proc):
+        if fields[3] == _CLOSE_WAIT and _port(fields[1]) == port:
+            host, _, client_port = fields[2].partition(":")
+            address = _address(host)
+            if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+                address = address.ipv4_mapped
+            gone.add((address, int(client_port, 16)))
+    return gone
+
+
 def _sockets(proc: Path) -> Iterator[list[str]]:
     """The rows of /proc/net/tcp and tcp6, split in their columns: sl, local and remote
     address, state, queues, timers, retransmits, uid, timeout, inode."""

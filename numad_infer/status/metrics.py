@@ -237,6 +237,13 @@ def _daemon_metrics(snap: Status) -> Iterator[Metric]:
             for code, count in sorted(front.responses.items()):
                 answers.add_metric([code], count)
             yield answers
+        left = CounterMetricFamily("numa_infer_frontdoor_abandoned_requests",
+                                   "Requests the daemon stopped because their client had left before the answer "
+                                   "(queued or at an instance), by model, since the daemon started",
+                                   labels=["model"])
+        for model, count in sorted(front.abandoned.items()):
+            left.add_metric([model], count)
+        yield left
     passes = GaugeMetricFamily("numa_infer_pass_duration_seconds", "Duration of the last monitoring pass")
     passes.add_metric([], snap.daemon.pass_duration_s or 0.0)
     yield passes

@@ -189,6 +189,9 @@ class FrontdoorStatus:
     # until then HAProxy still routes by the previous plan (a removed model still answers).
     reloading: bool = False
     tenants: tuple[TenantStatus, ...] = ()  # in the configuration's order
+    # Requests the daemon ended because their client had left (frontdoor/abandoned.py), by
+    # model, since the daemon started.
+    abandoned: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

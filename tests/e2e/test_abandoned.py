@@ -1,14 +1,14 @@
-"""A client that leaves a stream stops the work done for it (issue 39, part 4): on a CPU an
-answer nobody waits for still burns the cores. The real daemon (process backend), real
-HAProxy, a real llama-server on the generated "medium" model (one token takes tens of
-milliseconds on one CPU, so the answer asked for would take a minute or more), loopback only.
+"""A client that leaves stops the work done for it (issue 39, part 4): on a CPU an answer
+nobody waits for still burns the cores. The real daemon (process backend), real HAProxy, a
+real llama-server on the generated "medium" model (one token takes tens of milliseconds on
+one CPU, so the answer asked for would take a minute or more), loopback only.
 
-What frees the slot: HAProxy's next write to the gone client fails, it closes its side
-towards the instance, and llama-server stops a task whose connection is closed. A
-non-streaming request is not freed so through HAProxy 2.6 (measured, docs/frontdoor.md: it
-reads nothing more from a client whose request is whole, so it learns of the close only
-when the answer comes; `option abortonclose` changed nothing, even for a queued request),
-though llama-server alone stops one too."""
+What frees the slot of a stream: HAProxy's next write to the gone client fails, it closes its
+side towards the instance, and llama-server stops a task whose connection is closed. A
+non-streaming request is not freed so by HAProxy 2.6 (it reads nothing more from a client
+whose request is whole, and learns of the close only when the answer comes; `option
+abortonclose` changes nothing): the daemon's watch sees the client's half-closed connection
+and ends the request (frontdoor/abandoned.py), and llama-server stops it the same way."""
 
 from __future__ import annotations
 
@@ -65,3 +65,39 @@ def test_a_client_that_leaves_a_stream_frees_its_slot(run: DaemonRun) -> None:
         assert took < FREED_WITHIN_S, f"the slot still generates {took:.1f}s after the client left"
         time.sleep(0.1)
     print(f"streaming: slot free {time.monotonic() - left:.2f}s after the client left")
+
+
+
+@pytest.fixture
+def quiet_run(tmp_path: Path):
+    """The daemon's own pass every 5 s (its default), not the harness's 0.5 s: its read of
+    /slots and /metrics each pass is a result on the engine's queue too (see below)."""
+    with daemons(tmp_path, generated_model("medium")) as start:
+        yield start(engine="llama-server", placement="nodes = [0]", context_size=2048, interval_s=5.0)
+
+
+def test_a_client_that_leaves_a_non_streaming_request_frees_its_slot(quiet_run: DaemonRun) -> None:
+    """HAProxy 2.6 alone keeps the slot generating to the last token (docs/frontdoor.md): the
+    daemon's watch (frontdoor/abandon_watch.py) ends the request, and the engine stops.
+
+    llama-server looks at a closed connection of a non-streaming request only after a second
+    in which no result of any task reached its result queue: a read of /slots or /metrics,
+    or a token of another stream, starts that second again (server-queue.cpp,
+    recv_with_timeout). So this test reads /slots every 1.5 s, not faster."""
+    run = quiet_run
+    state = run.wait(lambda s: len(s["instances"]) == 1 and s["instances"][0]["state"] == "healthy"
+                     and s["instances"][0].get("rotation") == "UP" and door_settled(s, required=True),
+                     120, "one instance in rotation")
+    port = run.instance(state, "infer@0")["port"]
+    _ask_then_leave(run.frontend_port, stream=False)
+    left = time.monotonic()
+    assert _processing(run, port), "the request never reached a slot"
+    while _processing(run, port) is not False:
+        took = time.monotonic() - left
+        assert took < FREED_WITHIN_S, f"the slot still generates {took:.1f}s after the client left"
+        time.sleep(1.5)
+    print(f"non-streaming: slot free {time.monotonic() - left:.2f}s after the client left")
+    shown = run.wait(lambda s: sum(s["frontdoor"]["abandoned"].values()) == 1, 20, "the stop counted in status")
+    assert list(shown["frontdoor"]["abandoned"].values()) == [1]  # one model
+    assert "1 client(s) left before their answer: stopped" in run.logs()
+    assert "1 stopped as their client left" in run.cli("status").stdout

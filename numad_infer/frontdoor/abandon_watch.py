@@ -1,0 +1,113 @@
+"""The daemon's watch for clients that left before their answer (abandoned.py says why).
+
+Twice a second it reads the kernel's TCP tables for half-closed connections to the front
+door's port. Only when there are some does it ask HAProxy for its streams (`show sess`) and
+end theirs (`shutdown session`). A thread of its own: the monitoring pass comes every
+`monitor.interval_s` (5 s by default), too rarely for a slot to be free within a second, and
+a pass may wait on probes. The usual poll reads two small tables and asks HAProxy nothing.
+
+An edge: /proc and the runtime API. What to end is abandoned.py's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from pathlib import Path
+from typing import Protocol
+
+from numad_infer.frontdoor.abandoned import Session, left_by_client, parse_sessions
+from numad_infer.frontdoor.haproxy import HaproxyError
+from numad_infer.frontdoor.haproxy_config import FRONTEND
+from numad_infer.host.portowner import clients_gone
+
+log = logging.getLogger("numa-infer")
+
+POLL_S = 0.5
+
+
+class Commands(Protocol):
+    def command(self, line: str) -> str: ...
+
+
+class Door(Protocol):
+    """What the watch reads of the front door (control.Frontdoor)."""
+
+    @property
+    def listen(self) -> str: ...  # "" while there is no front door
+
+    @property
+    def api(self) -> Commands: ...
+
+
+class AbandonWatch:
+    def __init__(self, door: Door, proc: Path = Path("/proc"), poll_s: float = POLL_S) -> None:
+        self.door = door
+        self.proc = proc
+        self.poll_s = poll_s
+        # Requests ended because their client left, by backend, since the daemon started.
+        # Written by the watch's thread only; the publisher reads a copy (`ended`).
+        self._ended: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def ended(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._ended)
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="abandon-watch", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                self.poll()
+            except Exception:  # never let the watch die silently: the next poll tries again
+                log.exception("the watch for clients that left failed")
+
+    def poll(self) -> list[Session]:
+        """One look: the streams ended this time."""
+        port = _port(self.door.listen)
+        if port is None:
+            return []
+        gone = clients_gone(self.proc, port)
+        if not gone:
+            return []
+        try:
+            sessions = parse_sessions(self.door.api.command("show sess"))
+        except HaproxyError as exc:
+            log.debug("clients left, but HAProxy's streams cannot be read: %s", exc)
+            return []
+        ended = [s for s in left_by_client(sessions, FRONTEND, gone) if self._shut(s)]
+        if ended:
+            with self._lock:
+                self._ended.update(s.backend for s in ended)
+            log.info("%d client(s) left before their answer: stopped %s", len(ended),
+                     ", ".join(f"{s.backend}/{s.server} (queued)" if s.queued else f"{s.backend}/{s.server}"
+                               f" (after {s.age})" for s in ended))
+        return ended
+
+    def _shut(self, session: Session) -> bool:
+        try:
+            answer = self.door.api.command(f"shutdown session {session.id}").strip()
+        except HaproxyError as exc:
+            log.debug("cannot stop the stream %s: %s", session.id, exc)
+            return False
+        # HAProxy answers nothing on success; "No such session" when it ended meanwhile.
+        return not answer
+
+
+def _port(listen: str) -> int | None:
+    _, sep, port = listen.rpartition(":")
+    return int(port) if sep and port.isdigit() else None
