@@ -89,7 +89,10 @@ class AbandonWatch:
         except HaproxyError as exc:
             log.debug("clients left, but HAProxy's streams cannot be read: %s", exc)
             return []
-        ended = [s for s in left_by_client(sessions, FRONTEND, gone) if self._shut(s)]
+        # The queued first: ending a request at an instance frees its slot, and HAProxy would
+        # hand that slot at once to a queued request whose client has left too.
+        left = sorted(left_by_client(sessions, FRONTEND, gone), key=lambda s: not s.queued)
+        ended = [s for s in left if self._shut(s)]
         if ended:
             with self._lock:
                 self._ended.update(s.backend for s in ended)

@@ -19,9 +19,10 @@ Why it is done this way:
   (a request refused with 429 is not counted, so a tenant that floods gets its rate, no
   less). Counters start again at zero when HAProxy reloads: a limit is exact between
   reloads, not across them.
-- priority: a `batch` tenant's request goes into a busy backend's queue as if it had come
-  `frontend.batch_delay_s` later (`set-priority-offset`), not in a lower class
-  (`set-priority-class`, which a steady interactive load would starve it with): interactive
+- priority: a `batch` tenant's request, or any request with `X-Priority: batch`, goes
+  into a busy backend's queue as if it had come `frontend.batch_delay_s` later
+  (`set-priority-offset`), not in a lower class (`set-priority-class`, which a steady
+  interactive load would starve it with): interactive
   requests pass it, and it waits at most that much longer than in arrival order. The
   queue's deadline (`frontend.queue_timeout_s`) is the same for both: HAProxy 2.6 has one
   queue timeout per backend, not per request.
@@ -49,6 +50,8 @@ UPSTREAM_NAME = "upstream-key.map"
 TABLE = "tenant-usage"  # the backend that only holds the tenants' stick table
 _UPSTREAM_ENTRY = "instances"  # upstream-key.map's one key
 HEADER = "# numa-infer: written by the daemon from the [[tenants]] key files; do not edit\n"
+# A request's own class, when lower than its tenant's (docs/frontdoor.md, "Priority").
+PRIORITY_HEADER = "x-priority"
 VARIABLE = "txn.tenant"  # the tenant's name, once its key is known (request_log.py may log it)
 
 
@@ -105,11 +108,14 @@ def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key:
                                  f"tenant {tenant.name} sent {rpm} request(s) in the last minute, its limit; retry "
                                  "later", f"{me} {{ sc0_gpc0_rate ge {rpm} }}", f"Retry-After {max(1, -(-60 // rpm))}"))
     lines.append("    http-request sc-inc-gpc0(0)")  # let through: counted against its rate
+    # In the backend's queue as if it came batch_delay later: no class, so never starved. A
+    # batch tenant's requests, and any request that asks for it (a nightly job of an
+    # interactive tenant): a header lowers a request's class, never raises it.
     batch = [t.name for t in tenants if t.priority == Priority.BATCH]
-    if batch:
-        # In the backend's queue as if it came batch_delay later: no class, so never starved.
-        lines.append(f"    http-request set-priority-offset int({int(batch_delay_s * 1000)}) "
-                     f"if {{ var({VARIABLE}) -m str {' '.join(batch)} }}")
+    own = f"{{ var({VARIABLE}) -m str {' '.join(batch)} }} || " if batch else ""
+    lines += [f"    http-request set-priority-offset int({int(batch_delay_s * 1000)}) "
+              f"if {own}{{ req.hdr({PRIORITY_HEADER}) -m str -i {Priority.BATCH.value} }}",
+              f"    http-request del-header {PRIORITY_HEADER}"]
     lines.append(f"    http-request set-header Authorization %[str({_UPSTREAM_ENTRY}),map({upstream})]" if instance_key
                  else "    http-request del-header Authorization")
     return lines

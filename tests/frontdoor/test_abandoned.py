@@ -82,6 +82,44 @@ def test_the_clients_gone_are_the_half_closed_connections_to_the_port(tmp_path: 
     assert clients_gone(tmp_path, 9999) == set()
 
 
+class _Api:
+    """HAProxy's runtime API as the watch uses it: `show sess` answers SHOW_SESS."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    def command(self, line: str) -> str:
+        self.sent.append(line)
+        return SHOW_SESS if line == "show sess" else ""
+
+
+class _FakeDoor:
+    def __init__(self, listen: str) -> None:
+        self.listen, self.api = listen, _Api()
+
+
+def _proc_with(tmp_path: Path, *clients: int) -> Path:
+    """A /proc/net/tcp with these local clients gone from port 18123 (46CB)."""
+    (tmp_path / "net").mkdir(exist_ok=True)
+    rows = [f" {k}: 0100007F:46CB 0100007F:{port:04X} 08 00000000:00000001 00:00000000 00000000     0        0 "
+            f"{k + 100} 1 0 20 4 28 10 -1" for k, port in enumerate(clients)]
+    (tmp_path / "net" / "tcp").write_text(TCP.splitlines()[0] + "\n" + "\n".join(rows) + "\n")
+    return tmp_path
+
+
+def test_the_watch_ends_the_queued_first_and_asks_nothing_while_no_client_left(tmp_path: Path) -> None:
+    door = _FakeDoor("127.0.0.1:18123")
+    watch = AbandonWatch(door, proc=_proc_with(tmp_path))
+    assert watch.poll() == [] and door.api.sent == []  # the usual poll: two tables read, HAProxy not asked
+    # Both clients gone: the queued one is ended before the one at an instance, whose slot
+    # HAProxy would otherwise hand straight to it.
+    watch = AbandonWatch(door, proc=_proc_with(tmp_path, 55584, 55590))
+    assert [s.id for s in watch.poll()] == ["0x55dd2ec99900", "0x55dd2ec98800"]
+    assert door.api.sent == ["show sess", "shutdown session 0x55dd2ec99900", "shutdown session 0x55dd2ec98800"]
+    assert watch.ended == {"model": 2}
+    assert AbandonWatch(_FakeDoor(""), proc=tmp_path).poll() == []  # no front door
+
+
 class _Instance:
     """Answers GET (HAProxy's health check); takes a POST and never answers it, noting when
     the connection to it is closed: what a generating llama-server sees when the front door

@@ -73,8 +73,8 @@ class Reply:
     body: dict
 
 
-def post(port: int, key: str | None, model: str = "alpha", content: str = "hi") -> Reply:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+def post(port: int, key: str | None, model: str = "alpha", content: str = "hi", more: dict | None = None) -> Reply:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {}), **(more or {})}
     data = json.dumps({"model": model, "messages": [{"role": "user", "content": content}]}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=data, headers=headers)
     try:
@@ -312,19 +312,24 @@ def test_status_and_metrics_show_each_tenant_with_labels_from_the_configuration_
 
 
 @with_haproxy
-def test_a_batch_tenants_queued_requests_let_an_interactive_request_pass(door_with) -> None:
-    """Two instances of one slot each, kept busy by team-b (batch) with four more of its
-    requests queued; team-a's request, sent after them, is served at the first free slot:
-    in arrival order it would wait for all four (two more rounds of 2 s)."""
+@pytest.mark.parametrize("batch_by", ["tenant", "header"])
+def test_a_batch_tenants_queued_requests_let_an_interactive_request_pass(door_with, batch_by: str) -> None:
+    """Two instances of one slot each, kept busy by batch requests with four more of them
+    queued; an interactive request, sent after them, is served at the first free slot: in
+    arrival order it would wait for all four (two more rounds of 2 s). Batch: team-b's
+    class, or team-a's own requests that ask for it with `X-Priority: batch`. team-b asking
+    for `interactive` stays batch: a header lowers a request's class, never raises it."""
     door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', b='priority = "batch"\n')
     finished: list[tuple[str, float]] = []
     started = time.monotonic()
 
-    def ask(key: str, who: str) -> None:
-        assert post(door.port, key, content=SLOW).status == 200
+    def ask(key: str, who: str, more: dict | None = None) -> None:
+        assert post(door.port, key, content=SLOW, more=more).status == 200
         finished.append((who, time.monotonic() - started))
 
-    batch = [threading.Thread(target=ask, args=(KEY_B, "batch")) for _ in range(6)]
+    batch_args = (KEY_B, "batch", {"X-Priority": "interactive"}) if batch_by == "tenant" else (
+        KEY_A, "batch", {"X-Priority": "batch"})
+    batch = [threading.Thread(target=ask, args=batch_args) for _ in range(6)]
     for thread in batch:
         thread.start()
     wait_for(lambda: door.door.api.backend("instances").queued >= 4, "four batch requests queued")
@@ -334,8 +339,8 @@ def test_a_batch_tenants_queued_requests_let_an_interactive_request_pass(door_wi
         thread.join(30)
     order = [who for who, _ in sorted(finished, key=lambda f: f[1])]
     assert len(order) == 7 and order.index("interactive") <= 3, finished
-    assert "    http-request set-priority-offset int(10000) if { var(txn.tenant) -m str team-b }" in \
-        door.door.paths.config.read_text()
+    assert ("    http-request set-priority-offset int(10000) if { var(txn.tenant) -m str team-b } || "
+            "{ req.hdr(x-priority) -m str -i batch }") in door.door.paths.config.read_text()
 
 
 @with_haproxy
