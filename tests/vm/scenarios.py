@@ -50,9 +50,9 @@ ENGINE_KEYS = {"llama-cpp-python": 'engine = "llama-cpp-python"\npython = "/opt/
 SERVER_PROCESS = {"llama-cpp-python": "llama_cpp.server", "llama-server": "llama-server"}
 
 
-def write_config(placement: str = "", server_extra: str = "", frontend: str = "") -> None:
+def write_config(placement: str = "", server_extra: str = "", frontend: str = "", context_size: int = 256) -> None:
     CONFIG.write_text(
-        f'[model]\npath = "{MODEL}"\ncontext_size = 256\n'
+        f'[model]\npath = "{MODEL}"\ncontext_size = {context_size}\n'
         f"[placement]\n{placement}\n"
         f'[server]\n{ENGINE_KEYS[ENGINE]}{server_extra}\n'
         # TCG runs ~15x slower than the host: generous timeouts, short interval.
@@ -1041,6 +1041,45 @@ def e3_model_rollout() -> str:
     return f"{rolled}; {restarted}; progress {out.strip().splitlines()}; timed requests {counted}"
 
 
+@scenario("e6-client-leaves")
+def e6_client_leaves() -> str:
+    """Under systemd, a client that leaves a non-streaming request (issue 39, part 4): the
+    daemon, in its sandbox, sees the half-closed connection in /proc/net/tcp, ends the
+    request through HAProxy's runtime API, and the instance (its own unit) cancels the
+    task. A context of 2048 tokens, so that the answer asked for outlasts the watch."""
+    import socket
+    names = ("infer@0", "infer@1")
+
+    def context(size: int) -> None:
+        before = {n: main_pid(n) for n in names}
+        write_config(context_size=size)
+        sh("systemctl", "reload", "numa-infer", timeout=300)
+        wait(lambda: all(main_pid(n) not in (0, before[n]) for n in names)
+             and (s := status()).get("frontdoor") and s["frontdoor"]["up"] and not s["frontdoor"]["reloading"]
+             and all(i["rotation"] == "UP" and i["state"] == "healthy" for i in s["instances"]), 600,
+             f"both instances restarted with a context of {size}, in rotation", interval=2)
+
+    context(2048)
+    since = now_str()
+    body = json.dumps({"prompt": "numa", "max_tokens": 2000, "ignore_eos": True, "stream": False}).encode()
+    with socket.create_connection(("127.0.0.1", FRONT_PORT), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(2)
+    left = time.monotonic()
+    wait(lambda: "client(s) left before their answer: stopped" in journal_since(since), 30,
+         "the daemon stopping the request of a client that left")
+    instances = ("--unit=infer@0.service", "--unit=infer@1.service")
+    wait(lambda: "cancel task" in sh("journalctl", *instances, "--since", since, "--no-pager", "-o", "cat",
+                                     check=False), 60, "the instance cancelling the task")
+    took = time.monotonic() - left
+    shown = sh(NI, "status", check=False)
+    if "1 stopped as their client left" not in shown:
+        raise Fail(f"status does not count the request stopped: {shown[:600]}")
+    context(256)
+    return f"the request of a client that left stopped by the daemon, the task cancelled {took:.1f}s after it left"
+
+
 @scenario("e5-one-instance-rollout")
 def e5_one_instance_rollout() -> str:
     """Under systemd, one instance on the host (issue 40): a new model file rolled out under
@@ -1714,7 +1753,8 @@ GROUPS = {
     "2x2smt": [s10_smt],
     "4x1": [s11_reserve],
     # e5 leaves one instance (nodes = [0]); e2 writes its own configuration and starts again.
-    "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, e3_model_rollout, e5_one_instance_rollout,
+    "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, e3_model_rollout, e6_client_leaves,
+               e5_one_instance_rollout,
                e2_instances_elsewhere, e4_two_models, s9_stop],
     "bench": [b1_aggregate],
     "filter-cost": [b2_filter_cost],
