@@ -18,8 +18,14 @@ Why these HAProxy settings (each one is a finding, see issue 9):
 - every answer HAProxy makes itself (400, 408, 429, 500, 501, 502, 503, 504) is JSON in
   OpenAI's error shape: an OpenAI client parses the body of a failure, and HAProxy's
   default pages are HTML.
-- affinity on the `user` field: HAProxy reads the body from its buffer only, so the
-  buffer is sized for the longest prompt an instance accepts (`body_buffer`).
+- affinity on the `user` field or on the prompt's prefix: HAProxy reads the body from its
+  buffer only, so the buffer is sized for the longest prompt an instance accepts
+  (`body_buffer`).
+- `affinity = "prefix"` (the default): `balance hash` of the prompt's start with
+  `hash-type consistent` and `hash-balance-factor` (`_prefix`): a conversation's turns and
+  requests sharing a prompt meet the instance whose prompt cache holds it, no instance
+  serves more than the factor x the mean, and a server that leaves or joins moves only
+  its own keys.
 - with `[[models]]`, one backend per model and the frontend routes by the body's `model`
   (routing.py says why).
 - health checks on the engine's path that never waits on the model
@@ -103,6 +109,9 @@ _MIN_BUFFER = 64 * 1024
 # Conversations remembered at once: entries are made as keys arrive, each about 50 bytes
 # of HAProxy's own plus the 128-byte key, so the table stays under ~20 MiB.
 STICK_ENTRIES = 100_000
+# affinity = "prefix": the variable `balance hash` reads, and each server's weight (_ring_weight).
+PREFIX_KEY = "txn.prefix_key"
+RING_WEIGHT = 16
 
 
 def server_name(instance_name: str) -> str:
@@ -216,7 +225,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
     backend = backend_of(model)
     target = connect_host(config.server.host)
     lines = [f"backend {backend}",
-             "    balance leastconn",
+             *_balance(front),
              *tenants.model_rule(config.tenants, model),
              *_first_byte(front),
              # Needed for retries (the request is replayed from the buffer) and for json_query.
@@ -233,7 +242,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              f"    option httpchk GET {engine.liveness_path}",
              "    http-check expect status 200",
              f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {engine.slots(model.view)} "
-             "observe layer4 error-limit 1 on-error mark-down"]
+             f"observe layer4 error-limit 1 on-error mark-down{_ring_weight(front)}"]
     lines += _affinity(front)
     for instance in instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
@@ -282,7 +291,7 @@ def _global(config: Config, served: tuple[ServedModel, ...], paths: Paths, maxco
              f"    lua-load {quoted(paths.hold)}",  # the hold (hold.py)
              # Server up/down changes reach the journal (or the process backend's log file).
              "    log stderr format short local0 notice"]
-    if config.frontend.affinity == Affinity.USER or routed(served):
+    if config.frontend.affinity in (Affinity.USER, Affinity.PREFIX) or routed(served):
         lines.append(f"    tune.bufsize {body_buffer(served)}")
     return lines
 
@@ -316,8 +325,8 @@ def _defaults(front: FrontendSection) -> list[str]:
 
 
 def body_buffer(served: tuple[ServedModel, ...]) -> int:
-    """HAProxy's tune.bufsize for affinity = "user" or routing by `model`: the longest prompt
-    an instance of any model accepts fits."""
+    """HAProxy's tune.bufsize for affinity = "user" or "prefix" or routing by `model`: the
+    longest prompt an instance of any model accepts fits."""
     context = max(s.view.model.context_size for s in served)
     wanted = context * _BYTES_PER_TOKEN + _HEADER_ROOM
     return max(_MIN_BUFFER, -(-wanted // 1024) * 1024)
@@ -342,11 +351,70 @@ def _socket_address(path: Path) -> str:
     return quoted(path)
 
 
+def _balance(front: FrontendSection) -> list[str]:
+    """How a backend picks a server: a bounded consistent hash of the prefix key, or the
+    least busy (none, and the stick tables of header and user, whose first turn it places)."""
+    if front.affinity != Affinity.PREFIX:
+        return ["    balance leastconn"]
+    # A request without a key (no JSON, no readable prompt) is hashed on nothing, and
+    # HAProxy then falls back to round robin over the ring: served, never refused.
+    return [f"    balance hash var({PREFIX_KEY})",
+            "    hash-type consistent",
+            # HAProxy counts a server's load as the requests it is serving (not those queued
+            # for it) and skips, along the ring, any server already at factor x the mean.
+            f"    hash-balance-factor {round(front.prefix_balance_factor * 100)}"]
+
+
+def _ring_weight(front: FrontendSection) -> str:
+    # HAProxy puts 16 points per unit of weight on its ring: at weight 1 two servers split
+    # 600 random keys 252/348, at 16 289/311 (measured, HAProxy 2.6). All servers weigh the
+    # same, so leastconn and the bound are unchanged.
+    return f" weight {RING_WEIGHT}" if front.affinity == Affinity.PREFIX else ""
+
+
+def _prefix(front: FrontendSection) -> list[str]:
+    """The hash key of `affinity = "prefix"`, in PREFIX_KEY: what stays the same across a
+    conversation's turns and differs between conversations.
+
+    - chat: the first message's content, and the second's when the first is the system (or
+      developer) prompt: a system prompt that every conversation shares would otherwise
+      send them all to one instance, where the bound alone would spread them, at random.
+      Each is cut to prefix_bytes on its own for the same reason: a long system prompt
+      must not fill the key. A content given as parts is read from its first part's text.
+    - completions: the start of `prompt` (a prompt of token ids has no key).
+    - a request that sends the affinity header is hashed by it: the client named the
+      conversation, which beats a guess from its text.
+    json_query returns scalars only, and reads a body cut at the buffer's end as far as it
+    goes: a long history behind a short first message still has its key."""
+    cut = f"bytes(0,{front.prefix_bytes})"
+    first, second = "txn.prefix_first", "txn.prefix_second"
+
+    def read(var: str, path: str, *when: str) -> str:
+        condition = f" if {' '.join(when)}" if when else ""
+        return f"    http-request set-var({var}) req.body,json_query('{path}'),{cut}{condition}"
+
+    def unset(var: str) -> str:
+        return f"!{{ var({var}) -m found }}"
+
+    return [read(first, "$.messages[0].content"),
+            read(first, "$.messages[0].content[0].text", unset(first)),
+            read(first, "$.prompt", unset(first)),
+            "    acl prefix_system req.body,json_query('$.messages[0].role') -m str system developer",
+            read(second, "$.messages[1].content", "prefix_system"),
+            read(second, "$.messages[1].content[0].text", "prefix_system", unset(second)),
+            f"    http-request set-var({PREFIX_KEY}) var({first}),concat(,{second},)",
+            f"    http-request set-var({PREFIX_KEY}) req.hdr({front.affinity_header}) "
+            f"if {{ req.hdr({front.affinity_header}) -m found }}"]
+
+
 def _affinity(front: FrontendSection) -> list[str]:
-    """The first turn goes where leastconn sends it; later turns follow it (stick table),
-    to the instance whose KV cache already holds the conversation's prompt prefix."""
+    """Header and user: the first turn goes where leastconn sends it; later turns follow it
+    (stick table), to the instance whose KV cache already holds the conversation's prompt
+    prefix. Prefix: the key `balance hash` reads."""
     if front.affinity == Affinity.NONE:
         return []
+    if front.affinity == Affinity.PREFIX:
+        return _prefix(front)
     key = (f"req.hdr({front.affinity_header})" if front.affinity == Affinity.HEADER
            else "req.body,json_query('$.user')")
     return [f"    stick-table type string len 128 size {STICK_ENTRIES} expire {_ms(front.affinity_expire_s)}",
