@@ -90,25 +90,26 @@ class FrontendSection(Section):
     prefix_bytes: int = Field(
         256, ge=16, le=65536,
         description=(
-            "`affinity = \"prefix\"`: bytes of each hashed message (or of `prompt`) that make the key; "
-            "conversations that agree on them share an instance"
+            "the bytes of each hashed message (or of `prompt`) that make the key of the `\"prefix\"` "
+            "affinity; conversations that agree on them share an instance"
         ),
     )
     # 1.25: HAProxy's hash-balance-factor 125, the goal (no instance above 1.25 x
-    # the mean); measured in bench/README.md (prefix routing).
+    # the mean); measured in bench/README.md (prefix routing). HAProxy takes a whole
+    # percentage above 100, hence at least 1.01.
     prefix_balance_factor: float = Field(
-        1.25, gt=1.0, le=10.0,
+        1.25, ge=1.01, le=10.0,
         description=(
-            "`affinity = \"prefix\"`: no instance takes a new request while it serves more than this many "
-            "times the mean of the model's instances (HAProxy's `hash-balance-factor`, x 100); the request "
-            "goes to the next instance on the hash ring instead"
+            "the load bound of the `\"prefix\"` affinity: no instance takes a new request while it serves "
+            "this many times the mean of its model's instances (HAProxy's `hash-balance-factor`, x 100); the "
+            "request goes to the next instance on the hash ring instead"
         ),
     )
     affinity_header: SafeStr = Field(
         "X-Session-Id",
         description=(
-            "the header `affinity = \"header\"` reads; with `affinity = \"prefix\"` a request that sends it "
-            "is hashed by it instead of by its prompt"
+            "the header the `\"header\"` affinity reads; under the `\"prefix\"` affinity a request that "
+            "sends it is hashed by it instead of by its prompt"
         ),
         json_schema_extra={"kind": "header name"},
     )

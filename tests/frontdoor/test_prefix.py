@@ -60,7 +60,7 @@ def test_every_models_backend_hashes_on_its_own(tmp_path: Path) -> None:
 
 
 def test_out_of_range_prefix_keys_are_refused() -> None:
-    for bad in ("prefix_bytes = 0", "prefix_balance_factor = 1.0", "prefix_balance_factor = 0.5",
+    for bad in ("prefix_bytes = 0", "prefix_balance_factor = 1.0", "prefix_balance_factor = 1.001",
                 'affinity = "prefixes"'):
         with pytest.raises(Exception):
             parse_config(f'[model]\npath = "/m.gguf"\n[frontend]\n{bad}\n', "/etc/numa-infer.toml")
