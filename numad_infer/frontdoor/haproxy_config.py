@@ -243,7 +243,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              "    http-check expect status 200",
              f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {engine.slots(model.view)} "
              f"observe layer4 error-limit 1 on-error mark-down{_ring_weight(front)}"]
-    lines += _affinity(front)
+    lines += _affinity(front, backend, engine.slots(model.view))
     for instance in instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
     return lines
@@ -362,7 +362,11 @@ def _balance(front: FrontendSection) -> list[str]:
             "    hash-type consistent",
             # HAProxy counts a server's load as the requests it is serving (not those queued
             # for it) and skips, along the ring, any server already at factor x the mean.
-            f"    hash-balance-factor {round(front.prefix_balance_factor * 100)}"]
+            f"    hash-balance-factor {_factor(front)}"]
+
+
+def _factor(front: FrontendSection) -> int:
+    return round(front.prefix_balance_factor * 100)
 
 
 def _ring_weight(front: FrontendSection) -> str:
@@ -372,7 +376,7 @@ def _ring_weight(front: FrontendSection) -> str:
     return f" weight {RING_WEIGHT}" if front.affinity == Affinity.PREFIX else ""
 
 
-def _prefix(front: FrontendSection) -> list[str]:
+def _prefix(front: FrontendSection, backend: str, slots: int) -> list[str]:
     """The hash key of `affinity = "prefix"`, in PREFIX_KEY: what stays the same across a
     conversation's turns and differs between conversations.
 
@@ -385,7 +389,16 @@ def _prefix(front: FrontendSection) -> list[str]:
     - a request that sends the affinity header is hashed by it: the client named the
       conversation, which beats a guess from its text.
     json_query returns scalars only, and reads a body cut at the buffer's end as far as it
-    goes: a long history behind a short first message still has its key."""
+    goes: a long history behind a short first message still has its key.
+
+    The bound counts the requests a server is serving, not those waiting for it, and a
+    hashed request whose server is full waits in that server's own queue, where no other
+    server takes it (measured: 8 requests with one key over 2 servers of 2 slots, 6 on one,
+    the last done after 9 s against 6 s with leastconn). So the key is dropped while the
+    backend holds more than 1/factor of its servers' slots (in use or waiting): then no
+    full server can be within the bound, and a request without a key goes round robin to a
+    server with a free slot, or to the backend's shared queue, which the first server to
+    free up takes, as with leastconn."""
     cut = f"bytes(0,{front.prefix_bytes})"
     first, second = "txn.prefix_first", "txn.prefix_second"
 
@@ -404,17 +417,21 @@ def _prefix(front: FrontendSection) -> list[str]:
             read(second, "$.messages[1].content[0].text", "prefix_system", unset(second)),
             f"    http-request set-var({PREFIX_KEY}) var({first}),concat(,{second},)",
             f"    http-request set-var({PREFIX_KEY}) req.hdr({front.affinity_header}) "
-            f"if {{ req.hdr({front.affinity_header}) -m found }}"]
+            f"if {{ req.hdr({front.affinity_header}) -m found }}",
+            # be_conn counts this request and those queued; nbsrv the servers in rotation.
+            f"    http-request set-var(txn.prefix_room) nbsrv({backend}),mul({slots * 100})",
+            f"    http-request unset-var({PREFIX_KEY}) if {{ be_conn({backend}),mul({_factor(front)}),"
+            "sub(txn.prefix_room) gt 0 }"]
 
 
-def _affinity(front: FrontendSection) -> list[str]:
+def _affinity(front: FrontendSection, backend: str, slots: int) -> list[str]:
     """Header and user: the first turn goes where leastconn sends it; later turns follow it
     (stick table), to the instance whose KV cache already holds the conversation's prompt
     prefix. Prefix: the key `balance hash` reads."""
     if front.affinity == Affinity.NONE:
         return []
     if front.affinity == Affinity.PREFIX:
-        return _prefix(front)
+        return _prefix(front, backend, slots)
     key = (f"req.hdr({front.affinity_header})" if front.affinity == Affinity.HEADER
            else "req.body,json_query('$.user')")
     return [f"    stick-table type string len 128 size {STICK_ENTRIES} expire {_ms(front.affinity_expire_s)}",

@@ -40,6 +40,10 @@ def test_the_default_hashes_the_prompt_start_within_a_load_bound_and_none_keeps_
     assert "json_query('$.prompt'),bytes(0,256)" in text
     assert "if { req.hdr(X-Session-Id) -m found }" in text and "stick" not in text and " weight 16" in text
     assert "leastconn" not in text
+    # Two instances of 1 slot (server.parallel's default): past 1/1.25 of 2 the key is dropped.
+    assert "    http-request set-var(txn.prefix_room) nbsrv(instances),mul(100)\n" in text
+    assert ("    http-request unset-var(txn.prefix_key) if { be_conn(instances),mul(125),sub(txn.prefix_room) gt 0 }\n"
+            in text)
     tuned = _render(tmp_path / "b", '[model]\npath = "/m.gguf"\n[frontend]\nprefix_bytes = 512\n'
                                     'prefix_balance_factor = 1.5\naffinity_header = "X-Chat"\n')
     assert "hash-balance-factor 150\n" in tuned and "bytes(0,512)" in tuned and "req.hdr(X-Chat)" in tuned
@@ -274,3 +278,41 @@ def test_a_hot_prefix_is_spread_so_no_instance_serves_above_the_factor_times_the
     assert max(served.values()) <= 5 and max(peak.values()) <= 5, (served, peak)
     assert len(served) == 4, served
     print(f"hot prefix: served {dict(served)}, peak in flight {dict(peak)}")
+
+
+@with_haproxy
+def test_past_the_bound_nothing_waits_for_one_server_the_shared_queue_serves_as_leastconn(tmp_path: Path) -> None:
+    # Two servers of 2 slots, 8 requests at once with one key, each held 3 s. HAProxy's bound
+    # alone counts only requests being served: the 4 that wait would all queue for the hot
+    # server (measured: 6 of 8 there, the last done after 9 s). The key is dropped past
+    # 1/factor of the slots, so they wait in the backend's queue and split 4/4 in 6 s.
+    door = _door(tmp_path, '[model]\npath = "/m.gguf"\n[server]\nparallel = 2\n')
+    try:
+        for k in range(2):
+            door.start_stub(k)
+        door.start_haproxy()
+        door.servers_up()
+        api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
+        hot = json.dumps({"prompt": "H" * 300 + SLOW_MARKER}).encode()
+        waiting: list[tuple[int, dict[str, int]]] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                stat = api.backend(BACKEND)
+                waiting.append((stat.queued, {n: s.queued for n, s in stat.servers.items()}))
+                done.wait(0.1)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            answers = _concurrent(door, [hot] * 8)
+        finally:
+            done.set()
+            watcher.join()
+        assert [a.status for a in answers] == [200] * 8
+        assert Counter(a.served_by() for a in answers) == {"stub0": 4, "stub1": 4}
+        assert max(q for q, _ in waiting) >= 3, waiting  # they did wait, in the shared queue
+        assert all(sum(per.values()) == 0 for _, per in waiting), waiting
+    finally:
+        door.stop()
