@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from numad_infer.config.load import parse_config
+from numad_infer.config.models import served_models
+from numad_infer.errors import ConfigError
 from numad_infer.frontdoor.haproxy import AdminState, RuntimeAPI
 from numad_infer.frontdoor.haproxy_config import BACKEND, Paths, body_buffer, render_haproxy
-from numad_infer.config.models import served_models
 from tests.daemon_harness import free_port_block, wait_for
 from tests.frontdoor.harness import SLOW_MARKER, Answer, FrontDoor, plan_for, with_haproxy
 
@@ -66,7 +67,7 @@ def test_every_models_backend_hashes_on_its_own(tmp_path: Path) -> None:
 def test_out_of_range_prefix_keys_are_refused() -> None:
     for bad in ("prefix_bytes = 0", "prefix_balance_factor = 1.0", "prefix_balance_factor = 1.001",
                 'affinity = "prefixes"'):
-        with pytest.raises(Exception):
+        with pytest.raises(ConfigError, match="frontend"):
             parse_config(f'[model]\npath = "/m.gguf"\n[frontend]\n{bad}\n', "/etc/numa-infer.toml")
 
 
