@@ -41,9 +41,10 @@ def test_the_default_hashes_the_prompt_start_within_a_load_bound_and_none_keeps_
     assert "json_query('$.prompt'),bytes(0,256)" in text
     assert "if { req.hdr(X-Session-Id) -m found }" in text and "stick" not in text and " weight 16" in text
     assert "leastconn" not in text
-    # Two instances of 1 slot (server.parallel's default): past 1/1.25 of 2 the key is dropped.
+    # Two instances of 1 slot (server.parallel's default): past 1/1.25 of 2, a random key.
     assert "    http-request set-var(txn.prefix_room) nbsrv(instances),mul(100)\n" in text
-    assert ("    http-request unset-var(txn.prefix_key) if { be_conn(instances),mul(125),sub(txn.prefix_room) gt 0 }\n"
+    assert "    acl prefix_crowded be_conn(instances),mul(125),sub(txn.prefix_room) gt 0\n" in text
+    assert ("    http-request set-var(txn.prefix_key) rand() if prefix_crowded || !{ var(txn.prefix_key) -m found }\n"
             in text)
     tuned = _render(tmp_path / "b", '[model]\npath = "/m.gguf"\n[frontend]\nprefix_bytes = 512\n'
                                     'prefix_balance_factor = 1.5\naffinity_header = "X-Chat"\n')
@@ -166,16 +167,15 @@ def test_the_affinity_header_wins_over_the_prompt(four: FrontDoor) -> None:
 @with_haproxy
 def test_a_request_without_a_key_is_served_round_robin_and_a_body_past_the_buffer_is_still_routed(
         four: FrontDoor) -> None:
-    # No JSON, a prompt of token ids, content given as something else: no key, HAProxy's
-    # round robin over the ring, never a refusal.
-    keyless = [b"not json", b'{"prompt": [1, 2, 3]}', b'{"messages": [{"role": "user", "content": 7}]}', b""] * 2
+    # No JSON, a prompt of token ids, content given as something else: no key, a random one
+    # instead (haproxy_config._prefix says why not HAProxy's round robin), never a refusal.
+    keyless = [b"not json", b'{"prompt": [1, 2, 3]}', b'{"messages": [{"role": "user", "content": 7}]}', b""] * 4
     answers = []
     for body in keyless:
         _idle(four)
         answers.append(_post(four, body))
-    assert [a.status for a in answers] == [200] * 8, answers
-    # Round robin walks HAProxy's ring of points, not the servers in turn: not exactly 2 each.
-    assert len({a.served_by() for a in answers}) >= 3, answers
+    assert [a.status for a in answers] == [200] * 16, answers
+    assert len({a.served_by() for a in answers}) >= 3, answers  # 16 random keys over 4
     # Content given as parts is read from the first part's text.
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "look at this"}]}]}
     assert len({_served(four, parts) for _ in range(4)}) == 1
@@ -189,13 +189,13 @@ def test_a_request_without_a_key_is_served_round_robin_and_a_body_past_the_buffe
     assert len(long_body) > 2 * buffer
     assert {_served(four, json.loads(long_body)) for _ in range(3)} == {short}
     # A first message that alone is longer than the buffer: json_query finds nothing in the
-    # cut body, round robin serves it.
+    # cut body, a random key serves it.
     huge = json.dumps(_chat("x" * 2 * buffer, ["hi"])).encode()
     answers = []
-    for _ in range(4):
+    for _ in range(8):
         _idle(four)
         answers.append(_post(four, huge))
-    assert [a.status for a in answers] == [200] * 4, answers
+    assert [a.status for a in answers] == [200] * 8, answers
     assert len({a.served_by() for a in answers}) > 1, answers
 
 
@@ -282,11 +282,12 @@ def test_a_hot_prefix_is_spread_so_no_instance_serves_above_the_factor_times_the
 
 
 @with_haproxy
-def test_past_the_bound_nothing_waits_for_one_server_the_shared_queue_serves_as_leastconn(tmp_path: Path) -> None:
+def test_past_the_bound_a_hot_key_no_longer_piles_onto_its_server(tmp_path: Path) -> None:
     # Two servers of 2 slots, 8 requests at once with one key, each held 3 s. HAProxy's bound
     # alone counts only requests being served: the 4 that wait would all queue for the hot
-    # server (measured: 6 of 8 there, the last done after 9 s). The key is dropped past
-    # 1/factor of the slots, so they wait in the backend's queue and split 4/4 in 6 s.
+    # server (measured: 6 of 8 there, the last done after 9 s). Past 1/factor of the slots
+    # the key is replaced by a random one: those that wait spread over both servers' queues
+    # (not one shared queue, as with leastconn: the gap docs/frontdoor.md states).
     door = _door(tmp_path, '[model]\npath = "/m.gguf"\n[server]\nparallel = 2\n')
     try:
         for k in range(2):
@@ -312,8 +313,10 @@ def test_past_the_bound_nothing_waits_for_one_server_the_shared_queue_serves_as_
             done.set()
             watcher.join()
         assert [a.status for a in answers] == [200] * 8
-        assert Counter(a.served_by() for a in answers) == {"stub0": 4, "stub1": 4}
-        assert max(q for q, _ in waiting) >= 3, waiting  # they did wait, in the shared queue
-        assert all(sum(per.values()) == 0 for _, per in waiting), waiting
+        served = Counter(a.served_by() for a in answers)
+        assert max(q for q, _ in waiting) >= 3, waiting  # they did wait
+        # Not 6 of 8 on the hot server every time: each waiting one drew its server.
+        assert min(served.values()) >= 2 and len(served) == 2, served
+        print(f"past the bound: served {dict(served)}")
     finally:
         door.stop()
