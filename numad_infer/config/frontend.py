@@ -85,8 +85,10 @@ class FrontendSection(Section):
             "without a key is still served"
         ),
     )
-    # 256: measured (bench/README.md, prefix routing): long enough that two conversations
-    # differ within it (a user's first message), short enough to hash in no time.
+    # 256 (not swept against other values yet): each of the two messages is cut on its own,
+    # so a long shared system prompt cannot fill the key, and ~50 words of a user's first
+    # message tell conversations apart; openings that agree on 256 bytes share a prompt
+    # prefix anyway, which their instance's cache holds.
     prefix_bytes: int = Field(
         256, ge=16, le=65536,
         description=(
@@ -95,7 +97,8 @@ class FrontendSection(Section):
         ),
     )
     # 1.25: HAProxy's hash-balance-factor 125, the goal (no instance above 1.25 x
-    # the mean); measured in bench/README.md (prefix routing). HAProxy takes a whole
+    # the mean). Measured: 16 requests with one key over 4 instances peak at 5/5/5/1
+    # (tests/frontdoor/test_prefix.py); other factors not swept yet. HAProxy takes a whole
     # percentage above 100, hence at least 1.01.
     prefix_balance_factor: float = Field(
         1.25, ge=1.01, le=10.0,
