@@ -73,7 +73,9 @@ class FrontendSection(Section):
     )
     # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
     affinity: Affinity = Field(
-        Affinity.PREFIX, strict=False,
+        # Not yet the default: bench/prefix.py showed later turns 1.2x faster, not the 3x
+        # sought, and traffic that shares nothing a worse p99 (bench/README.md).
+        Affinity.NONE, strict=False,
         description=(
             "keep the turns of a conversation on the instance that holds its prompt prefix. `\"prefix\"`: a "
             "consistent hash of the prompt's start (chat: the first message, and the second too when the first "

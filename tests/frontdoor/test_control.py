@@ -117,12 +117,12 @@ def test_a_reload_haproxy_drops_while_it_starts_is_asked_for_again_until_taken(d
         before = door.door.api.worker_pid()
         door.door.reloads.ask()
         assert door.door.reloads.pending is not None and door.door.reloads.pending.worker_pid == before
-        status = frontdoor_status(door.door)  # the status says so until the reload shows taken
+        status = frontdoor_status(door.door, {})  # the status says so until the reload shows taken
         assert status is not None and status.reloading
         wait_for(lambda: door.door.observe() is not None and door.door.reloads.pending is None,
                  f"reload {attempt} taken", 60, detail=door.log)
         assert door.door.api.worker_pid() != before
-        status = frontdoor_status(door.door)
+        status = frontdoor_status(door.door, {})
         assert status is not None and not status.reloading
         door.stop()
 

@@ -1,4 +1,4 @@
-"""Prefix-aware routing (`frontend.affinity = "prefix"`, the default; issue 38): the rendered
+"""Prefix-aware routing (`frontend.affinity = "prefix"`, opt-in; issue 38): the rendered
 haproxy.cfg, then a real HAProxy over stub servers that answer with their name, so each test
 reads on the answer which instance served a request."""
 
@@ -24,8 +24,16 @@ from tests.frontdoor.harness import SLOW_MARKER, Answer, FrontDoor, plan_for, wi
 SYSTEM = "You are a helpful assistant. Answer briefly and cite sources. " * 20  # ~1.2 KB, shared by all
 
 
-def _render(tmp_path: Path, text: str) -> str:
-    config = parse_config(text, "/etc/numa-infer.toml")
+def _prefix(text: str) -> str:
+    """`affinity = "prefix"` (opt-in) unless the text names an affinity."""
+    if "affinity =" in text:
+        return text
+    return text.replace("[frontend]\n", '[frontend]\naffinity = "prefix"\n') if "[frontend]\n" in text else (
+        text + '[frontend]\naffinity = "prefix"\n')
+
+
+def _render(tmp_path: Path, text: str, as_written: bool = False) -> str:
+    config = parse_config(text if as_written else _prefix(text), "/etc/numa-infer.toml")
     return render_haproxy(config, plan_for(tmp_path, config), Paths(tmp_path / "cfg", tmp_path / "state",
                                                                     tmp_path / "sock"))
 
@@ -34,7 +42,10 @@ def _backend_text(text: str, name: str = BACKEND) -> str:
     return text.split(f"\nbackend {name}\n")[1].split("\nbackend ")[0]
 
 
-def test_the_default_hashes_the_prompt_start_within_a_load_bound_and_none_keeps_leastconn(tmp_path: Path) -> None:
+def test_prefix_hashes_the_prompt_start_within_a_load_bound_and_none_keeps_leastconn(tmp_path: Path) -> None:
+    # Opt-in: the default stays least connections (docs/frontdoor.md, "Prefix routing").
+    default = _backend_text(_render(tmp_path / "z", '[model]\npath = "/m.gguf"\n', as_written=True))
+    assert "    balance leastconn\n" in default and "prefix_key" not in default
     text = _backend_text(_render(tmp_path / "a", '[model]\npath = "/m.gguf"\n'))
     assert "    balance hash var(txn.prefix_key)\n    hash-type consistent\n    hash-balance-factor 125\n" in text
     assert "json_query('$.messages[0].content'),bytes(0,256)" in text
@@ -82,7 +93,7 @@ STUBS = ("stub0", "stub1", "stub2", "stub3")
 
 def _door(tmp_path: Path, head: str, frontend: str = "") -> FrontDoor:
     base = free_port_block(8)
-    config = parse_config(f'{head}[frontend]\nlisten = "127.0.0.1:{base}"\n{frontend}\n'.replace(
+    config = parse_config(_prefix(f'{head}[frontend]\nlisten = "127.0.0.1:{base}"\n{frontend}\n').replace(
         "[server]\n", f"[server]\nbase_port = {base + 1}\n"), "/etc/numa-infer.toml")
     ports = [i.port for i in plan_for(tmp_path / "ports", config).instances]
     return FrontDoor(tmp_path, config, tmp_path / "run", ports)

@@ -109,7 +109,7 @@ def test_a_stuck_front_door_is_recorded_unanswering_and_the_pass_goes_on(admin_s
         states, took = timed(lambda: rec.monitor(1.0))
     assert took < DEADLINE_S + DEADLINE_S + PASS_SLACK_S  # the front door's deadline, then the probes'
     assert states == {"infer@0": State.HEALTHY, "infer@1": State.HEALTHY, "infer@2": State.HEALTHY}
-    status = frontdoor_status(door)
+    status = frontdoor_status(door, {})
     assert status is not None and not status.up
     assert status.error == f"runtime API {admin_sock}: no answer within 0.5s"
     assert haproxy.connections == 1  # not answering: nothing more is asked of it this pass
