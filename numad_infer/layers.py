@@ -151,6 +151,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/__init__": (CORE, PACKAGE_INIT),
     "frontdoor/routing": (CORE, "several models behind one front door: a backend per model, routing by the "
                                 "body's `model`, GET /v1/models"),
+    "frontdoor/affinity": (CORE, "which instance of a model a request goes to: least busy, a stick table, or a "
+                                 "bounded consistent hash of the prompt's start"),
     "frontdoor/haproxy_config": (CORE, "haproxy.cfg from the plan"),
     "frontdoor/reload_watch": (CORE, "whether HAProxy took the reload asked for (another worker answers)"),
     "frontdoor/hold": (CORE, "requests for a model with no instance in rotation wait for one (HAProxy Lua action)"),

@@ -51,7 +51,7 @@ def test_every_key_has_a_description_and_the_limits_are_shown() -> None:
     assert docs["monitor.restart_window_s"].kind == "float > 0"
     assert docs["placement.instances_per_node"].kind == "int 1..256"
     assert docs["server.engine"].default == '"llama-server"' and docs["model.path"].default is None
-    assert docs["frontend.affinity"].kind == '`"none"` or `"header"` or `"user"`'
+    assert docs["frontend.affinity"].kind == '`"none"` or `"prefix"` or `"header"` or `"user"`'
 
 
 def test_what_the_descriptions_say_of_each_engine_is_what_the_engine_says() -> None:

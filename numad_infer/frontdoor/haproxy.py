@@ -102,8 +102,8 @@ class ServerStat:
 
 @dataclass(frozen=True)
 class BackendStat:
-    queued: int
-    in_flight: int
+    queued: int  # waiting: in the backend's queue or in one of its servers'
+    in_flight: int  # scur of the BACKEND row
     servers: dict[str, ServerStat]
 
 
@@ -200,6 +200,9 @@ def _backend(rows: list[dict[str, str]], name: str) -> BackendStat:
                                        _int(row.get("stot")))
     if not found:
         raise HaproxyError(f"runtime API: no backend {name!r} in show stat")
+    # The BACKEND row's qcur is the backend's own queue only: `balance hash` (affinity =
+    # "prefix") queues a request for its hashed server in that server's queue instead.
+    queued += sum(s.queued for s in servers.values())
     return BackendStat(queued, in_flight, servers)
 
 

@@ -18,8 +18,14 @@ Why these HAProxy settings (each one is a finding, see issue 9):
 - every answer HAProxy makes itself (400, 408, 429, 500, 501, 502, 503, 504) is JSON in
   OpenAI's error shape: an OpenAI client parses the body of a failure, and HAProxy's
   default pages are HTML.
-- affinity on the `user` field: HAProxy reads the body from its buffer only, so the
-  buffer is sized for the longest prompt an instance accepts (`body_buffer`).
+- affinity on the `user` field or on the prompt's prefix: HAProxy reads the body from its
+  buffer only, so the buffer is sized for the longest prompt an instance accepts
+  (`body_buffer`).
+- `affinity = "prefix"` (opt-in, docs/frontdoor.md says why): `balance hash` of the prompt's start with
+  `hash-type consistent` and `hash-balance-factor` (`_prefix`): a conversation's turns and
+  requests sharing a prompt meet the instance whose prompt cache holds it, no instance
+  serves more than the factor x the mean, and a server that leaves or joins moves only
+  its own keys.
 - with `[[models]]`, one backend per model and the frontend routes by the body's `model`
   (routing.py says why).
 - health checks on the engine's path that never waits on the model
@@ -38,7 +44,7 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor import tenants
+from numad_infer.frontdoor import affinity, tenants
 from numad_infer.frontdoor.hold import HOLD_LUA, HOLD_NAME, hold_rule
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
 from numad_infer.frontdoor.routing import backend_of, health, route, routed
@@ -100,9 +106,6 @@ _ANSWERS = (
 _BYTES_PER_TOKEN = 8
 _HEADER_ROOM = 16 * 1024
 _MIN_BUFFER = 64 * 1024
-# Conversations remembered at once: entries are made as keys arrive, each about 50 bytes
-# of HAProxy's own plus the 128-byte key, so the table stays under ~20 MiB.
-STICK_ENTRIES = 100_000
 
 
 def server_name(instance_name: str) -> str:
@@ -216,7 +219,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
     backend = backend_of(model)
     target = connect_host(config.server.host)
     lines = [f"backend {backend}",
-             "    balance leastconn",
+             *affinity.balance(front),
              *tenants.model_rule(config.tenants, model),
              *_first_byte(front),
              # Needed for retries (the request is replayed from the buffer) and for json_query.
@@ -233,8 +236,8 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              f"    option httpchk GET {engine.liveness_path}",
              "    http-check expect status 200",
              f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {engine.slots(model.view)} "
-             "observe layer4 error-limit 1 on-error mark-down"]
-    lines += _affinity(front)
+             f"observe layer4 error-limit 1 on-error mark-down{affinity.ring_weight(front)}"]
+    lines += affinity.rules(front, backend, engine.slots(model.view))
     for instance in instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
     return lines
@@ -282,7 +285,7 @@ def _global(config: Config, served: tuple[ServedModel, ...], paths: Paths, maxco
              f"    lua-load {quoted(paths.hold)}",  # the hold (hold.py)
              # Server up/down changes reach the journal (or the process backend's log file).
              "    log stderr format short local0 notice"]
-    if config.frontend.affinity == Affinity.USER or routed(served):
+    if config.frontend.affinity in (Affinity.USER, Affinity.PREFIX) or routed(served):
         lines.append(f"    tune.bufsize {body_buffer(served)}")
     return lines
 
@@ -316,8 +319,8 @@ def _defaults(front: FrontendSection) -> list[str]:
 
 
 def body_buffer(served: tuple[ServedModel, ...]) -> int:
-    """HAProxy's tune.bufsize for affinity = "user" or routing by `model`: the longest prompt
-    an instance of any model accepts fits."""
+    """HAProxy's tune.bufsize for affinity = "user" or "prefix" or routing by `model`: the
+    longest prompt an instance of any model accepts fits."""
     context = max(s.view.model.context_size for s in served)
     wanted = context * _BYTES_PER_TOKEN + _HEADER_ROOM
     return max(_MIN_BUFFER, -(-wanted // 1024) * 1024)
@@ -340,17 +343,6 @@ def _socket_address(path: Path) -> str:
         raise ConfigError(str(path), None, "contains a $, which HAProxy would expand in its admin socket's path; "
                           "choose a --state-file in a directory whose path has none")
     return quoted(path)
-
-
-def _affinity(front: FrontendSection) -> list[str]:
-    """The first turn goes where leastconn sends it; later turns follow it (stick table),
-    to the instance whose KV cache already holds the conversation's prompt prefix."""
-    if front.affinity == Affinity.NONE:
-        return []
-    key = (f"req.hdr({front.affinity_header})" if front.affinity == Affinity.HEADER
-           else "req.body,json_query('$.user')")
-    return [f"    stick-table type string len 128 size {STICK_ENTRIES} expire {_ms(front.affinity_expire_s)}",
-            f"    stick on {key}"]
 
 
 def _ms(seconds: float) -> str:

@@ -98,7 +98,7 @@ def test_plan_render_check_happy_path(tmp_path: Path, fs: Path, model: Path) -> 
     ("[frontend]\nlisten = \"127.0.0.1:8081\"\n", "frontend.listen = \"127.0.0.1:8081\": port 8081 is infer@1's"),
     ("[frontend]\nlisten = \"127.0.0.1:9000\"\n[metrics]\nlisten = \"127.0.0.1:9000\"\n", "also metrics.listen's"),
     ("[metrics]\nlisten = \"127.0.0.1:8080\"\n", "metrics.listen = \"127.0.0.1:8080\": port 8080 is infer@0's"),
-    ("[frontend]\naffinity = \"cookie\"\n", "frontend.affinity = \"cookie\": must be one of 'none', 'header' or 'user'"),
+    ("[frontend]\naffinity = \"cookie\"\n", "frontend.affinity = \"cookie\": must be one of 'none', 'prefix', 'header' or 'user'"),
     ("[frontend]\nqueue_size = -1\n", "frontend.queue_size = -1: must be at least"),
 ])
 def test_bad_input_exits_1_without_traceback_and_writes_nothing(tmp_path: Path, fs: Path, model: Path, extra: str, fragment: str) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from numad_infer.frontdoor.haproxy_config import server_name
 from numad_infer.frontdoor.request_log import RequestLog, Timings
 from numad_infer.util.histogram import TIME_TO_FIRST_TOKEN_BOUNDS, Histogram, Recorder
 from tests.daemon_harness import wait_for
@@ -133,6 +134,13 @@ def test_haproxy_reports_the_first_token_not_the_headers_and_a_client_gets_it_as
                  "the server in HAProxy's view", detail=door.log)
         wait_for(lambda: (door.door.stats.servers[f"{instance.name.replace('@', '-')}"].status  # type: ignore[union-attr]
                           .startswith("UP")) if door.door.observe() else False, "the instance UP", detail=door.log)
+        # The plan's other instance has no server: until its checks fail it counts as UP, and
+        # a prompt that hashes to it (affinity = "prefix") would be refused there and retried
+        # here after HAProxy's 1 s turn-around, which is not what this test measures.
+        other = server_name(door.plan.instances[1].name)
+        wait_for(lambda: door.door.observe() is not None and door.door.stats is not None
+                 and door.door.stats.servers[other].status.startswith("DOWN"), "the other instance DOWN",
+                 detail=door.log)
         conn = http.client.HTTPConnection("127.0.0.1", door.port, timeout=30)
         started = time.monotonic()
         conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "stream": True}),
