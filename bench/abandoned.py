@@ -38,6 +38,7 @@ from numad_infer.frontdoor.checked_config import put_hold  # noqa: E402
 from numad_infer.frontdoor.haproxy import RuntimeAPI  # noqa: E402
 from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy  # noqa: E402
 from tests.daemon_harness import free_port_block, generated_model, llama_server_binary, wait_for  # noqa: E402
+from tests.e2e.test_abandoned import ask_then_leave  # noqa: E402
 from tests.frontdoor.harness import HAPROXY, plan_for  # noqa: E402
 
 IDLE_CPU = 0.05  # CPU seconds per second under which the instance counts as idle
@@ -49,15 +50,6 @@ class _Door:
 
     def __init__(self, listen: str, api: RuntimeAPI) -> None:
         self.listen, self.api = listen, api
-
-
-def _ask_then_leave(port: int, tokens: int, leave_after_s: float) -> None:
-    body = json.dumps({"prompt": "Once upon a time", "max_tokens": tokens, "ignore_eos": True,
-                       "stream": False}).encode()
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        time.sleep(leave_after_s)
 
 
 def _idle_after(proc: psutil.Process, since: float) -> tuple[float, float]:
@@ -102,7 +94,7 @@ def _case(watch_on: bool, args: argparse.Namespace, tmp: Path, model: Path) -> s
             s.status == "UP" for s in api.backend("instances").servers.values()), "the instance UP", 180)
         if watch_on:
             watch.start()
-        clients = [threading.Thread(target=_ask_then_leave, args=(base, args.tokens, args.leave_after))
+        clients = [threading.Thread(target=ask_then_leave, args=(base, False, args.tokens, args.leave_after))
                    for _ in range(args.clients)]
         for client in clients:
             client.start()

@@ -146,6 +146,13 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, tmp: Path) -> dic
                     frontend=f'listen = "127.0.0.1:{{port}}"\naffinity = "{mode}"\n')
     try:
         run.all_healthy(args.instances, timeout=600)
+        if args.parallel != 1:  # a reload: the harness starts the daemon with the default
+            run.server_extra = f"parallel = {args.parallel}\n"
+            run.write_config(f"instances_per_node = {args.instances}\n")
+            assert run.cli("reload").returncode == 0
+            run.wait(lambda s: len(s["instances"]) == args.instances and all(
+                i["state"] == "healthy" and i.get("slots") == args.parallel for i in s["instances"]), 600,
+                f"{args.parallel} slots each")
         run.wait(lambda s: all(i.get("rotation") == "UP" for i in s["instances"]), 120, "every instance in rotation")
         port = run.frontend_port
         chat(port, [{"role": "user", "content": "warm up"}], 2)
@@ -205,6 +212,7 @@ def main() -> None:
     parser.add_argument("--plain-requests", type=int, default=4, help="no-reuse requests per client")
     parser.add_argument("--plain-words", type=int, default=120)
     parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--parallel", type=int, default=1, help="server.parallel: slots per instance")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--size", default="medium")
     parser.add_argument("--quant", default="Q4_K_M")
@@ -212,7 +220,8 @@ def main() -> None:
     model = generated_model(args.size, args.quant)
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-prefix-"))
     print(f"# {args.size} {args.quant}, {args.instances} instances (llama-server), "
-          f"{args.conversations} conversations x {args.turns} turns, system prompt {args.system_words} words, "
+          f"{args.parallel} slot(s) each, {args.conversations} conversations x {args.turns} turns, system prompt "
+          f"{args.system_words} words, "
           f"{args.user_words} words a turn, "
           f"{args.max_tokens} tokens an answer")
     results = [run_mode(mode, args, model, tmp) for mode in args.modes.split(",")]

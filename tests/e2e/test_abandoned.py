@@ -41,31 +41,35 @@ def _processing(run: DaemonRun, port: int) -> bool | None:
     return None if found is None else any(s.get("is_processing") is True for s in found)
 
 
-def _ask_then_leave(port: int, stream: bool) -> None:
-    """A request sent over a raw socket, closed LEAVE_AFTER_S later without reading the answer
-    (a client's timeout, a closed browser tab)."""
-    body = json.dumps({"prompt": "Once upon a time", "max_tokens": ASKED_TOKENS, "ignore_eos": True,
+def ask_then_leave(port: int, stream: bool, tokens: int = ASKED_TOKENS, leave_after_s: float = LEAVE_AFTER_S) -> None:
+    """A request sent over a raw socket, closed `leave_after_s` later without reading the
+    answer (a client's timeout, a closed browser tab). bench/abandoned.py sends the same."""
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": tokens, "ignore_eos": True,
                        "stream": stream}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        time.sleep(LEAVE_AFTER_S)
+        time.sleep(leave_after_s)
 
 
-def test_a_client_that_leaves_a_stream_frees_its_slot(run: DaemonRun) -> None:
+def _freed_after_leaving(run: DaemonRun, stream: bool, poll_s: float) -> float:
+    """Seconds from the client leaving until the instance's slot is free, read every `poll_s`."""
     state = run.wait(lambda s: len(s["instances"]) == 1 and s["instances"][0]["state"] == "healthy"
                      and s["instances"][0].get("rotation") == "UP" and door_settled(s, required=True),
                      120, "one instance in rotation")
     port = run.instance(state, "infer@0")["port"]
-    _ask_then_leave(run.frontend_port, stream=True)
+    ask_then_leave(run.frontend_port, stream)
     left = time.monotonic()
     assert _processing(run, port), "the request never reached a slot"
     while _processing(run, port) is not False:
         took = time.monotonic() - left
         assert took < FREED_WITHIN_S, f"the slot still generates {took:.1f}s after the client left"
-        time.sleep(0.1)
-    print(f"streaming: slot free {time.monotonic() - left:.2f}s after the client left")
+        time.sleep(poll_s)
+    return time.monotonic() - left
 
+
+def test_a_client_that_leaves_a_stream_frees_its_slot(run: DaemonRun) -> None:
+    print(f"streaming: slot free {_freed_after_leaving(run, True, 0.1):.2f}s after the client left")
 
 
 @pytest.fixture
@@ -85,18 +89,7 @@ def test_a_client_that_leaves_a_non_streaming_request_frees_its_slot(quiet_run: 
     or a token of another stream, starts that second again (server-queue.cpp,
     recv_with_timeout). So this test reads /slots every 1.5 s, not faster."""
     run = quiet_run
-    state = run.wait(lambda s: len(s["instances"]) == 1 and s["instances"][0]["state"] == "healthy"
-                     and s["instances"][0].get("rotation") == "UP" and door_settled(s, required=True),
-                     120, "one instance in rotation")
-    port = run.instance(state, "infer@0")["port"]
-    _ask_then_leave(run.frontend_port, stream=False)
-    left = time.monotonic()
-    assert _processing(run, port), "the request never reached a slot"
-    while _processing(run, port) is not False:
-        took = time.monotonic() - left
-        assert took < FREED_WITHIN_S, f"the slot still generates {took:.1f}s after the client left"
-        time.sleep(1.5)
-    print(f"non-streaming: slot free {time.monotonic() - left:.2f}s after the client left")
+    print(f"non-streaming: slot free {_freed_after_leaving(run, False, 1.5):.2f}s after the client left")
     shown = run.wait(lambda s: sum(s["frontdoor"]["abandoned"].values()) == 1, 20, "the stop counted in status")
     assert list(shown["frontdoor"]["abandoned"].values()) == [1]  # one model
     assert "1 client(s) left before their answer: stopped" in run.logs()
