@@ -17,12 +17,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Protocol
 
+from numad_infer.config.values import parse_listen
 from numad_infer.frontdoor.abandoned import Session, left_by_client, parse_sessions
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.haproxy_config import FRONTEND
 from numad_infer.host.portowner import clients_gone
 
-log = logging.getLogger("numa-infer")
+log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 
@@ -78,9 +79,9 @@ class AbandonWatch:
 
     def poll(self) -> list[Session]:
         """One look: the streams ended this time."""
-        port = _port(self.door.listen)
-        if port is None:
+        if not self.door.listen:  # no front door
             return []
+        port = parse_listen(self.door.listen)[1]  # as validated: never refused here
         gone = clients_gone(self.proc, port)
         if not gone:
             return []
@@ -109,8 +110,3 @@ class AbandonWatch:
             return False
         # HAProxy answers nothing on success; "No such session" when it ended meanwhile.
         return not answer
-
-
-def _port(listen: str) -> int | None:
-    _, sep, port = listen.rpartition(":")
-    return int(port) if sep and port.isdigit() else None

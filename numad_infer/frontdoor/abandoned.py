@@ -27,6 +27,8 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from numad_infer.util.addresses import unmapped
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Peer = tuple[IPAddress, int]
 
@@ -72,19 +74,11 @@ def left_by_client(sessions: Iterable[Session], frontend: str, gone: set[Peer]) 
     return [s for s in sessions if s.frontend == frontend and s.client in gone]
 
 
-def normal(address: IPAddress) -> IPAddress:
-    """An IPv4 client seen through an IPv6 socket (::ffff:127.0.0.1) as the IPv4 address, so
-    that HAProxy's view and the kernel's table compare equal."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
 def _peer(text: str) -> Peer | None:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or host.startswith("unix"):
         return None
     try:
-        return normal(ipaddress.ip_address(host.strip("[]"))), int(port)
+        return unmapped(ipaddress.ip_address(host.strip("[]"))), int(port)
     except ValueError:
         return None

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from numad_infer.util.addresses import connect_host, host_port
+from numad_infer.util.addresses import connect_host, host_port, unmapped
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -89,10 +89,7 @@ def clients_gone(proc: Path, port: int) -> set[tuple[IPAddress, int]]:
     for fields in _sockets(proc):
         if fields[3] == _CLOSE_WAIT and _port(fields[1]) == port:
             host, _, client_port = fields[2].partition(":")
-            address = _address(host)
-            if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-                address = address.ipv4_mapped
-            gone.add((address, int(client_port, 16)))
+            gone.add((unmapped(_address(host)), int(client_port, 16)))
     return gone
 
 

@@ -43,3 +43,11 @@ def loopback_twin(host: str) -> str | None:
 def same_address(a: tuple[str, int], b: tuple[str, int]) -> bool:
     """One address, however it is written (`::1` and `0:0::1`; getsockname's spelling)."""
     return a[1] == b[1] and ipaddress.ip_address(a[0]) == ipaddress.ip_address(b[0])
+
+
+def unmapped(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An IPv4 peer seen through an IPv6 socket (::ffff:127.0.0.1) as the IPv4 address, so
+    that the kernel's socket tables and HAProxy's view of a client compare equal."""
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
