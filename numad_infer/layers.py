@@ -143,6 +143,7 @@ MODULES: dict[str, tuple[str, str]] = {
     "engines/keys": (CORE, "a configuration's engine keys checked against the registry: name, key flags, other "
                            "engines' keys"),
     "engines/llama_server": (CORE, "llama.cpp's llama-server as an `Engine`"),
+    "engines/slot_names": (CORE, "where an instance's saved prompt caches live: its directory, its slots' files"),
     "engines/slot_cache": (EDGE, "llama-server's slot routes: /slots, save, restore, erase, a probe that reports "
                                  "cached tokens"),
     "engines/launch": (CORE, "each instance's launch (argv, unit argv, OpenMP environment), worked out once by "

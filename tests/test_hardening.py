@@ -219,6 +219,7 @@ def test_a_new_process_forgets_a_pending_memory_repair_measurement() -> None:
 @pytest.mark.parametrize("host, listen, engine", [
     ("127.0.0.1", "127.0.0.1:8000", ""), ("0.0.0.0", "0.0.0.0:80", ""),
     ("127.0.0.1", "127.0.0.1:8000", 'engine = "llama-server"\nparallel = 4\napi_key_file = "/etc/numa-infer/key"\n'),
+    ("127.0.0.1", "127.0.0.1:8000", 'engine = "llama-server"\n#slots\n'),
 ])
 def test_rendered_units_are_hardened(tmp_path: Path, host: str, listen: str, engine: str) -> None:
     from numad_infer.units.render import render_units
@@ -228,7 +229,8 @@ def test_rendered_units_are_hardened(tmp_path: Path, host: str, listen: str, eng
     config = parse_config(f'[model]\npath = "/m.gguf"\nmlock = true\n[server]\nhost = "{host}"\n{engine}'
                           f'[frontend]\nlisten = "{listen}"\n')
     plan = Plan((Instance("infer@0", 0, (0, 1), ((0,), (1,)), (0,), Policy.BIND, 2, 8080),))
-    files = render_units(config, plan)
+    # With saved prompt caches: the servers' group and a directory they may write.
+    files = render_units(config, plan, slots_group="numa-infer" if "#slots" in engine else None)
     instance = score(tmp_path, files, "infer@0.service", 2.0)
     front = score(tmp_path, files, "numa-infer-frontdoor.service", 2.5)
     name = 'llama-server' if 'llama-server' in engine else 'llama-cpp-python'

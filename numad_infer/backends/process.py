@@ -21,7 +21,7 @@ from numad_infer.config.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
 from numad_infer.engines.launch import Launch
-from numad_infer.engines.slot_cache import slot_directory
+from numad_infer.engines.slot_cache import make_slot_directory
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.listener import HeldListener
@@ -152,12 +152,11 @@ class ProcessBackend:
         option = engine.slot_save_option
         if self.slots_dir is None or option is None or option in argv:
             return []
-        where = slot_directory(self.slots_dir, name)
+        owner = (-1, -1)  # a daemon that is not root: its servers are itself
+        if runs_as is not None and runs_as.uid is not None and runs_as.gid is not None and os.geteuid() == 0:
+            owner = (runs_as.uid, runs_as.gid)
         try:
-            where.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(where, 0o700)
-            if runs_as is not None and runs_as.uid is not None and runs_as.gid is not None and os.geteuid() == 0:
-                os.chown(where, runs_as.uid, runs_as.gid)
+            where = make_slot_directory(self.slots_dir, name, *owner)
         except OSError as exc:
             log.warning("%s: no directory for its saved prompt cache (%s): restarts start it cold", name, exc)
             return []

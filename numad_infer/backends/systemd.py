@@ -4,6 +4,7 @@ as numa-infer-frontdoor.service, whose listening socket the daemon holds and han
 
 from __future__ import annotations
 
+import grp
 import logging
 import time
 from collections.abc import Mapping
@@ -13,8 +14,9 @@ from pathlib import Path
 from numad_infer.backends.base import Observation
 from numad_infer.backends.portunit import PortUnit
 from numad_infer.config.apikey import fingerprint
-from numad_infer.config.defaults import FRONTDOOR_USER
+from numad_infer.config.defaults import FRONTDOOR_USER, SLOTS_DIR
 from numad_infer.config.schema import Config
+from numad_infer.engines.slot_cache import make_slot_directory
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.listener import Handout, HeldListener, Store
 from numad_infer.host.identity import CREATE_USERS, BackendKind, frontdoor_runs_as
@@ -40,21 +42,30 @@ log = logging.getLogger(__name__)
 RESTART_JOBS = ("restart", "try-restart", "reload-or-restart")
 
 
+def _gid(group: str | None) -> int | None:
+    try:
+        return None if group is None else grp.getgrnam(group).gr_gid
+    except KeyError:  # gone since validation: the units' starts will say
+        return None
+
+
 class SystemdBackend:
     name = "systemd"
     kind = BackendKind.SYSTEMD
     instance_cgroups = True
-    # Not yet. Tried in the VM: a StateDirectory= per unit works for the server, but it is its
-    # DynamicUser's, mode 700, and the daemon (root without CAP_DAC_*: its unit's bounding
-    # set) cannot read, check or remove the files there ("Permission denied"). Needs a group
-    # both share, or the engine doing the file work.
-    slots_dir: Path | None = None
 
     def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = DAEMON_UNIT,
-                 handout: FrontdoorHandout | None = None) -> None:
+                 handout: FrontdoorHandout | None = None, slots_dir: Path = Path(SLOTS_DIR)) -> None:
         self.systemctl = systemctl or Systemctl()
         self.daemon_unit = daemon_unit
         self.handout = handout  # None: no front door socket to hand out (a command, a test)
+        # Prompt caches kept across restarts (supervision/slot_keeper.py), where the units
+        # were rendered to keep them (Loaded.slots_group): one directory an instance, root's
+        # and the group's, mode 770. Not a StateDirectory= of each unit: that is its
+        # DynamicUser's, mode 700, and the daemon (root without CAP_DAC_*, its unit's
+        # bounding set) could not read, check or remove the files there.
+        self.slots_dir: Path | None = slots_dir
+        self.slots_gid: int | None = None  # the group's, from the last sync; None: none kept
 
     def specs(self, loaded: Loaded) -> dict[str, str]:
         files = loaded.units
@@ -88,6 +99,7 @@ class SystemdBackend:
         if loaded.config.frontend.enabled and loaded.frontdoor_user is None:
             log.warning("front door: user %s does not exist on this host: haproxy runs as root with no capability; %s",
                         FRONTDOOR_USER, CREATE_USERS)
+        self.slots_gid = _gid(loaded.slots_group)
         result = write_units(Path(loaded.config.systemd.unit_dir), loaded.units)
         port = self.handout.port if self.handout is not None else None
         # Before the front door binds a new frontend.listen: the reload makes systemd let go
@@ -101,13 +113,25 @@ class SystemdBackend:
         return result.changed
 
     def start(self, instance: Instance) -> None:
+        self._slot_directory(instance.name)
         self.systemctl.start(instance.unit)
 
     def stop(self, name: str) -> None:
         self.systemctl.stop(unit(name))
 
     def restart(self, instance: Instance) -> None:
+        self._slot_directory(instance.name)
         self.systemctl.restart(instance.unit)
+
+    def _slot_directory(self, name: str) -> None:
+        """Its --slot-save-path (render.slot_save_arguments), before each start: the server
+        refuses to start without it. A failure is said; the unit's own error follows."""
+        if self.slots_dir is None or self.slots_gid is None:
+            return
+        try:
+            make_slot_directory(self.slots_dir, name, gid=self.slots_gid, mode=0o770)
+        except OSError as exc:
+            log.warning("%s: cannot make its prompt cache's directory under %s: %s", name, self.slots_dir, exc)
 
     def observe(self, names: list[str]) -> dict[str, Observation]:
         shown = self.systemctl.show_many([unit(n) for n in names], "MainPID", "ActiveState", "SubState")

@@ -23,3 +23,10 @@ def stop_bound_s(drain_timeout_s: float) -> float:
 INSTANCE_USER = "numa-infer"
 FRONTDOOR_USER = "numa-infer-frontdoor"
 SYSUSERS_FILE = "/usr/lib/sysusers.d/numa-infer.conf"
+
+# Under systemd, the instances' saved prompt caches (supervision/slot_keeper.py): the
+# daemon's StateDirectory= (packaging/systemd/numa-infer.service), one directory an
+# instance, root's and the group SLOTS_GROUP's, mode 770. The instances' units join that
+# group (units/render.py): a DynamicUser owns no file the daemon could otherwise read.
+SLOTS_DIR = "/var/lib/numa-infer/slots"
+SLOTS_GROUP = INSTANCE_USER

@@ -9,11 +9,12 @@ slot that says how many of its prompt tokens it found cached (POST /completion w
 from __future__ import annotations
 
 import json
-import re
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from numad_infer.engines.slot_names import slot_directory
 from numad_infer.util.addresses import connect_host
 from numad_infer.util.peer import PeerError, http_get, http_post_json
 
@@ -21,18 +22,17 @@ from numad_infer.util.peer import PeerError, http_get, http_post_json
 ANSWER_CAP = 1 << 20
 
 
-def directory_name(instance: str) -> str:
-    """An instance's own directory under STATE_DIR/slots: its name, nothing but [A-Za-z0-9_-]."""
-    return re.sub(r"[^A-Za-z0-9_-]", "-", instance)
 
-
-def slot_directory(root: Path, instance: str) -> Path:
-    return root / directory_name(instance)
-
-
-def file_name(instance: str, slot: int) -> str:
-    """A name llama-server takes (fs_validate_filename: no separators, no leading dot)."""
-    return f"{directory_name(instance)}.slot{slot}.bin"
+def make_slot_directory(root: Path, instance: str, uid: int = -1, gid: int = -1, mode: int = 0o700) -> Path:
+    """The instance's directory under `root`, made (with `root`) and given `mode` and owner
+    (-1: unchanged). The server writes there and no one else may read: its files hold
+    conversations. Raises OSError."""
+    where = slot_directory(root, instance)
+    where.mkdir(mode=mode, parents=True, exist_ok=True)
+    if (uid, gid) != (-1, -1):
+        os.chown(where, uid, gid, follow_symlinks=False)
+    os.chmod(where, mode, follow_symlinks=False)
+    return where
 
 
 @dataclass(frozen=True)

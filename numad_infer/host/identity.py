@@ -16,6 +16,7 @@ names the fix; under systemd the front door then stays root with no capability.
 
 from __future__ import annotations
 
+import grp
 import os
 import pwd
 import stat
@@ -23,7 +24,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
-from numad_infer.config.defaults import FRONTDOOR_USER, INSTANCE_USER, SYSUSERS_FILE
+from numad_infer.config.defaults import FRONTDOOR_USER, INSTANCE_USER, SLOTS_DIR, SLOTS_GROUP, SYSUSERS_FILE
 from numad_infer.errors import ConfigError
 
 
@@ -117,6 +118,19 @@ def systemd_frontdoor_user(name: str = FRONTDOOR_USER) -> str | None:
     without it, where a `User=` would keep the unit from starting at all."""
     found = frontdoor_runs_as(BackendKind.SYSTEMD, name)
     return None if found is None else found.name
+
+
+def systemd_slots_group(root: str = SLOTS_DIR, group: str = SLOTS_GROUP) -> str | None:
+    """The group the instance units join to keep their prompt caches in `root` (the
+    daemon's StateDirectory=), or None where that cannot work and restarts start cold: no
+    such group (a source install), or `root` missing or not writable here (an older
+    unit, a command run by someone else), where a --slot-save-path would keep every
+    server from starting ("not a directory")."""
+    try:
+        grp.getgrnam(group)
+    except KeyError:
+        return None
+    return group if os.path.isdir(root) and os.access(root, os.W_OK) else None
 
 
 def unreadable_reason(path: str, user: RunAs) -> str | None:

@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from numad_infer.engines import slot_cache
-from numad_infer.engines.slot_cache import file_name, slot_directory
+from numad_infer.engines.slot_cache import make_slot_directory
+from numad_infer.engines.slot_names import file_name, slot_directory
 from numad_infer.supervision.kept_slots import (
     Kept,
     ModelFile,
@@ -61,11 +62,7 @@ class SlotKeeper:
 
     def save_path_argument(self, name: str) -> str:
         """--slot-save-path for the instance: its directory, made and owned by its user."""
-        where = self.directory(name)
-        where.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(where, 0o700)
-        if self.owner is not None and os.geteuid() == 0:
-            os.chown(where, *self.owner)
+        where = make_slot_directory(self.root, name, *(self.owner if self.owner and os.geteuid() == 0 else (-1, -1)))
         return f"{where}/"
 
     # -- the supervisor's two moments ------------------------------------------------------------------
@@ -211,9 +208,16 @@ class SlotKeeper:
             os.close(fd)
 
     def _private(self, path: Path) -> None:
-        """The server wrote it with its umask: only its owner may read a conversation's cache."""
+        """The server wrote it with its umask: only its owner may read a conversation's cache.
+        Under systemd the file is a DynamicUser's, which the daemon (no CAP_FOWNER) may not
+        chmod; there its directory (root's and the servers' group's, mode 770) keeps everyone
+        else out, and the daemon must be able to read it (units/render.py)."""
         try:
+            if os.stat(path, follow_symlinks=False).st_uid != os.geteuid() and os.geteuid() != 0:
+                return
             os.chmod(path, 0o600, follow_symlinks=False)
+        except PermissionError:
+            return  # root without CAP_FOWNER (the systemd daemon): as above
         except (OSError, NotImplementedError) as exc:
             log.warning("%s: cannot make it private: %s", path, exc)
 

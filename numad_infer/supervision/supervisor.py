@@ -16,6 +16,7 @@ from numad_infer.backends.base import Backend, Observation
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import AdminState, BackendStat
 from numad_infer.frontdoor.haproxy_config import server_name
+from numad_infer.host.identity import BackendKind
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import RestartDecision, Seen, State, Step, drain_first, drain_over, next_step
@@ -131,6 +132,8 @@ class Supervisor:
 
     # -- prompt caches kept across a restart (slot_keeper.py) ----------------------------------------
     def _keeps_slots(self, loaded: Loaded) -> SlotKeeper | None:
+        if loaded.kind == BackendKind.SYSTEMD and loaded.slots_group is None:
+            return None  # units rendered without a --slot-save-path (identity.systemd_slots_group)
         if self.keeper is not None:
             self.keeper.host = loaded.config.server.host
         return self.keeper

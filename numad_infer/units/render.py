@@ -12,12 +12,14 @@ from __future__ import annotations
 import ipaddress
 import re
 import sys
+from pathlib import Path
 
-from numad_infer.config.defaults import FRONTDOOR_STOP_S, FRONTDOOR_USER, INSTANCE_STOP_S, RUN_DIR
+from numad_infer.config.defaults import FRONTDOOR_STOP_S, FRONTDOOR_USER, INSTANCE_STOP_S, RUN_DIR, SLOTS_DIR
 from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import KEY_CREDENTIAL, Engine, engine_of
 from numad_infer.engines.launch import Launch, launches
+from numad_infer.engines.slot_names import slot_directory
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor.haproxy_config import CONFIG_NAME
 from numad_infer.plan.model import Instance, Plan
@@ -100,7 +102,10 @@ def frontdoor_ip_allow_list(config: Config) -> list[str]:
     return rules
 
 
-def render_template(config: Config, engine: Engine, served: tuple[ServedModel, ...]) -> str:
+def render_template(config: Config, engine: Engine, served: tuple[ServedModel, ...],
+                    slots_group: str | None = None) -> str:
+    """`slots_group`: the group that owns the saved prompt caches' directories (identity.
+    systemd_slots_group); None: the instances keep none."""
     lines = [
         UNIT_MARKER,
         "[Unit]",
@@ -116,7 +121,7 @@ def render_template(config: Config, engine: Engine, served: tuple[ServedModel, .
         f"TimeoutStopSec={INSTANCE_STOP_S:g}",  # what stop_bound_s counts
         # Unprivileged and read-only: the server only reads the model and listens.
         "DynamicUser=yes",
-        *SANDBOX,
+        *(SANDBOX if slots_group is None else _sandbox_keeping_slots(slots_group)),
         "ProtectHome=read-only",
         # OpenMP pins its threads (sched_setaffinity, in @resources): @system-service keeps it.
         "SystemCallFilter=@system-service",
@@ -134,7 +139,28 @@ def render_template(config: Config, engine: Engine, served: tuple[ServedModel, .
     return "\n".join(lines) + "\n"
 
 
-def render_dropin(instance: Instance, launch: Launch) -> str:
+def _sandbox_keeping_slots(group: str) -> list[str]:
+    """SANDBOX, for a server that saves its slots into its directory under SLOTS_DIR (root's
+    and `group`'s, mode 770, so no one else reaches in): it joins the group, and its files
+    are readable by the daemon, which is root without CAP_DAC_* and reads them to check a
+    restore (slot_keeper.py). A DynamicUser's own group is no use: its gid is allocated at
+    each start, and the daemon is not in it."""
+    return [f"SupplementaryGroups={escape_value(group)}",
+            *("UMask=0022" if line.startswith("UMask=") else line for line in SANDBOX)]
+
+
+def slot_save_arguments(engine: Engine, instance: Instance, launch: Launch, slots: bool) -> tuple[str, ...]:
+    """The engine's --slot-save-path under systemd: the instance's directory under SLOTS_DIR,
+    which the daemon makes before the unit starts (backends/systemd.py). None where the
+    instances keep no cache, the engine has no such option, or the operator named one."""
+    option = engine.slot_save_option
+    if not slots or option is None or option in launch.unit_argv:
+        return ()
+    return option, f"{slot_directory(Path(SLOTS_DIR), instance.name)}/"
+
+
+def render_dropin(instance: Instance, launch: Launch, slot_save: tuple[str, ...] = ()) -> str:
+    """`slot_save`: slot_save_arguments' (the path is also the one place it may write)."""
     env = " ".join(quote_arg(f"{k}={v}", command_line=False) for k, v in launch.environment)
     lines = [
         UNIT_MARKER,
@@ -145,7 +171,9 @@ def render_dropin(instance: Instance, launch: Launch) -> str:
         f"NUMAPolicy={instance.policy.value}",
         f"NUMAMask={format_list(instance.mems)}",
         f"Environment={env}",
-        "ExecStart=" + " ".join(quote_arg(a) for a in launch.unit_argv),
+        # "-": a directory missing is the server's own error to say ("not a directory").
+        *([f"ReadWritePaths=-{escape_value(slot_save[-1].rstrip('/'))}"] if slot_save else []),
+        "ExecStart=" + " ".join(quote_arg(a) for a in (*launch.unit_argv, *slot_save)),
     ]
     return "\n".join(lines) + "\n"
 
@@ -250,18 +278,24 @@ def render_port_dropin(config: Config) -> str | None:
 
 def render_units(config: Config, plan: Plan, frontdoor_user: str | None = FRONTDOOR_USER,
                  python: str | None = None, *, served: tuple[ServedModel, ...] | None = None,
-                 launched: dict[str, Launch] | None = None, engine: Engine | None = None) -> dict[str, str]:
+                 launched: dict[str, Launch] | None = None, engine: Engine | None = None,
+                 slots_group: str | None = None) -> dict[str, str]:
     """Relative path under the unit directory -> file content. `frontdoor_user`: see
-    `frontdoor_identity` (identity.systemd_frontdoor_user says which this host has).
+    `frontdoor_identity` (identity.systemd_frontdoor_user says which this host has);
+    `slots_group`: see `render_template` (identity.systemd_slots_group).
     `served`, `launched`, `engine`: the models, launches and engine validation worked out (validate/pipeline.py);
     None: this configuration's, for a caller that has not validated it."""
     models = served if served is not None else served_models(config)
     engine = engine if engine is not None else engine_of(config)
     starts = launched if launched is not None else launches(engine, models, plan)
     template = config.systemd.template
-    files = {template_unit(template): render_template(config, engine, models)}
+    slot_saves = {i.name: slot_save_arguments(engine, i, starts[i.name], slots_group is not None)
+                  for i in plan.instances}
+    # The group and the looser umask only where a server saves there.
+    keeping = slots_group if any(slot_saves.values()) else None
+    files = {template_unit(template): render_template(config, engine, models, keeping)}
     if config.frontend.enabled:
         files[FRONTDOOR_UNIT] = render_frontdoor_unit(config, frontdoor_user, python)
     for instance in plan.instances:
-        files[dropin(instance.name)] = render_dropin(instance, starts[instance.name])
+        files[dropin(instance.name)] = render_dropin(instance, starts[instance.name], slot_saves[instance.name])
     return files

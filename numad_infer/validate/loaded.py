@@ -67,6 +67,9 @@ class Loaded:
     # haproxy.cfg as `haproxy -c` passed it, for the front door's directory the load was
     # given (frontdoor/checked_config.py): what the daemon writes. None: no front door.
     haproxy_cfg: CheckedConfig | None = None
+    # The group of the instances' saved prompt caches under systemd, which the units were
+    # rendered with (identity.systemd_slots_group); None: they keep none across restarts.
+    slots_group: str | None = None
 
     @property
     def served(self) -> tuple[ServedModel, ...]:

@@ -23,7 +23,13 @@ from numad_infer.frontdoor.checked_config import render_checked
 from numad_infer.frontdoor.haproxy import check_haproxy
 from numad_infer.frontdoor.haproxy_config import Paths
 from numad_infer.host.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_units
-from numad_infer.host.identity import BackendKind, RunAs, instances_run_as, systemd_frontdoor_user
+from numad_infer.host.identity import (
+    BackendKind,
+    RunAs,
+    instances_run_as,
+    systemd_frontdoor_user,
+    systemd_slots_group,
+)
 from numad_infer.host.pinning import memory_calls
 from numad_infer.host.procfs import ProcReader
 from numad_infer.model.file import artifact_id, read_model
@@ -90,13 +96,15 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     # The units as systemd would run them, rendered once: what the systemd backend writes and
     # compares, and what `render` and `check` write or compare, under either backend.
     unit_user = systemd_frontdoor_user()
-    units = render_units(config, plan, unit_user, served=served, launched=launched, engine=engine)
+    slots_group = systemd_slots_group()
+    units = render_units(config, plan, unit_user, served=served, launched=launched, engine=engine,
+                         slots_group=slots_group)
     frontdoor_user = unit_user if kind == BackendKind.SYSTEMD else None
     # Processes are always this machine's, even with --fsroot.
     warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as),
                 *memory_call_warnings(memory_calls(), kind))
     return Loaded(source, config, topology, plan, kind, runs_as, engine, models, allowed, engine_cpu, warnings,
-                  api_key, frontdoor_user, units, launched, haproxy_cfg)
+                  api_key, frontdoor_user, units, launched, haproxy_cfg, slots_group)
 
 
 def _read_model(served: ServedModel, engine: Engine, source: str, runs_as: RunAs | None) -> LoadedModel:

@@ -213,3 +213,24 @@ def test_forget_removes_the_units_it_wrote_and_reloads_systemd(tmp_path: Path) -
     backend.forget(loaded.config)
     assert on_disk(unit_dir) == {"operator.service": "[Service]\nExecStart=/bin/true\n"}
     assert recorded(tmp_path) == ["daemon-reload", "daemon-reload"]
+
+
+def test_before_each_start_an_instance_that_keeps_its_slots_gets_its_directory_of_the_group(tmp_path: Path) -> None:
+    import grp
+    import os
+    import stat
+
+    group = grp.getgrgid(os.getgid()).gr_name  # one this user may give its own directory
+    backend = SystemdBackend(fake_systemctl(tmp_path, ""), slots_dir=tmp_path / "slots")
+    instance = make_plan(cfg(), three_nodes()).instances[1]
+    backend.start(instance)  # not synced with a configuration that keeps slots: nothing made
+    assert not (tmp_path / "slots").exists()
+    backend.sync(dataclasses.replace(systemd_loaded(tmp_path / "units"), slots_group=group))
+    backend.start(instance)
+    made = (tmp_path / "slots/infer-1").stat()
+    # The server (a DynamicUser in the group) writes; the daemon, its owner, reads and removes.
+    assert (stat.S_IMODE(made.st_mode), made.st_gid) == (0o770, os.getgid())
+    os.chmod(tmp_path / "slots/infer-1", 0o700)  # changed by hand: set again before a restart
+    backend.restart(instance)
+    assert stat.S_IMODE((tmp_path / "slots/infer-1").stat().st_mode) == 0o770
+    assert recorded(tmp_path)[-2:] == ["start --no-block -- infer@1.service", "restart --no-block -- infer@1.service"]

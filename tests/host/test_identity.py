@@ -171,3 +171,18 @@ def test_what_a_user_cannot_read_is_named_with_the_fix(tmp_path: Path) -> None:
     tmp_path.chmod(0o700)
     assert unreadable_reason(str(model), nobody) == (f"directory {tmp_path} is not searchable by nobody "
                                                      f"(chmod o+x {tmp_path})")
+
+
+def test_the_instance_units_keep_slots_only_where_the_group_and_a_writable_directory_exist(tmp_path: Path) -> None:
+    import grp
+    import os
+
+    from numad_infer.host.identity import systemd_slots_group
+
+    group = grp.getgrgid(os.getgid()).gr_name
+    assert systemd_slots_group(str(tmp_path / "missing"), group) is None  # an older daemon unit: start cold
+    assert systemd_slots_group(str(tmp_path), "no-such-group-here") is None  # a source install
+    assert systemd_slots_group(str(tmp_path), group) == group
+    if os.geteuid() != 0:  # root writes anyway (the daemon's own sandbox makes it read-only instead)
+        os.chmod(tmp_path, 0o555)
+        assert systemd_slots_group(str(tmp_path), group) is None

@@ -25,7 +25,7 @@ from numad_infer.supervision.kept_slots import (
     to_save,
     within_bound,
 )
-from numad_infer.engines.slot_cache import file_name
+from numad_infer.engines.slot_names import file_name
 from numad_infer.supervision.slot_keeper import SlotKeeper, model_file
 
 MODEL = ModelFile("/m/a.gguf", 100, 1)

@@ -263,3 +263,48 @@ def test_a_loopback_front_door_may_reach_instances_on_another_address_of_this_ma
     assert "IPAddressDeny=any" in lines and f"IPAddressAllow={allowed}" in lines
     public = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nhost = "{host}"\n[frontend]\nlisten = "0.0.0.0:8000"\n')
     assert not [l for l in render_frontdoor_unit(public).splitlines() if l.startswith("IPAddress")]
+
+
+def _llama_server_units(tmp_path: Path, extra: str = "", slots_group: str | None = "numa-infer") -> dict[str, str]:
+    config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-server"\n{extra}',
+                          "/etc/numa-infer.toml")
+    topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
+    return render_units(config, make_plan(config, topo), python="/usr/bin/python3", slots_group=slots_group)
+
+
+def test_under_systemd_a_server_saves_its_slots_in_its_own_directory_of_the_servers_group(tmp_path: Path) -> None:
+    from numad_infer.config.defaults import SLOTS_DIR
+
+    files = _llama_server_units(tmp_path)
+    template = dict(directives(files["infer@.service"]))
+    # The group that owns the directory; files the daemon (root, no CAP_DAC_*) can read.
+    assert values_of(files["infer@.service"], "SupplementaryGroups") == ["numa-infer"]
+    assert values_of(files["infer@.service"], "UMask") == ["0022"] and template["DynamicUser"] == "yes"
+    for node in (0, 1):
+        dropin = files[f"infer@{node}.service.d/50-numa-infer.conf"]
+        where = f"{SLOTS_DIR}/infer-{node}"
+        assert values_of(dropin, "ReadWritePaths") == [f"-{where}"]  # the one place it may write
+        exec_start = values_of(dropin, "ExecStart")[-1]
+        assert exec_start.endswith(f'"--slot-save-path" "{where}/"'), exec_start
+
+
+@pytest.mark.parametrize("extra, group", [
+    ("", None),  # the host cannot keep them (identity.systemd_slots_group): as before
+    ('extra_args = ["--slot-save-path", "/srv/slots/"]\n', "numa-infer"),  # the operator's own: left alone
+])
+def test_no_slot_directory_where_the_host_keeps_none_or_the_operator_named_one(tmp_path: Path, extra: str,
+                                                                              group: str | None) -> None:
+    files = _llama_server_units(tmp_path, extra, group)
+    assert values_of(files["infer@.service"], "UMask") == ["0077"]
+    assert "SupplementaryGroups" not in files["infer@.service"]
+    dropin = files["infer@0.service.d/50-numa-infer.conf"]
+    assert "ReadWritePaths" not in dropin
+    assert values_of(dropin, "ExecStart")[-1].count("--slot-save-path") == (1 if extra else 0)
+
+
+def test_an_engine_without_slot_files_gets_no_slot_directory(tmp_path: Path) -> None:
+    config = make_config()  # llama-cpp-python
+    topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
+    files = render_units(config, make_plan(config, topo), python="/usr/bin/python3", slots_group="numa-infer")
+    assert "--slot-save-path" not in files["infer@0.service.d/50-numa-infer.conf"]
+    assert "ReadWritePaths" not in files["infer@0.service.d/50-numa-infer.conf"]

@@ -1080,6 +1080,43 @@ def e6_client_leaves() -> str:
     return f"the request of a client that left stopped by the daemon, the task cancelled {took:.1f}s after it left"
 
 
+@scenario("e7-slots-kept")
+def e7_slots_kept() -> str:
+    """Under systemd, a prompt cache kept across `numa-infer restart` (issue 38, part 3): the
+    server (a DynamicUser in the group numa-infer) saves its slot into its directory under
+    /var/lib/numa-infer/slots, root's and the group's, mode 770; the daemon (root without
+    CAP_DAC_*) reads the file to check the restore, and a probe finds the prompt cached."""
+    import grp
+    import stat
+    port = inst(status(), "infer@0")["port"]
+    prompt = " ".join(["the placement of threads and pages on a NUMA host"] * 6)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": prompt, "max_tokens": 2}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=240) as resp:
+        json.load(resp)
+    since = now_str()
+    pid = main_pid("infer@0")
+    out = sh(NI, "restart", "0", timeout=600)
+    if "restarted: infer@0" not in out or main_pid("infer@0") == pid:
+        raise Fail(f"restart 0 did not restart infer@0: {out[-400:]}")
+    journal = wait(lambda: (j := journal_since(since)) and "prompt cache restored" in j and j, 120,
+                   "the daemon restoring infer@0's prompt cache")
+    saved = next(line for line in journal.splitlines() if "slot(s) of prompt cache" in line)
+    restored = next(line for line in journal.splitlines() if "prompt cache restored" in line)
+    for bad in ("not restored", "cannot make it private", "Permission denied", "no directory"):
+        if bad in journal:
+            raise Fail(f"the journal says {bad!r}: {journal[-1200:]}")
+    where = Path("/var/lib/numa-infer/slots/infer-0")
+    info = where.stat()
+    if (info.st_uid, grp.getgrgid(info.st_gid).gr_name, stat.S_IMODE(info.st_mode)) != (0, "numa-infer", 0o770):
+        raise Fail(f"{where}: uid {info.st_uid}, gid {info.st_gid}, mode {oct(info.st_mode)}")
+    left = sorted(p.name for p in where.iterdir())
+    if left:
+        raise Fail(f"files left after the restore (a saved file serves one restart): {left}")
+    return f"{saved.split(': ', 1)[-1]}; {restored.split(': ', 1)[-1]}; {where} root:numa-infer 770, emptied"
+
+
 @scenario("e5-one-instance-rollout")
 def e5_one_instance_rollout() -> str:
     """Under systemd, one instance on the host (issue 40): a new model file rolled out under
@@ -1754,7 +1791,7 @@ GROUPS = {
     "4x1": [s11_reserve],
     # e5 leaves one instance (nodes = [0]); e2 writes its own configuration and starts again.
     "engine": [e1_llama_server, s2_kill, s4_affinity, s8_daemon_kill, e3_model_rollout, e6_client_leaves,
-               e5_one_instance_rollout,
+               e7_slots_kept, e5_one_instance_rollout,
                e2_instances_elsewhere, e4_two_models, s9_stop],
     "bench": [b1_aggregate],
     "filter-cost": [b2_filter_cost],
