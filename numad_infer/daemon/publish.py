@@ -120,9 +120,11 @@ def _tenants(fd: Frontdoor) -> tuple[TenantStatus, ...]:
         # No entry in a table that was read: no request since HAProxy started.
         in_flight, last_minute = (count.in_flight, count.last_minute) if count else (
             (0, 0) if fd.stats is not None else (None, None))
-        out.append(TenantStatus(name, in_flight, last_minute, {} if used is None else used.answers,
-                                None if used is None else used.time_to_first_token,
-                                None if used is None else used.request_duration))
+        if used is None:
+            out.append(TenantStatus(name, in_flight, last_minute))
+            continue
+        out.append(TenantStatus(name, in_flight, last_minute, used.answers, used.time_to_first_token,
+                                used.request_duration, used.prompt_tokens, used.completion_tokens, used.counted))
     return tuple(out)
 
 

@@ -117,10 +117,12 @@ CONFIG_NAME = "haproxy.cfg"
 # HAProxy's timing line per request, to the daemon's socket of this name (request_log.py
 # reads it): the server, the status, the time to the first byte of the answer's body (a
 # variable the backend sets) and %Ta, the request's whole active time, both in ms. With
-# [[tenants]], then the tenant whose key it carried ("-": none), from the key file's map.
+# [[tenants]], then the tenant whose key it carried ("-": none), from the key file's map,
+# and the answer's prompt and completion tokens where HAProxy read them (tenants.token_rules).
 REQUEST_LOG_NAME = "requests.sock"
 REQUEST_LOG_FORMAT = "%s %ST %[var(txn.first_byte_ms)] %Ta"
-TENANT_LOG_FORMAT = f"{REQUEST_LOG_FORMAT} %[var({tenants.VARIABLE})]"
+TENANT_LOG_FORMAT = (f"{REQUEST_LOG_FORMAT} %[var({tenants.VARIABLE})] "
+                     + " ".join(f"%[var({v})]" for v in tenants.TOKEN_VARIABLES))  # "-" where not read
 STATE_NAME = "haproxy.state"
 
 
@@ -222,6 +224,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              *affinity.balance(front),
              *tenants.model_rule(config.tenants, model),
              *_first_byte(front),
+             *tenants.token_rules(config.tenants, _ms(front.request_timeout_s)),
              # Needed for retries (the request is replayed from the buffer) and for json_query.
              "    option http-buffer-request",
              "    retries 3",

@@ -11,10 +11,10 @@ token: for a stream it is the time to first token a client sees, for an answer s
 whole it is the whole answer, which is when such a client gets its first token too.
 
 Edge: a unix datagram socket the daemon binds in its run directory. HAProxy sends one
-line per request (haproxy_config.REQUEST_LOG_FORMAT: "<server> <status> <ttft ms> <active ms>
-<tenant>", the tenant "-" without `[[tenants]]`); a datagram counts only
-when the kernel says (SCM_CREDENTIALS) its sender is HAProxy's user or root, so another
-local user cannot write figures into the metrics.
+line per request (haproxy_config.REQUEST_LOG_FORMAT: "<server> <status> <ttft ms> <active
+ms>"; with `[[tenants]]`, then "<tenant> <prompt tokens> <completion tokens>", "-" where
+not known); a datagram counts only when the kernel says (SCM_CREDENTIALS) its sender is
+HAProxy's user or root, so another local user cannot write figures into the metrics.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import os
 import socket
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from numad_infer.util.histogram import (
@@ -48,26 +48,47 @@ class TenantUsage:
     answers: dict[str, int]  # by HTTP status ("200", "429"...), HAProxy's own refusals included
     time_to_first_token: Histogram  # requests an instance answered
     request_duration: Histogram
+    # Tokens as the engine reported them in answers sent whole (tenants.token_rules: not
+    # streams), and how many answers those are.
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    counted: int = 0
+
+
+@dataclass
+class _Tally:
+    answers: dict[str, int] = field(default_factory=dict)
+    first: Recorder = field(default_factory=lambda: Recorder(TIME_TO_FIRST_TOKEN_BOUNDS))
+    whole: Recorder = field(default_factory=lambda: Recorder(REQUEST_DURATION_BOUNDS))
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    counted: int = 0
+
+
+def _count(word: str) -> int | None:
+    return int(word) if word.isdigit() else None  # "-": not read (a stream, a refusal)
 
 
 class Timings:
-    """Per server: time to first token and request duration; per tenant, the same and the
-    answers by status. Filled from log lines."""
+    """Per server: time to first token and request duration; per tenant, the same, the
+    answers by status and the tokens HAProxy read. Filled from log lines."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._first: dict[str, Recorder] = {}
         self._whole: dict[str, Recorder] = {}
-        self._tenants: dict[str, tuple[dict[str, int], Recorder, Recorder]] = {}
+        self._tenants: dict[str, _Tally] = {}
 
     def record(self, line: str) -> bool:
         """One log line; False for one that is not a served request's (nothing recorded per
         server; a tenant's refusal is still counted for the tenant)."""
         words = line.split()
-        if len(words) not in (4, 5):  # 4: a HAProxy started before tenants were logged
+        # 4: a HAProxy started before tenants were logged; 5: before their tokens were.
+        if len(words) not in (4, 5, 7):
             return False
         server, status, first_ms, active_ms = words[:4]
-        tenant = words[4] if len(words) == 5 and words[4] != "-" else None
+        tenant = words[4] if len(words) >= 5 and words[4] != "-" else None
+        tokens = (_count(words[5]), _count(words[6])) if len(words) == 7 else (None, None)
         try:
             first, whole = int(first_ms) / 1000, int(active_ms) / 1000
         except ValueError:
@@ -75,12 +96,15 @@ class Timings:
         served = not server.startswith("<") and first >= 0 and whole >= 0  # <NOSRV>: HAProxy's own answer
         with self._lock:
             if tenant is not None and status.isdigit():
-                answers, tenant_first, tenant_whole = self._tenants.setdefault(
-                    tenant, ({}, Recorder(TIME_TO_FIRST_TOKEN_BOUNDS), Recorder(REQUEST_DURATION_BOUNDS)))
-                answers[status] = answers.get(status, 0) + 1
+                tally = self._tenants.setdefault(tenant, _Tally())
+                tally.answers[status] = tally.answers.get(status, 0) + 1
                 if served:
-                    tenant_first.observe(first)
-                    tenant_whole.observe(whole)
+                    tally.first.observe(first)
+                    tally.whole.observe(whole)
+                if served and tokens[0] is not None and tokens[1] is not None:
+                    tally.prompt_tokens += tokens[0]
+                    tally.completion_tokens += tokens[1]
+                    tally.counted += 1
             if served:
                 self._first.setdefault(server, Recorder(TIME_TO_FIRST_TOKEN_BOUNDS)).observe(first)
                 self._whole.setdefault(server, Recorder(REQUEST_DURATION_BOUNDS)).observe(whole)
@@ -94,8 +118,9 @@ class Timings:
     def tenants(self) -> dict[str, TenantUsage]:
         """tenant -> its usage since the daemon started."""
         with self._lock:
-            return {name: TenantUsage(dict(answers), first.snapshot(), whole.snapshot())
-                    for name, (answers, first, whole) in self._tenants.items()}
+            return {name: TenantUsage(dict(t.answers), t.first.snapshot(), t.whole.snapshot(), t.prompt_tokens,
+                                      t.completion_tokens, t.counted)
+                    for name, t in self._tenants.items()}
 
 
 class RequestLog:

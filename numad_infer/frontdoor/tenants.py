@@ -53,6 +53,8 @@ HEADER = "# numa-infer: written by the daemon from the [[tenants]] key files; do
 # A request's own class, when lower than its tenant's (docs/frontdoor.md, "Priority").
 PRIORITY_HEADER = "x-priority"
 VARIABLE = "txn.tenant"  # the tenant's name, once its key is known (request_log.py may log it)
+# An answer's token counts as the engine reported them (`usage`), where HAProxy can read it.
+TOKEN_VARIABLES = ("txn.prompt_tokens", "txn.completion_tokens")
 
 
 def keys_text(keys: Sequence[TenantKey]) -> str:
@@ -118,6 +120,24 @@ def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key:
               f"    http-request del-header {PRIORITY_HEADER}"]
     lines.append(f"    http-request set-header Authorization %[str({_UPSTREAM_ENTRY}),map({upstream})]" if instance_key
                  else "    http-request del-header Authorization")
+    return lines
+
+
+def token_rules(tenants: Sequence[TenantEntry], timeout: str) -> list[str]:
+    """A backend's rules that read an answer's `usage` (OpenAI's prompt_tokens and
+    completion_tokens, which llama-server sends) into TOKEN_VARIABLES, for the request's log
+    line (request_log.py). Only an answer sent whole (JSON) that fits HAProxy's buffer: the
+    engine sends it at once when done, so holding it costs nothing. A stream's counts come
+    in its last event, which HAProxy passes on without reading (only a Lua filter, which
+    HAProxy calls experimental, could): streams are not counted, and neither is a longer
+    answer (HAProxy passes it on once its buffer is full). `timeout`: the request's bound."""
+    if not tenants:
+        return []
+    whole = "{ res.hdr(content-type) -m beg -i application/json }"
+    # at-least past any buffer: wait for the whole answer, or until the buffer is full.
+    lines = [f"    http-response wait-for-body time {timeout} at-least 64m if {whole}"]
+    for variable, field in zip(TOKEN_VARIABLES, ("prompt_tokens", "completion_tokens"), strict=True):
+        lines.append(f"    http-response set-var({variable}) res.body,json_query('$.usage.{field}','int') if {whole}")
     return lines
 
 

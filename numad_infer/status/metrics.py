@@ -195,16 +195,26 @@ def _tenant_metrics(tenants: tuple[TenantStatus, ...]) -> Iterator[Metric]:
     whole = HistogramMetricFamily("numa_infer_tenant_request_duration_seconds",
                                   "As numa_infer_request_duration_seconds, for the tenant's requests",
                                   labels=["tenant"])
+    tokens = CounterMetricFamily("numa_infer_tenant_tokens",
+                                 "Tokens the engine reported in the tenant's answers sent whole (streams are not "
+                                 "counted), by kind: prompt or completion", labels=["tenant", "kind"])
+    counted = CounterMetricFamily("numa_infer_tenant_token_counted_answers",
+                                  "The tenant's answers whose tokens numa_infer_tenant_tokens_total counts",
+                                  labels=["tenant"])
     for tenant in tenants:
         for code, count in sorted(tenant.answers.items()):
             answers.add_metric([tenant.name, code], count)
+        if tenant.answers:  # as the answers: a tenant that sent nothing has no series yet
+            tokens.add_metric([tenant.name, "prompt"], tenant.prompt_tokens)
+            tokens.add_metric([tenant.name, "completion"], tenant.completion_tokens)
+            counted.add_metric([tenant.name], tenant.counted_answers)
         if tenant.in_flight is not None and tenant.last_minute is not None:
             in_flight.add_metric([tenant.name], tenant.in_flight)
             last_minute.add_metric([tenant.name], tenant.last_minute)
         for family, histogram in ((first, tenant.time_to_first_token), (whole, tenant.request_duration)):
             if histogram is not None:
                 family.add_metric([tenant.name], histogram.cumulative(), histogram.sum)
-    yield from (answers, in_flight, last_minute, first, whole)
+    yield from (answers, in_flight, last_minute, first, whole, tokens, counted)
 
 
 def _daemon_metrics(snap: Status) -> Iterator[Metric]:

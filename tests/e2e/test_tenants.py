@@ -79,8 +79,8 @@ def test_tenant_keys_gate_the_front_door_rotate_by_reload_and_appear_nowhere(dae
     pids = {i["name"]: i["pid"] for i in state["instances"]}
 
     # team-a's key rotated while a request of team-b runs: a reload that restarts nothing.
-    during: list[int] = []
-    running = threading.Thread(target=lambda: during.append(completion(door, KEY_B, max_tokens=48)[0]))
+    during: list[tuple[int, dict]] = []
+    running = threading.Thread(target=lambda: during.append(completion(door, KEY_B, max_tokens=48)))
     running.start()
     secret(keys / "a", KEY_A_NEW)
     reload = run.cli("reload")
@@ -89,24 +89,31 @@ def test_tenant_keys_gate_the_front_door_rotate_by_reload_and_appear_nowhere(dae
     assert completion(door, KEY_A)[0] == 401
     assert completion(door, KEY_A_NEW)[0] == 200
     running.join(60)
-    assert during == [200]
+    assert [status for status, _ in during] == [200]
     state = run.wait(lambda s: all(i["state"] == "healthy" for i in s["instances"]), 30, "still healthy")
     assert {i["name"]: i["pid"] for i in state["instances"]} == pids
 
     # Usage per tenant, in status and the metrics: team-a's answers (its 401s carried no
     # known key, so they are no one's), team-b's across the rotation. The stick table's
     # counts start again with the reloaded HAProxy: the last minute holds the later one.
-    assert completion(door, KEY_B)[0] == 200
+    status, last = completion(door, KEY_B)
+    assert status == 200
     state = run.wait(lambda s: _answers(s, "team-a").get("200", 0) >= 2 and _answers(s, "team-b").get("200") == 2
                      and _tenant(s, "team-b")["last_minute"] == 1, 30, "the tenants' answers counted")
     tenant_b = _tenant(state, "team-b")
     assert tenant_b["in_flight"] == 0 and tenant_b["time_to_first_token"]["count"] == 2
+    # Its tokens, as llama-server reported them in the two answers (sent whole, not streamed).
+    reported = [answer["usage"] for _, answer in during] + [last["usage"]]
+    assert (tenant_b["prompt_tokens"], tenant_b["completion_tokens"], tenant_b["counted_answers"]) == (
+        sum(u["prompt_tokens"] for u in reported), sum(u["completion_tokens"] for u in reported), 2)
     text = run.cli("status").stdout
     assert "  tenant team-a: 0 in flight" in text and "200 x" in text, text
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
         metrics = response.read().decode()
     assert 'numa_infer_tenant_requests_total{code="200",tenant="team-a"}' in metrics
     assert 'numa_infer_tenant_time_to_first_token_seconds_count{tenant="team-b"} 2.0' in metrics
+    completion_tokens = float(tenant_b["completion_tokens"])
+    assert f'numa_infer_tenant_tokens_total{{kind="completion",tenant="team-b"}} {completion_tokens}' in metrics
 
     # No key anywhere an operator or another user looks: argv, the logs, the state file,
     # `status --json`, the metrics, haproxy.cfg.

@@ -177,3 +177,17 @@ def test_a_tenants_answers_are_counted_by_status_and_its_served_ones_timed() -> 
     assert usage["team-a"].answers == {"200": 1, "429": 1, "502": 1}
     assert usage["team-a"].time_to_first_token.count == 1 and usage["team-a"].request_duration.sum == 0.6
     assert timings.snapshot()["infer-0"][0].count == 2
+
+
+def test_a_tenants_tokens_are_added_up_where_haproxy_read_them() -> None:
+    timings = Timings()
+    for line in ("infer-0 200 40 600 team-a 120 30",  # an answer sent whole: its usage
+                 "infer-0 200 40 600 team-a - -",  # a stream: not read
+                 "<NOSRV> 429 - 0 team-a - -",
+                 "infer-0 200 40 600 team-a 7 -",  # half a count is none
+                 "infer-1 200 10 90 team-b 5 2"):
+        timings.record(line)
+    used = timings.tenants()
+    assert (used["team-a"].prompt_tokens, used["team-a"].completion_tokens, used["team-a"].counted) == (120, 30, 1)
+    assert used["team-a"].answers == {"200": 3, "429": 1}
+    assert (used["team-b"].prompt_tokens, used["team-b"].completion_tokens, used["team-b"].counted) == (5, 2, 1)

@@ -58,7 +58,18 @@ class _Echo(BaseHTTPRequestHandler):
         body = self.rfile.read(int(self.headers["Content-Length"]))
         if SLOW.encode() in body:
             time.sleep(2)
-        self._answer({"authorization": self.headers.get("Authorization"), "port": self.server.server_port})
+        usage = {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}  # as llama-server reports them
+        if b'"stream": true' in body:  # as llama-server streams: the counts in the last event
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for event in ({"choices": [{"delta": {"content": "hi"}}]}, {"choices": [], "usage": usage}):
+                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.close_connection = True
+            return
+        self._answer({"authorization": self.headers.get("Authorization"), "port": self.server.server_port,
+                      "usage": usage})
 
 
 class _Server(ThreadingHTTPServer):
@@ -300,15 +311,46 @@ def test_status_and_metrics_show_each_tenant_with_labels_from_the_configuration_
     from numad_infer.util.histogram import Histogram
 
     first = Histogram((0.1, 1.0), (1, 1, 0), 0.55, 2)
-    shown = (TenantStatus("team-a", 1, 5, {"200": 4, "429": 2}, first, first), TenantStatus("team-b"))
+    shown = (TenantStatus("team-a", 1, 5, {"200": 4, "429": 2}, first, first, 120, 30, 3), TenantStatus("team-b"))
     assert _tenant_line(shown[0]) == ("  tenant team-a: 1 in flight, 5 let through in the last minute; answers since "
-                                      "the daemon started: 200 x4, 429 x2")
+                                      "the daemon started: 200 x4, 429 x2; tokens 120 prompt, 30 completion in 3 "
+                                      "answer(s) sent whole")
     assert _tenant_line(shown[1]) == "  tenant team-b: answers since the daemon started: none"
     families = {f.name: f for f in _tenant_metrics(shown)}
     assert [(s.labels, s.value) for s in families["numa_infer_tenant_requests"].samples if s.name.endswith("_total")] \
         == [({"tenant": "team-a", "code": "200"}, 4), ({"tenant": "team-a", "code": "429"}, 2)]
     assert [s.labels["tenant"] for s in families["numa_infer_tenant_requests_in_flight"].samples] == ["team-a"]
+    assert [(s.labels, s.value) for s in families["numa_infer_tenant_tokens"].samples if s.name.endswith("_total")] \
+        == [({"tenant": "team-a", "kind": "prompt"}, 120), ({"tenant": "team-a", "kind": "completion"}, 30)]
     assert {s.labels["tenant"] for f in families.values() for s in f.samples} == {"team-a"}
+
+
+@with_haproxy
+def test_each_tenants_tokens_are_counted_from_the_answers_it_got_whole(door_with) -> None:
+    door = door_with()
+    timings = door.door.requests.timings
+    wait_for(lambda: "team-a" in timings.tenants(), "the first request's log line")  # the fixture's own
+    before = timings.tenants()["team-a"]
+    for _ in range(3):
+        assert post(door.port, KEY_A).status == 200
+    assert post(door.port, KEY_B, more={}).status == 200
+    streamed = post_stream(door.port, KEY_A)
+    assert b'"usage"' in streamed  # the engine reported them; HAProxy passed the stream on unread
+    wait_for(lambda: timings.tenants()["team-a"].answers.get("200", 0) == before.answers.get("200", 0) + 4,
+             "the log lines of team-a's requests", detail=door.log)
+    used = timings.tenants()["team-a"]
+    assert (used.prompt_tokens - before.prompt_tokens, used.completion_tokens - before.completion_tokens,
+            used.counted - before.counted) == (33, 9, 3)  # the three answers sent whole; not the stream
+    wait_for(lambda: timings.tenants().get("team-b") is not None, "team-b's line")
+    assert (timings.tenants()["team-b"].prompt_tokens, timings.tenants()["team-b"].counted) == (11, 1)
+
+
+def post_stream(port: int, key: str) -> bytes:
+    data = json.dumps({"model": "alpha", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=data,
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=30) as response:
+        return response.read()
 
 
 @with_haproxy
