@@ -15,14 +15,22 @@ they answer at once, or after `--service-ms`, so what is measured is the front d
    interactive tenant's client asks now and then; each one's queue wait (latency less the
    service time), p50 (goal: interactive <= 1/5 of batch).
 
-    .venv/bin/python bench/tenants.py [--quick] [--service-ms 50]
+With `--engine llama-server`, isolation and priority run over real llama-server instances
+(one thread each, pinned to a CPU of their own where there are enough) on a generated model
+instead of stubs: each request a chat prompt of its own (no cache to reuse), one token
+asked, so its latency is its time to first token; the queue wait is the latency less the
+median of requests sent alone.
+
+    .venv/bin/python bench/tenants.py [--quick] [--service-ms 50] [--engine llama-server [--size small]] [--polite]
 """
 
 from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -39,7 +47,7 @@ from numad_infer.config.tenants import TenantKey  # noqa: E402
 from numad_infer.frontdoor import tenants  # noqa: E402
 from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy, write_config  # noqa: E402
 from numad_infer.plan.model import Plan  # noqa: E402
-from tests.daemon_harness import free_port_block  # noqa: E402
+from tests.daemon_harness import free_port_block, generated_model, llama_server_binary  # noqa: E402
 from tests.engines.test_builtin_engines import plan_for  # noqa: E402
 from tests.daemon_harness import wait_for  # noqa: E402
 from tests.frontdoor.harness import HAPROXY, _accepts  # noqa: E402
@@ -54,8 +62,11 @@ def key_of(name: str) -> str:
 class Door:
     """HAProxy over stubs for a single model, with `tables` ([[tenants]]) and their keys."""
 
-    def __init__(self, tmp: Path, tables: list[str], service_ms: int = 0, parallel: int = 1) -> None:
+    def __init__(self, tmp: Path, tables: list[str], service_ms: int = 0, parallel: int = 1,
+                 model: Path | None = None) -> None:
+        """`model`: real llama-server instances on it instead of stubs."""
         tmp.mkdir()
+        self.model, self.parallel = model, parallel
         base = free_port_block(5)
         text = "".join(f'[[tenants]]\nkey_file = "/k/{n}"\n{t}' for n, t in enumerate(tables))
         self.config = parse_config(f'{MODEL}[server]\nbase_port = {base + 1}\nengine = "llama-server"\n'
@@ -76,10 +87,18 @@ class Door:
             raise
 
     def _start(self, tmp: Path, plan: Plan, script: Path) -> None:
-        for instance in plan.instances:
-            self.procs.append(subprocess.Popen([sys.executable, str(script), instance.name, str(instance.port)]))
+        cpus = sorted(os.sched_getaffinity(0))
+        for n, instance in enumerate(plan.instances):
+            if self.model is None:
+                argv = [sys.executable, str(script), instance.name, str(instance.port)]
+            else:
+                argv = ["taskset", "-c", str(cpus[n % len(cpus)]), str(llama_server_binary()), "--model",
+                        str(self.model), "--host", "127.0.0.1", "--port", str(instance.port), "--parallel",
+                        str(self.parallel), "--ctx-size", str(1024 * self.parallel), "--threads", "1",
+                        "--threads-batch", "1", "--no-webui"]
+            self.procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for port in self.stubs:
-            wait_for(lambda port=port: _accepts(port), f"stub on {port}")  # type: ignore[misc]
+            wait_for(lambda port=port: _healthy(port), f"instance on {port}", timeout_s=120)  # type: ignore[misc]
         run = tmp / "run"
         run.mkdir()
         paths = paths_in(run, run / "haproxy.sock")
@@ -96,6 +115,26 @@ class Door:
         for proc in self.procs:
             proc.kill()
             proc.wait()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        conn.request("GET", "/health")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+
+
+_asked = itertools.count()
+
+
+def prompt(real: bool) -> bytes:
+    """The stubs' body; for a real engine, a prompt of its own each time (nothing cached)."""
+    if not real:
+        return body("alpha")
+    words = " ".join(f"w{next(_asked)}x{n}" for n in range(60))
+    return json.dumps({"messages": [{"role": "user", "content": words}], "max_tokens": 1, "model": "alpha"}).encode()
 
 
 def once(port: int, data: bytes, key: str | None) -> tuple[float, int]:
@@ -132,24 +171,28 @@ def gate_cost(tmp: Path, count: int) -> None:
     print(f"  the tenants' rules add, p50: {p50['100 tenants'] - p50['no tenants']:.3f} ms (goal <= 0.5 ms)")
 
 
-def isolation(tmp: Path, count: int, service_ms: int) -> None:
+def isolation(tmp: Path, count: int, service_ms: int, model: Path | None = None, polite: bool = False) -> None:
+    """`polite`: the flood's clients wait out each 429's Retry-After (1 s) before asking again,
+    as the OpenAI clients do; otherwise they ask again at once."""
     tables = ['name = "quiet"\n', 'name = "flood"\nmax_in_flight = 2\n']
-    door = Door(tmp / "isolation", tables, service_ms, parallel=2)
-    data = body("alpha")
+    door = Door(tmp / "isolation", tables, service_ms, parallel=2, model=model)
+    real = model is not None
     stop = threading.Event()
     flood: dict[int, int] = {}
     lock = threading.Lock()
 
     def flooder() -> None:
         while not stop.is_set():
-            status = once(door.port, data, key_of("flood"))[1]
+            status = once(door.port, prompt(real), key_of("flood"))[1]
             with lock:
                 flood[status] = flood.get(status, 0) + 1
+            if polite and status == 429:
+                stop.wait(1.0)
 
     def quiet() -> tuple[list[float], int]:
         times, refused = [], 0
         for _ in range(count):
-            took, status = once(door.port, data, key_of("quiet"))
+            took, status = once(door.port, prompt(real), key_of("quiet"))
             times.append(took)
             refused += status != 200
         return times, refused
@@ -166,8 +209,10 @@ def isolation(tmp: Path, count: int, service_ms: int) -> None:
             thread.join(60)
     finally:
         door.stop()
-    print(f"isolation: upstreams take {service_ms} ms, 2 instances x 2 slots; quiet sends {count} one at a time, "
-          "flood keeps 20 in flight (limit 2):")
+    upstreams = f"llama-server on {model.name}" if model is not None else f"upstreams take {service_ms} ms"
+    retry = "waiting out Retry-After" if polite else "asking again at once after a 429"
+    print(f"isolation: {upstreams}, 2 instances x 2 slots; quiet sends {count} one at a time, "
+          f"flood keeps 20 in flight (limit 2), {retry}:")
     for name, values, refused in (("alone", alone, refused_alone), ("beside flood", beside, refused_beside)):
         print(f"  quiet {name:<13} p50 {pct(values, 0.5) * 1000:7.1f} ms  p99 {pct(values, 0.99) * 1000:7.1f} ms  "
               f"refused {refused}")
@@ -175,19 +220,22 @@ def isolation(tmp: Path, count: int, service_ms: int) -> None:
           f"flood's answers: {json.dumps(dict(sorted(flood.items())))}")
 
 
-def priority(tmp: Path, count: int, service_ms: int) -> None:
+def priority(tmp: Path, count: int, service_ms: int, model: Path | None = None) -> None:
     """The instances kept busy by a batch tenant; an interactive tenant's requests among its
-    queued ones. The queue wait of each: its latency less the service time."""
+    queued ones. The queue wait of each: its latency less the service time (a real engine's:
+    the median of requests sent alone, measured first)."""
     tables = ['name = "chat"\n', 'name = "bulk"\npriority = "batch"\n']
-    door = Door(tmp / "priority", tables, service_ms, parallel=2)
-    data = body("alpha")
+    door = Door(tmp / "priority", tables, service_ms, parallel=2, model=model)
+    real = model is not None
+    if real:
+        service_ms = int(pct([once(door.port, prompt(real), key_of("chat"))[0] for _ in range(10)], 0.5) * 1000)
     stop = threading.Event()
     waits: dict[str, list[float]] = {"chat": [], "bulk": []}
     lock = threading.Lock()
 
     def client(tenant: str, pause_s: float) -> None:
         while not stop.is_set():
-            took, status = once(door.port, data, key_of(tenant))
+            took, status = once(door.port, prompt(real), key_of(tenant))
             if status == 200:
                 with lock:
                     waits[tenant].append(max(0.0, took - service_ms / 1000))
@@ -207,7 +255,8 @@ def priority(tmp: Path, count: int, service_ms: int) -> None:
     finally:
         door.stop()
     p50 = {name: pct(values, 0.5) * 1000 for name, values in waits.items()}
-    print(f"priority: upstreams take {service_ms} ms, 2 instances x 2 slots, 12 batch clients without pause, one "
+    upstreams = f"llama-server on {model.name} ({service_ms} ms alone)" if model else f"upstreams take {service_ms} ms"
+    print(f"priority: {upstreams}, 2 instances x 2 slots, 12 batch clients without pause, one "
           f"interactive client; queue wait p50: interactive {p50['chat']:.1f} ms ({len(waits['chat'])} requests), "
           f"batch {p50['bulk']:.1f} ms ({len(waits['bulk'])}); ratio {p50['chat'] / max(p50['bulk'], 1e-9):.2f} "
           "(goal <= 0.2)")
@@ -217,11 +266,16 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--service-ms", type=int, default=50)
+    parser.add_argument("--engine", choices=["stub", "llama-server"], default="stub")
+    parser.add_argument("--size", default="small", help="the generated model for --engine llama-server")
+    parser.add_argument("--polite", action="store_true", help="the flood waits out each 429's Retry-After")
     args = parser.parse_args()
+    model = generated_model(args.size) if args.engine == "llama-server" else None
     with tempfile.TemporaryDirectory() as tmp:
-        gate_cost(Path(tmp), 300 if args.quick else 2000)
-        isolation(Path(tmp), 50 if args.quick else 200, args.service_ms)
-        priority(Path(tmp), 30 if args.quick else 100, args.service_ms * 4)
+        if model is None:  # the gate's cost is HAProxy's alone
+            gate_cost(Path(tmp), 300 if args.quick else 2000)
+        isolation(Path(tmp), 50 if args.quick else 200, args.service_ms, model, args.polite)
+        priority(Path(tmp), 30 if args.quick else 100, args.service_ms * 4, model)
     return 0
 
 
