@@ -120,15 +120,21 @@ def systemd_frontdoor_user(name: str = FRONTDOOR_USER) -> str | None:
     return None if found is None else found.name
 
 
+def group_exists(name: str) -> bool:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return False
+    return True
+
+
 def systemd_slots_group(root: str = SLOTS_DIR, group: str = SLOTS_GROUP) -> str | None:
     """The group the instance units join to keep their prompt caches in `root` (the
     daemon's StateDirectory=), or None where that cannot work and restarts start cold: no
     such group (a source install), or `root` missing or not writable here (an older
     unit, a command run by someone else), where a --slot-save-path would keep every
     server from starting ("not a directory")."""
-    try:
-        grp.getgrnam(group)
-    except KeyError:
+    if not group_exists(group):
         return None
     return group if os.path.isdir(root) and os.access(root, os.W_OK) else None
 

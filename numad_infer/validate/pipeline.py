@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from numad_infer.config.apikey import read_api_key, read_tenant_keys
+from numad_infer.config.defaults import SLOTS_DIR, SLOTS_GROUP
 from numad_infer.config.load import load_config
 from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
@@ -24,8 +25,10 @@ from numad_infer.frontdoor.haproxy import check_haproxy
 from numad_infer.frontdoor.haproxy_config import Paths
 from numad_infer.host.cpufeatures import EngineCpuReport, cpuinfo_flags, idle_units
 from numad_infer.host.identity import (
+    CREATE_USERS,
     BackendKind,
     RunAs,
+    group_exists,
     instances_run_as,
     systemd_frontdoor_user,
     systemd_slots_group,
@@ -102,7 +105,7 @@ def validate(config: Config, source: str, topology: Topology, kind: BackendKind,
     frontdoor_user = unit_user if kind == BackendKind.SYSTEMD else None
     # Processes are always this machine's, even with --fsroot.
     warnings = (*plan.warnings, *engine_warnings, *host_warnings(ProcReader("/"), runs_as),
-                *memory_call_warnings(memory_calls(), kind))
+                *memory_call_warnings(memory_calls(), kind), *_slot_warnings(kind, engine))
     return Loaded(source, config, topology, plan, kind, runs_as, engine, models, allowed, engine_cpu, warnings,
                   api_key, frontdoor_user, units, launched, haproxy_cfg, slots_group)
 
@@ -132,6 +135,18 @@ def current_artifacts(served: tuple[ServedModel, ...], engine: Engine) -> str:
     """Every model's artifacts as they are on disk now, in order (`Loaded.artifacts` is
     what was loaded): the daemon compares the two."""
     return "; ".join(artifacts(model, engine) for model in served)
+
+
+def _slot_warnings(kind: BackendKind, engine: Engine) -> list[str]:
+    """Under systemd, a host without the group the instances' units save their prompt caches
+    as (a source install) restarts every instance cold. Silent while only the directory is
+    missing: the daemon's unit makes it (StateDirectory=) when it starts, after a `check`."""
+    if kind != BackendKind.SYSTEMD or engine.slot_save_option is None:
+        return []
+    if group_exists(SLOTS_GROUP):
+        return []
+    return [f"group {SLOTS_GROUP} does not exist on this host: the restarts numa-infer makes start each instance "
+            f"with an empty prompt cache (none is saved under {SLOTS_DIR}); {CREATE_USERS}"]
 
 
 def _idle_unit_warnings(report: EngineCpuReport) -> list[str]:

@@ -220,3 +220,30 @@ def test_haproxy_cfg_is_rendered_once_for_the_front_doors_directory_and_written_
         assert door.paths.config.read_text() == loaded.haproxy_cfg.text
     finally:
         door.stop()
+
+
+@pytest.mark.parametrize("group, slots", [(False, False), (True, False), (True, True)])
+def test_under_systemd_the_units_keep_slots_where_the_host_can_and_a_host_without_the_group_is_told(
+        tmp_path: Path, host, monkeypatch: pytest.MonkeyPatch, group: bool, slots: bool) -> None:
+    from numad_infer.engines.llama_server import LlamaServer
+    from numad_infer.host import identity
+    from numad_infer.validate import pipeline
+
+    model, server = host
+    # Whether a DynamicUser can run the stand-in binary is another test's (engines/).
+    monkeypatch.setattr(LlamaServer, "check_host", lambda self, config, source, host: [])
+    root = tmp_path / "slots"
+    if slots:
+        root.mkdir()
+    monkeypatch.setattr(identity, "group_exists", lambda name: group)
+    monkeypatch.setattr(pipeline, "group_exists", lambda name: group)
+    monkeypatch.setattr(pipeline, "systemd_slots_group",
+                        lambda: identity.systemd_slots_group(str(root), "numa-infer"))
+    loaded = validate(parse_config(_single(model, server), SOURCE), SOURCE, small_nodes(tmp_path / "n", 4),
+                      BackendKind.SYSTEMD, unit_dirs=())
+    told = [w for w in loaded.warnings if "empty prompt cache" in w]
+    assert len(told) == (0 if group else 1), loaded.warnings
+    # The units and the value carried say the same: a --slot-save-path only where kept.
+    assert loaded.slots_group == ("numa-infer" if slots else None)
+    dropin = loaded.units["infer@0.service.d/50-numa-infer.conf"]
+    assert ("--slot-save-path" in dropin) is slots

@@ -510,11 +510,22 @@ def s1d_tenants() -> str:
              if p.is_file() and "vm-tenant-" in p.read_text(errors="replace")]
     if leaks or "vm-tenant-" in sh("journalctl", "--no-pager", "-o", "cat", "--since", "-10min", check=False):
         raise Fail(f"a tenant's key is readable in {leaks or 'the journal'}")
+    # Its tokens, as the engine reported them in its answers (sent whole), from HAProxy's
+    # unit to the daemon's socket.
+    def team_b_tokens() -> dict | None:
+        found = [t for t in (status().get("frontdoor") or {}).get("tenants", []) if t["name"] == "team-b"]
+        return found[0] if found and found[0]["counted_answers"] > len(results) // 2 else None
+
+    used = wait(team_b_tokens, 60, "team-b's tokens in status")
+    if not (used["prompt_tokens"] > 0 and 0 < used["completion_tokens"] <= 4 * used["counted_answers"]):
+        raise Fail(f"team-b's tokens: {used}")
     write_config(server_extra=f'api_key_file = "{instance_key}"')  # 9-stop's load sends no tenant key
     sh(NI, "reload", timeout=300)
     wait(lambda: ask("vm-key-42") == 200, 60, "the front door without tenants")
     return (f"answers {codes}; {mapped.name} root:{group} 640; rotation: {len(results)} requests of team-b, 0 "
-            "failed, old key 401, no instance restarted; no key in units, haproxy.cfg or the journal")
+            "failed, old key 401, no instance restarted; no key in units, haproxy.cfg or the journal; team-b's "
+            f"tokens {used['prompt_tokens']} prompt, {used['completion_tokens']} completion in "
+            f"{used['counted_answers']} answers")
 
 
 @scenario("2-kill-instance")
