@@ -44,6 +44,7 @@ from numad_infer.status.records import (
     InstanceStatus,
     ModelStatus,
     Status,
+    TenantStatus,
 )
 from numad_infer.tune import bandwidth_file as bandwidthfile
 from numad_infer.util.histogram import REQUEST_DURATION_BOUNDS, TIME_TO_FIRST_TOKEN_BOUNDS, Histogram, Recorder
@@ -54,6 +55,7 @@ RULES_TEST = ROOT / "packaging/prometheus/numa-infer-rules.test.yml"
 DASHBOARD = ROOT / "packaging/grafana/numa-infer.json"
 # Not "numa-infer": the rules and the dashboard select no job name (a PodMonitor names it so).
 JOB = "ml/numa-infer"
+TENANT_KEY = "team-a-" + "7" * 32
 
 # Alert expressions that are empty on a healthy host (that is what makes them alerts), each
 # with the series inside it that must exist for the alert to be able to fire at all. Each
@@ -126,8 +128,10 @@ def _full_status() -> Status:
                           request_duration=_histogram(REQUEST_DURATION_BOUNDS, 1.5, 4.0))
     out = InstanceStatus(name="infer@1", node=1, cpus=(1,), mems=(1,), threads=1, port=8081, pid=2,
                          state=State.UNHEALTHY, rotation="MAINT", in_flight=0, queued=0)
+    tenant = TenantStatus("team-a", 1, 5, {"200": 4, "429": 1}, _histogram(TIME_TO_FIRST_TOKEN_BOUNDS, 0.3),
+                          _histogram(REQUEST_DURATION_BOUNDS, 1.5), 120, 30, 3)
     front = FrontdoorStatus("127.0.0.1:8000", True, queued=3, in_flight=1, queue_size=64,
-                            responses={"2xx": 40, "5xx": 2})
+                            responses={"2xx": 40, "5xx": 2}, tenants=(tenant,))
     daemon = DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml", pass_duration_s=0.01, min_local_fraction=0.9)
     models = (ModelStatus("", (), ("infer@0", "infer@1"), True, None, queued=3, in_flight=1),)
     return Status(daemon, (inst, out), front, models)
@@ -314,10 +318,11 @@ def _rules_without_waiting(tmp: Path) -> Path:
     return path
 
 
-def _completion(port: int) -> None:
+def _completion(port: int, key: str | None = None) -> None:
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
                                      data=json.dumps({"prompt": "hello", "max_tokens": 8}).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {key}"} if key else {})})
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
 
@@ -325,10 +330,16 @@ def _completion(port: int) -> None:
 def test_live_prometheus_answers_every_dashboard_query_and_a_killed_instance_held_down_fires(
         tmp_path: Path, prometheus) -> None:
     metrics_port = free_port()
+    # A tenant, so that the dashboard's Tenants row has a series to show.
+    keys = tmp_path / "keys"
+    keys.mkdir(mode=0o700)
+    (keys / "a").write_text(TENANT_KEY + "\n")
+    (keys / "a").chmod(0o600)
     with daemons(tmp_path, generated_model("tiny")) as start:
         monitor = "max_restarts = 2\n"
         run: DaemonRun = start(engine="llama-server", monitor=monitor,
-                               extra_config=f'[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n')
+                               extra_config=f'[[tenants]]\nname = "team-a"\nkey_file = "{keys / "a"}"\n'
+                                            f'[metrics]\nlisten = "127.0.0.1:{metrics_port}"\n')
         prom = prometheus(f"127.0.0.1:{metrics_port}", _rules_without_waiting(tmp_path))
         state = run.wait(lambda s: len(s["instances"]) == 2 and (s.get("frontdoor") or {}).get("up")
                          and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in s["instances"]),
@@ -337,7 +348,7 @@ def test_live_prometheus_answers_every_dashboard_query_and_a_killed_instance_hel
         # run takes minutes, so its results file is written here (the real format, by the real
         # writer, read by the daemon as tune's) with a made-up 10 GB/s.
         bandwidthfile.save(run.state_file.parent / bandwidthfile.RESULTS_NAME, {(0, 0): 10.0, (1, 1): 10.0})
-        _completion(run.frontend_port)  # a 2xx answer and generated tokens to count
+        _completion(run.frontend_port, TENANT_KEY)  # a 2xx answer and generated tokens to count, the tenant's
         ready = time.monotonic()
         prom.wait(f'numa_infer_frontdoor_responses_total{{job="{JOB}", code="2xx"}} >= 1', 20,
                   "the completion counted by the front door")
