@@ -22,6 +22,7 @@ from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
 from numad_infer.engines.launch import Launch
 from numad_infer.engines.slot_cache import make_slot_directory
+from numad_infer.engines.slot_names import gives_slot_path
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.listener import HeldListener
@@ -150,7 +151,7 @@ class ProcessBackend:
         """The engine's --slot-save-path: the instance's own directory, mode 700, its user's;
         none where the operator named one (server.extra_args) or the engine has none."""
         option = engine.slot_save_option
-        if self.slots_dir is None or option is None or option in argv:
+        if self.slots_dir is None or option is None or not gives_slot_path(option, argv):
             return []
         owner = (-1, -1)  # a daemon that is not root: its servers are itself
         if runs_as is not None and runs_as.uid is not None and runs_as.gid is not None and os.geteuid() == 0:

@@ -6,7 +6,15 @@ and the keeper name the same places from here; engines/slot_cache.py makes them.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
+
+
+def gives_slot_path(option: str | None, argv: Sequence[str]) -> bool:
+    """Whether numa-infer gives an instance its --slot-save-path (and so saves and restores
+    its slots): the engine has the option (`Engine.slot_save_option`) and the operator did
+    not name a path of their own in server.extra_args, which numa-infer leaves alone."""
+    return option is not None and option not in argv
 
 
 def directory_name(instance: str) -> str:

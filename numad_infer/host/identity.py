@@ -131,12 +131,13 @@ def group_exists(name: str) -> bool:
 def systemd_slots_group(root: str = SLOTS_DIR, group: str = SLOTS_GROUP) -> str | None:
     """The group the instance units join to keep their prompt caches in `root` (the
     daemon's StateDirectory=), or None where that cannot work and restarts start cold: no
-    such group (a source install), or `root` missing or not writable here (an older
-    unit, a command run by someone else), where a --slot-save-path would keep every
-    server from starting ("not a directory")."""
+    such group (a source install), or no `root` (an older daemon unit), where a
+    --slot-save-path would keep every server from starting ("not a directory"). Host facts
+    only, so that `check` run by anyone renders what the daemon renders; that the daemon
+    can make the directories is the backend's to say (backends/systemd.py)."""
     if not group_exists(group):
         return None
-    return group if os.path.isdir(root) and os.access(root, os.W_OK) else None
+    return group if os.path.isdir(root) else None
 
 
 def unreadable_reason(path: str, user: RunAs) -> str | None:

@@ -56,6 +56,7 @@ class SlotKeeper:
         self.root, self.host, self.owner = root, host, owner
         self.kept: dict[str, Kept] = {}
         self.loaded_with: dict[str, ModelFile | None] = {}  # the model file each current process loaded
+        self.swept = False  # the files a previous daemon left: removed at the first apply
 
     def directory(self, name: str) -> Path:
         return slot_directory(self.root, name)
@@ -182,7 +183,14 @@ class SlotKeeper:
                     entry.unlink(missing_ok=True)
 
     def forget_all_but(self, names: set[str]) -> None:
-        """Remove the directories of instances no longer planned."""
+        """Remove the directories of instances no longer planned; on the first call (the
+        daemon's first apply), also every file of the planned ones: what a daemon killed or
+        a host rebooted between a save and its restore left behind, which no one will
+        restore (what was kept is known in memory only). A saved file serves one restart."""
+        if not self.swept:
+            self.swept = True
+            for name in names - set(self.kept):
+                self.forget(name)
         for name in [n for n in self.kept if n not in names]:
             del self.kept[name]
         if not self.root.is_dir():
@@ -212,12 +220,14 @@ class SlotKeeper:
         Under systemd the file is a DynamicUser's, which the daemon (no CAP_FOWNER) may not
         chmod; there its directory (root's and the servers' group's, mode 770) keeps everyone
         else out, and the daemon must be able to read it (units/render.py)."""
+        theirs = False
         try:
-            if os.stat(path, follow_symlinks=False).st_uid != os.geteuid() and os.geteuid() != 0:
-                return
+            theirs = os.stat(path, follow_symlinks=False).st_uid != os.geteuid()
             os.chmod(path, 0o600, follow_symlinks=False)
         except PermissionError:
-            return  # root without CAP_FOWNER (the systemd daemon): as above
+            if not theirs:
+                log.warning("%s: cannot make it private: permission denied", path)
+            # else: root without CAP_FOWNER (the systemd daemon), as above
         except (OSError, NotImplementedError) as exc:
             log.warning("%s: cannot make it private: %s", path, exc)
 

@@ -16,7 +16,6 @@ from numad_infer.backends.base import Backend, Observation
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import AdminState, BackendStat
 from numad_infer.frontdoor.haproxy_config import server_name
-from numad_infer.host.identity import BackendKind
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import RestartDecision, Seen, State, Step, drain_first, drain_over, next_step
@@ -131,15 +130,15 @@ class Supervisor:
         return True
 
     # -- prompt caches kept across a restart (slot_keeper.py) ----------------------------------------
-    def _keeps_slots(self, loaded: Loaded) -> SlotKeeper | None:
-        if loaded.kind == BackendKind.SYSTEMD and loaded.slots_group is None:
-            return None  # units rendered without a --slot-save-path (identity.systemd_slots_group)
+    def _keeps_slots(self, loaded: Loaded, name: str) -> SlotKeeper | None:
+        if not loaded.keeps_slots(name):
+            return None  # numa-infer gave it no --slot-save-path: nothing of its to save or restore
         if self.keeper is not None:
             self.keeper.host = loaded.config.server.host
         return self.keeper
 
     def _healthy_again(self, loaded: Loaded, rt: Runtime) -> None:
-        keeper, path = self._keeps_slots(loaded), _model_path(loaded, rt.instance.model)
+        keeper, path = self._keeps_slots(loaded, rt.instance.name), _model_path(loaded, rt.instance.model)
         if keeper is not None and path is not None:
             # Out of rotation until this returns: never longer than a drain may take.
             timeout_s, inst, key = loaded.config.frontend.drain_timeout_s, rt.instance, loaded.api_key
@@ -147,7 +146,7 @@ class Supervisor:
                      lambda: keeper.after_start(inst.name, inst.port, key, path, timeout_s))
 
     def _save_slots(self, loaded: Loaded, rt: Runtime) -> None:
-        keeper, path = self._keeps_slots(loaded), _model_path(loaded, rt.instance.model)
+        keeper, path = self._keeps_slots(loaded, rt.instance.name), _model_path(loaded, rt.instance.model)
         answers = rt.pid is not None and rt.last_probe is not None and rt.last_probe.ok  # a hung one cannot save
         if keeper is not None and path is not None and answers:
             timeout_s, inst, key = loaded.config.frontend.drain_timeout_s, rt.instance, loaded.api_key

@@ -19,7 +19,7 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import KEY_CREDENTIAL, Engine, engine_of
 from numad_infer.engines.launch import Launch, launches
-from numad_infer.engines.slot_names import slot_directory
+from numad_infer.engines.slot_names import gives_slot_path, slot_directory
 from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor.haproxy_config import CONFIG_NAME
 from numad_infer.plan.model import Instance, Plan
@@ -154,9 +154,22 @@ def slot_save_arguments(engine: Engine, instance: Instance, launch: Launch, slot
     which the daemon makes before the unit starts (backends/systemd.py). None where the
     instances keep no cache, the engine has no such option, or the operator named one."""
     option = engine.slot_save_option
-    if not slots or option is None or option in launch.unit_argv:
+    if not slots or option is None or not gives_slot_path(option, launch.unit_argv):
         return ()
     return option, f"{slot_directory(Path(SLOTS_DIR), instance.name)}/"
+
+
+def _slot_mounts(slot_save: tuple[str, ...]) -> list[str]:
+    """The instance's own directory of saved slots, the one place it may write, and the only
+    one of SLOTS_DIR it sees: an empty read-only tmpfs over SLOTS_DIR, its own directory
+    bound back into it. Another instance's conversations stay out of its reach (all the
+    servers are in the group), and SLOTS_DIR itself is root's, mode 700, so no process
+    outside the units reaches any. "-": a directory missing is the server's own error to
+    say ("not a directory")."""
+    if not slot_save:
+        return []
+    own = escape_value(slot_save[-1].rstrip("/"))
+    return [f"TemporaryFileSystem={escape_value(SLOTS_DIR)}:ro", f"BindPaths=-{own}", f"ReadWritePaths=-{own}"]
 
 
 def render_dropin(instance: Instance, launch: Launch, slot_save: tuple[str, ...] = ()) -> str:
@@ -171,8 +184,7 @@ def render_dropin(instance: Instance, launch: Launch, slot_save: tuple[str, ...]
         f"NUMAPolicy={instance.policy.value}",
         f"NUMAMask={format_list(instance.mems)}",
         f"Environment={env}",
-        # "-": a directory missing is the server's own error to say ("not a directory").
-        *([f"ReadWritePaths=-{escape_value(slot_save[-1].rstrip('/'))}"] if slot_save else []),
+        *_slot_mounts(slot_save),
         "ExecStart=" + " ".join(quote_arg(a) for a in (*launch.unit_argv, *slot_save)),
     ]
     return "\n".join(lines) + "\n"

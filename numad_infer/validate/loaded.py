@@ -14,6 +14,7 @@ from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
 from numad_infer.engines.base import last_option
 from numad_infer.engines.launch import Launch
+from numad_infer.engines.slot_names import gives_slot_path
 from numad_infer.frontdoor.haproxy_config import CheckedConfig
 from numad_infer.host.cpufeatures import EngineCpuReport
 from numad_infer.host.identity import BackendKind, RunAs
@@ -67,14 +68,24 @@ class Loaded:
     # haproxy.cfg as `haproxy -c` passed it, for the front door's directory the load was
     # given (frontdoor/checked_config.py): what the daemon writes. None: no front door.
     haproxy_cfg: CheckedConfig | None = None
-    # The group of the instances' saved prompt caches under systemd, which the units were
-    # rendered with (identity.systemd_slots_group); None: they keep none across restarts.
+    # The group of the instances' saved prompt caches under systemd (identity.
+    # systemd_slots_group), which the units were rendered with; None: none is kept there.
     slots_group: str | None = None
 
     @property
     def served(self) -> tuple[ServedModel, ...]:
         """The served models as validation read them, in the file's order."""
         return tuple(m.served for m in self.models)
+
+    def keeps_slots(self, name: str) -> bool:
+        """Whether numa-infer gave the instance its --slot-save-path, so that its slots are
+        saved before a restart it makes and restored after (supervision/slot_keeper.py): not
+        for an engine without slot files, an operator's own path, or systemd units rendered
+        without one (units/render.slot_save_arguments, backends/process.py)."""
+        launch = self.launches.get(name)
+        if launch is None or not gives_slot_path(self.engine.slot_save_option, launch.argv):
+            return False
+        return self.kind != BackendKind.SYSTEMD or self.slots_group is not None
 
     def model(self, ident: str) -> LoadedModel:
         """The model an instance serves, by its one key (`Instance.model`, `ServedModel.ident`)."""

@@ -34,6 +34,7 @@ INSTANCE_KEY = "instance-" + "c" * 40
 TWO_MODELS = ('[[models]]\nname = "alpha"\npath = "/a.gguf"\nnodes = [0]\n'
               '[[models]]\nname = "beta"\npath = "/b.gguf"\nnodes = [1]\n')
 SLOW = "please-answer-late"
+STREAM_GAP_S = 1.0
 
 
 class _Echo(BaseHTTPRequestHandler):
@@ -65,6 +66,8 @@ class _Echo(BaseHTTPRequestHandler):
             self.end_headers()
             for event in ({"choices": [{"delta": {"content": "hi"}}]}, {"choices": [], "usage": usage}):
                 self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+                self.wfile.flush()
+                time.sleep(STREAM_GAP_S)  # the first token long before the end
             self.wfile.write(b"data: [DONE]\n\n")
             self.close_connection = True
             return
@@ -334,8 +337,9 @@ def test_each_tenants_tokens_are_counted_from_the_answers_it_got_whole(door_with
     for _ in range(3):
         assert post(door.port, KEY_A).status == 200
     assert post(door.port, KEY_B, more={}).status == 200
-    streamed = post_stream(door.port, KEY_A)
+    first_s, streamed = post_stream(door.port, KEY_A)
     assert b'"usage"' in streamed  # the engine reported them; HAProxy passed the stream on unread
+    assert first_s < STREAM_GAP_S * 0.8, first_s  # its first token was not held for the token count
     wait_for(lambda: timings.tenants()["team-a"].answers.get("200", 0) == before.answers.get("200", 0) + 4,
              "the log lines of team-a's requests", detail=door.log)
     used = timings.tenants()["team-a"]
@@ -345,12 +349,16 @@ def test_each_tenants_tokens_are_counted_from_the_answers_it_got_whole(door_with
     assert (timings.tenants()["team-b"].prompt_tokens, timings.tenants()["team-b"].counted) == (11, 1)
 
 
-def post_stream(port: int, key: str) -> bytes:
+def post_stream(port: int, key: str) -> tuple[float, bytes]:
+    """Seconds to the first event, and the whole stream."""
     data = json.dumps({"model": "alpha", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=data,
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    started = time.monotonic()
     with urllib.request.urlopen(req, timeout=30) as response:
-        return response.read()
+        first = response.readline()
+        took = time.monotonic() - started
+        return took, first + response.read()
 
 
 @with_haproxy

@@ -184,3 +184,22 @@ def test_a_cache_saved_with_another_model_file_is_not_restored(server) -> None:
     newer = ModelFile(model.path, model.size, model.mtime_ns + 1)
     assert keeper.restore("infer@0", srv.port, None, newer, 10.0) == 0
     assert not any(keeper.directory("infer@0").iterdir())
+
+
+def test_the_daemons_first_apply_removes_what_a_previous_daemon_left_and_later_ones_keep_what_is_kept(
+        tmp_path: Path) -> None:
+    from numad_infer.supervision.kept_slots import Kept, ModelFile, SavedSlot
+
+    keeper = SlotKeeper(tmp_path / "slots", "127.0.0.1")
+    for name in ("infer@0", "infer@1", "infer@9"):
+        keeper.directory(name).mkdir(parents=True)
+        (keeper.directory(name) / file_name(name, 0)).write_bytes(b"ggsq")
+    # A daemon killed (or a host rebooted) between a save and its restore: no one will restore these.
+    keeper.forget_all_but({"infer@0", "infer@1"})
+    assert not (tmp_path / "slots/infer-9").exists()  # no longer planned
+    assert not list(keeper.directory("infer@0").iterdir()) and not list(keeper.directory("infer@1").iterdir())
+    # Later applies (a reload) leave a save waiting for its restore alone.
+    (keeper.directory("infer@0") / file_name("infer@0", 0)).write_bytes(b"ggsq")
+    keeper.kept["infer@0"] = Kept(ModelFile("/m.gguf", 4, 1, 1, 1), (SavedSlot(0, file_name("infer@0", 0), 1, 4),))
+    keeper.forget_all_but({"infer@0", "infer@1"})
+    assert [p.name for p in keeper.directory("infer@0").iterdir()] == [file_name("infer@0", 0)]

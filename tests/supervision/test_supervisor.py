@@ -377,3 +377,29 @@ def test_a_restart_after_failed_probes_saves_nothing(tmp_path) -> None:
     rec.monitor(2.0)
     assert ("restart", "infer@0") in backend.calls
     assert not [c for c in backend.calls if c[0] == "save"]
+
+
+@pytest.mark.parametrize("extra", ['[server]\nextra_args = ["--slot-save-path", "/srv/own/"]\n',
+                                   '[server]\nengine = "llama-cpp-python"\npython = "/usr/bin/python3"\n'])
+def test_no_slot_is_saved_or_restored_where_numa_infer_gave_no_slot_path(tmp_path, extra: str) -> None:
+    # An operator's own --slot-save-path is theirs (the keeper would look for its files in
+    # the wrong place); llama-cpp-python keeps no slot files at all.
+    backend, front, rec, keeper, _ = _kept(tmp_path, extra)
+    assert rec.rollout.request(["infer@0"], rec.runtimes, rec.holds) is None
+    rec.monitor(1.0)
+    rec.monitor(1.2)
+    rec.monitor(1.5)
+    assert ("restart", "infer@0") in backend.calls
+    assert not [c for c in backend.calls if c[0] in ("save", "restore", "forget")], backend.calls
+
+
+def test_under_systemd_slots_are_kept_only_where_the_units_were_rendered_with_a_slot_path(tmp_path) -> None:
+    import dataclasses
+
+    from numad_infer.host.identity import BackendKind
+
+    config = parse_config(f'[model]\npath = "{tmp_path / "m.gguf"}"\n', "/etc/numa-infer.toml")
+    loaded = loaded_for(config, make_plan(config, three_nodes()), kind=BackendKind.SYSTEMD)
+    assert not loaded.keeps_slots("infer@0")  # the host cannot (no group, no directory)
+    assert dataclasses.replace(loaded, slots_group="numa-infer").keeps_slots("infer@0")
+    assert not loaded.keeps_slots("infer@9")  # not planned

@@ -284,6 +284,9 @@ def test_under_systemd_a_server_saves_its_slots_in_its_own_directory_of_the_serv
         dropin = files[f"infer@{node}.service.d/50-numa-infer.conf"]
         where = f"{SLOTS_DIR}/infer-{node}"
         assert values_of(dropin, "ReadWritePaths") == [f"-{where}"]  # the one place it may write
+        # ...and the only one of SLOTS_DIR it sees: the others' conversations are hidden.
+        assert values_of(dropin, "TemporaryFileSystem") == [f"{SLOTS_DIR}:ro"]
+        assert values_of(dropin, "BindPaths") == [f"-{where}"]
         exec_start = values_of(dropin, "ExecStart")[-1]
         assert exec_start.endswith(f'"--slot-save-path" "{where}/"'), exec_start
 
@@ -298,7 +301,7 @@ def test_no_slot_directory_where_the_host_keeps_none_or_the_operator_named_one(t
     assert values_of(files["infer@.service"], "UMask") == ["0077"]
     assert "SupplementaryGroups" not in files["infer@.service"]
     dropin = files["infer@0.service.d/50-numa-infer.conf"]
-    assert "ReadWritePaths" not in dropin
+    assert "ReadWritePaths" not in dropin and "TemporaryFileSystem" not in dropin and "BindPaths" not in dropin
     assert values_of(dropin, "ExecStart")[-1].count("--slot-save-path") == (1 if extra else 0)
 
 

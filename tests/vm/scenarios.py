@@ -1125,7 +1125,15 @@ def e7_slots_kept() -> str:
     left = sorted(p.name for p in where.iterdir())
     if left:
         raise Fail(f"files left after the restore (a saved file serves one restart): {left}")
-    return f"{saved.split(': ', 1)[-1]}; {restored.split(': ', 1)[-1]}; {where} root:numa-infer 770, emptied"
+    parent = stat.S_IMODE(where.parent.stat().st_mode)
+    if parent != 0o700:
+        raise Fail(f"{where.parent}: mode {parent:o}, not 700")
+    # The instance sees its own directory there and no other instance's.
+    seen = sh("nsenter", "-t", str(main_pid("infer@0")), "-m", "ls", "-A", str(where.parent)).split()
+    if seen != ["infer-0"] or not Path("/var/lib/numa-infer/slots/infer-1").is_dir():
+        raise Fail(f"infer@0 sees {seen} in {where.parent}")
+    return (f"{saved.split(': ', 1)[-1]}; {restored.split(': ', 1)[-1]}; {where} root:numa-infer 770, emptied; "
+            f"{where.parent} 700; infer@0 sees only {seen}")
 
 
 @scenario("e5-one-instance-rollout")
