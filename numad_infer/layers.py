@@ -150,6 +150,8 @@ MODULES: dict[str, tuple[str, str]] = {
                        "validation"),
     # -- frontdoor ---------------------------------------------------------------------------------
     "frontdoor/__init__": (CORE, PACKAGE_INIT),
+    "frontdoor/spare": (EDGE, "each model's spare server: where a surge's copy serves while the only instance "
+                              "restarts"),
     "frontdoor/routing": (CORE, "several models behind one front door: a backend per model, routing by the "
                                 "body's `model`, GET /v1/models"),
     "frontdoor/affinity": (CORE, "which instance of a model a request goes to: least busy, a stick table, or a "
@@ -219,6 +221,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "supervision/reconcile": (ORCHESTRATION, "one pass: the coordinator of rollout, supervision and drift checks"),
     "supervision/rollout": (ORCHESTRATION, "apply a plan: start, stop, adopt; restarts one at a time behind the front"
                                            " door"),
+    "supervision/surge": (ORCHESTRATION, "surge or hold: a copy of a model's only instance serves while it restarts, "
+                                         "or its requests wait"),
     "supervision/supervisor": (ORCHESTRATION, "probe results and exits -> lifecycle transitions: restart, drain, "
                                               "hold, backoff"),
     # -- doctor ------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from numad_infer.config.apikey import fingerprint
 from numad_infer.config.defaults import FRONTDOOR_STOP_S, INSTANCE_STOP_S
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
-from numad_infer.engines.launch import Launch
+from numad_infer.engines.launch import Launch, launch_of
 from numad_infer.engines.slot_cache import make_slot_directory
 from numad_infer.engines.slot_names import gives_slot_path
 from numad_infer.frontdoor.control import FrontdoorRunner
@@ -83,6 +83,7 @@ class ProcessBackend:
     name = "process"
     kind = BackendKind.PROCESS
     instance_cgroups = False  # children share the daemon's cgroup
+    surge_refusal: str | None = None  # starts copies for a surge (start_copy)
 
     def __init__(self, log_dir: Path, logs: InstanceLogs = InstanceLogs.FILE, slots_dir: Path | None = None) -> None:
         self.log_dir = log_dir
@@ -116,11 +117,26 @@ class ProcessBackend:
     def start(self, instance: Instance) -> None:
         if self.main_pid(instance.name) is not None:
             return
-        if self.loaded is None:
-            raise ValueError(f"{instance.name}: the process backend was given no configuration (sync) to start it")
-        loaded, runs_as = self.loaded, self.loaded.runs_as
+        loaded = self._synced(instance.name)
         launch = loaded.launches[instance.name]
-        argv = list(launch.argv) + self._slot_save(loaded.engine, instance.name, launch.argv, runs_as)
+        self._spawn(loaded, instance, launch, self._slot_save(loaded.engine, instance.name, launch.argv,
+                                                              loaded.runs_as))
+
+    def start_copy(self, copy: Instance) -> None:
+        """A copy of one of the plan's instances under another name and port, for a surge
+        (supervision/surge.py): its launch is the instance's (the same pinning, model file
+        and engine arguments) but for the port; no saved prompt cache (it lives for one restart)."""
+        loaded = self._synced(copy.name)
+        self._spawn(loaded, copy, launch_of(loaded.engine, loaded.model(copy.model).served, copy), [])
+
+    def _synced(self, name: str) -> Loaded:
+        if self.loaded is None:
+            raise ValueError(f"{name}: the process backend was given no configuration (sync) to start it")
+        return self.loaded
+
+    def _spawn(self, loaded: Loaded, instance: Instance, launch: Launch, extra: list[str]) -> None:
+        runs_as = loaded.runs_as
+        argv = list(launch.argv) + extra
         env = server_environment(loaded.engine, launch, loaded.api_key, runs_as, os.environ)
         switch = runs_as.popen_kwargs() if runs_as is not None else {}
         cpus, mems, policy = frozenset(instance.cpus), instance.mems, instance.policy
@@ -143,9 +159,9 @@ class ProcessBackend:
             instance.name, argv, env=env, stdin=subprocess.DEVNULL, cwd="/",
             preexec_fn=pin_in_child, start_new_session=True, close_fds=True, **switch,
         )
-        log.info("%s: started pid %d as %s on CPUs %s, memory node(s) %s", instance.name,
+        log.info("%s: started pid %d as %s on CPUs %s, memory node(s) %s, port %d", instance.name,
                  self.children[instance.name].pid, "the daemon's user" if runs_as is None else runs_as.name,
-                 format_list(instance.cpus), format_list(instance.mems))
+                 format_list(instance.cpus), format_list(instance.mems), instance.port)
 
     def _slot_save(self, engine: Engine, name: str, argv: tuple[str, ...], runs_as: RunAs | None) -> list[str]:
         """The engine's --slot-save-path: the instance's own directory, mode 700, its user's;

@@ -147,6 +147,8 @@ def format_status(status: Status) -> str:
                 lines.append(f"  {i.name}: {label} {when} [{event.kind}] {event.detail}")
         if i.error:
             lines.append(f"  {i.name}: error: {i.error}")
+        if i.restart_cover:
+            lines.append(f"  {i.name}: last restart: {i.restart_cover}")
         if i.unit_state:
             lines.append(f"  {i.name}: unit {i.unit_state}")
     return printable_lines(lines)

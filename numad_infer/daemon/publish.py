@@ -166,6 +166,7 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
         prompt_tokens_computed=None if prompt is None else prompt[1],
         decode_tokens_per_s=None if rt.decode_tokens_per_s is None else round(rt.decode_tokens_per_s, 1),
         decode_efficiency=None if efficiency is None else round(efficiency, 4),
+        restart_cover=rt.cover,
         time_to_first_token=None if timings is None else timings[0],
         request_duration=None if timings is None else timings[1])
     # Never a CPU the instance cannot run on: its cgroup may have been narrowed under it.

@@ -30,7 +30,13 @@ from numad_infer.frontdoor.haproxy import (
     RuntimeAPI,
     merged,
 )
-from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, CheckedConfig, paths_in, server_name
+from numad_infer.frontdoor.haproxy_config import (
+    BACKEND,
+    FRONTEND,
+    CheckedConfig,
+    paths_in,
+    server_name,
+)
 from numad_infer.frontdoor.listener import HeldListener
 from numad_infer.frontdoor.reload_watch import ReloadWatch
 from numad_infer.frontdoor.request_log import RequestLog
@@ -206,26 +212,27 @@ class Frontdoor:
 
     def set_state(self, instance: Instance, state: AdminState) -> None:
         """Move one server in or out of rotation, if it is not there already."""
-        if self.stats is None:
-            return
-        name = server_name(instance.name)
+        self.set_server(self.backend_of(instance), server_name(instance.name), state)
+
+    def set_server(self, backend: str | None, name: str, state: AdminState) -> bool:
+        """One server of `backend` to `state` through the runtime API; True when it is there."""
+        if self.stats is None or backend is None:
+            return False
         stat = self.stats.servers.get(name)
-        if stat is None or stat.admin == state:
-            return
-        backend = self.backend_of(instance)
-        if backend is None:
-            return
+        if stat is None:
+            return False
+        if stat.admin == state:
+            return True
         try:
             self.api.set_state(backend, name, state)
         except NoRuntimeAnswer as exc:
-            # Not answering now: so for the rest of the pass, as when `observe` finds it so.
-            # Every later call of the pass would wait out its own deadline for nothing.
+            # Not answering now: so for the rest of the pass (later calls would wait for nothing).
             log.error("front door: %s", exc)
             self._unread(str(exc))
-            return
+            return False
         except HaproxyError as exc:
             log.error("front door: %s", exc)
-            return
+            return False
         log.info("front door: %s -> %s", name, state.value)
         # Until the next pass reads HAProxy again, this pass's view shows the new state.
         now = replace(stat, status=_STATUS_OF[state])
@@ -233,6 +240,7 @@ class Frontdoor:
         for model in self.model_stats.values():
             if name in model.servers:
                 model.servers[name] = now
+        return True
 
     def close(self) -> bool:
         """Stop taking connections, keep serving the ones open: the port is closed, so a

@@ -113,6 +113,13 @@ def server_name(instance_name: str) -> str:
     return instance_name.replace("@", "-")
 
 
+def surge_server(backend: str) -> str:
+    """The backend's spare server, where a copy of the model's only instance serves while
+    that instance restarts (supervision/surge.py). Declared disabled at a placeholder
+    address: the daemon points it at the copy's port and puts it in rotation."""
+    return f"surge-{backend}"
+
+
 CONFIG_NAME = "haproxy.cfg"
 # HAProxy's timing line per request, to the daemon's socket of this name (request_log.py
 # reads it): the server, the status, the time to the first byte of the answer's body (a
@@ -243,6 +250,8 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
     lines += affinity.rules(front, backend, engine.slots(model.view))
     for instance in instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
+    # Out of rotation (and unchecked) until a surge points it at a copy: port 1, never contacted.
+    lines.append(f"    server {surge_server(backend)} {host_port(target, 1)} disabled")
     return lines
 
 

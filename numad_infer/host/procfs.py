@@ -18,6 +18,7 @@ from numad_infer.util.cpuset import CpuListError, parse_list
 from numad_infer.util.printable import printable
 
 _NODE_FIELD = re.compile(r"\bN(\d+)=(\d+)")
+_NODE_MEMINFO = re.compile(r"^Node \d+ (MemFree|Inactive\(file\)):\s+(\d+) kB", re.MULTILINE)
 _PAGESIZE = re.compile(r"\bkernelpagesize_kB=(\d+)")
 
 
@@ -119,6 +120,26 @@ class ProcReader:
             return None
         text = self._read(self.root / "sys/fs/cgroup" / path.lstrip("/") / "memory.numa_stat")
         return None if text is None else parse_numa_stat(text)
+
+    def memory_room(self, nodes: tuple[int, ...]) -> int | None:
+        """Bytes a new process could take on `nodes` now without swapping: each node's free
+        memory and the page cache the kernel drops first (Inactive(file)), within what the
+        daemon's own cgroup may still use (memory.max less memory.current, cgroup v2) where
+        it has a limit. None: a node without meminfo (nothing to go by)."""
+        room = 0
+        for node in nodes:
+            text = self._read(self.root / f"sys/devices/system/node/node{node}/meminfo")
+            found = dict(_NODE_MEMINFO.findall(text or ""))
+            if len(found) < 2:
+                return None
+            room += sum(int(kb) for kb in found.values()) * 1024
+        path = self.cgroup_path(os.getpid())
+        if path:
+            directory = self.root / "sys/fs/cgroup" / path.lstrip("/")
+            limit, used = self._read(directory / "memory.max"), self._read(directory / "memory.current")
+            if limit and used and limit.strip().isdigit() and used.strip().isdigit():
+                room = min(room, max(int(limit) - int(used), 0))
+        return room
 
     def numa_balancing(self) -> int | None:
         text = self._read(self.proc / "sys/kernel/numa_balancing")

@@ -123,6 +123,9 @@ class InstanceStatus:
     request_duration: Histogram | None = None
     # The CPU kernels the engine runs: ggml's variant and its wide units, e.g. "haswell (AVX2)"
     cpu_backend: str | None = None
+    # How its last restart as the only instance of its model in rotation kept the model
+    # served: "surge: ..." (a copy served meanwhile) or "hold: ..." (requests waited), and why.
+    restart_cover: str | None = None
     # KV cache (llama-server's /slots): tokens its busy slots hold, and the cells of all its slots.
     kv_cache_tokens: int | None = None
     kv_cache_size: int | None = None

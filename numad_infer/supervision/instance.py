@@ -109,6 +109,9 @@ class Runtime:
     engine: EngineRate = field(default_factory=EngineRate)
     # Not of one process: kept across them (new_process folds the last one's in).
     prompt: PromptTally = field(default_factory=PromptTally)
+    # How its last restart as the only instance of its model in rotation kept the model
+    # served (surge.py: "surge: ...", "hold: ...", "surge failed: ..."), for status.
+    cover: str | None = None
 
     def __post_init__(self) -> None:
         if not self.supervision.name and self.instance is not None:

@@ -77,7 +77,7 @@ class Reconciler:
         self.loaded: Loaded | None = None
         self.runtimes: dict[str, Runtime] = {}
         self.holds: dict[str, str] = {}  # instance -> who holds it stopped (holds.py), from the daemon each pass
-        self.supervisor = Supervisor(backend, self.proc, frontdoor, wall)
+        self.supervisor = Supervisor(backend, self.proc, frontdoor, wall, lambda *a: self.liveness_probe(*a))
         self.rollout = Rollout(backend, frontdoor, self.supervisor)
         self.keepalive = keepalive
         self._workers = 8
@@ -106,6 +106,9 @@ class Reconciler:
         # All at once: a stop then takes one instance's stop timeout, however many there are.
         leaving = list(self.rollout.retiring)
         self.rollout.retiring.clear()
+        if self.supervisor.surges is not None:  # copies of a surge under way
+            leaving += [s.copy.name for s in self.supervisor.surges.active.values()]
+            self.supervisor.surges.active.clear()
         list(self._pool.map(lambda n: isolated(n, "stop", lambda: self.backend.stop(n)), [*self.runtimes, *leaving]))
         for rt in self.runtimes.values():
             rt.supervision.on_stopped()
@@ -139,6 +142,7 @@ class Reconciler:
                 log.exception("%s: monitoring failed", name)
             self.supervisor.rotate(rt)
             self.keepalive()
+        self.supervisor.step_surges(loaded, self.runtimes, now)
         self.rollout.roll(loaded, self.runtimes, self.holds, now)
         self.rollout.retire(self.proc, now)
         return {name: rt.supervision.state for name, rt in self.runtimes.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from numad_infer.backends.base import Backend
@@ -14,6 +15,7 @@ from numad_infer.lifecycle.states import IN_TRANSITION, State, Supervision
 from numad_infer.plan.model import Instance, PlanDiff, diff_plans
 from numad_infer.supervision.instance import PromptTally, Runtime
 from numad_infer.supervision.supervisor import Supervisor, isolated
+from numad_infer.supervision.surge import Phase
 from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,7 @@ class Rollout:
         self.rolling = [name for name in self.rolling if name in runtimes]
         if diff.changed:  # a new rollout; one still under way continues with the new definition
             self.rolled, self._stopped_said, self.why = [], False, why
+            self._forget_failed_surges(diff.changed)
         self.roll(loaded, runtimes, holds, now)
 
     def _bring_up(self, instance: Instance, runtimes: dict[str, Runtime], changed: bool, held: bool,
@@ -168,6 +171,7 @@ class Rollout:
         if held:
             return f"{', '.join(held)}: held stopped; it starts on its own once the hold is released"
         self.rolling, self.rolled, self._stopped_said = list(dict.fromkeys(wanted)), [], False
+        self._forget_failed_surges(self.rolling)
         self.why = "restart requested"
         log.info("restart requested: %s, one at a time", ", ".join(self.rolling))
         return None
@@ -175,12 +179,30 @@ class Rollout:
     def left(self, names: tuple[str, ...], runtimes: dict[str, Runtime]) -> tuple[str, ...]:
         """Which of `names` are not yet restarted and healthy again."""
         return tuple(n for n in names if n in runtimes and (
-            n in self.rolling or runtimes[n].supervision.state != State.HEALTHY))
+            n in self.rolling or runtimes[n].supervision.state != State.HEALTHY or n in set().union(*self._surging())))
+
+    def _forget_failed_surges(self, names: Iterable[str]) -> None:
+        """A new definition or a new `restart` tries a surge again."""
+        if self.supervisor.surges is not None:
+            for name in names:
+                self.supervisor.surges.failed.pop(name, None)
+
+    def _surging(self) -> tuple[set[str], set[str]]:
+        """Instances whose restart waits for its copy to serve (surge.py), and those whose copy
+        never did (so they were not restarted: they serve on the old definition)."""
+        surges = self.supervisor.surges
+        if surges is None:
+            return set(), set()
+        return {n for n, s in surges.active.items() if s.phase in (Phase.STARTING, Phase.JOINING)}, set(surges.failed)
 
     def _may_go_on(self, runtimes: dict[str, Runtime]) -> bool:
         if any(rt.supervision.state in IN_TRANSITION for rt in runtimes.values()):
             return False
-        stuck = [n for n in self.rolled if n in runtimes and runtimes[n].supervision.state != State.HEALTHY]
+        waiting, failed = self._surging()
+        if waiting & set(self.rolled):
+            return False
+        stuck = [n for n in self.rolled if n in runtimes and (runtimes[n].supervision.state != State.HEALTHY
+                                                              or n in failed)]
         if stuck and not self._stopped_said:
             log.error("rolling restart stopped: %s not healthy on the new definition; %s keep the old one "
                       "until it is (or until a reload fixes the configuration)",

@@ -14,14 +14,14 @@ from typing import TypeVar
 
 from numad_infer.backends.base import Backend, Observation
 from numad_infer.frontdoor.control import Frontdoor
-from numad_infer.frontdoor.haproxy import AdminState, BackendStat
-from numad_infer.frontdoor.haproxy_config import server_name
+from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import RestartDecision, Seen, State, Step, drain_first, drain_over, next_step
-from numad_infer.supervision.health import ProbeResult
+from numad_infer.supervision.health import ProbeResult, probe
 from numad_infer.supervision.instance import Runtime
 from numad_infer.supervision.slot_keeper import SlotKeeper
+from numad_infer.supervision.surge import Surges
 from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
@@ -49,22 +49,15 @@ def judge_probe(result: ProbeResult, stalled_since: float | None, now: float) ->
     return result
 
 
-def others_in_rotation(stat: BackendStat | None, server: str) -> int | None:
-    """How many servers of a model's backend other than `server` HAProxy would send a
-    request to, as last read (None: not read). 0: taking `server` out holds the model."""
-    if stat is None:
-        return None
-    return sum(1 for name, s in stat.servers.items()
-               if name != server and s.admin == AdminState.READY and s.status.startswith("UP"))
-
-
 class Supervisor:
     """Holds no configuration of its own: every step is handed the applied `Loaded` (the
     one Reconciler.apply took), and reads the settings, key and model files from it."""
 
     def __init__(self, backend: Backend, proc: ProcReader, frontdoor: Frontdoor | None,
-                 wall: Callable[[], float]) -> None:
+                 wall: Callable[[], float], probe: Callable[[str, int, float, str], ProbeResult] = probe) -> None:
         self.backend, self.proc, self.frontdoor, self.wall = backend, proc, frontdoor, wall
+        # Copies started for a restart of a model's only instance in rotation (surge.py).
+        self.surges = Surges(backend, frontdoor, proc, probe) if frontdoor is not None else None
         # Prompt caches kept across the restarts made here, where the backend gives the
         # engine a directory for them (slot_keeper.py); with the applied key and model files.
         slots_dir = getattr(backend, "slots_dir", None)
@@ -168,15 +161,17 @@ class Supervisor:
             self.restart(loaded, rt, now, reason, counted=True)
 
     # -- restarts and holds, drained out of the front door first ------------------------------------
-    def restart(self, loaded: Loaded, rt: Runtime, now: float, reason: str, counted: bool) -> None:
+    def restart(self, loaded: Loaded, rt: Runtime, now: float, reason: str, counted: bool,
+                covered: bool = False) -> None:
         """Restart one instance; with requests in flight at the front door, drain it first.
 
         `counted`: a repair, which counts against monitor.max_restarts (a definition
-        change does not).
+        change does not). `covered`: its surge's copy serves now (surge.py): go on.
         """
+        if not covered and self.surges is not None and self.surges.first(loaded, rt, now, reason, counted):
+            return
         timeout_s = loaded.config.frontend.drain_timeout_s
         busy = self.frontdoor.in_flight(rt.instance) if self.frontdoor is not None else None
-        self._say_hold(loaded, rt)
         serving = rt.supervision.state == State.HEALTHY
         if self.frontdoor is not None and drain_first(busy, timeout_s, counted, rt.cpu.progress, serving):
             self.frontdoor.set_state(rt.instance, AdminState.DRAIN)
@@ -186,17 +181,12 @@ class Supervisor:
             return
         self._restart_now(loaded, rt, now, reason, counted)
 
-    def _say_hold(self, loaded: Loaded, rt: Runtime) -> None:
-        """The journal says how a restart keeps its model served: by the other instances, or,
-        where this is the only one in rotation, by holding the model's requests until it is
-        back (frontdoor/hold.py). A surge (a second copy started beside it) is not made."""
-        if self.frontdoor is None or not self.frontdoor.listen:
+    def step_surges(self, loaded: Loaded, runtimes: dict[str, Runtime], now: float) -> None:
+        """Each surge under way one step on; the restarts whose copy now serves go."""
+        if self.surges is None:
             return
-        stat = self.frontdoor.model_stats.get(rt.instance.model)
-        if others_in_rotation(stat, server_name(rt.instance.name)) == 0:
-            log.info("%s: the only instance of its model in rotation: while it restarts, requests for the model wait "
-                     "for it (hold, up to frontend.queue_timeout_s = %gs), then 503", rt.instance.name,
-                     loaded.config.frontend.queue_timeout_s)
+        for name, reason in self.surges.step(loaded, runtimes, now):
+            self.restart(loaded, runtimes[name], now, reason, counted=False, covered=True)
 
     def _hold(self, loaded: Loaded, rt: Runtime, pid: int | None, now: float, by: str) -> None:
         """Held by another process: out of the front door (drained first, as for a restart),

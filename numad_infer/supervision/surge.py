@@ -1,0 +1,286 @@
+"""Surge or hold: how a planned restart of a model's only instance in rotation keeps the model
+served (issue 40).
+
+- **Surge**: where the instance's memory nodes have room for a second copy, a copy on the
+  new definition starts beside it: the same CPUs and memory nodes, another port. Once its
+  own probe passes, the model's spare server in HAProxy (haproxy_config.surge_server) is
+  pointed at it and put in rotation; once HAProxy's check marks it UP, the instance drains
+  and restarts as any other; once the instance is back in rotation, the copy drains and
+  stops. No request waits for the restart; the two share the cores for the overlap.
+- **Hold**: where a copy does not fit (or the backend starts none), requests for the model
+  wait for the instance (frontdoor/hold.py), at most `frontend.queue_timeout_s`.
+
+The choice is made per restart and said in the journal and in `status` (Runtime.cover).
+Only a restart made on purpose (a roll-out, `numa-infer restart`, a reload that changes the
+instance) surges; a repair (a crash, a hang, drift) holds: the instance is not serving then,
+and a copy on the same definition would likely fail the same way.
+
+A copy that exits, or is not healthy within `monitor.startup_grace_s`, is stopped: the
+instance is not restarted and keeps serving on its old definition, the roll-out stops there
+(`Surges.failed`, read by rollout.py) and status says why. A later reload or `numa-infer
+restart` tries again.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from enum import Enum
+
+from numad_infer.backends.base import Backend
+from numad_infer.frontdoor.control import Frontdoor
+from numad_infer.frontdoor.haproxy import AdminState, BackendStat
+from numad_infer.frontdoor.haproxy_config import server_name
+from numad_infer.frontdoor.spare import point_spare, spare_stat, spare_state
+from numad_infer.host.procfs import ProcReader
+from numad_infer.lifecycle.states import State
+from numad_infer.plan.model import Instance
+from numad_infer.supervision.health import ProbeResult
+from numad_infer.supervision.instance import Runtime
+from numad_infer.util.addresses import connect_host
+from numad_infer.validate.loaded import Loaded
+
+log = logging.getLogger(__name__)
+
+# Room kept free beside the copy: the estimate is the planner's, and a node filled to the
+# last page swaps or meets the OOM killer (its kernel and other processes take memory too).
+MARGIN_BYTES = 512 << 20
+COPY_SUFFIX = "-surge"
+
+
+class CoverKind(str, Enum):
+    SURGE = "surge"
+    HOLD = "hold"
+
+
+@dataclass(frozen=True)
+class Cover:
+    """How one restart keeps its model served, and why that way, as the journal and status say it."""
+    kind: CoverKind
+    why: str
+
+    def describe(self) -> str:
+        return f"{self.kind.value}: {self.why}"
+
+
+def others_in_rotation(stat: BackendStat | None, server: str) -> int | None:
+    """How many servers of a model's backend other than `server` HAProxy would send a
+    request to, as last read (None: not read). 0: taking `server` out holds the model."""
+    if stat is None:
+        return None
+    return sum(1 for name, s in stat.servers.items()
+               if name != server and s.admin == AdminState.READY and s.status.startswith("UP"))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def choose(counted: bool, refusal: str | None, need: int, room: int | None, nodes: str) -> Cover:
+    """Surge or hold for a restart of a model's only instance in rotation. Pure.
+    `counted`: a repair; `refusal`: why the backend starts no copy; `need`: what one
+    instance holds (the planner's estimate); `room`: what its nodes can give now (None: unknown)."""
+    if counted:
+        return Cover(CoverKind.HOLD, "a repair: the instance is not serving, a copy on the same definition would not "
+                                     "either")
+    if refusal is not None:
+        return Cover(CoverKind.HOLD, refusal)
+    if room is None:
+        return Cover(CoverKind.HOLD, f"the free memory of node(s) {nodes} cannot be read: no second copy is tried")
+    if room < need + MARGIN_BYTES:
+        return Cover(CoverKind.HOLD, f"a second copy does not fit: it needs {_gib(need)} and a margin of "
+                                     f"{_gib(MARGIN_BYTES)}, node(s) {nodes} have {_gib(room)} free")
+    return Cover(CoverKind.SURGE, f"a second copy fits ({_gib(need)} of the {_gib(room)} free on node(s) {nodes}): "
+                                  "it serves while the instance restarts")
+
+
+class Phase(str, Enum):
+    STARTING = "starting"  # the copy's process runs; its own probe has not passed yet
+    JOINING = "joining"  # the spare server points at it; HAProxy's check has not marked it UP yet
+    SERVING = "serving"  # in rotation: the instance drains and restarts behind it
+    LEAVING = "leaving"  # the instance is back: the copy drains out of rotation, then stops
+
+
+@dataclass
+class Surge:
+    instance: str
+    copy: Instance
+    reason: str  # the restart's, as the journal says it
+    phase: Phase
+    since: float  # when this phase began
+    said: str  # the choice in words (Cover.describe), which status shows with the phase
+
+    def to(self, phase: Phase, now: float) -> None:
+        self.phase, self.since = phase, now
+
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now, for the copy (the kernel's pick of an ephemeral one)."""
+    family = socket.AF_INET6 if ":" in connect_host(host) else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe_socket:
+        probe_socket.bind((connect_host(host), 0))
+        return int(probe_socket.getsockname()[1])
+
+
+class Surges:
+    """The surges under way, by instance name; the supervisor starts them and steps them each pass."""
+
+    def __init__(self, backend: Backend, frontdoor: Frontdoor, proc: ProcReader,
+                 probe: Callable[[str, int, float, str], ProbeResult]) -> None:
+        self.backend, self.frontdoor, self.proc, self.probe = backend, frontdoor, proc, probe
+        self.active: dict[str, Surge] = {}
+        self.failed: dict[str, str] = {}  # instance -> why its copy never served (the roll-out stops there)
+
+    def first(self, loaded: Loaded, rt: Runtime, now: float, reason: str, counted: bool) -> bool:
+        """Where `rt` is the only instance of its model in rotation, how its restart keeps the
+        model served: a surge or a hold, chosen and said in the journal and status. True: a
+        copy is starting, and `step` asks for the restart once the copy serves."""
+        if not self.frontdoor.listen:
+            return False
+        stat = self.frontdoor.model_stats.get(rt.instance.model)
+        if others_in_rotation(stat, server_name(rt.instance.name)) != 0:
+            return False  # the others serve meanwhile (or HAProxy's view is unknown this pass)
+        under_way = self.active.get(rt.instance.name)
+        if under_way is not None and under_way.phase in (Phase.STARTING, Phase.JOINING):
+            return True
+        cover = self.cover(loaded, rt, counted) if under_way is None else Cover(
+            CoverKind.HOLD, "the copy of its last restart is leaving")
+        if cover.kind == CoverKind.SURGE and self.begin(loaded, rt, now, reason, cover.describe()):
+            return True
+        if cover.kind == CoverKind.SURGE:
+            cover = Cover(CoverKind.HOLD, "its copy could not be started")
+        rt.cover = cover.describe()
+        log.info("%s: the only instance of its model in rotation: %s; while it restarts, requests for the model wait "
+                 "for it (up to frontend.queue_timeout_s = %gs), then 503", rt.instance.name, cover.describe(),
+                 loaded.config.frontend.queue_timeout_s)
+        return False
+
+    def cover(self, loaded: Loaded, rt: Runtime, counted: bool) -> Cover:
+        inst = rt.instance
+        nodes = ",".join(str(n) for n in inst.mems)
+        refusal = getattr(self.backend, "surge_refusal", "this backend starts no copies")
+        return choose(counted, refusal, loaded.memory_of(inst.model).bytes, self.proc.memory_room(inst.mems), nodes)
+
+    def begin(self, loaded: Loaded, rt: Runtime, now: float, reason: str, said: str) -> bool:
+        """Start a copy of `rt`'s instance on its applied definition; False when none could be started."""
+        self.failed.pop(rt.instance.name, None)
+        if rt.instance.name in self.active:
+            return True
+        try:
+            copy = replace(rt.instance, name=rt.instance.name + COPY_SUFFIX, port=free_port(loaded.config.server.host))
+            self.backend.start_copy(copy)
+        except Exception as exc:  # no copy: the restart holds instead
+            log.error("%s: cannot start a second copy for the restart: %s", rt.instance.name, exc)
+            return False
+        self.active[rt.instance.name] = Surge(rt.instance.name, copy, reason, Phase.STARTING, now, said)
+        _show(rt, self.active[rt.instance.name])
+        log.info("%s: %s: surge: %s started on port %d, the same CPUs; the instance restarts once it serves",
+                 rt.instance.name, reason, copy.name, copy.port)
+        return True
+
+    def step(self, loaded: Loaded, runtimes: dict[str, Runtime], now: float) -> list[tuple[str, str]]:
+        """One pass over the surges under way; returns the (instance, reason) restarts that
+        may go now (their copy serves)."""
+        go: list[tuple[str, str]] = []
+        for name, surge in list(self.active.items()):
+            rt = runtimes.get(name)
+            if rt is None:
+                self._end(surge, "its instance is no longer planned")
+            elif surge.phase == Phase.STARTING:
+                self._starting(loaded, rt, surge, now)
+            elif surge.phase == Phase.JOINING:
+                if self._joining(loaded, rt, surge, now):
+                    go.append((name, surge.reason))
+            elif surge.phase == Phase.SERVING:
+                self._serving(loaded, rt, surge, now)
+            else:
+                self._leaving(loaded, rt, surge, now)
+            if rt is not None and name in self.active:
+                _show(rt, surge)
+        return go
+
+    def _pid(self, surge: Surge) -> tuple[int | None, str]:
+        seen = self.backend.observe([surge.copy.name])[surge.copy.name]
+        return seen.pid, seen.description
+
+    def _starting(self, loaded: Loaded, rt: Runtime, surge: Surge, now: float) -> None:
+        cfg = loaded.config
+        pid, description = self._pid(surge)
+        if pid is None:
+            self._fail(rt, surge, f"its copy exited before it served ({description})")
+            return
+        owner = self.proc.port_owner(cfg.server.host, surge.copy.port, pid)
+        result = self.probe(cfg.server.host, surge.copy.port, cfg.monitor.probe_timeout_s,
+                            loaded.engine.liveness_path) if owner.ours else ProbeResult(False, 0.0, owner.detail)
+        if result.ok:
+            if point_spare(self.frontdoor, rt.instance.model, cfg.server.host, surge.copy.port):
+                surge.to(Phase.JOINING, now)
+        elif now - surge.since > cfg.monitor.startup_grace_s:
+            self._fail(rt, surge, f"its copy was not healthy within monitor.startup_grace_s = "
+                                  f"{cfg.monitor.startup_grace_s:g}s ({result.error})")
+
+    def _joining(self, loaded: Loaded, rt: Runtime, surge: Surge, now: float) -> bool:
+        cfg = loaded.config
+        spare = spare_stat(self.frontdoor, rt.instance.model)
+        if spare is not None and spare.admin == AdminState.READY and spare.status.startswith("UP"):
+            surge.to(Phase.SERVING, now)
+            log.info("%s: surge: %s is in rotation: the instance drains and restarts", rt.instance.name,
+                     surge.copy.name)
+            return True
+        if self._pid(surge)[0] is None:
+            self._fail(rt, surge, "its copy exited before HAProxy's check passed")
+        elif now - surge.since > cfg.monitor.startup_grace_s:
+            self._fail(rt, surge, f"HAProxy's check of its copy did not pass within monitor.startup_grace_s = "
+                                  f"{cfg.monitor.startup_grace_s:g}s")
+        else:
+            point_spare(self.frontdoor, rt.instance.model, cfg.server.host, surge.copy.port)  # again after a reload
+        return False
+
+    def _serving(self, loaded: Loaded, rt: Runtime, surge: Surge, now: float) -> None:
+        stat = None if self.frontdoor.stats is None else self.frontdoor.stats.servers.get(
+            server_name(rt.instance.name))
+        back = (rt.supervision.state == State.HEALTHY and stat is not None and stat.admin == AdminState.READY
+                and stat.status.startswith("UP"))
+        if self._pid(surge)[0] is None:
+            log.error("%s: surge: its copy exited while the instance restarted: requests wait for the instance "
+                      "(hold)", rt.instance.name)
+            self._end(surge, "its copy exited")
+            rt.cover = f"{surge.said} (its copy exited while the instance restarted: held)"
+        elif back:
+            spare_state(self.frontdoor, rt.instance.model, AdminState.DRAIN)
+            surge.to(Phase.LEAVING, now)
+            log.info("%s: surge: the instance serves again: %s drains, then stops", rt.instance.name,
+                     surge.copy.name)
+        else:
+            point_spare(self.frontdoor, rt.instance.model, loaded.config.server.host, surge.copy.port)
+
+    def _leaving(self, loaded: Loaded, rt: Runtime, surge: Surge, now: float) -> None:
+        spare = spare_stat(self.frontdoor, surge.copy.model)
+        busy = None if spare is None else spare.in_flight + spare.queued
+        if busy and now - surge.since < loaded.config.frontend.drain_timeout_s:
+            return
+        self._end(surge, f"{busy} request(s) still open after frontend.drain_timeout_s" if busy
+                  else "its requests are answered")
+        rt.cover = f"{surge.said} (done: the instance serves again, its copy stopped)"
+
+    def _fail(self, rt: Runtime, surge: Surge, why: str) -> None:
+        log.error("%s: surge failed: %s; the instance is not restarted and keeps serving on its old definition",
+                  rt.instance.name, why)
+        self.failed[rt.instance.name] = f"surge failed: {why}; not restarted, it serves on its old definition"
+        rt.cover = self.failed[rt.instance.name]
+        self._end(surge, why)
+
+    def _end(self, surge: Surge, why: str) -> None:
+        spare_state(self.frontdoor, surge.copy.model, AdminState.MAINT)
+        try:
+            self.backend.stop(surge.copy.name)
+        except Exception as exc:
+            log.error("%s: cannot stop it: %s", surge.copy.name, exc)
+        del self.active[surge.instance]
+        log.info("%s: surge over: %s stopped (%s)", surge.instance, surge.copy.name, why)
+
+
+def _show(rt: Runtime, surge: Surge) -> None:
+    rt.cover = f"{surge.said} ({surge.copy.name} on port {surge.copy.port}: {surge.phase.value})"
