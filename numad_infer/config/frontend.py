@@ -129,6 +129,14 @@ class FrontendSection(Section):
             "stop (SIGTERM), how long the closed front door waits for the requests it carries (0: no wait)"
         ),
     )
+    surge: bool = Field(
+        True,
+        description=(
+            "for a restart the daemon makes on purpose of a model's only instance in rotation, start a second copy "
+            "beside it (same CPUs, another port) that serves until it is back, where its nodes' free memory fits one; "
+            "false: requests wait for it (the hold)"
+        ),
+    )
     request_timeout_s: float = Field(
         600.0, gt=0, le=86400,
         description="longest silence from a client or an instance in the middle of a request",

@@ -78,10 +78,13 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def choose(counted: bool, refusal: str | None, need: int, room: int | None, nodes: str) -> Cover:
+def choose(counted: bool, refusal: str | None, need: int, room: int | None, nodes: str, wanted: bool = True) -> Cover:
     """Surge or hold for a restart of a model's only instance in rotation. Pure.
     `counted`: a repair; `refusal`: why the backend starts no copy; `need`: what one
-    instance holds (the planner's estimate); `room`: what its nodes can give now (None: unknown)."""
+    instance holds (the planner's estimate); `room`: what its nodes can give now (None:
+    unknown); `wanted`: frontend.surge."""
+    if not wanted:
+        return Cover(CoverKind.HOLD, "frontend.surge = false")
     if counted:
         return Cover(CoverKind.HOLD, "a repair: the instance is not serving, a copy on the same definition would not "
                                      "either")
@@ -161,7 +164,8 @@ class Surges:
         inst = rt.instance
         nodes = ",".join(str(n) for n in inst.mems)
         refusal = getattr(self.backend, "surge_refusal", "this backend starts no copies")
-        return choose(counted, refusal, loaded.memory_of(inst.model).bytes, self.proc.memory_room(inst.mems), nodes)
+        return choose(counted, refusal, loaded.memory_of(inst.model).bytes, self.proc.memory_room(inst.mems), nodes,
+                      loaded.config.frontend.surge)
 
     def begin(self, loaded: Loaded, rt: Runtime, now: float, reason: str, said: str) -> bool:
         """Start a copy of `rt`'s instance on its applied definition; False when none could be started."""

@@ -463,42 +463,52 @@ def test_restart_rolls_the_instances_under_load_fails_no_request_and_prints_its_
 
 # -- one instance on the host: its restarts hold requests, never a 503 (issue 40) ---------------------
 
-def _one_instance_under_load(run: DaemonRun, act, what: str) -> tuple[list[Outcome], float]:
+def _one_instance_under_load(run: DaemonRun, act, what: str, cover: str) -> tuple[list[Outcome], float]:
     """With the host's only instance serving 4 clients, `act()` (it restarts the instance),
     until the instance is healthy again on a new process; every request as the client saw
-    it, and when `act` began. No request sent after that gets a 503."""
+    it, and when `act` began. No request sent after that gets a 503. `cover`: how the
+    restart kept the model served ("surge" or "hold"), as the journal and status say."""
     state = healthy_behind_frontdoor(run, count=1)
     (old,) = [i["pid"] for i in state["instances"]]
     load = Load(run.frontend_port, clients=4, per_client=10_000, max_tokens=12).start()  # until stopped
     run.wait(lambda s: (s["instances"][0].get("in_flight") or 0) > 0, 30, "requests in flight")
     acted_at = time.monotonic()
     act(old)
-    run.wait(lambda s: s["instances"][0]["pid"] not in (None, old) and s["instances"][0]["state"] == "healthy"
-             and s["instances"][0].get("rotation") == "UP", 120, f"the instance back after {what}")
+    done = "its copy stopped" if cover == "surge" else ""
+    state = run.wait(lambda s: s["instances"][0]["pid"] not in (None, old) and s["instances"][0]["state"] == "healthy"
+                     and s["instances"][0].get("rotation") == "UP"
+                     and done in (s["instances"][0].get("restart_cover") or ""), 120, f"the instance back after {what}")
     time.sleep(1.0)  # and serving again under the load
     load.stop()
     outcomes = load.wait()
     longest = max(o.seconds for o in outcomes)
     print(f"{what}, one instance, 4 clients: {len(outcomes)} requests, "
-          f"{sum(not o.complete for o in outcomes)} failed, longest {longest:.1f}s")
+          f"{sum(not o.complete for o in outcomes)} failed, longest {longest:.1f}s ({cover})")
     assert not [o for o in outcomes if o.status == 503 and o.started >= acted_at], \
         "a 503 for a request sent while the only instance restarted"
-    assert "(hold, up to frontend.queue_timeout_s = 30s)" in run.logs()
+    said = state["instances"][0]["restart_cover"]
+    assert said.startswith(f"{cover}: "), said
+    logs = run.logs()
+    if cover == "surge":
+        assert "surge: infer@0-surge started on port" in logs and "infer@0: surge over: infer@0-surge stopped" in logs
+        assert "surge-instances -> ready" in logs and "surge-instances -> drain" in logs, logs[-3000:]
+    else:
+        assert "; while it restarts, requests for the model wait for it (up to frontend.queue_timeout_s = 30s)" in logs
     return outcomes, acted_at
 
 
-def test_with_one_instance_a_restart_holds_requests_and_fails_none(tmp_path: Path, slow_model: Path) -> None:
+def test_with_one_instance_a_restart_surges_and_fails_no_request(tmp_path: Path, slow_model: Path) -> None:
     with daemons(tmp_path, slow_model) as start:
         run = start(engine="llama-server", placement="nodes = [0]")
 
         def restart(_: int) -> None:
             done = run.cli("restart", "--timeout", "120")
             assert done.returncode == 0, done.stdout + done.stderr
-        outcomes, _ = _one_instance_under_load(run, restart, "numa-infer restart")
+        outcomes, _ = _one_instance_under_load(run, restart, "numa-infer restart", "surge")
         assert all(o.complete for o in outcomes), [o for o in outcomes if not o.complete][:3]
 
 
-def test_with_one_instance_a_new_model_file_holds_requests_and_fails_none(tmp_path: Path, own_model: Path) -> None:
+def test_with_one_instance_a_new_model_file_surges_and_fails_no_request(tmp_path: Path, own_model: Path) -> None:
     with daemons(tmp_path, own_model) as start:
         run = start(engine="llama-server", placement="nodes = [0]")
 
@@ -507,7 +517,7 @@ def test_with_one_instance_a_new_model_file_holds_requests_and_fails_none(tmp_pa
             staged.write_bytes(own_model.read_bytes())
             staged.chmod(0o644)
             os.replace(staged, own_model)  # `mv`: what issue 40 measured (6,740 of 7,369 refused)
-        outcomes, _ = _one_instance_under_load(run, new_file, "mv of a new model file")
+        outcomes, _ = _one_instance_under_load(run, new_file, "mv of a new model file", "surge")
         assert all(o.complete for o in outcomes), [o for o in outcomes if not o.complete][:3]
 
 
@@ -524,7 +534,8 @@ def test_with_one_instance_kill_9_holds_the_requests_that_arrive_until_it_is_bac
     such 503 in 8 requests, sent 1.5 s before it came."""
     with daemons(tmp_path, slow_model) as start:
         run = start(engine="llama-server", placement="nodes = [0]")
-        outcomes, killed_at = _one_instance_under_load(run, lambda pid: os.kill(pid, signal.SIGKILL), "kill -9")
+        outcomes, killed_at = _one_instance_under_load(run, lambda pid: os.kill(pid, signal.SIGKILL), "kill -9",
+                                                       "hold")
         failed = [o for o in outcomes if not o.complete]
         assert len(failed) <= 4 and all(o.first_byte for o in failed), failed  # at most the 4 clients' last
         assert all(o.started < killed_at for o in failed), failed  # none sent after the kill

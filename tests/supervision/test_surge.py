@@ -1,0 +1,164 @@
+"""Surge or hold for a planned restart of a model's only instance (supervision/surge.py, issue 40).
+
+The rule (`choose`) on a table; then the reconcile loop over a stand-in HAProxy that keeps
+its servers' states as the runtime API would, and a recording backend: a copy starts, joins,
+serves while the instance restarts, then leaves; a copy that never becomes healthy is
+stopped and the instance keeps serving; a copy that does not fit is not tried. The real
+HAProxy and llama-server run it in tests/e2e/test_frontdoor.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from numad_infer.frontdoor.haproxy import AdminState, BackendStat, ServerStat
+from numad_infer.lifecycle.states import State
+from numad_infer.plan.model import Instance
+from numad_infer.plan.placement import make_plan
+from numad_infer.supervision.health import ProbeResult
+from numad_infer.supervision.reconcile import Reconciler
+from numad_infer.supervision.surge import MARGIN_BYTES, CoverKind, choose
+from tests.fakes import FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize(("counted", "refusal", "room", "kind", "words"), [
+    (False, None, 8 * GIB, CoverKind.SURGE, "a second copy fits (2.0 GiB of the 8.0 GiB free on node(s) 0)"),
+    (False, None, 2 * GIB + MARGIN_BYTES - 1, CoverKind.HOLD, "a second copy does not fit: it needs 2.0 GiB"),
+    (False, None, None, CoverKind.HOLD, "cannot be read"),
+    (False, "the systemd backend starts no second copy", 8 * GIB, CoverKind.HOLD, "systemd backend"),
+    (True, None, 8 * GIB, CoverKind.HOLD, "a repair"),
+    (False, None, 8 * GIB, None, "frontend.surge = false"),
+])
+def test_a_copy_is_tried_only_for_a_planned_restart_that_fits(counted: bool, refusal: str | None, room: int | None,
+                                                              kind: CoverKind | None, words: str) -> None:
+    cover = choose(counted, refusal, 2 * GIB, room, "0", wanted=kind is not None)
+    kind = kind or CoverKind.HOLD
+    assert cover.kind == kind and words in cover.why, cover
+
+
+class Api:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def command(self, line: str) -> str:
+        self.lines.append(line)
+        return ""
+
+
+@dataclass
+class SpareDoor:
+    """HAProxy's view as the daemon reads it: one backend, the instance's server and the
+    spare; states set through the runtime API land in it, as they would in HAProxy (whose
+    check passes at once here)."""
+    listen: str = "127.0.0.1:8000"
+    backends: dict[str, str] = field(default_factory=lambda: {"": "instances"})
+    api: Api = field(default_factory=Api)
+    served_alone: list[bool] = field(default_factory=list)  # after each change: is any server in rotation
+
+    def __post_init__(self) -> None:
+        self.stats = BackendStat(servers={"infer-0": ServerStat("infer-0", "UP", 0, 0, 0),
+                                          "surge-instances": ServerStat("surge-instances", "MAINT", 0, 0, 0)},
+                                  queued=0, in_flight=0)
+        self.model_stats = {"": self.stats}
+
+    def observe(self) -> None:
+        return None
+
+    def in_flight(self, instance: Instance) -> int:
+        return 0
+
+    def set_state(self, instance: Instance, state: AdminState) -> None:
+        self.set_server("instances", instance.name.replace("@", "-"), state)
+
+    def set_server(self, backend: str | None, name: str, state: AdminState) -> bool:
+        now = self.stats.servers[name]
+        self.stats.servers[name] = ServerStat(name, {AdminState.READY: "UP", AdminState.DRAIN: "DRAIN",
+                                                     AdminState.MAINT: "MAINT"}[state], 0, 0, now.served)
+        self.served_alone.append(any(s.status == "UP" for s in self.stats.servers.values()))
+        return True
+
+
+class CopyingBackend(RecordingBackend):
+    surge_refusal: str | None = None
+
+    def start_copy(self, copy: Instance) -> None:
+        self.calls.append(("start_copy", f"{copy.name}:{copy.port}"))
+        self.running[copy.name] = self.next_pid = self.next_pid + 1
+
+
+class RoomyProc(FakeProc):
+    def __init__(self, room: int | None) -> None:
+        super().__init__()
+        self.room = room
+
+    def memory_room(self, nodes: tuple[int, ...]) -> int | None:
+        return self.room
+
+
+def one_instance(room: int | None, copy_answers: bool = True) -> tuple[Reconciler, CopyingBackend, SpareDoor]:
+    config = cfg("[placement]\nnodes = [0]\n")
+    loaded = loaded_for(config, make_plan(config, three_nodes()))
+    backend, door = CopyingBackend(), SpareDoor()
+    (port,) = [i.port for i in loaded.plan.instances]
+
+    def probe(host: str, p: int, timeout: float, path: str) -> ProbeResult:
+        return ProbeResult(copy_answers or p == port, 0.001, "" if copy_answers or p == port else "HTTP 503")
+
+    rec = Reconciler(backend, RoomyProc(room), frontdoor=door, probe=probe)  # type: ignore[arg-type]
+    rec.apply(loaded, 0.0)
+    for t in (1.0, 2.0):
+        rec.monitor(t)
+    assert rec.runtimes["infer@0"].supervision.state == State.HEALTHY
+    backend.calls.clear()
+    return rec, backend, door
+
+
+def test_a_copy_serves_while_the_only_instance_restarts_then_leaves() -> None:
+    rec, backend, door = one_instance(room=8 * GIB)
+    assert rec.rollout.request(["infer@0"], rec.runtimes, rec.holds) is None
+    rec.roll(3.0)
+    assert [c[0] for c in backend.calls] == ["start_copy"]  # not restarted yet: its copy starts first
+    rt = rec.runtimes["infer@0"]
+    assert rt.cover is not None and rt.cover.startswith("surge: a second copy fits") and "starting" in rt.cover
+    assert rec.rollout.left(("infer@0",), rec.runtimes) == ("infer@0",)
+    for t in range(4, 12):
+        rec.monitor(float(t))
+    kinds = [c[0] for c in backend.calls]
+    assert kinds == ["start_copy", "restart", "stop"], backend.calls
+    assert backend.calls[2] == ("stop", "infer@0-surge")
+    port = int(backend.calls[0][1].split(":")[1])
+    assert f"set server instances/surge-instances addr 127.0.0.1 port {port}" in door.api.lines
+    assert all(door.served_alone), "a moment with no server in rotation: requests would have waited"
+    assert door.stats.servers["surge-instances"].status == "MAINT"
+    assert rt.supervision.state == State.HEALTHY and not rec.supervisor.surges.active  # type: ignore[union-attr]
+    assert rt.cover.endswith("(done: the instance serves again, its copy stopped)"), rt.cover
+    assert rec.rollout.left(("infer@0",), rec.runtimes) == ()
+
+
+def test_a_copy_that_never_becomes_healthy_is_stopped_and_the_instance_keeps_serving() -> None:
+    rec, backend, door = one_instance(room=8 * GIB, copy_answers=False)
+    assert rec.rollout.request(["infer@0"], rec.runtimes, rec.holds) is None
+    rec.roll(3.0)
+    grace = rec.loaded.config.monitor.startup_grace_s  # type: ignore[union-attr]
+    for t in (4.0, 5.0, 3.0 + grace + 1, 3.0 + grace + 2):
+        rec.monitor(t)
+    assert backend.calls == [backend.calls[0], ("stop", "infer@0-surge")], backend.calls  # never restarted
+    rt = rec.runtimes["infer@0"]
+    assert rt.supervision.state == State.HEALTHY and door.stats.servers["infer-0"].status == "UP"
+    assert rt.cover is not None and rt.cover.startswith("surge failed: its copy was not healthy within "
+                                                        "monitor.startup_grace_s"), rt.cover
+    assert rec.rollout.left(("infer@0",), rec.runtimes) == ("infer@0",)  # `restart` does not say it done
+
+
+def test_a_copy_that_does_not_fit_is_not_tried_the_restart_holds() -> None:
+    rec, backend, door = one_instance(room=MARGIN_BYTES // 2)
+    assert rec.rollout.request(["infer@0"], rec.runtimes, rec.holds) is None
+    rec.roll(3.0)
+    rec.monitor(4.0)  # drained (nothing in flight), then restarted
+    assert [c[0] for c in backend.calls] == ["restart"]
+    rt = rec.runtimes["infer@0"]
+    assert rt.cover is not None and rt.cover.startswith("hold: a second copy does not fit"), rt.cover
+    assert door.stats.servers["surge-instances"].status == "MAINT"
