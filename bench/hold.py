@@ -2,12 +2,18 @@
 """One instance on the host, restarted under load (issue 40): the real daemon (process
 backend), HAProxy and llama-server with the generated medium model, one instance
 (`placement.nodes = [0]`), 4 clients sending one request after another (half of them
-streaming, 12 tokens each). Per case, in one run: `numa-infer restart`, a new model file
-moved into place (`mv`), and kill -9 of the instance. For each: the requests sent, those
-that failed (and how many of them were 503s), the longest a request took, the median, and
-whether the daemon held the model's requests (the journal's line).
+streaming, 12 tokens each). Per case, in one run: `numa-infer restart` (a surge where the
+memory allows, the default), the same with `frontend.surge = false` (a hold), a new model
+file moved into place (`mv`), and kill -9 of the instance (a repair: always a hold). For
+each: the requests sent, those that failed (and how many of them were 503s), the longest
+a request took, the median, and how the daemon covered the restart (status's
+`restart_cover`: surge or hold).
 
-    .venv/bin/python bench/hold.py [--cases restart,mv,kill]
+For a surge, also the cost of the overlap: the clients' tokens per second per request
+(12 tokens / its time) for the requests answered while the copy started beside the
+instance (both on the same CPUs), against those answered in the seconds before.
+
+    .venv/bin/python bench/hold.py [--cases restart,restart-hold,mv,kill]
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,30 +35,71 @@ sys.path.insert(0, str(ROOT))
 from tests.daemon_harness import DaemonRun, daemons, generated_model, shared_dir  # noqa: E402
 from tests.e2e.test_frontdoor import Load, healthy_behind_frontdoor  # noqa: E402
 
-HOLD_LINE = "(hold, up to frontend.queue_timeout_s"
+class Phases(threading.Thread):
+    """When the instance's surge entered each phase, from status (`restart_cover`), every 0.1 s."""
+
+    def __init__(self, run: DaemonRun) -> None:
+        super().__init__(daemon=True)
+        self.run_ = run
+        self.seen: dict[str, float] = {}
+        self.cover = ""
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.1):
+            state = self.run_.state()
+            said = (state or {}).get("instances", [{}])[0].get("restart_cover") or ""
+            self.cover = said or self.cover
+            for phase in ("starting", "joining", "serving", "leaving", "done"):
+                if f": {phase}" in said or f"({phase}" in said:
+                    self.seen.setdefault(phase, time.monotonic())
+
+
+def _rate(outcomes: list, start: float, end: float) -> tuple[float | None, int]:
+    """Median tokens/s per request, for the complete requests sent and answered within [start, end]."""
+    rates = [o.tokens / o.seconds for o in outcomes if o.complete and o.started >= start
+             and o.started + o.seconds <= end and o.seconds > 0]
+    return (statistics.median(rates) if rates else None), len(rates)
 
 
 def _case(run: DaemonRun, act: Callable[[int], None]) -> str:
     state = healthy_behind_frontdoor(run, count=1)
     (old,) = [i["pid"] for i in state["instances"]]
     load = Load(run.frontend_port, clients=4, per_client=100_000, max_tokens=12).start()
-    time.sleep(3.0)  # serving under load first
+    time.sleep(4.0)  # serving under load first
+    phases = Phases(run)
+    phases.start()
+    acted = time.monotonic()
     act(old)
     run.wait(lambda s: s["instances"][0]["pid"] not in (None, old) and s["instances"][0]["state"] == "healthy"
-             and s["instances"][0].get("rotation") == "UP", 180, "the instance back")
+             and s["instances"][0].get("rotation") == "UP" and "starting" not in (s["instances"][0].get(
+                 "restart_cover") or "") and "serving)" not in (s["instances"][0].get("restart_cover") or ""),
+             180, "the instance back")
     time.sleep(3.0)
+    phases.done.set()
     load.stop()
     outcomes = load.wait()
     failed = [o for o in outcomes if not o.complete]
     seconds = sorted(o.seconds for o in outcomes)
-    held = "hold" if HOLD_LINE in run.logs() else "none said"
-    return (f"{len(outcomes):5d} requests  {len(failed):4d} failed ({sum(o.status == 503 for o in failed)} of them 503)"
-            f"  longest {seconds[-1]:5.2f} s  p50 {statistics.median(seconds):5.2f} s  ({held})")
+    cover = phases.cover.split(":")[0] or "none said"
+    line = (f"{len(outcomes):5d} requests  {len(failed):4d} failed ({sum(o.status == 503 for o in failed)} of them 503)"
+            f"  longest {seconds[-1]:5.2f} s  p50 {statistics.median(seconds):5.2f} s  ({cover})")
+    if cover == "surge" and "starting" in phases.seen:
+        alone, n_alone = _rate(outcomes, acted - 4.0, acted)
+        overlap_end = phases.seen.get("serving", phases.seen.get("joining", time.monotonic()))
+        shared, n_shared = _rate(outcomes, phases.seen["starting"], overlap_end)
+        if alone and shared:
+            line += (f"\n           while its copy started ({overlap_end - phases.seen['starting']:.1f} s): "
+                     f"{shared:.1f} tok/s per request ({n_shared} requests) vs {alone:.1f} alone ({n_alone}): "
+                     f"{shared / alone:.2f}x")
+        else:
+            line += f"\n           overlap {overlap_end - phases.seen['starting']:.1f} s: too short for a request"
+    return line
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default="restart,mv,kill")
+    parser.add_argument("--cases", default="restart,restart-hold,mv,kill")
     args = parser.parse_args()
     source = generated_model("medium")
     print("one instance, 4 clients, llama-server, medium model:")
@@ -60,10 +108,12 @@ def main() -> None:
         model.write_bytes(source.read_bytes())
         model.chmod(0o644)
         with tempfile.TemporaryDirectory() as tmp, daemons(Path(tmp), model) as start:
-            run = start(engine="llama-server", placement="nodes = [0]")
+            surge = "surge = false\n" if case == "restart-hold" else ""
+            run = start(engine="llama-server", placement="nodes = [0]",
+                        frontend=f'listen = "127.0.0.1:{{port}}"\n{surge}')
 
             def act(pid: int, case: str = case, run: DaemonRun = run, model: Path = model) -> None:
-                if case == "restart":
+                if case.startswith("restart"):
                     assert run.cli("restart", "--timeout", "120").returncode == 0
                 elif case == "mv":
                     staged = model.with_name(model.name + ".new")

@@ -9,6 +9,7 @@ from dataclasses import replace
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import BackendStat
 from numad_infer.frontdoor.haproxy_config import server_name
+from numad_infer.frontdoor.spare import spare_stat
 from numad_infer.lifecycle.states import State
 from numad_infer.status.records import (
     FrontdoorStatus,
@@ -136,6 +137,12 @@ def _efficiency(rt: Runtime, weights: int, tuned: Results) -> float | None:
     return None if not gbs else rt.decode_tokens_per_s * weights / (gbs * 1e9)
 
 
+def _copy_rotation(rt: Runtime, frontdoor: Frontdoor) -> str | None:
+    """HAProxy's word for the model's spare server while `rt`'s copy serves from it (surge.py)."""
+    spare = spare_stat(frontdoor, rt.instance.model) if rt.copy is not None and frontdoor.listen else None
+    return None if spare is None else spare.status
+
+
 def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int | None,
                      efficiency: float | None) -> InstanceStatus:
     """`slots`: requests an instance works on at once, where its engine reports them."""
@@ -167,6 +174,7 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
         decode_tokens_per_s=None if rt.decode_tokens_per_s is None else round(rt.decode_tokens_per_s, 1),
         decode_efficiency=None if efficiency is None else round(efficiency, 4),
         restart_cover=rt.cover,
+        copy_rotation=_copy_rotation(rt, frontdoor),
         time_to_first_token=None if timings is None else timings[0],
         request_duration=None if timings is None else timings[1])
     # Never a CPU the instance cannot run on: its cgroup may have been narrowed under it.

@@ -126,6 +126,9 @@ class InstanceStatus:
     # How its last restart as the only instance of its model in rotation kept the model
     # served: "surge: ..." (a copy served meanwhile) or "hold: ..." (requests waited), and why.
     restart_cover: str | None = None
+    # HAProxy's word for the server of its surge's copy while one is under way (None: none):
+    # a model whose instance restarts behind a copy in rotation is served.
+    copy_rotation: str | None = None
     # KV cache (llama-server's /slots): tokens its busy slots hold, and the cells of all its slots.
     kv_cache_tokens: int | None = None
     kv_cache_size: int | None = None
@@ -306,7 +309,8 @@ def model_health(instances: tuple[InstanceStatus, ...], frontdoor: bool,
     and, behind the front door (`hold_s`: frontend.queue_timeout_s), what its requests do
     meanwhile: they wait for an instance (frontdoor/hold.py)."""
     healthy = [i for i in instances if i.state == State.HEALTHY]
-    answering = any(in_rotation(i.rotation) for i in healthy) if frontdoor else bool(healthy)
+    answering = (any(in_rotation(i.rotation) for i in healthy) or any(in_rotation(i.copy_rotation) for i in instances)
+                 if frontdoor else bool(healthy))
     if answering:
         return True, None
     if not instances:

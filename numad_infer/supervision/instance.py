@@ -112,6 +112,7 @@ class Runtime:
     # How its last restart as the only instance of its model in rotation kept the model
     # served (surge.py: "surge: ...", "hold: ...", "surge failed: ..."), for status.
     cover: str | None = None
+    copy: str | None = None  # the name of its copy while a surge of it is under way
 
     def __post_init__(self) -> None:
         if not self.supervision.name and self.instance is not None:

@@ -179,6 +179,7 @@ class Surges:
             log.error("%s: cannot start a second copy for the restart: %s", rt.instance.name, exc)
             return False
         self.active[rt.instance.name] = Surge(rt.instance.name, copy, reason, Phase.STARTING, now, said)
+        rt.copy = copy.name
         _show(rt, self.active[rt.instance.name])
         log.info("%s: %s: surge: %s started on port %d, the same CPUs; the instance restarts once it serves",
                  rt.instance.name, reason, copy.name, copy.port)
@@ -191,7 +192,7 @@ class Surges:
         for name, surge in list(self.active.items()):
             rt = runtimes.get(name)
             if rt is None:
-                self._end(surge, "its instance is no longer planned")
+                self._end(None, surge, "its instance is no longer planned")
             elif surge.phase == Phase.STARTING:
                 self._starting(loaded, rt, surge, now)
             elif surge.phase == Phase.JOINING:
@@ -250,7 +251,7 @@ class Surges:
         if self._pid(surge)[0] is None:
             log.error("%s: surge: its copy exited while the instance restarted: requests wait for the instance "
                       "(hold)", rt.instance.name)
-            self._end(surge, "its copy exited")
+            self._end(rt, surge, "its copy exited")
             rt.cover = f"{surge.said} (its copy exited while the instance restarted: held)"
         elif back:
             spare_state(self.frontdoor, rt.instance.model, AdminState.DRAIN)
@@ -265,7 +266,7 @@ class Surges:
         busy = None if spare is None else spare.in_flight + spare.queued
         if busy and now - surge.since < loaded.config.frontend.drain_timeout_s:
             return
-        self._end(surge, f"{busy} request(s) still open after frontend.drain_timeout_s" if busy
+        self._end(rt, surge, f"{busy} request(s) still open after frontend.drain_timeout_s" if busy
                   else "its requests are answered")
         rt.cover = f"{surge.said} (done: the instance serves again, its copy stopped)"
 
@@ -274,9 +275,11 @@ class Surges:
                   rt.instance.name, why)
         self.failed[rt.instance.name] = f"surge failed: {why}; not restarted, it serves on its old definition"
         rt.cover = self.failed[rt.instance.name]
-        self._end(surge, why)
+        self._end(rt, surge, why)
 
-    def _end(self, surge: Surge, why: str) -> None:
+    def _end(self, rt: Runtime | None, surge: Surge, why: str) -> None:
+        if rt is not None:
+            rt.copy = None
         spare_state(self.frontdoor, surge.copy.model, AdminState.MAINT)
         try:
             self.backend.stop(surge.copy.name)

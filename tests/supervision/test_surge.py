@@ -8,7 +8,7 @@ HAProxy and llama-server run it in tests/e2e/test_frontdoor.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -123,6 +123,7 @@ def test_a_copy_serves_while_the_only_instance_restarts_then_leaves() -> None:
     assert [c[0] for c in backend.calls] == ["start_copy"]  # not restarted yet: its copy starts first
     rt = rec.runtimes["infer@0"]
     assert rt.cover is not None and rt.cover.startswith("surge: a second copy fits") and "starting" in rt.cover
+    assert rt.copy == "infer@0-surge"
     assert rec.rollout.left(("infer@0",), rec.runtimes) == ("infer@0",)
     for t in range(4, 12):
         rec.monitor(float(t))
@@ -135,6 +136,7 @@ def test_a_copy_serves_while_the_only_instance_restarts_then_leaves() -> None:
     assert door.stats.servers["surge-instances"].status == "MAINT"
     assert rt.supervision.state == State.HEALTHY and not rec.supervisor.surges.active  # type: ignore[union-attr]
     assert rt.cover.endswith("(done: the instance serves again, its copy stopped)"), rt.cover
+    assert rt.copy is None
     assert rec.rollout.left(("infer@0",), rec.runtimes) == ()
 
 
@@ -162,3 +164,14 @@ def test_a_copy_that_does_not_fit_is_not_tried_the_restart_holds() -> None:
     rt = rec.runtimes["infer@0"]
     assert rt.cover is not None and rt.cover.startswith("hold: a second copy does not fit"), rt.cover
     assert door.stats.servers["surge-instances"].status == "MAINT"
+
+
+def test_a_model_whose_only_instance_restarts_behind_its_copy_is_served() -> None:
+    """status tells the truth during a surge: the copy in rotation serves the model, no hold is said."""
+    from numad_infer.status.records import InstanceStatus, model_health
+    restarting = InstanceStatus("infer@0", 0, (0,), (0,), 1, 8080, None, State.RESTARTING, rotation="MAINT")
+    assert model_health((restarting,), frontdoor=True, hold_s=30) == (
+        False, "no instance in rotation (1 restarting); its requests wait up to 30s for one (hold), then 503")
+    for copy, served in (("UP", True), ("DOWN", False), ("MAINT", False)):
+        healthy, _ = model_health((replace(restarting, copy_rotation=copy),), frontdoor=True, hold_s=30)
+        assert healthy is served, copy
