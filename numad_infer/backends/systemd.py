@@ -4,6 +4,7 @@ as numa-infer-frontdoor.service, whose listening socket the daemon holds and han
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import logging
 import time
@@ -16,6 +17,7 @@ from numad_infer.backends.portunit import PortUnit
 from numad_infer.config.apikey import fingerprint
 from numad_infer.config.defaults import FRONTDOOR_USER, SLOTS_DIR
 from numad_infer.config.schema import Config
+from numad_infer.engines.launch import launch_of
 from numad_infer.engines.slot_cache import make_slot_directory
 from numad_infer.frontdoor.control import FrontdoorRunner
 from numad_infer.frontdoor.listener import Handout, HeldListener, Store
@@ -33,7 +35,7 @@ from numad_infer.systemd.unitnames import (
     template_unit,
     unit,
 )
-from numad_infer.units.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET
+from numad_infer.units.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, render_dropin
 from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
@@ -53,9 +55,7 @@ class SystemdBackend:
     name = "systemd"
     kind = BackendKind.SYSTEMD
     instance_cgroups = True
-    # A copy for a surge would need a unit of its own, rendered and sandboxed as the
-    # instance's: not made yet, so every planned restart of a model's only instance holds.
-    surge_refusal: str | None = "the systemd backend starts no second copy of an instance (not built yet)"
+    surge_refusal: str | None = None  # starts copies for a surge (start_copy)
 
     def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = DAEMON_UNIT,
                  handout: FrontdoorHandout | None = None, slots_dir: Path = Path(SLOTS_DIR)) -> None:
@@ -69,6 +69,9 @@ class SystemdBackend:
         # bounding set) could not read, check or remove the files there.
         self.slots_dir: Path | None = slots_dir
         self.slots_gid: int | None = None  # the group's, from the last sync; None: none kept
+        # The units as last synced, and the copies started for a surge beside them (start_copy).
+        self.loaded: Loaded | None = None
+        self.copies: dict[str, Instance] = {}
 
     def specs(self, loaded: Loaded) -> dict[str, str]:
         files = loaded.units
@@ -103,7 +106,8 @@ class SystemdBackend:
             log.warning("front door: user %s does not exist on this host: haproxy runs as root with no capability; %s",
                         FRONTDOOR_USER, CREATE_USERS)
         self.slots_gid = _gid(loaded.slots_group)
-        result = write_units(Path(loaded.config.systemd.unit_dir), loaded.units)
+        self.loaded = loaded
+        result = write_units(Path(loaded.config.systemd.unit_dir), self._files(loaded))
         port = self.handout.port if self.handout is not None else None
         # Before the front door binds a new frontend.listen: the reload makes systemd let go
         # of the unit's socket on the old address.
@@ -120,10 +124,33 @@ class SystemdBackend:
         self.systemctl.start(instance.unit)
 
     def start_copy(self, copy: Instance) -> None:
-        raise NotImplementedError(self.surge_refusal)
+        """A copy of one of the plan's instances for a surge (supervision/surge.py): a unit of
+        the same template (the same sandbox, user and key), with a drop-in rendered as the
+        instance's but for its name and port, and no saved prompt cache (it lives for one
+        restart). The drop-in goes when the copy stops."""
+        if self.loaded is None:
+            raise ValueError(f"{copy.name}: the systemd backend was given no configuration (sync) to start it")
+        loaded = self.loaded
+        self.copies[copy.name] = copy
+        write_units(Path(loaded.config.systemd.unit_dir), self._files(loaded))
+        self.systemctl.daemon_reload()
+        self.systemctl.start(copy.unit)
+
+    def _files(self, loaded: Loaded) -> dict[str, str]:
+        """The units of the plan, and the drop-ins of the copies running beside it."""
+        files = dict(loaded.units)
+        for name, copy in self.copies.items():
+            with contextlib.suppress(KeyError):  # a model no longer served: its copy's drop-in goes
+                served = loaded.model(copy.model).served
+                files[dropin(name)] = render_dropin(copy, launch_of(loaded.engine, served, copy))
+        return files
 
     def stop(self, name: str) -> None:
         self.systemctl.stop(unit(name))
+        if name in self.copies and self.loaded is not None:
+            del self.copies[name]
+            if write_units(Path(self.loaded.config.systemd.unit_dir), self._files(self.loaded)).changed:
+                self.systemctl.daemon_reload()
 
     def restart(self, instance: Instance) -> None:
         self._slot_directory(instance.name)

@@ -19,6 +19,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from numad_infer.errors import ConfigError, NumaInferError
+from numad_infer.frontdoor.haproxy_config import SPARE_PREFIX
 from numad_infer.util import peer
 from numad_infer.util.printable import printable
 
@@ -104,7 +105,12 @@ class ServerStat:
 class BackendStat:
     queued: int  # waiting: in the backend's queue or in one of its servers'
     in_flight: int  # scur of the BACKEND row
-    servers: dict[str, ServerStat]
+    servers: dict[str, ServerStat]  # every server, the spare a surge's copy serves from too
+
+    @property
+    def instances(self) -> dict[str, ServerStat]:
+        """The servers of the plan's instances: all but the spare (haproxy_config.surge_server)."""
+        return {name: s for name, s in self.servers.items() if not name.startswith(SPARE_PREFIX)}
 
 
 # HAProxy counts a frontend's answers by class only (hrsp_1xx ... hrsp_other): its own

@@ -113,11 +113,14 @@ def server_name(instance_name: str) -> str:
     return instance_name.replace("@", "-")
 
 
+SPARE_PREFIX = "surge-"  # an instance's server is named by its unit: "infer-0", never this
+
+
 def surge_server(backend: str) -> str:
     """The backend's spare server, where a copy of the model's only instance serves while
     that instance restarts (supervision/surge.py). Declared disabled at a placeholder
     address: the daemon points it at the copy's port and puts it in rotation."""
-    return f"surge-{backend}"
+    return f"{SPARE_PREFIX}{backend}"
 
 
 CONFIG_NAME = "haproxy.cfg"

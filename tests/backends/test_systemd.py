@@ -241,3 +241,27 @@ def test_before_each_start_an_instance_that_keeps_its_slots_gets_its_directory_o
     backend.restart(instance)
     assert stat.S_IMODE((tmp_path / "slots/infer-1").stat().st_mode) == 0o770
     assert recorded(tmp_path)[-2:] == ["start --no-block -- infer@1.service", "restart --no-block -- infer@1.service"]
+
+
+def test_a_surges_copy_is_a_unit_of_the_template_with_the_instances_drop_in_on_its_own_port(tmp_path: Path) -> None:
+    """supervision/surge.py: the copy runs in the template's sandbox, pinned as the instance,
+    on another port; its drop-in is there while it runs and goes when it stops, and a sync
+    meanwhile (a reload) keeps it."""
+    unit_dir = tmp_path / "units"
+    backend = SystemdBackend(fake_systemctl(tmp_path, ""))
+    loaded = systemd_loaded(unit_dir)
+    backend.sync(loaded)
+    instance = loaded.plan.instances[1]
+    copy = dataclasses.replace(instance, name="infer@1-surge", port=41234)
+    backend.start_copy(copy)
+    written = on_disk(unit_dir)["infer@1-surge.service.d/50-numa-infer.conf"]
+    mine = loaded.units["infer@1.service.d/50-numa-infer.conf"]
+    assert written.replace("41234", str(instance.port)).replace("infer@1-surge", "infer@1") == mine
+    assert '"--port" "41234"' in written and "CPUAffinity=1\n" in written
+    assert recorded(tmp_path) == ["daemon-reload", "daemon-reload", "start --no-block -- infer@1-surge.service"]
+    assert backend.sync(loaded) is False  # a reload meanwhile leaves the copy's drop-in
+    backend.stop("infer@1-surge")
+    assert on_disk(unit_dir) == loaded.units
+    assert recorded(tmp_path)[-2:] == ["stop -- infer@1-surge.service", "daemon-reload"]
+    backend.stop("infer@1")  # an instance's stop writes nothing
+    assert recorded(tmp_path)[-1] == "stop -- infer@1.service"

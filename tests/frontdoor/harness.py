@@ -241,11 +241,11 @@ class FrontDoor:
 
     def servers_up(self) -> None:
         api = RuntimeAPI(str(self.run_dir / "haproxy.sock"))
-        wait_for(lambda: all(s.status == "UP" for s in api.backend(BACKEND).servers.values()), "every server UP")
+        wait_for(lambda: all(s.status == "UP" for s in api.backend(BACKEND).instances.values()), "every server UP")
 
     def servers_up_count(self, count: int) -> None:
         api = RuntimeAPI(str(self.run_dir / "haproxy.sock"))
-        wait_for(lambda: [s.status for s in api.backend(BACKEND).servers.values()].count("UP") == count,
+        wait_for(lambda: [s.status for s in api.backend(BACKEND).instances.values()].count("UP") == count,
                  f"{count} server(s) UP")
 
     def backend_counter(self, column: str) -> int:

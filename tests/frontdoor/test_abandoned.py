@@ -161,7 +161,7 @@ def door(tmp_path: Path) -> Iterator[tuple[Door, list[_Instance]]]:
     assert made.apply()
     api = made.door.api
     wait_for(lambda: all(s.status == "UP" for b in made.door.backends.values()
-                         for s in api.backend(b).servers.values()), f"every server UP\n{made.log()}")
+                         for s in api.backend(b).instances.values()), f"every server UP\n{made.log()}")
     yield made, instances
     made.stop()
     for instance in instances:

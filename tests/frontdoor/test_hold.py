@@ -49,7 +49,7 @@ def _started(door: FrontDoor, backends: tuple[str, ...] = (BACKEND,)) -> Runtime
         door.start_stub(k)
     door.start_haproxy()
     api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
-    wait_for(lambda: all(s.status == "UP" for b in backends for s in api.backend(b).servers.values()),
+    wait_for(lambda: all(s.status == "UP" for b in backends for s in api.backend(b).instances.values()),
              "every server UP")
     return api
 
@@ -62,7 +62,7 @@ def _sessions(api: RuntimeAPI) -> int:
 
 
 def _out(api: RuntimeAPI, backend: str = BACKEND, state: AdminState = AdminState.MAINT) -> list[str]:
-    names = list(api.backend(backend).servers)
+    names = list(api.backend(backend).instances)
     for name in names:
         api.set_state(backend, name, state)
     return names

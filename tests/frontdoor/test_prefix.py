@@ -271,7 +271,7 @@ def test_a_hot_prefix_is_spread_so_no_instance_serves_above_the_factor_times_the
 
     def watch() -> None:
         while not done.is_set():
-            for name, stat in api.backend(BACKEND).servers.items():
+            for name, stat in api.backend(BACKEND).instances.items():
                 peak[name] = max(peak[name], stat.in_flight)
             done.wait(0.05)
 
@@ -313,7 +313,7 @@ def test_past_the_bound_a_hot_key_no_longer_piles_onto_its_server(tmp_path: Path
         def watch() -> None:
             while not done.is_set():
                 stat = api.backend(BACKEND)
-                waiting.append((stat.queued, {n: s.queued for n, s in stat.servers.items()}))
+                waiting.append((stat.queued, {n: s.queued for n, s in stat.instances.items()}))
                 done.wait(0.1)
 
         watcher = threading.Thread(target=watch)

@@ -94,7 +94,7 @@ def _start(door: FrontDoor, stubs: range = range(4)) -> None:
     api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
     wanted = len(stubs)
     wait_for(lambda: sum(s.status == "UP" for b in ("model-alpha", "model-beta")
-                         for s in api.backend(b).servers.values()) == wanted, f"{wanted} servers UP")
+                         for s in api.backend(b).instances.values()) == wanted, f"{wanted} servers UP")
 
 
 def _post(door: FrontDoor, test_id: str, body: bytes) -> Answer:
@@ -199,8 +199,8 @@ def test_the_daemons_front_door_reads_and_moves_each_models_servers_in_their_own
         door = made.door
         assert door.observe() is not None
         assert set(door.model_stats) == {"alpha", "beta"}
-        assert set(door.model_stats["beta"].servers) == {"infer-beta-0", "infer-beta-1"}
-        assert door.stats is not None and len(door.stats.servers) == 4
+        assert set(door.model_stats["beta"].instances) == {"infer-beta-0", "infer-beta-1"}
+        assert door.stats is not None and len(door.stats.instances) == 4
         beta0 = next(i for i in made.plan.instances if i.name == "infer@beta-0")
         assert door.backend_of(beta0) == "model-beta"
         door.set_state(beta0, AdminState.MAINT)

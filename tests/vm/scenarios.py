@@ -1139,9 +1139,11 @@ def e7_slots_kept() -> str:
 @scenario("e5-one-instance-rollout")
 def e5_one_instance_rollout() -> str:
     """Under systemd, one instance on the host (issue 40): a new model file rolled out under
-    load fails no request. With no other instance to take the traffic, the front door holds
-    the model's requests while the only one restarts (frontdoor/hold.py); the queue timeout
-    is raised past TCG's model load (over a minute)."""
+    load fails no request. The node has room for a second copy, so the restart surges
+    (supervision/surge.py): a unit `infer@0-surge` of the same template, pinned as infer@0
+    on another port, serves while infer@0 restarts, then stops and its drop-in goes. Then,
+    with `frontend.surge = false`, `numa-infer restart` holds the requests instead
+    (frontdoor/hold.py). The queue timeout is raised past TCG's model load (over a minute)."""
     write_config("nodes = [0]", frontend="queue_timeout_s = 280\n")
     sh("systemctl", "reload", "numa-infer", timeout=300)
     wait(lambda: sh("systemctl", "is-active", "infer@1", check=False).strip() != "active", 200,
@@ -1151,21 +1153,54 @@ def e5_one_instance_rollout() -> str:
          "one instance in rotation")
     before = main_pid("infer@0")
     since = now_str()
+    copy_seen: list[str] = []
+
+    def copy_placed() -> None:
+        shown = sh("systemctl", "show", "-p", "ActiveState,CPUAffinity,NUMAMask", "infer@0-surge", check=False)
+        if "ActiveState=active" in shown and not copy_seen:
+            copy_seen.append(" ".join(shown.split()))
+
+    def back() -> bool:
+        copy_placed()
+        cover = status()["instances"][0].get("restart_cover") or ""
+        return (main_pid("infer@0") not in (0, before) and "its copy stopped" in cover
+                and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in status()["instances"]))
 
     def move_into_place() -> None:
         staged = MODEL + ".new"
         sh("cp", MODEL, staged)
         sh("chmod", "0644", staged)
         os.replace(staged, MODEL)
-        wait(lambda: main_pid("infer@0") not in (0, before)
-             and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in status()["instances"]),
-             600, "infer@0 restarted on the new file", interval=2)
+        wait(back, 600, "infer@0 restarted on the new file and its copy stopped", interval=2)
 
     _, rolled = under_load(move_into_place, "the roll-out of the only instance")
     journal = journal_since(since)
-    if "(hold, up to frontend.queue_timeout_s = 280s)" not in journal:
-        raise Fail(f"the journal does not say the requests were held: {journal[-800:]}")
-    return f"{rolled}; the journal says the hold"
+    if "surge: infer@0-surge started on port" not in journal or "surge over: infer@0-surge stopped" not in journal:
+        raise Fail(f"the journal does not say the surge: {journal[-1500:]}")
+    mine = sh("systemctl", "show", "-p", "CPUAffinity,NUMAMask", "infer@0")
+    if not copy_seen or any(line not in copy_seen[0] for line in mine.split()):
+        raise Fail(f"the copy was not seen running pinned as infer@0 ({mine.split()}): {copy_seen}")
+    if os.path.exists("/run/systemd/system/infer@0-surge.service.d"):
+        raise Fail("the copy's drop-in was left behind")
+    surged = status()["instances"][0]["restart_cover"]
+
+    write_config("nodes = [0]", frontend="queue_timeout_s = 280\nsurge = false\n")
+    sh("systemctl", "reload", "numa-infer", timeout=300)
+    before, since = main_pid("infer@0"), now_str()
+
+    def restart() -> None:
+        sh(NI, "restart", "--timeout", "500", timeout=560)
+        wait(lambda: main_pid("infer@0") not in (0, before)
+             and all(i["state"] == "healthy" and i.get("rotation") == "UP" for i in status()["instances"]),
+             300, "infer@0 restarted", interval=2)
+
+    _, held = under_load(restart, "numa-infer restart of the only instance, surge = false")
+    journal = journal_since(since)
+    cover = status()["instances"][0].get("restart_cover") or ""
+    if "wait for it (up to frontend.queue_timeout_s = 280s)" not in journal or not cover.startswith(
+            "hold: frontend.surge = false"):
+        raise Fail(f"the restart did not hold: {cover!r}; {journal[-800:]}")
+    return f"{rolled}: {surged}; copy {copy_seen[0]}; {held}: {cover}"
 
 
 @scenario("e2-instances-elsewhere")
