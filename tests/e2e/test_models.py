@@ -198,6 +198,35 @@ def test_restart_by_model_name_rolls_that_models_instances_alone(run: DaemonRun)
     assert now["infer@alpha-0"] == pids["infer@alpha-0"] and now["infer@beta-1"] != pids["infer@beta-1"]
 
 
+def test_a_restart_of_one_models_only_instance_surges_for_that_model_alone(run: DaemonRun) -> None:
+    """Issue 40 with [[models]]: alpha's only instance restarted by name, under requests for
+    both models. Its node (this host's node 0) has room: a copy serves alpha from alpha's
+    spare server meanwhile; no request of either model fails, beta's instance is untouched.
+    (Beta's node 1 exists only in the fake topology: its restart would hold, and say that the
+    node's free memory cannot be read.)"""
+    state = in_rotation(run, ["infer@alpha-0", "infer@beta-1"])
+    pids = {i["name"]: i["pid"] for i in state["instances"]}
+    alpha, beta = Asking(run, "alpha"), Asking(run, "beta")
+    try:
+        alpha.answered()
+        beta.answered()
+        out = run.cli("restart", "--timeout", "120", "alpha")
+        assert out.returncode == 0, out.stdout + out.stderr
+        state = run.wait(lambda s: "its copy stopped" in (run.instance(s, "infer@alpha-0").get("restart_cover") or ""),
+                         60, "alpha's copy stopped")
+        alpha.answered()
+    finally:
+        asked = {"alpha": alpha.end(), "beta": beta.end()}
+    for model, outcomes in asked.items():
+        assert outcomes and all(o == (200, model) for o in outcomes), (model, [o for o in outcomes if o[0] != 200][:5])
+    now = {i["name"]: i for i in state["instances"]}
+    assert now["infer@alpha-0"]["pid"] != pids["infer@alpha-0"] and now["infer@beta-1"]["pid"] == pids["infer@beta-1"]
+    assert now["infer@alpha-0"]["restart_cover"].startswith("surge: a second copy fits")
+    assert now["infer@beta-1"].get("restart_cover") is None
+    logs = run.logs()
+    assert "surge-model-alpha -> ready" in logs and "surge-model-beta" not in logs
+
+
 def test_a_restarted_daemon_keeps_the_ports_a_reload_left(run: DaemonRun) -> None:
     """After a reload removed the first model, the second keeps its port; a daemon started
     again (killed here: a crash, an upgrade) plans it on the same port, from the state file
