@@ -75,7 +75,7 @@ def others_in_rotation(stat: BackendStat | None, server: str) -> int | None:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"  # a small model's need is not "0.0 GiB"
 
 
 def choose(counted: bool, refusal: str | None, need: int, room: int | None, nodes: str, wanted: bool = True) -> Cover:
