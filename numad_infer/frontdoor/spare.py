@@ -12,6 +12,7 @@ import logging
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import AdminState, HaproxyError, ServerStat
 from numad_infer.frontdoor.haproxy_config import surge_server
+from numad_infer.util.addresses import connect_host
 from numad_infer.util.printable import printable
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,8 @@ def point_spare(door: Frontdoor, model: str, host: str, port: int) -> bool:
         return False
     name = surge_server(backend)
     try:
-        answer = door.api.command(f"set server {backend}/{name} addr {host} port {port}").strip()
+        # The address HAProxy connects to (server.host may be a wildcard such as 0.0.0.0).
+        answer = door.api.command(f"set server {backend}/{name} addr {connect_host(host)} port {port}").strip()
     except HaproxyError as exc:
         log.error("front door: %s", exc)
         return False

@@ -39,7 +39,6 @@ from numad_infer.lifecycle.states import State
 from numad_infer.plan.model import Instance
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.instance import Runtime
-from numad_infer.util.addresses import connect_host
 from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
@@ -120,10 +119,11 @@ class Surge:
 
 
 def free_port(host: str) -> int:
-    """A port nothing listens on now, for the copy (the kernel's pick of an ephemeral one)."""
-    family = socket.AF_INET6 if ":" in connect_host(host) else socket.AF_INET
+    """A port nothing listens on now at server.host, where the copy listens (the kernel's
+    pick of an ephemeral one; the copy binds it a moment later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe_socket:
-        probe_socket.bind((connect_host(host), 0))
+        probe_socket.bind((host, 0))
         return int(probe_socket.getsockname()[1])
 
 
