@@ -104,7 +104,9 @@ class FakeFrontdoor:
     def __init__(self) -> None:
         self.in_flight_by: dict[str, int] = {}
         self.states: list[tuple[str, AdminState]] = []
-        self.model_stats: dict = {}  # nothing read: the hold is not said (supervisor._say_hold)
+        self.model_stats: dict = {}  # nothing read: no surge or hold is chosen (supervision/surge.py)
+        self.stats = None
+        self.backends: dict[str, str] = {}
 
     def observe(self):
         return None

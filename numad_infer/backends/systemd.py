@@ -139,7 +139,7 @@ class SystemdBackend:
     def _files(self, loaded: Loaded) -> dict[str, str]:
         """The units of the plan, and the drop-ins of the copies running beside it."""
         files = dict(loaded.units)
-        for name, copy in self.copies.items():
+        for name, copy in list(self.copies.items()):  # stop_all stops copies from several threads
             with contextlib.suppress(KeyError):  # a model no longer served: its copy's drop-in goes
                 served = loaded.model(copy.model).served
                 files[dropin(name)] = render_dropin(copy, launch_of(loaded.engine, served, copy))
@@ -148,7 +148,7 @@ class SystemdBackend:
     def stop(self, name: str) -> None:
         self.systemctl.stop(unit(name))
         if name in self.copies and self.loaded is not None:
-            del self.copies[name]
+            self.copies.pop(name, None)
             if write_units(Path(self.loaded.config.systemd.unit_dir), self._files(self.loaded)).changed:
                 self.systemctl.daemon_reload()
 

@@ -90,6 +90,9 @@ class ServerStat:
     in_flight: int  # scur: requests being served
     queued: int  # qcur: requests waiting for this server
     served: int  # stot: requests sent to it since HAProxy (re)started
+    # Its last health check's result: "L7OK" passed; "INI": none done yet (a server leaving
+    # maintenance is UP before its first check); "" where not read.
+    check: str = ""
 
     @property
     def admin(self) -> AdminState:
@@ -203,7 +206,7 @@ def _backend(rows: list[dict[str, str]], name: str) -> BackendStat:
             queued, in_flight = _int(row.get("qcur")), _int(row.get("scur"))
         elif kind != "FRONTEND":
             servers[kind] = ServerStat(kind, row.get("status", ""), _int(row.get("scur")), _int(row.get("qcur")),
-                                       _int(row.get("stot")))
+                                       _int(row.get("stot")), row.get("check_status", ""))
     if not found:
         raise HaproxyError(f"runtime API: no backend {name!r} in show stat")
     # The BACKEND row's qcur is the backend's own queue only: `balance hash` (affinity =

@@ -284,7 +284,9 @@ class Status:
         healthy = [i for i in self.instances if i.state == State.HEALTHY]
         if self.frontdoor is None:
             return bool(healthy)
-        return self.frontdoor.up and any(in_rotation(i.rotation) for i in healthy)
+        # A copy in rotation while its instance restarts serves too (supervision/surge.py).
+        return self.frontdoor.up and (any(in_rotation(i.rotation) for i in healthy)
+                                      or any(in_rotation(i.copy_rotation) for i in self.instances))
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, **_plain(asdict(self))}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from numad_infer.backends.base import Backend
@@ -75,7 +74,7 @@ class Rollout:
         self.rolling = [name for name in self.rolling if name in runtimes]
         if diff.changed:  # a new rollout; one still under way continues with the new definition
             self.rolled, self._stopped_said, self.why = [], False, why
-            self._forget_failed_surges(diff.changed)
+        self._retry_failed_surges(runtimes)
         self.roll(loaded, runtimes, holds, now)
 
     def _bring_up(self, instance: Instance, runtimes: dict[str, Runtime], changed: bool, held: bool,
@@ -88,7 +87,9 @@ class Rollout:
             runtime = runtimes[instance.name] = Runtime(
                 instance, supervision=runtime.supervision if runtime else Supervision(name=instance.name),
                 pid=runtime.pid if runtime else None, last_probe=runtime.last_probe if runtime else None,
-                prompt=runtime.prompt if runtime else PromptTally())
+                prompt=runtime.prompt if runtime else PromptTally(),
+                # A surge under way (surge.py) goes on: its copy still serves for this instance.
+                cover=runtime.cover if runtime else None, copy=runtime.copy if runtime else None)
         runtime.instance = instance
         runtime.supervision.on_reload()
         if changed:
@@ -171,7 +172,9 @@ class Rollout:
         if held:
             return f"{', '.join(held)}: held stopped; it starts on its own once the hold is released"
         self.rolling, self.rolled, self._stopped_said = list(dict.fromkeys(wanted)), [], False
-        self._forget_failed_surges(self.rolling)
+        if self.supervisor.surges is not None:
+            for name in self.rolling:
+                self.supervisor.surges.failed.pop(name, None)
         self.why = "restart requested"
         log.info("restart requested: %s, one at a time", ", ".join(self.rolling))
         return None
@@ -181,11 +184,16 @@ class Rollout:
         return tuple(n for n in names if n in runtimes and (
             n in self.rolling or runtimes[n].supervision.state != State.HEALTHY or n in set().union(*self._surging())))
 
-    def _forget_failed_surges(self, names: Iterable[str]) -> None:
-        """A new definition or a new `restart` tries a surge again."""
-        if self.supervisor.surges is not None:
-            for name in names:
-                self.supervisor.surges.failed.pop(name, None)
+    def _retry_failed_surges(self, runtimes: dict[str, Runtime]) -> None:
+        """Each reload (the same file too) restarts again the instances whose surge failed:
+        they still serve on their old definition (surge.py)."""
+        surges = self.supervisor.surges
+        if surges is None:
+            return
+        for name in list(surges.failed):
+            del surges.failed[name]
+            if name in runtimes and name not in self.rolling:
+                self.rolling.append(name)
 
     def _surging(self) -> tuple[set[str], set[str]]:
         """Instances whose restart waits for its copy to serve (surge.py), and those whose copy
@@ -199,7 +207,7 @@ class Rollout:
         if any(rt.supervision.state in IN_TRANSITION for rt in runtimes.values()):
             return False
         waiting, failed = self._surging()
-        if waiting & set(self.rolled):
+        if waiting:  # a copy starting (of this roll-out or the last): one at a time, for memory's sake
             return False
         stuck = [n for n in self.rolled if n in runtimes and (runtimes[n].supervision.state != State.HEALTHY
                                                               or n in failed)]

@@ -15,10 +15,17 @@ Only a restart made on purpose (a roll-out, `numa-infer restart`, a reload that 
 instance) surges; a repair (a crash, a hang, drift) holds: the instance is not serving then,
 and a copy on the same definition would likely fail the same way.
 
-A copy that exits, or is not healthy within `monitor.startup_grace_s`, is stopped: the
+A copy that exits, or is not in rotation within `monitor.startup_grace_s`, is stopped: the
 instance is not restarted and keeps serving on its old definition, the roll-out stops there
-(`Surges.failed`, read by rollout.py) and status says why. A later reload or `numa-infer
-restart` tries again.
+(`Surges.failed`, read by rollout.py) and status says why. The next reload (of the same
+file too) tries again.
+
+What ends a surge early: its instance held (`numa-infer tune` measures the node: the copy
+would disturb it), dropped from the plan, or the front door turned off (the restart then
+goes at once). A repair of the instance meanwhile (it crashed) is not absorbed: it goes
+as any repair, and the copy covers it; the planned restart is then already made.
+Each pass, a spare with no surge under way for its model is kept out of rotation (a
+daemon restarted mid-surge, a state file that HAProxy read back).
 """
 
 from __future__ import annotations
@@ -113,6 +120,7 @@ class Surge:
     phase: Phase
     since: float  # when this phase began
     said: str  # the choice in words (Cover.describe), which status shows with the phase
+    pid: int | None = None  # the instance's process when the surge began: restarted once, not twice
 
     def to(self, phase: Phase, now: float) -> None:
         self.phase, self.since = phase, now
@@ -147,7 +155,7 @@ class Surges:
             return False  # the others serve meanwhile (or HAProxy's view is unknown this pass)
         under_way = self.active.get(rt.instance.name)
         if under_way is not None and under_way.phase in (Phase.STARTING, Phase.JOINING):
-            return True
+            return not counted  # a repair goes now (the instance is not serving); its copy covers it later
         cover = self.cover(loaded, rt, counted) if under_way is None else Cover(
             CoverKind.HOLD, "the copy of its last restart is leaving")
         if cover.kind == CoverKind.SURGE and self.begin(loaded, rt, now, reason, cover.describe()):
@@ -178,7 +186,7 @@ class Surges:
         except Exception as exc:  # no copy: the restart holds instead
             log.error("%s: cannot start a second copy for the restart: %s", rt.instance.name, exc)
             return False
-        self.active[rt.instance.name] = Surge(rt.instance.name, copy, reason, Phase.STARTING, now, said)
+        self.active[rt.instance.name] = Surge(rt.instance.name, copy, reason, Phase.STARTING, now, said, rt.pid)
         rt.copy = copy.name
         _show(rt, self.active[rt.instance.name])
         log.info("%s: %s: surge: %s started on port %d, the same CPUs; the instance restarts once it serves",
@@ -193,6 +201,13 @@ class Surges:
             rt = runtimes.get(name)
             if rt is None:
                 self._end(None, surge, "its instance is no longer planned")
+            elif rt.supervision.state == State.HELD or (rt.supervision.drain is not None
+                                                        and rt.supervision.drain.hold_by is not None):
+                self._end(rt, surge, "its instance is held: the copy would disturb what the holder measures")
+            elif not self.frontdoor.listen:
+                if surge.phase in (Phase.STARTING, Phase.JOINING) and rt.pid == surge.pid:
+                    go.append((name, surge.reason))  # no front door to cover: the restart goes now
+                self._end(rt, surge, "the front door is off")
             elif surge.phase == Phase.STARTING:
                 self._starting(loaded, rt, surge, now)
             elif surge.phase == Phase.JOINING:
@@ -204,37 +219,61 @@ class Surges:
                 self._leaving(loaded, rt, surge, now)
             if rt is not None and name in self.active:
                 _show(rt, surge)
+        self._sweep_spares()
         return go
 
-    def _pid(self, surge: Surge) -> tuple[int | None, str]:
+    def _sweep_spares(self) -> None:
+        """Out of rotation, every spare whose model has no surge under way: one left READY
+        (a daemon restarted mid-surge, a stop that HAProxy did not answer) points at a port
+        that anything may take next."""
+        if self.frontdoor.stats is None:
+            return
+        surging = {s.copy.model for s in self.active.values()}
+        for model in self.frontdoor.backends:
+            spare = spare_stat(self.frontdoor, model)
+            if model not in surging and spare is not None and spare.admin != AdminState.MAINT:
+                spare_state(self.frontdoor, model, AdminState.MAINT)
+
+    def _alive(self, surge: Surge) -> tuple[int | None, bool, str]:
+        """The copy's process, whether it runs or is being started (systemd), and its state in words."""
         seen = self.backend.observe([surge.copy.name])[surge.copy.name]
-        return seen.pid, seen.description
+        return seen.pid, seen.pid is not None or seen.pending, seen.description
 
     def _starting(self, loaded: Loaded, rt: Runtime, surge: Surge, now: float) -> None:
         cfg = loaded.config
-        pid, description = self._pid(surge)
-        if pid is None:
+        pid, alive, description = self._alive(surge)
+        if not alive:
             self._fail(rt, surge, f"its copy exited before it served ({description})")
             return
-        owner = self.proc.port_owner(cfg.server.host, surge.copy.port, pid)
-        result = self.probe(cfg.server.host, surge.copy.port, cfg.monitor.probe_timeout_s,
-                            loaded.engine.liveness_path) if owner.ours else ProbeResult(False, 0.0, owner.detail)
-        if result.ok:
-            if point_spare(self.frontdoor, rt.instance.model, cfg.server.host, surge.copy.port):
-                surge.to(Phase.JOINING, now)
-        elif now - surge.since > cfg.monitor.startup_grace_s:
+        if pid is None:
+            result = ProbeResult(False, 0.0, description)
+        else:
+            owner = self.proc.port_owner(cfg.server.host, surge.copy.port, pid)
+            result = self.probe(cfg.server.host, surge.copy.port, cfg.monitor.probe_timeout_s,
+                                loaded.engine.liveness_path) if owner.ours else ProbeResult(False, 0.0, owner.detail)
+        if result.ok and point_spare(self.frontdoor, rt.instance.model, cfg.server.host, surge.copy.port):
+            surge.to(Phase.JOINING, now)
+        elif now - surge.since > cfg.monitor.startup_grace_s:  # whatever held it: never a surge without end
+            why = result.error if not result.ok else "the front door did not take its spare server"
             self._fail(rt, surge, f"its copy was not healthy within monitor.startup_grace_s = "
-                                  f"{cfg.monitor.startup_grace_s:g}s ({result.error})")
+                                  f"{cfg.monitor.startup_grace_s:g}s ({why})")
 
     def _joining(self, loaded: Loaded, rt: Runtime, surge: Surge, now: float) -> bool:
         cfg = loaded.config
         spare = spare_stat(self.frontdoor, rt.instance.model)
-        if spare is not None and spare.admin == AdminState.READY and spare.status.startswith("UP"):
+        # UP with a check that passed: a server leaving maintenance is UP before its first one.
+        if (spare is not None and spare.admin == AdminState.READY and spare.status.startswith("UP")
+                and spare.check not in ("", "INI")):
             surge.to(Phase.SERVING, now)
+            if rt.pid != surge.pid or rt.supervision.state != State.HEALTHY:
+                # Repaired (or being repaired) meanwhile, on the applied definition: the copy covers that.
+                log.info("%s: surge: %s is in rotation while the instance is repaired", rt.instance.name,
+                         surge.copy.name)
+                return False
             log.info("%s: surge: %s is in rotation: the instance drains and restarts", rt.instance.name,
                      surge.copy.name)
             return True
-        if self._pid(surge)[0] is None:
+        if not self._alive(surge)[1]:
             self._fail(rt, surge, "its copy exited before HAProxy's check passed")
         elif now - surge.since > cfg.monitor.startup_grace_s:
             self._fail(rt, surge, f"HAProxy's check of its copy did not pass within monitor.startup_grace_s = "
@@ -248,7 +287,7 @@ class Surges:
             server_name(rt.instance.name))
         back = (rt.supervision.state == State.HEALTHY and stat is not None and stat.admin == AdminState.READY
                 and stat.status.startswith("UP"))
-        if self._pid(surge)[0] is None:
+        if not self._alive(surge)[1]:
             log.error("%s: surge: its copy exited while the instance restarted: requests wait for the instance "
                       "(hold)", rt.instance.name)
             self._end(rt, surge, "its copy exited")
@@ -263,11 +302,11 @@ class Surges:
 
     def _leaving(self, loaded: Loaded, rt: Runtime, surge: Surge, now: float) -> None:
         spare = spare_stat(self.frontdoor, surge.copy.model)
-        busy = None if spare is None else spare.in_flight + spare.queued
-        if busy and now - surge.since < loaded.config.frontend.drain_timeout_s:
+        busy = None if spare is None else spare.in_flight + spare.queued  # None: not read, so maybe busy
+        if busy != 0 and now - surge.since < loaded.config.frontend.drain_timeout_s:
             return
-        self._end(rt, surge, f"{busy} request(s) still open after frontend.drain_timeout_s" if busy
-                  else "its requests are answered")
+        self._end(rt, surge, "its requests are answered" if busy == 0 else
+                  "frontend.drain_timeout_s is over")
         rt.cover = f"{surge.said} (done: the instance serves again, its copy stopped)"
 
     def _fail(self, rt: Runtime, surge: Surge, why: str) -> None:

@@ -43,10 +43,11 @@ def test_a_copy_is_tried_only_for_a_planned_restart_that_fits(counted: bool, ref
 class Api:
     def __init__(self) -> None:
         self.lines: list[str] = []
+        self.answer = ""  # HAProxy's answer to `set server ... addr`: "" as for a change
 
     def command(self, line: str) -> str:
         self.lines.append(line)
-        return ""
+        return self.answer
 
 
 @dataclass
@@ -58,6 +59,7 @@ class SpareDoor:
     backends: dict[str, str] = field(default_factory=lambda: {"": "instances"})
     api: Api = field(default_factory=Api)
     served_alone: list[bool] = field(default_factory=list)  # after each change: is any server in rotation
+    copy_answers: bool = True  # does a copy's probe pass
 
     def __post_init__(self) -> None:
         self.stats = BackendStat(servers={"infer-0": ServerStat("infer-0", "UP", 0, 0, 0),
@@ -65,8 +67,13 @@ class SpareDoor:
                                   queued=0, in_flight=0)
         self.model_stats = {"": self.stats}
 
+    passes: list[str] | None = None
+
     def observe(self) -> None:
-        return None
+        """The next read: the checks of servers just put in rotation have passed."""
+        for name in self.passes or []:
+            self.stats.servers[name] = replace(self.stats.servers[name], check="L7OK")
+        self.passes = []
 
     def in_flight(self, instance: Instance) -> int:
         return 0
@@ -77,7 +84,10 @@ class SpareDoor:
     def set_server(self, backend: str | None, name: str, state: AdminState) -> bool:
         now = self.stats.servers[name]
         self.stats.servers[name] = ServerStat(name, {AdminState.READY: "UP", AdminState.DRAIN: "DRAIN",
-                                                     AdminState.MAINT: "MAINT"}[state], 0, 0, now.served)
+                                                     AdminState.MAINT: "MAINT"}[state], 0, 0, now.served,
+                                              "INI" if now.status == "MAINT" else now.check)
+        if state == AdminState.READY and self.passes is not None:
+            self.passes.append(name)  # HAProxy's first check of it comes with the next read
         self.served_alone.append(any(s.status == "UP" for s in self.stats.servers.values()))
         return True
 
@@ -100,13 +110,17 @@ class RoomyProc(FakeProc):
 
 
 def one_instance(room: int | None, copy_answers: bool = True) -> tuple[Reconciler, CopyingBackend, SpareDoor]:
+    """One instance healthy behind the stand-in HAProxy; `copy_answers`: whether a copy's probe passes."""
     config = cfg("[placement]\nnodes = [0]\n")
     loaded = loaded_for(config, make_plan(config, three_nodes()))
     backend, door = CopyingBackend(), SpareDoor()
     (port,) = [i.port for i in loaded.plan.instances]
 
+    door.copy_answers = copy_answers
+
     def probe(host: str, p: int, timeout: float, path: str) -> ProbeResult:
-        return ProbeResult(copy_answers or p == port, 0.001, "" if copy_answers or p == port else "HTTP 503")
+        ok = door.copy_answers or p == port
+        return ProbeResult(ok, 0.001, "" if ok else "HTTP 503")
 
     rec = Reconciler(backend, RoomyProc(room), frontdoor=door, probe=probe)  # type: ignore[arg-type]
     rec.apply(loaded, 0.0)
@@ -154,6 +168,41 @@ def test_a_copy_that_never_becomes_healthy_is_stopped_and_the_instance_keeps_ser
     assert rt.cover is not None and rt.cover.startswith("surge failed: its copy was not healthy within "
                                                         "monitor.startup_grace_s"), rt.cover
     assert rec.rollout.left(("infer@0",), rec.runtimes) == ("infer@0",)  # `restart` does not say it done
+    # The next reload, of the same file, tries again: this time the copy serves.
+    door.copy_answers = True
+    rec.apply(rec.loaded, 3.0 + grace + 3)  # type: ignore[arg-type]
+    for t in range(5, 15):
+        rec.monitor(3.0 + grace + t)
+    assert [c[0] for c in backend.calls][2:] == ["start_copy", "restart", "stop"], backend.calls
+    assert rt.cover.endswith("its copy stopped)") and rec.rollout.left(("infer@0",), rec.runtimes) == ()
+
+
+def test_a_surge_whose_spare_haproxy_refuses_ends_at_the_grace_period() -> None:
+    """The copy answers but HAProxy never takes the spare (a config without it still running):
+    the surge ends within startup_grace_s, never left running for good."""
+    rec, backend, door = one_instance(room=8 * GIB)
+    door.api.answer = "No such server."
+    assert rec.rollout.request(["infer@0"], rec.runtimes, rec.holds) is None
+    rec.roll(3.0)
+    grace = rec.loaded.config.monitor.startup_grace_s  # type: ignore[union-attr]
+    for t in (4.0, 5.0, 3.0 + grace + 1):
+        rec.monitor(t)
+    assert [c[0] for c in backend.calls] == ["start_copy", "stop"] and not rec.supervisor.surges.active  # type: ignore[union-attr]
+    assert "the front door did not take its spare server" in (rec.runtimes["infer@0"].cover or "")
+
+
+def test_a_hold_during_a_surge_stops_the_copy_and_makes_no_restart() -> None:
+    """`numa-infer tune` holds the node while the copy starts: the copy would disturb the
+    measurement; the instance is stopped for the hold, not restarted by the surge."""
+    rec, backend, door = one_instance(room=8 * GIB)
+    assert rec.rollout.request(["infer@0"], rec.runtimes, rec.holds) is None
+    rec.roll(3.0)
+    rec.holds = {"infer@0": "numa-infer tune"}
+    for t in range(4, 9):
+        rec.monitor(float(t))
+    assert [c[0] for c in backend.calls] == ["start_copy", "stop", "stop"], backend.calls
+    assert ("stop", "infer@0-surge") in backend.calls and ("stop", "infer@0") in backend.calls
+    assert rec.runtimes["infer@0"].supervision.state == State.HELD and not rec.supervisor.surges.active  # type: ignore[union-attr]
 
 
 def test_a_copy_that_does_not_fit_is_not_tried_the_restart_holds() -> None:
