@@ -10,8 +10,8 @@ a request took, the median, and how the daemon covered the restart (status's
 `restart_cover`: surge or hold).
 
 For a surge, also the cost of the overlap: the clients' tokens per second per request
-(12 tokens / its time) for the requests answered while the copy started beside the
-instance (both on the same CPUs), against those answered in the seconds before.
+(12 tokens / its time) for the requests that ended while the copy started beside the
+instance (both on the same CPUs), against those that ended in the seconds before.
 
     .venv/bin/python bench/hold.py [--cases restart,restart-hold,mv,kill]
 """
@@ -56,9 +56,10 @@ class Phases(threading.Thread):
 
 
 def _rate(outcomes: list, start: float, end: float) -> tuple[float | None, int]:
-    """Median tokens/s per request, for the complete requests sent and answered within [start, end]."""
-    rates = [o.tokens / o.seconds for o in outcomes if o.complete and o.started >= start
-             and o.started + o.seconds <= end and o.seconds > 0]
+    """Median tokens/s per request, for the complete requests answered within [start, end]
+    (a request of ~2 s ran mostly in a window of a few seconds that it ended in)."""
+    rates = [o.tokens / o.seconds for o in outcomes if o.complete and start <= o.started + o.seconds <= end
+             and o.seconds > 0]
     return (statistics.median(rates) if rates else None), len(rates)
 
 
