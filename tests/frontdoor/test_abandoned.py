@@ -168,14 +168,16 @@ def door(tmp_path: Path) -> Iterator[tuple[Door, list[_Instance]]]:
         instance.close()
 
 
-def _ask_then_leave(port: int, leave_after_s: float) -> tuple[float, tuple[str, int]]:
-    """A non-streaming request over a raw socket, closed without reading an answer."""
+def _ask_then_leave(port: int, leave_after_s: float,
+                    done: threading.Event | None = None) -> tuple[float, tuple[str, int]]:
+    """A non-streaming request over a raw socket, closed without reading an answer after
+    `leave_after_s`, or as soon as `done` is set."""
     body = json.dumps({"prompt": "Once upon a time", "max_tokens": 1800, "stream": False}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         client = sock.getsockname()[:2]
-        time.sleep(leave_after_s)
+        (done or threading.Event()).wait(leave_after_s)
     return time.monotonic(), client
 
 
@@ -205,15 +207,23 @@ def test_a_non_streaming_request_whose_client_left_is_ended_and_its_instance_fre
 def test_a_queued_request_whose_client_left_never_reaches_an_instance(door) -> None:
     front, instances = door
     slots = len(instances)  # parallel = 1: one request fills an instance
-    holders = [threading.Thread(target=_ask_then_leave, args=(front.port, 6.0), daemon=True) for _ in range(slots)]
+    # The holders stay until the end: on a loaded machine a health check may time out and
+    # take an instance out for a moment, and a holder's request then waits in the queue
+    # for it; one that left meanwhile would never arrive.
+    release = threading.Event()
+    holders = [threading.Thread(target=_ask_then_leave, args=(front.port, 120.0, release), daemon=True)
+               for _ in range(slots)]
     for holder in holders:
         holder.start()
-    wait_for(lambda: sum(i.posts for i in instances) == slots, "every instance busy")
-    watch = AbandonWatch(front.door, poll_s=0.1)
-    _, client = _ask_then_leave(front.port, 0.5)
-    ended = []
-    wait_for(lambda: ended.extend(watch.poll()) or ended, "the queued request ended", timeout_s=5)
-    assert [(s.client[1], s.queued) for s in ended] == [(client[1], True)]
-    assert sum(i.posts for i in instances) == slots  # it never reached one
-    for holder in holders:
-        holder.join()
+    try:
+        wait_for(lambda: sum(i.posts for i in instances) == slots, "every instance busy", timeout_s=60)
+        watch = AbandonWatch(front.door, poll_s=0.1)
+        _, client = _ask_then_leave(front.port, 0.5)
+        ended = []
+        wait_for(lambda: ended.extend(watch.poll()) or ended, "the queued request ended", timeout_s=15)
+        assert [(s.client[1], s.queued) for s in ended] == [(client[1], True)]
+        assert sum(i.posts for i in instances) == slots  # it never reached one
+    finally:
+        release.set()
+        for holder in holders:
+            holder.join()
