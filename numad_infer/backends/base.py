@@ -39,6 +39,8 @@ class Backend(Protocol):
     slots_dir: Path | None
     # Why it starts no copy of an instance for a surge (supervision/surge.py); None: it does.
     surge_refusal: str | None
+    # The cgroup a copy starts in, whose memory limit (and its parents') bounds it; None: the daemon's.
+    copy_cgroup: str | None
 
     def specs(self, loaded: Loaded) -> dict[str, str]: ...
     def current_specs(self, loaded: Loaded) -> dict[str, str]: ...

@@ -84,6 +84,7 @@ class ProcessBackend:
     kind = BackendKind.PROCESS
     instance_cgroups = False  # children share the daemon's cgroup
     surge_refusal: str | None = None  # starts copies for a surge (start_copy)
+    copy_cgroup: str | None = None  # a copy is the daemon's child, in the daemon's cgroup
 
     def __init__(self, log_dir: Path, logs: InstanceLogs = InstanceLogs.FILE, slots_dir: Path | None = None) -> None:
         self.log_dir = log_dir

@@ -35,6 +35,7 @@ from numad_infer.systemd.unitnames import (
     template_unit,
     unit,
 )
+from numad_infer.topology.cgroups import INSTANCE_SLICE
 from numad_infer.units.render import FRONTDOOR_HANDOUT, FRONTDOOR_RUN_DIR, FRONTDOOR_SOCKET, render_dropin
 from numad_infer.validate.loaded import Loaded
 
@@ -56,6 +57,7 @@ class SystemdBackend:
     kind = BackendKind.SYSTEMD
     instance_cgroups = True
     surge_refusal: str | None = None  # starts copies for a surge (start_copy)
+    copy_cgroup: str | None = INSTANCE_SLICE  # a copy's unit starts there, as the instances' do
 
     def __init__(self, systemctl: Systemctl | None = None, daemon_unit: str = DAEMON_UNIT,
                  handout: FrontdoorHandout | None = None, slots_dir: Path = Path(SLOTS_DIR)) -> None:

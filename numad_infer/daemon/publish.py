@@ -125,7 +125,8 @@ def _tenants(fd: Frontdoor) -> tuple[TenantStatus, ...]:
             out.append(TenantStatus(name, in_flight, last_minute))
             continue
         out.append(TenantStatus(name, in_flight, last_minute, used.answers, used.time_to_first_token,
-                                used.request_duration, used.prompt_tokens, used.completion_tokens, used.counted))
+                                used.request_duration, used.prompt_tokens, used.completion_tokens,
+                                used.counted_answers))
     return tuple(out)
 
 

@@ -103,6 +103,11 @@ class ServerStat:
             return AdminState.DRAIN
         return AdminState.READY
 
+    @property
+    def in_rotation(self) -> bool:
+        """HAProxy would send it a request now: ready (not drained, not in maintenance) and up."""
+        return self.admin == AdminState.READY and self.status.startswith("UP")
+
 
 @dataclass(frozen=True)
 class BackendStat:

@@ -52,7 +52,7 @@ class TenantUsage:
     # streams), and how many answers those are.
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    counted: int = 0
+    counted_answers: int = 0
 
 
 @dataclass
@@ -62,7 +62,7 @@ class _Tally:
     whole: Recorder = field(default_factory=lambda: Recorder(REQUEST_DURATION_BOUNDS))
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    counted: int = 0
+    counted_answers: int = 0
 
 
 def _count(word: str) -> int | None:
@@ -104,7 +104,7 @@ class Timings:
                 if served and tokens[0] is not None and tokens[1] is not None:
                     tally.prompt_tokens += tokens[0]
                     tally.completion_tokens += tokens[1]
-                    tally.counted += 1
+                    tally.counted_answers += 1
             if served:
                 self._first.setdefault(server, Recorder(TIME_TO_FIRST_TOKEN_BOUNDS)).observe(first)
                 self._whole.setdefault(server, Recorder(REQUEST_DURATION_BOUNDS)).observe(whole)
@@ -119,7 +119,7 @@ class Timings:
         """tenant -> its usage since the daemon started."""
         with self._lock:
             return {name: TenantUsage(dict(t.answers), t.first.snapshot(), t.whole.snapshot(), t.prompt_tokens,
-                                      t.completion_tokens, t.counted)
+                                      t.completion_tokens, t.counted_answers)
                     for name, t in self._tenants.items()}
 
 

@@ -121,11 +121,12 @@ class ProcReader:
         text = self._read(self.root / "sys/fs/cgroup" / path.lstrip("/") / "memory.numa_stat")
         return None if text is None else parse_numa_stat(text)
 
-    def memory_room(self, nodes: tuple[int, ...]) -> int | None:
+    def memory_room(self, nodes: tuple[int, ...], cgroup: str | None = None) -> int | None:
         """Bytes a new process could take on `nodes` now without swapping: each node's free
         memory and the page cache the kernel drops first (Inactive(file)), within what the
-        daemon's own cgroup may still use (memory.max less memory.current, cgroup v2) where
-        it has a limit. None: a node without meminfo (nothing to go by)."""
+        cgroup it would start in may still use. `cgroup`: that cgroup's path (the systemd
+        backend's slice); None: the daemon's own (the process backend starts its children
+        there). None back: a node without meminfo (nothing to go by)."""
         room = 0
         for node in nodes:
             text = self._read(self.root / f"sys/devices/system/node/node{node}/meminfo")
@@ -133,13 +134,40 @@ class ProcReader:
             if len(found) < 2:
                 return None
             room += sum(int(kb) for kb in found.values()) * 1024
-        path = self.cgroup_path(os.getpid())
-        if path:
-            directory = self.root / "sys/fs/cgroup" / path.lstrip("/")
-            limit, used = self._read(directory / "memory.max"), self._read(directory / "memory.current")
-            if limit and used and limit.strip().isdigit() and used.strip().isdigit():
-                room = min(room, max(int(limit) - int(used), 0))
-        return room
+        cgroup_room = self.cgroup_room(cgroup)
+        return room if cgroup_room is None else min(room, cgroup_room)
+
+    def cgroup_room(self, cgroup: str | None = None) -> int | None:
+        """What a process started in `cgroup` may still take before a memory limit: the
+        least of limit less usage over that cgroup and every parent (a pod's or a slice's
+        limit binds the cgroups below it), cgroup v2 (`memory.max`, `memory.current`) or
+        v1 (`memory.limit_in_bytes`, `memory.usage_in_bytes`). None: no limit anywhere."""
+        rooms: list[int] = []
+        for base, path, limit_file, used_file in self._memory_cgroups(cgroup):
+            parts = [part for part in path.split("/") if part]
+            for depth in range(len(parts), 0, -1):  # the root cgroup has no limit of its own
+                directory = self.root / base / Path(*parts[:depth])
+                limit, used = self._read(directory / limit_file), self._read(directory / used_file)
+                if limit and used and limit.strip().isdigit() and used.strip().isdigit():
+                    rooms.append(max(int(limit) - int(used), 0))
+        return min(rooms) if rooms else None
+
+    def _memory_cgroups(self, cgroup: str | None) -> list[tuple[str, str, str, str]]:
+        """(hierarchy's directory, cgroup path, limit file, usage file) for each memory
+        hierarchy the cgroup is in: the unified one, and the v1 memory controller's."""
+        v2 = ("sys/fs/cgroup", "memory.max", "memory.current")
+        v1 = ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")
+        if cgroup is not None:  # systemd names a slice alike in both hierarchies
+            return [(v2[0], cgroup, *v2[1:]), (v1[0], cgroup, *v1[1:])]
+        found = []
+        for line in (self._read(self.proc / str(os.getpid()) / "cgroup") or "").splitlines():
+            hierarchy, _, rest = line.partition(":")
+            controllers, _, path = rest.partition(":")
+            if hierarchy == "0" and not controllers:
+                found.append((v2[0], path.strip(), *v2[1:]))
+            elif "memory" in controllers.split(","):
+                found.append((v1[0], path.strip(), *v1[1:]))
+        return found
 
     def numa_balancing(self) -> int | None:
         text = self._read(self.proc / "sys/kernel/numa_balancing")

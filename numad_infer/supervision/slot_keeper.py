@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 from numad_infer.engines import slot_cache
-from numad_infer.engines.slot_cache import make_slot_directory
 from numad_infer.engines.slot_names import file_name, slot_directory
 from numad_infer.supervision.kept_slots import (
     Kept,
@@ -60,11 +59,6 @@ class SlotKeeper:
 
     def directory(self, name: str) -> Path:
         return slot_directory(self.root, name)
-
-    def save_path_argument(self, name: str) -> str:
-        """--slot-save-path for the instance: its directory, made and owned by its user."""
-        where = make_slot_directory(self.root, name, *(self.owner if self.owner and os.geteuid() == 0 else (-1, -1)))
-        return f"{where}/"
 
     # -- the supervisor's two moments ------------------------------------------------------------------
     def after_start(self, name: str, port: int, key: str | None, model_path: str, timeout_s: float) -> int:

@@ -77,7 +77,7 @@ def others_in_rotation(stat: BackendStat | None, server: str) -> int | None:
     if stat is None:
         return None
     return sum(1 for name, s in stat.servers.items()
-               if name != server and s.admin == AdminState.READY and s.status.startswith("UP"))
+               if name != server and s.in_rotation)
 
 
 def _gib(n: int) -> str:
@@ -100,7 +100,8 @@ def choose(counted: bool, refusal: str | None, need: int, room: int | None, node
         return Cover(CoverKind.HOLD, f"the free memory of node(s) {nodes} cannot be read: no second copy is tried")
     if room < need + MARGIN_BYTES:
         return Cover(CoverKind.HOLD, f"a second copy does not fit: it needs {_gib(need)} and a margin of "
-                                     f"{_gib(MARGIN_BYTES)}, node(s) {nodes} have {_gib(room)} free")
+                                     f"{_gib(MARGIN_BYTES)}, {_gib(room)} is free for it on node(s) {nodes} "
+                                     "(within any cgroup memory limit)")
     return Cover(CoverKind.SURGE, f"a second copy fits ({_gib(need)} of the {_gib(room)} free on node(s) {nodes}): "
                                   "it serves while the instance restarts")
 
@@ -172,7 +173,8 @@ class Surges:
         inst = rt.instance
         nodes = ",".join(str(n) for n in inst.mems)
         refusal = getattr(self.backend, "surge_refusal", "this backend starts no copies")
-        return choose(counted, refusal, loaded.memory_of(inst.model).bytes, self.proc.memory_room(inst.mems), nodes,
+        room = self.proc.memory_room(inst.mems, getattr(self.backend, "copy_cgroup", None))
+        return choose(counted, refusal, loaded.memory_of(inst.model).bytes, room, nodes,
                       loaded.config.frontend.surge)
 
     def begin(self, loaded: Loaded, rt: Runtime, now: float, reason: str, said: str) -> bool:
@@ -262,8 +264,7 @@ class Surges:
         cfg = loaded.config
         spare = spare_stat(self.frontdoor, rt.instance.model)
         # UP with a check that passed: a server leaving maintenance is UP before its first one.
-        if (spare is not None and spare.admin == AdminState.READY and spare.status.startswith("UP")
-                and spare.check not in ("", "INI")):
+        if spare is not None and spare.in_rotation and spare.check not in ("", "INI"):
             surge.to(Phase.SERVING, now)
             if rt.pid != surge.pid or rt.supervision.state != State.HEALTHY:
                 # Repaired (or being repaired) meanwhile, on the applied definition: the copy covers that.
@@ -285,8 +286,7 @@ class Surges:
     def _serving(self, loaded: Loaded, rt: Runtime, surge: Surge, now: float) -> None:
         stat = None if self.frontdoor.stats is None else self.frontdoor.stats.servers.get(
             server_name(rt.instance.name))
-        back = (rt.supervision.state == State.HEALTHY and stat is not None and stat.admin == AdminState.READY
-                and stat.status.startswith("UP"))
+        back = rt.supervision.state == State.HEALTHY and stat is not None and stat.in_rotation
         if not self._alive(surge)[1]:
             log.error("%s: surge: its copy exited while the instance restarted: requests wait for the instance "
                       "(hold)", rt.instance.name)

@@ -540,3 +540,45 @@ def test_with_one_instance_kill_9_holds_the_requests_that_arrive_until_it_is_bac
         assert len(failed) <= 4 and all(o.first_byte for o in failed), failed  # at most the 4 clients' last
         assert all(o.started < killed_at for o in failed), failed  # none sent after the kill
         assert all(o.stream or o.status in (502, 503) for o in failed), failed
+
+
+def test_with_one_instance_a_copy_that_never_serves_is_stopped_and_the_instance_keeps_serving(
+        tmp_path: Path, slow_model: Path) -> None:
+    """A reload to a launch the engine refuses (an option llama-server does not know): the
+    surge's copy on the new definition exits; it is stopped, the instance is not restarted
+    and serves on its old definition, with no request failed, and status says why. The
+    next reload (here back to a launch that works) tries again, and the surge goes through."""
+    with daemons(tmp_path, slow_model) as start:
+        run = start(engine="llama-server", placement="nodes = [0]")
+        state = healthy_behind_frontdoor(run, count=1)
+        (old,) = [i["pid"] for i in state["instances"]]
+        load = Load(run.frontend_port, clients=4, per_client=10_000, max_tokens=12).start()  # until stopped
+        run.wait(lambda s: (s["instances"][0].get("in_flight") or 0) > 0, 30, "requests in flight")
+        run.server_extra = 'extra_args = ["--no-such-option-numa-infer"]\n'
+        run.write_config(placement="nodes = [0]")
+        reload = run.cli("reload")
+        assert reload.returncode == 0, reload.stdout + reload.stderr
+        state = run.wait(lambda s: "surge failed" in (s["instances"][0].get("restart_cover") or ""), 90,
+                         "the surge failed")
+        time.sleep(1.0)  # and still serving under the load
+        state = run.state()
+        (inst,) = state["instances"]
+        assert inst["pid"] == old and inst["state"] == "healthy" and inst.get("rotation") == "UP", inst
+        assert "not restarted, it serves on its old definition" in inst["restart_cover"], inst["restart_cover"]
+        logs = run.logs()
+        assert "infer@0: surge failed: " in logs and "the instance is not restarted" in logs, logs[-3000:]
+        shown = run.cli("status")
+        assert "surge failed" in shown.stdout, shown.stdout
+
+        run.server_extra = ""
+        run.write_config(placement="nodes = [0]")
+        reload = run.cli("reload")
+        assert reload.returncode == 0, reload.stdout + reload.stderr
+        state = run.wait(lambda s: s["instances"][0]["pid"] not in (None, old) and s["instances"][0]["state"] == "healthy"
+                         and "its copy stopped" in (s["instances"][0].get("restart_cover") or ""), 120,
+                         "the instance restarted by a surge after the next reload")
+        load.stop()
+        outcomes = load.wait()
+        failed = [o for o in outcomes if not o.complete]
+        print(f"a copy that never serves, then a reload that works: {len(outcomes)} requests, {len(failed)} failed")
+        assert not failed, failed[:3]

@@ -188,6 +188,6 @@ def test_a_tenants_tokens_are_added_up_where_haproxy_read_them() -> None:
                  "infer-1 200 10 90 team-b 5 2"):
         timings.record(line)
     used = timings.tenants()
-    assert (used["team-a"].prompt_tokens, used["team-a"].completion_tokens, used["team-a"].counted) == (120, 30, 1)
+    assert (used["team-a"].prompt_tokens, used["team-a"].completion_tokens, used["team-a"].counted_answers) == (120, 30, 1)
     assert used["team-a"].answers == {"200": 3, "429": 1}
-    assert (used["team-b"].prompt_tokens, used["team-b"].completion_tokens, used["team-b"].counted) == (5, 2, 1)
+    assert (used["team-b"].prompt_tokens, used["team-b"].completion_tokens, used["team-b"].counted_answers) == (5, 2, 1)

@@ -344,9 +344,9 @@ def test_each_tenants_tokens_are_counted_from_the_answers_it_got_whole(door_with
              "the log lines of team-a's requests", detail=door.log)
     used = timings.tenants()["team-a"]
     assert (used.prompt_tokens - before.prompt_tokens, used.completion_tokens - before.completion_tokens,
-            used.counted - before.counted) == (33, 9, 3)  # the three answers sent whole; not the stream
+            used.counted_answers - before.counted_answers) == (33, 9, 3)  # the three answers sent whole; not the stream
     wait_for(lambda: timings.tenants().get("team-b") is not None, "team-b's line")
-    assert (timings.tenants()["team-b"].prompt_tokens, timings.tenants()["team-b"].counted) == (11, 1)
+    assert (timings.tenants()["team-b"].prompt_tokens, timings.tenants()["team-b"].counted_answers) == (11, 1)
 
 
 def post_stream(port: int, key: str) -> tuple[float, bytes]:

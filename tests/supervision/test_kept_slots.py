@@ -25,6 +25,7 @@ from numad_infer.supervision.kept_slots import (
     to_save,
     within_bound,
 )
+from numad_infer.engines.slot_cache import make_slot_directory
 from numad_infer.engines.slot_names import file_name
 from numad_infer.supervision.slot_keeper import SlotKeeper, model_file
 
@@ -127,7 +128,8 @@ class Server:
 @pytest.fixture
 def server(tmp_path: Path):
     keeper = SlotKeeper(tmp_path / "slots", "127.0.0.1")
-    running = Server(keeper.save_path_argument("infer@0"))
+    # --slot-save-path as the backends give it (engines/slot_cache.py): the instance's own directory.
+    running = Server(f"{make_slot_directory(keeper.root, 'infer@0')}/")
     running.start()
     yield keeper, running
     running.stop()

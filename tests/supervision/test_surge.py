@@ -27,7 +27,7 @@ GIB = 1 << 30
 @pytest.mark.parametrize(("counted", "refusal", "room", "kind", "words"), [
     (False, None, 8 * GIB, CoverKind.SURGE, "a second copy fits (2.0 GiB of the 8.0 GiB free on node(s) 0)"),
     (False, None, 2 * GIB + MARGIN_BYTES - 1, CoverKind.HOLD,
-     "a second copy does not fit: it needs 2.0 GiB and a margin of 512 MiB, node(s) 0 have 2.5 GiB free"),
+     "a second copy does not fit: it needs 2.0 GiB and a margin of 512 MiB, 2.5 GiB is free for it on node(s) 0 (within any cgroup memory limit)"),
     (False, None, None, CoverKind.HOLD, "cannot be read"),
     (False, "the systemd backend starts no second copy", 8 * GIB, CoverKind.HOLD, "systemd backend"),
     (True, None, 8 * GIB, CoverKind.HOLD, "a repair"),
@@ -105,7 +105,7 @@ class RoomyProc(FakeProc):
         super().__init__()
         self.room = room
 
-    def memory_room(self, nodes: tuple[int, ...]) -> int | None:
+    def memory_room(self, nodes: tuple[int, ...], cgroup: str | None = None) -> int | None:
         return self.room
 
 
