@@ -9,11 +9,17 @@ each: the requests sent, those that failed (and how many of them were 503s), the
 a request took, the median, and how the daemon covered the restart (status's
 `restart_cover`: surge or hold).
 
+`kill-sdk`: kill -9 again, with 4 of OpenAI's own clients as the only load, so that the
+request the killed process was answering is one of theirs.
+
+A fifth client in the other cases is OpenAI's own Python client with its defaults (non-streaming; it sends a
+502 or a refused connection again, twice, after a backoff): what it saw, on its own line.
+
 For a surge, also the cost of the overlap: the clients' tokens per second per request
 (12 tokens / its time) for the requests that ended while the copy started beside the
 instance (both on the same CPUs), against those that ended in the seconds before.
 
-    .venv/bin/python bench/hold.py [--cases restart,restart-hold,mv,kill]
+    .venv/bin/python bench/hold.py [--cases restart,restart-hold,mv,kill,kill-sdk]
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.daemon_harness import DaemonRun, daemons, generated_model, shared_dir  # noqa: E402
-from tests.e2e.test_frontdoor import Load, healthy_behind_frontdoor  # noqa: E402
+from tests.e2e.test_frontdoor import Load, SdkClient, healthy_behind_frontdoor  # noqa: E402
 
 class Phases(threading.Thread):
     """When the instance's surge entered each phase, from status (`restart_cover`), every 0.1 s."""
@@ -63,10 +69,36 @@ def _rate(outcomes: list, start: float, end: float) -> tuple[float | None, int]:
     return (statistics.median(rates) if rates else None), len(rates)
 
 
+def _sdk_case(run: DaemonRun, act: Callable[[int], None]) -> str:
+    """`act` with 4 of OpenAI's own clients (defaults: non-streaming here, a 502 sent again
+    twice after a backoff) as the only load: the request the killed process had is one of theirs."""
+    state = healthy_behind_frontdoor(run, count=1)
+    (old,) = [i["pid"] for i in state["instances"]]
+    clients = [SdkClient(run.frontend_port) for _ in range(4)]
+    for client in clients:
+        client.start()
+    time.sleep(4.0)
+    act(old)
+    run.wait(lambda s: s["instances"][0]["pid"] not in (None, old) and s["instances"][0]["state"] == "healthy"
+             and s["instances"][0].get("rotation") == "UP", 180, "the instance back")
+    time.sleep(3.0)
+    for client in clients:
+        client.done.set()
+    for client in clients:
+        client.join(120)
+    seconds = sorted(t for c in clients for t in c.seconds)
+    failed = [f for c in clients for f in c.failed]
+    return (f"{len(seconds) + len(failed):5d} requests  {len(failed):4d} failed  longest {seconds[-1]:5.2f} s  "
+            f"p50 {statistics.median(seconds):5.2f} s  (4 OpenAI clients, max_retries = 2)"
+            + (f"\n           {failed[:2]}" if failed else ""))
+
+
 def _case(run: DaemonRun, act: Callable[[int], None]) -> str:
     state = healthy_behind_frontdoor(run, count=1)
     (old,) = [i["pid"] for i in state["instances"]]
     load = Load(run.frontend_port, clients=4, per_client=100_000, max_tokens=12).start()
+    sdk = SdkClient(run.frontend_port)  # a fifth client: OpenAI's own, with its default retries
+    sdk.start()
     time.sleep(4.0)  # serving under load first
     phases = Phases(run)
     phases.start()
@@ -79,12 +111,15 @@ def _case(run: DaemonRun, act: Callable[[int], None]) -> str:
     time.sleep(3.0)
     phases.done.set()
     load.stop()
+    sdk.done.set()
     outcomes = load.wait()
+    sdk.join(120)
     failed = [o for o in outcomes if not o.complete]
     seconds = sorted(o.seconds for o in outcomes)
     cover = phases.cover.split(":")[0] or "none said"
     line = (f"{len(outcomes):5d} requests  {len(failed):4d} failed ({sum(o.status == 503 for o in failed)} of them 503)"
-            f"  longest {seconds[-1]:5.2f} s  p50 {statistics.median(seconds):5.2f} s  ({cover})")
+            f"  longest {seconds[-1]:5.2f} s  p50 {statistics.median(seconds):5.2f} s  ({cover})"
+            f"\n           OpenAI's client (max_retries = 2): {sdk.answered} answered, {len(sdk.failed)} failed")
     if cover == "surge" and "starting" in phases.seen:
         alone, n_alone = _rate(outcomes, acted - 4.0, acted)
         overlap_end = phases.seen.get("serving", phases.seen.get("joining", time.monotonic()))
@@ -100,7 +135,7 @@ def _case(run: DaemonRun, act: Callable[[int], None]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", default="restart,restart-hold,mv,kill")
+    parser.add_argument("--cases", default="restart,restart-hold,mv,kill,kill-sdk")
     args = parser.parse_args()
     source = generated_model("medium")
     print("one instance, 4 clients, llama-server, medium model:")
@@ -123,7 +158,7 @@ def main() -> None:
                     os.replace(staged, model)
                 else:
                     os.kill(pid, signal.SIGKILL)
-            print(f"  {case:8s} {_case(run, act)}")
+            print(f"  {case:8s} {(_sdk_case if case.endswith('-sdk') else _case)(run, act)}")
         model.unlink(missing_ok=True)
 
 

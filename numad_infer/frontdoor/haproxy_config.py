@@ -14,7 +14,9 @@ Why these HAProxy settings (each one is a finding, see issue 9):
   non-idempotent requests): a request that never reached a server (connection refused)
   is sent again, to another server every time; a POST that reached one is never replayed,
   so a prompt that crashes llama.cpp crashes one instance, not every instance in turn
-  (issue 19). Its client gets a JSON 502.
+  (issue 19). Its client gets a JSON 502. A model with one instance has no other server:
+  there a refused request is sent again to the same one for as long as a hold lasts
+  (hold.retry_rules).
 - every answer HAProxy makes itself (400, 408, 429, 500, 501, 502, 503, 504) is JSON in
   OpenAI's error shape: an OpenAI client parses the body of a failure, and HAProxy's
   default pages are HTML.
@@ -45,7 +47,7 @@ from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
 from numad_infer.frontdoor import affinity, tenants
-from numad_infer.frontdoor.hold import HOLD_LUA, HOLD_NAME, hold_rule
+from numad_infer.frontdoor.hold import HOLD_LUA, HOLD_NAME, hold_rule, retry_rules
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
 from numad_infer.frontdoor.routing import backend_of, health, route, routed
 from numad_infer.plan.model import Instance, Plan
@@ -237,11 +239,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              *tenants.token_rules(config.tenants, _ms(front.request_timeout_s)),
              # Needed for retries (the request is replayed from the buffer) and for json_query.
              "    option http-buffer-request",
-             "    retries 3",
-             "    option redispatch 1",
-             "    retry-on conn-failure empty-response",
-             # A POST that reached a server is not replayed: it may be what killed it.
-             "    http-request disable-l7-retry if !METH_GET",
+             *retry_rules(front, len(instances)),
              f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
              f"hdr Retry-After 1 if {{ queue({backend}) ge {front.queue_size} }}",
              # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).

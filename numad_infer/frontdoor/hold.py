@@ -17,9 +17,27 @@ counter: a request whose client left mid-wait is dropped by HAProxy without runn
 rest of the action, and its entry simply expires.
 
 `/healthz` is answered in the frontend, before any backend: during a hold it says 503 (no
-instance in rotation), so an outer balancer can send the traffic to another host."""
+instance in rotation), so an outer balancer can send the traffic to another host.
+
+The hold sees only what arrives while no server is in rotation. A request that HAProxy
+had already given to the only instance when it died (sent in the second before HAProxy
+saw it, or waiting in the queue for its slots) meets a refused connection instead: with
+`option redispatch` it is redispatched, finds no server, and gets a 503 at once (issue 40:
+one such in 8 requests after a kill -9). So a model with one instance has no redispatch
+(there is nowhere else to go) and as many retries as the hold has seconds: HAProxy tries
+the same server again every second (its turn-around of min(`timeout connect`, 1 s)),
+whatever its state, and the request is served once the instance listens again. Measured
+with HAProxy 2.6: a request refused by the dead instance and two queued behind it were
+all served by the replacement 2.5 s and 8 s later. Only connection failures: a POST the
+instance had received is still not replayed: it may be what killed it, and replayed it
+would crash the instance again at each restart within the hold (about three times in
+30 s under the default `restart_backoff_s` of 5 s, doubling), bringing it nearer
+`max_restarts`. So the request the killed process was answering gets a JSON 502, which
+OpenAI's clients retry by default (`max_retries = 2`), into the hold."""
 
 from __future__ import annotations
+
+import math
 
 from numad_infer.config.frontend import FrontendSection
 
@@ -70,3 +88,17 @@ end, 2)
 def hold_rule(front: FrontendSection) -> str:
     """The backend's first rule: hold the request while none of its servers is in rotation."""
     return f"    http-request lua.{ACTION} {int(front.queue_timeout_s * 1000)} {front.queue_size}"
+
+
+def retry_rules(front: FrontendSection, instances: int) -> list[str]:
+    """A model backend's retries. Several instances: up to 3, each to another server
+    (redispatch), at once. One instance: the same server again, once a second, for as long
+    as a hold would wait (the module says why)."""
+    if instances > 1:
+        tries = ["    retries 3", "    option redispatch 1"]
+    else:
+        tries = [f"    retries {max(3, math.ceil(front.queue_timeout_s))}"]  # no redispatch: nowhere else to go
+    return [*tries,
+            "    retry-on conn-failure empty-response",
+            # A POST that reached a server is not replayed: it may be what killed it.
+            "    http-request disable-l7-retry if !METH_GET"]
