@@ -145,7 +145,9 @@ class ProcReader:
         rooms: list[int] = []
         for base, path, limit_file, used_file in self._memory_cgroups(cgroup):
             parts = [part for part in path.split("/") if part]
-            for depth in range(len(parts), 0, -1):  # the root cgroup has no limit of its own
+            # Down to the top too: inside a container (its own cgroup namespace, or v1's
+            # controller mounted at its own cgroup) the top is the container's cgroup.
+            for depth in range(len(parts), -1, -1):
                 directory = self.root / base / Path(*parts[:depth])
                 limit, used = self._read(directory / limit_file), self._read(directory / used_file)
                 if limit and used and limit.strip().isdigit() and used.strip().isdigit():

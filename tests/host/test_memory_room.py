@@ -70,6 +70,19 @@ def test_a_used_up_limit_leaves_no_room_not_a_negative_one(tmp_path: Path) -> No
     assert ProcReader(root).memory_room((0,)) == 0
 
 
+def test_inside_a_container_the_top_cgroup_is_the_containers(tmp_path: Path) -> None:
+    # Docker/containerd on v2 with a cgroup namespace: /proc/self/cgroup says 0::/ and the
+    # container's limit is at the top of its cgroupfs.
+    root = tree(tmp_path, {0: (8000, 0)}, "0::/\n")
+    limit(root, "sys/fs/cgroup", V2, 1000, 900)
+    assert ProcReader(root).memory_room((0,)) == 100 * MIB
+    # On v1 the path names the host's cgroup, which the container does not see: its own is
+    # mounted at the hierarchy's top.
+    root = tree(tmp_path / "v1", {0: (8000, 0)}, "7:memory:/docker/abc\n")
+    limit(root, "sys/fs/cgroup/memory", V1, 1000, 900)
+    assert ProcReader(root).memory_room((0,)) == 100 * MIB
+
+
 def test_cgroup_v1_memory_controller(tmp_path: Path) -> None:
     # A hybrid host (this project's CI machines): the memory controller in its own v1 hierarchy.
     root = tree(tmp_path, {0: (8000, 0)}, "12:cpu,cpuacct:/docker/x\n7:memory:/docker/x\n0::/docker/x\n")
