@@ -31,13 +31,14 @@ with HAProxy 2.6: a request refused by the dead instance and two queued behind i
 all served by the replacement 2.5 s and 8 s later. Known gap: llama-server listens before
 its model is loaded and answers 503 "Loading model" meanwhile; a retry that connects in
 that window gets that 503 (HAProxy 2.6 retries a 503 at once, not a second later: 30
-retries in 10 ms, measured, so `retry-on 503` would not wait either). Only connection
-failures: a POST the
-instance had received is still not replayed: it may be what killed it, and replayed it
-would crash the instance again at each restart within the hold (about three times in
-30 s under the default `restart_backoff_s` of 5 s, doubling), bringing it nearer
-`max_restarts`. So the request the killed process was answering gets a JSON 502, which
-OpenAI's clients retry by default (`max_retries = 2`), into the hold."""
+retries in 10 ms, measured, so `retry-on 503` would not wait either).
+
+Only connection failures are retried: a POST the instance had received is still not
+replayed. It may be what killed it, and replayed it would crash the instance again at
+each restart within the hold (about three times in 30 s under the default
+`restart_backoff_s` of 5 s, doubling), bringing it nearer `max_restarts`. So the request
+the killed process was answering gets a JSON 502, which OpenAI's clients retry by default
+(`max_retries = 2`), into the hold."""
 
 from __future__ import annotations
 

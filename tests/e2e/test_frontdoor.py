@@ -562,7 +562,7 @@ class SdkClient(threading.Thread):
 
     def __init__(self, port: int) -> None:
         super().__init__(daemon=True)
-        self.port, self.answered, self.failed, self.done = port, 0, [], threading.Event()
+        self.answered, self.failed, self.done = 0, [], threading.Event()
         self.seconds: list[float] = []  # each answered request's, its retries included
         import openai  # the test extra; here, not in run(): its import takes ~0.5 s, and the first
         # request must be under way when the caller acts
@@ -598,8 +598,7 @@ def test_with_one_instance_a_copy_that_never_serves_is_stopped_and_the_instance_
         run.write_config(placement="nodes = [0]")
         reload = run.cli("reload")
         assert reload.returncode == 0, reload.stdout + reload.stderr
-        state = run.wait(lambda s: "surge failed" in (s["instances"][0].get("restart_cover") or ""), 90,
-                         "the surge failed")
+        run.wait(lambda s: "surge failed" in (s["instances"][0].get("restart_cover") or ""), 90, "the surge failed")
         time.sleep(1.0)  # and still serving under the load
         state = run.state()
         (inst,) = state["instances"]
