@@ -11,7 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# C0 and C1 controls and Unicode's line and paragraph separators: none has a use in a path,
+# an argument or a header, each is invisible in an editor, and Python's `splitlines` (and
+# editors) break a line at U+0085, U+2028 and U+2029 where systemd does not.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
 def _no_control_chars(value: str) -> str:

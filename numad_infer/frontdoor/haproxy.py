@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from numad_infer.errors import ConfigError, NumaInferError
 from numad_infer.frontdoor.haproxy_config import SPARE_PREFIX
+from numad_infer.frontdoor.hold import HOLD_PREFIX
 from numad_infer.util import peer
 from numad_infer.util.printable import printable
 
@@ -117,8 +118,9 @@ class BackendStat:
 
     @property
     def instances(self) -> dict[str, ServerStat]:
-        """The servers of the plan's instances: all but the spare (haproxy_config.surge_server)."""
-        return {name: s for name, s in self.servers.items() if not name.startswith(SPARE_PREFIX)}
+        """The servers of the plan's instances: all but the spare (haproxy_config.surge_server)
+        and the hold server (hold.py)."""
+        return {name: s for name, s in self.servers.items() if not name.startswith((SPARE_PREFIX, HOLD_PREFIX))}
 
 
 # HAProxy counts a frontend's answers by class only (hrsp_1xx ... hrsp_other): its own
@@ -217,7 +219,10 @@ def _backend(rows: list[dict[str, str]], name: str) -> BackendStat:
     # The BACKEND row's qcur is the backend's own queue only: `balance hash` (affinity =
     # "prefix") queues a request for its hashed server in that server's queue instead.
     queued += sum(s.queued for s in servers.values())
-    return BackendStat(queued, in_flight, servers)
+    # A held request waits, at no instance; let go, it passes through the backend again
+    # (hold.py), and is counted there on its instance.
+    held = sum(s.in_flight for n, s in servers.items() if n.startswith(HOLD_PREFIX))
+    return BackendStat(queued + held, in_flight - held, servers)
 
 
 def merged(stats: Sequence[BackendStat]) -> BackendStat:

@@ -14,9 +14,8 @@ Why these HAProxy settings (each one is a finding, see issue 9):
   non-idempotent requests): a request that never reached a server (connection refused)
   is sent again, to another server every time; a POST that reached one is never replayed,
   so a prompt that crashes llama.cpp crashes one instance, not every instance in turn
-  (issue 19). Its client gets a JSON 502. A model with one instance has no other server:
-  there a refused request is sent again to the same one for as long as a hold lasts
-  (hold.retry_rules).
+  (issue 19). Its client gets a JSON 502. Where no other server is in rotation (a model's
+  only instance died), "another server" is the hold server, which waits for one (hold.py).
 - every answer HAProxy makes itself (400, 408, 429, 500, 501, 502, 503, 504) is JSON in
   OpenAI's error shape: an OpenAI client parses the body of a failure, and HAProxy's
   default pages are HTML.
@@ -46,8 +45,7 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor import affinity, tenants
-from numad_infer.frontdoor.hold import HOLD_LUA, HOLD_NAME, hold_rule, retry_rules
+from numad_infer.frontdoor import affinity, hold, tenants
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
 from numad_infer.frontdoor.routing import backend_of, health, route, routed
 from numad_infer.plan.model import Instance, Plan
@@ -148,7 +146,7 @@ class Paths:
     @property
     def hold(self) -> Path:
         """The hold's Lua script (hold.py), beside haproxy.cfg: whoever writes the one writes the other."""
-        return self.config.with_name(HOLD_NAME)
+        return self.config.with_name(hold.HOLD_NAME)
 
     @property
     def keys(self) -> tuple[Path, Path]:
@@ -170,7 +168,7 @@ class CheckedConfig:
 def write_config(paths: Paths, text: str) -> None:
     """haproxy.cfg and the file it loads, for a caller that writes it in place (`check`'s
     scratch copy, tests); the daemon renames a checked candidate into place (control.py)."""
-    paths.hold.write_text(HOLD_LUA, encoding="utf-8")
+    paths.hold.write_text(hold.HOLD_LUA, encoding="utf-8")
     for path in paths.keys:
         if not path.exists():
             path.write_text(tenants.HEADER, encoding="utf-8")
@@ -202,9 +200,11 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
     engine = engine if engine is not None else engine_of(config)
     front: FrontendSection = config.frontend
     host, port = front.address
-    # Each backend queues up to queue_size requests of its own.
+    # Each backend queues up to queue_size requests of its own, and holds as many (hold.py),
+    # each held one a second connection, to the hold frontend.
     maxconn = (sum(len(_instances_of(plan, s)) * engine.slots(s.view) for s in models)
-               + len(models) * front.queue_size + SPARE_CONNECTIONS)
+               + 3 * len(models) * front.queue_size + SPARE_CONNECTIONS)
+    holds = [(backend_of(s), quoted(hold.socket_of(paths.socket.parent, n))) for n, s in enumerate(models)]
     pick = route(models, body_buffer(models)) if routed(models) else [f"    default_backend {backend_of(models[0])}"]
     lines = [MARKER, *_global(config, models, paths, maxconn), "", *_defaults(front), "",
              f"frontend {FRONTEND}",
@@ -215,8 +215,9 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
              *tenants.gate(config.tenants, quoted(paths.keys[0]), quoted(paths.keys[1]),
                            bool(config.server.api_key_file), front.batch_delay_s),
              *pick]
-    for model in models:
-        lines += ["", *_backend(config, engine, model, _instances_of(plan, model))]
+    for model, (_, socket) in zip(models, holds, strict=True):
+        lines += ["", *_backend(config, engine, model, _instances_of(plan, model), socket)]
+    lines += ["", *hold.hold_frontend(holds, front, _BUSY.body())]
     if config.tenants:
         lines += ["", *tenants.table(config.tenants)]
     return "\n".join(lines) + "\n"
@@ -226,9 +227,11 @@ def _instances_of(plan: Plan, model: ServedModel) -> list[Instance]:
     return [i for i in plan.instances if i.model == model.ident]
 
 
-def _backend(config: Config, engine: Engine, model: ServedModel, instances: list[Instance]) -> list[str]:
+def _backend(config: Config, engine: Engine, model: ServedModel, instances: list[Instance],
+             hold_socket: str) -> list[str]:
     """One model's backend: its servers, each taking as many requests as that model's engine
-    has slots (`parallel` of its view)."""
+    has slots (`parallel` of its view), and its hold server (`hold_socket`: the hold
+    listener's path as an HAProxy word)."""
     front = config.frontend
     backend = backend_of(model)
     target = connect_host(config.server.host)
@@ -239,11 +242,10 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              *tenants.token_rules(config.tenants, _ms(front.request_timeout_s)),
              # Needed for retries (the request is replayed from the buffer) and for json_query.
              "    option http-buffer-request",
-             *retry_rules(front, len(instances)),
+             *hold.retry_rules(),
              f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
-             f"hdr Retry-After 1 if {{ queue({backend}) ge {front.queue_size} }}",
-             # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
-             hold_rule(front),
+             f"hdr Retry-After 1 if {hold.ARRIVING} {{ queue({backend}) ge {front.queue_size} }} || "
+             f"{hold.ARRIVING} {{ srv_conn({backend}/{hold.hold_server(backend)}) ge {front.queue_size} }}",
              f"    option httpchk GET {engine.liveness_path}",
              "    http-check expect status 200",
              f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {engine.slots(model.view)} "
@@ -253,6 +255,8 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
     # Out of rotation (and unchecked) until a surge points it at a copy: port 1, never contacted.
     lines.append(f"    server {surge_server(backend)} {host_port(target, 1)} disabled")
+    # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
+    lines.append(hold.server_line(backend, hold_socket, front))
     return lines
 
 
@@ -277,8 +281,8 @@ def _first_byte(front: FrontendSection) -> list[str]:
 
 
 def _health(config: Config, served: tuple[ServedModel, ...]) -> list[str]:
-    """frontend.health_path, answered here: nbsrv counts the servers HAProxy would send a
-    request to (up, not drained, not in maintenance), so a host whose every instance is
+    """frontend.health_path, answered here: from the servers HAProxy would send a request to
+    (up, not drained, not in maintenance; hold.in_rotation), so a host whose every instance is
     starting, draining or down says 503, and one busy instance does not delay the answer.
     With `[[models]]`, every model needs one (routing.health)."""
     front = config.frontend

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 
 from numad_infer.config.models import ServedModel
+from numad_infer.frontdoor import hold
 
 BACKEND = "instances"  # the backend of the model whose key is "" (the single `[model]` form's)
 _BACKEND_PREFIX = "model-"
@@ -118,8 +119,8 @@ def route(served: Served, buffer: int) -> list[str]:
 
 
 def health(served: Served, path: str, healthy: str, none: str) -> list[str]:
-    """frontend.health_path: 200 only while every model has a server in rotation (nbsrv: up,
-    not drained, not in maintenance), else 503 naming the first model without one (the
+    """frontend.health_path: 200 only while every model has a server in rotation (up, not
+    drained, not in maintenance: what the hold waits for, hold.py), else 503 naming the first model without one (the
     names are public: GET /v1/models lists them); with one model, `none` says it."""
     when = f"{{ path {path} }}"
     lines = []
@@ -128,6 +129,6 @@ def health(served: Served, path: str, healthy: str, none: str) -> list[str]:
             {"status": "unavailable", "reason": f"model {s.name} has no instance in rotation (starting, draining or "
              "down)"})
         lines.append(f"    http-request return status 503 content-type application/json string '{body}' "
-                     f"hdr Retry-After 1 if {when} !{{ nbsrv({backend_of(s)}) ge 1 }}")
+                     f"hdr Retry-After 1 if {when} !{hold.in_rotation(backend_of(s))}")
     lines.append(f"    http-request return status 200 content-type application/json string '{healthy}' if {when}")
     return lines

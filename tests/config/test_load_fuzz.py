@@ -16,7 +16,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from numad_infer.units.render import render_units
@@ -129,6 +129,10 @@ ALLOWED = {
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(documents())
+# Found by this test: U+0085 (NEL, a C1 control) once passed as an argument, and Python's
+# splitlines broke the unit there; U+2028 and U+2029 break a line the same way.
+@example(f'[model]\npath = "{MODEL}"\n[server]\nextra_args = ["\u0085"]\n')
+@example(f'[model]\npath = "{MODEL}"\n[server]\nextra_args = ["a\u2028b", "\u2029"]\n')
 def test_any_config_is_accepted_or_refused_in_one_line_and_renders_only_what_it_asked(text: str) -> None:
     result = rendered(text)  # raises anything but ConfigError: a failure
     if result is None:

@@ -145,11 +145,14 @@ SLOW_MARKER = "please-answer-late"
 # A stand-in for an instance: GET (the health check) answers 200; POST logs the request's
 # X-Test-Id, then answers {"served_by": NAME}, or dies before answering when the body
 # carries the crash marker (a prompt that crashes llama.cpp), or after 3 s for the slow one.
+# For its first LOADING seconds it answers everything as llama-server does while its model
+# loads: 503 "Loading model" (it listens before it loads).
 STUB = f"""
 import json, os, sys, time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-name, port, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+name, port, log, loading = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+ready_at = time.monotonic() + loading
 
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):
@@ -163,11 +166,25 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _loading(self):
+        if time.monotonic() >= ready_at:
+            return False
+        body = json.dumps({{"error": {{"code": 503, "message": "Loading model", "type": "unavailable_error"}}}}).encode()
+        self.send_response(503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        return True
+
     def do_GET(self):
-        self._answer({{"ok": True}})
+        if not self._loading():
+            self._answer({{"ok": True}})
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
+        if self._loading():
+            return
         with open(log, "a") as out:
             out.write(self.headers.get("X-Test-Id", "-") + "\\n")
             out.flush()
@@ -216,13 +233,14 @@ class FrontDoor:
         path = self.tmp / f"{name}.log"
         return path.read_text().split() if path.exists() else []
 
-    def start_stub(self, index: int) -> None:
+    def start_stub(self, index: int, loading_s: float = 0.0) -> None:
+        """Stub `index` on its port; `loading_s`: answering 503 "Loading model" that long first."""
         name = f"stub{index}"
         script = self.tmp / "stub.py"
         script.write_text(STUB)
         port = self.ports[index]
         stub = self.stubs[name] = subprocess.Popen([sys.executable, str(script), name, str(port),
-                                                    str(self.tmp / f"{name}.log")])
+                                                    str(self.tmp / f"{name}.log"), str(loading_s)])
         # A stub that exits (its port taken by another process) is said so, not waited for.
         wait_for(lambda: stub.poll() is None and _accepts(port), f"{name} listening on {port}",
                  detail=lambda: f"the stub's exit status: {stub.poll()}")

@@ -96,8 +96,8 @@ def test_a_refused_connection_is_still_retried_on_another_instance(front_door) -
 
 
 def test_haproxys_own_answers_are_openai_json_errors(front_door) -> None:
-    door = front_door()
-    door.start_haproxy()  # no instance up
+    door = front_door(frontend="queue_timeout_s = 1\n")
+    door.start_haproxy()  # no instance up: held for queue_timeout_s (hold.py), then HAProxy's 503
     answer = door.post("none", {"prompt": "hello"})
     assert answer.status == 503 and answer.error()["code"] == 503, answer
     assert answer.error()["type"] == "server_busy"

@@ -160,18 +160,24 @@ def test_one_models_hold_never_holds_another_model(door) -> None:
     assert got["alpha"][0].status == 200 and got["alpha"][0].served_by() == "stub0"
 
 
-def test_with_one_instance_what_it_had_queued_or_was_refused_by_waits_for_its_replacement(door) -> None:
+@pytest.mark.parametrize("daemon", [True, False], ids=["daemon-takes-it-out", "haproxy-checks-alone"])
+def test_with_one_instance_what_it_had_queued_or_was_refused_by_waits_for_its_replacement(door, daemon: bool) -> None:
     """The requests HAProxy had already given to the only instance when it died (queued for
-    its one slot, or sent before HAProxy saw it dead) are not in the hold: with
-    `option redispatch` they met a refused connection, found no other server and got a 503
-    at once (issue 40). With one instance the same server is tried again every second
-    (hold.retry_rules), so its replacement serves them. The request the dead process had
-    received is not replayed: a JSON 502.
+    its one slot, or sent before HAProxy saw it dead) meet a refused connection. Once they
+    found no other server and got a 503 at once (issue 40); then, sent to the same server
+    again, they met the replacement while it loaded its model, and its 503. Now the retry
+    is dispatched again, to the hold server, which lets them go when the replacement is in
+    rotation. The request the dead process had received is not replayed: a JSON 502.
 
     One race is the kernel's: the dying process's connections may close before its
     listening socket, and the first queued request, handed over in that instant, is
     accepted and then cut like the one being answered (2 of 5 runs here): a 502 too, never
-    more than that one, and never for a request sent after the death."""
+    more than that one, and never for a request sent after the death.
+
+    `daemon`: the daemon takes the instance out of rotation when it sees it dead and puts
+    it back once its own probe passes, as it does; or it has not seen the death yet, and
+    HAProxy's own checks alone decide (a refused connection marks the server down, and
+    the replacement's /health is a 503 until its model is loaded)."""
     front = door(models='[model]\npath = "/m.gguf"\n[placement]\nnodes = [0]\n', count=1)
     api = _started(front)
     got: dict[str, tuple[Answer, float]] = {}
@@ -182,13 +188,18 @@ def test_with_one_instance_what_it_had_queued_or_was_refused_by_waits_for_its_re
     assert got["crash"][0].status == 502 and got["crash"][0].error()["type"] == "server_error", got["crash"]
     time.sleep(0.3)  # past the instant of the death
     late = _timed(front, "late", CHAT, got)  # HAProxy may or may not have seen the death yet
-    (name,) = _out(api)  # what the daemon does: out of rotation while it restarts the instance
+    if daemon:
+        (name,) = _out(api)  # out of rotation while it restarts the instance
     time.sleep(2.0)
     early = {k: (v[0].status, round(v[1], 2)) for k, v in got.items() if k != "crash"}
     cut = [k for k, (status, _) in early.items() if status == 502]
     assert len(cut) <= 1 and cut == list(early), early  # waiting, not refused (but the race's one)
-    front.start_stub(0)  # the replacement, on the same port
-    api.set_state(BACKEND, name, AdminState.READY)
+    # The replacement, on the same port: it listens at once and, like llama-server, answers
+    # 503 "Loading model" for 3 s. The daemon puts it back in rotation once its probe passes.
+    front.start_stub(0, loading_s=3.0)
+    if daemon:
+        wait_for(lambda: _get(front.ports[0], "/health")[0] == 200, "the replacement loaded", timeout_s=10)
+        api.set_state(BACKEND, name, AdminState.READY)
     for thread in [*queued, late]:
         thread.join(40)
     answers = {k: (v[0].status, v[0].body[:80], round(v[1], 2)) for k, v in got.items()}

@@ -72,7 +72,7 @@ class Stubs:
         self.logs = [tmp / f"stub{index}.log" for index in range(len(door.plan.instances))]
         for index, instance in enumerate(door.plan.instances):
             self.procs.append(subprocess.Popen([sys.executable, str(script), f"stub{index}", str(instance.port),
-                                                str(tmp / f"stub{index}.log")]))
+                                                str(tmp / f"stub{index}.log"), "0"]))
             wait_for(lambda: _accepts(instance.port), f"stub {index} on {instance.port}")
 
     def received(self) -> int:

@@ -42,7 +42,7 @@ def test_two_models_get_a_backend_each_with_their_own_slots_queue_and_a_route_by
     text = _render(tmp_path, TWO)
     alpha, beta = text.split("\nbackend model-alpha\n")[1].split("\nbackend model-beta\n")
     assert "maxconn 4 observe" in alpha and "maxconn 2 observe" in beta  # per-model parallel
-    assert "if { queue(model-alpha) ge 64 }" in alpha and "if { queue(model-beta) ge 64 }" in beta
+    assert "{ queue(model-alpha) ge 64 }" in alpha and "{ queue(model-beta) ge 64 }" in beta
     assert "    server infer-alpha-0 " in alpha and "infer-beta" not in alpha
     assert "    server infer-beta-1 " in beta and "infer-alpha" not in beta
     assert f"backend {BACKEND}\n" not in text and "default_backend" not in text
@@ -50,8 +50,9 @@ def test_two_models_get_a_backend_each_with_their_own_slots_queue_and_a_route_by
     assert "    use_backend model-beta if { var(txn.model) -m str beta b:latest }\n" in text
     # The buffer holds the longest context of the two (alpha's), routing needs it without affinity.
     assert "    tune.bufsize 278528\n" in text
-    # 2 instances x 4 slots + 2 x 2, and a queue per backend.
-    assert f"    maxconn {8 + 4 + 2 * 64 + SPARE_CONNECTIONS}\n" in text
+    # 2 instances x 4 slots + 2 x 2, and per backend a queue and a hold (a held request is
+    # two connections: its client's, and the hold server's to the hold frontend).
+    assert f"    maxconn {8 + 4 + 2 * 3 * 64 + SPARE_CONNECTIONS}\n" in text
 
 
 def test_one_model_in_either_form_reads_no_model_from_the_body(tmp_path: Path) -> None:
