@@ -14,6 +14,7 @@ import psutil
 
 from numad_infer.host.portowner import PortOwner, open_connections, port_owner
 from numad_infer.host.proc_types import NodeUsage, ThreadInfo
+from numad_infer.topology.cgroups import CgroupReader
 from numad_infer.util.cpuset import CpuListError, parse_list
 from numad_infer.util.printable import printable
 
@@ -134,42 +135,8 @@ class ProcReader:
             if len(found) < 2:
                 return None
             room += sum(int(kb) for kb in found.values()) * 1024
-        cgroup_room = self.cgroup_room(cgroup)
+        cgroup_room = CgroupReader(str(self.root)).memory_room(cgroup, str(os.getpid()))
         return room if cgroup_room is None else min(room, cgroup_room)
-
-    def cgroup_room(self, cgroup: str | None = None) -> int | None:
-        """What a process started in `cgroup` may still take before a memory limit: the
-        least of limit less usage over that cgroup and every parent (a pod's or a slice's
-        limit binds the cgroups below it), cgroup v2 (`memory.max`, `memory.current`) or
-        v1 (`memory.limit_in_bytes`, `memory.usage_in_bytes`). None: no limit anywhere."""
-        rooms: list[int] = []
-        for base, path, limit_file, used_file in self._memory_cgroups(cgroup):
-            parts = [part for part in path.split("/") if part]
-            # Down to the top too: inside a container (its own cgroup namespace, or v1's
-            # controller mounted at its own cgroup) the top is the container's cgroup.
-            for depth in range(len(parts), -1, -1):
-                directory = self.root / base / Path(*parts[:depth])
-                limit, used = self._read(directory / limit_file), self._read(directory / used_file)
-                if limit and used and limit.strip().isdigit() and used.strip().isdigit():
-                    rooms.append(max(int(limit) - int(used), 0))
-        return min(rooms) if rooms else None
-
-    def _memory_cgroups(self, cgroup: str | None) -> list[tuple[str, str, str, str]]:
-        """(hierarchy's directory, cgroup path, limit file, usage file) for each memory
-        hierarchy the cgroup is in: the unified one, and the v1 memory controller's."""
-        v2 = ("sys/fs/cgroup", "memory.max", "memory.current")
-        v1 = ("sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")
-        if cgroup is not None:  # systemd names a slice alike in both hierarchies
-            return [(v2[0], cgroup, *v2[1:]), (v1[0], cgroup, *v1[1:])]
-        found = []
-        for line in (self._read(self.proc / str(os.getpid()) / "cgroup") or "").splitlines():
-            hierarchy, _, rest = line.partition(":")
-            controllers, _, path = rest.partition(":")
-            if hierarchy == "0" and not controllers:
-                found.append((v2[0], path.strip(), *v2[1:]))
-            elif "memory" in controllers.split(","):
-                found.append((v1[0], path.strip(), *v1[1:]))
-        return found
 
     def numa_balancing(self) -> int | None:
         text = self._read(self.proc / "sys/kernel/numa_balancing")

@@ -1,4 +1,5 @@
-"""Reads what a cgroup lets its processes use: its cpuset and its CPU quota (an edge).
+"""Reads what a cgroup lets its processes use: its cpuset, its CPU quota and the memory its
+limits leave (an edge).
 
 - The process backend's instances are the daemon's children, in its cgroup: what the
   kernel allows the daemon (`Cpus_allowed_list`/`Mems_allowed_list` of /proc/self/status,
@@ -13,13 +14,16 @@ Rooted at a directory (`fsroot`) so tests point it at a fake tree.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from numad_infer.topology.cgroup_limits import Allowed
 from numad_infer.util.cpuset import CpuListError, parse_list
 
 INSTANCE_SLICE = "system.slice"  # where systemd starts infer@N.service
+_T = TypeVar("_T")
 
 
 class CgroupReader:
@@ -57,30 +61,63 @@ class CgroupReader:
         mems = None if allowed.mems is not None and nodes is not None and nodes <= allowed.mems else allowed.mems
         return Allowed(cpus, mems, allowed.quota_cpus, allowed.source)
 
+    def _cgroups(self, pid: str) -> Iterator[tuple[str, list[str], str]]:
+        """/proc/PID/cgroup: (hierarchy ID, its controllers, the process's cgroup path) per
+        line; hierarchy "0" with no controllers is the unified (v2) one."""
+        for line in (self._text("proc", pid, "cgroup") or "").splitlines():
+            if line.count(":") >= 2:
+                hierarchy, controllers, path = line.split(":", 2)
+                yield hierarchy, [c for c in controllers.split(",") if c], path.strip()
+
     def _quota_of(self, pid: str) -> float | None:
         """The tightest quota from the process's cgroup up to the root (a parent's applies too)."""
         found: list[float] = []
-        for line in (self._text("proc", pid, "cgroup") or "").splitlines():
-            if line.count(":") < 2:
-                continue
-            hierarchy, controllers, path = line.split(":", 2)
+        for hierarchy, controllers, path in self._cgroups(pid):
             if hierarchy == "0":  # the unified (v2) hierarchy
                 found += self._walk(Path("sys/fs/cgroup"), path, self._v2_quota)
-            elif "cpu" in controllers.split(","):
-                base = Path("sys/fs/cgroup") / controllers
+            elif "cpu" in controllers:
+                base = Path("sys/fs/cgroup") / ",".join(controllers)
                 if not self.root.joinpath(base).is_dir():
                     base = Path("sys/fs/cgroup/cpu")  # mounted as cpu, linked as cpu,cpuacct
                 found += self._walk(base, path, self._v1_quota)
         return min(found) if found else None
 
-    def _walk(self, base: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
+    def _walk(self, base: Path, path: str, read: Callable[[Path], _T | None]) -> list[_T]:
+        """`read` of the cgroup at `path` and of every parent, up to the hierarchy's top: inside
+        a container (its own cgroup namespace, or v1's controller mounted at its own cgroup)
+        the top is the container's cgroup, whose limits bind it too."""
         parts = [p for p in path.split("/") if p]
         found = []
         for depth in range(len(parts), -1, -1):
-            quota = read(base.joinpath(*parts[:depth]))
-            if quota is not None:
-                found.append(quota)
+            value = read(base.joinpath(*parts[:depth]))
+            if value is not None:
+                found.append(value)
         return found
+
+    # -- memory: what a new process may still take under every limit above it --------------------
+    def memory_room(self, cgroup: str | None = None, pid: str = "self") -> int | None:
+        """Bytes a process started in `cgroup` may still take before a memory limit: the least
+        of limit less usage over that cgroup and every parent (a pod's or a slice's limit
+        binds the cgroups below it), cgroup v2 (`memory.max`, `memory.current`) or v1
+        (`memory.limit_in_bytes`, `memory.usage_in_bytes`). `cgroup`: its path, alike in
+        both hierarchies (systemd names a slice so); None: `pid`'s own. None back: no limit."""
+        v2 = (Path("sys/fs/cgroup"), "memory.max", "memory.current")
+        v1 = (Path("sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.usage_in_bytes")
+        if cgroup is not None:
+            where = [(cgroup, v2), (cgroup, v1)]
+        else:
+            where = [(path, v2 if hierarchy == "0" else v1) for hierarchy, controllers, path in self._cgroups(pid)
+                     if hierarchy == "0" or "memory" in controllers]
+        rooms: list[int] = []
+        for path, (base, limit, used) in where:
+            rooms += self._walk(base, path, partial(self._left, limit_file=limit, used_file=used))
+        return min(rooms) if rooms else None
+
+    def _left(self, directory: Path, limit_file: str, used_file: str) -> int | None:
+        limit, used = self._text(str(directory), limit_file), self._text(str(directory), used_file)
+        if limit and used and limit.isdigit() and used.isdigit():  # v2's "max": no limit here
+            return max(int(limit) - int(used), 0)
+        return None
 
     def _v2_quota(self, directory: Path) -> float | None:
         text = self._text(str(directory), "cpu.max")
