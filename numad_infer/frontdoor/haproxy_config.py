@@ -217,7 +217,8 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
              *pick]
     for model, (_, socket) in zip(models, holds, strict=True):
         lines += ["", *_backend(config, engine, model, _instances_of(plan, model), socket)]
-    lines += ["", *hold.hold_frontend(holds, front, _BUSY.body())]
+    again = tenants.held_priority(config.tenants, front.batch_delay_s)
+    lines += ["", *hold.hold_frontend(holds, front, _BUSY.body(), again)]
     if config.tenants:
         lines += ["", *tenants.table(config.tenants)]
     return "\n".join(lines) + "\n"

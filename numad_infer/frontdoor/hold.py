@@ -115,17 +115,20 @@ def server_line(backend: str, socket: str, front: FrontendSection) -> str:
     return f"    server {hold_server(backend)} unix@{socket} backup no-check maxconn {front.queue_size}"
 
 
-def hold_frontend(listeners: list[tuple[str, str]], front: FrontendSection, busy: str) -> list[str]:
+def hold_frontend(listeners: list[tuple[str, str]], front: FrontendSection, busy: str,
+                  priority: list[str]) -> list[str]:
     """The frontend behind every hold server: one listener per backend, named by it
     (`listeners`: backend, socket path as an HAProxy word). A request let go goes back to its
     backend; one that waited the whole limit gets `busy` (the JSON 503) with Retry-After. Not
-    logged: the request's own line, from the main frontend, covers it."""
+    logged: the request's own line, from the main frontend, covers it. `priority`: the rules
+    that queue it again in its class (tenants.held_priority)."""
     return ["frontend " + FRONTEND,
             *(f"    bind unix@{socket} name {backend} mode 600" for backend, socket in listeners),
             "    no log",
             f"    http-request lua.{ACTION} {int(front.queue_timeout_s * 1000)}",
             f"    http-request return status 503 content-type application/json string '{busy}' "
             f"hdr Retry-After 1 if !{{ var({_LET_GO}) -m bool }}",
+            *priority,
             "    use_backend %[so_name]"]
 
 

@@ -117,10 +117,22 @@ def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key:
     own = f"{{ var({VARIABLE}) -m str {' '.join(batch)} }} || " if batch else ""
     lines += [f"    http-request set-priority-offset int({int(batch_delay_s * 1000)}) "
               f"if {own}{{ req.hdr({PRIORITY_HEADER}) -m str -i {Priority.BATCH.value} }}",
-              f"    http-request del-header {PRIORITY_HEADER}"]
+              f"    http-request del-header {PRIORITY_HEADER}",
+              # Said again, as the class decided, for a request the hold lets go (hold.py): it
+              # enters the backend's queue again from the hold frontend, where no key is read.
+              f"    http-request set-header {PRIORITY_HEADER} {Priority.BATCH.value} if {{ prio_offset gt 0 }}"]
     lines.append(f"    http-request set-header Authorization %[str({_UPSTREAM_ENTRY}),map({upstream})]" if instance_key
                  else "    http-request del-header Authorization")
     return lines
+
+
+def held_priority(tenants: Sequence[TenantEntry], batch_delay_s: float) -> list[str]:
+    """The hold frontend's rules: a request let go after a hold queues in its backend again,
+    as the batch it was (the gate's header, set after any client's own was removed)."""
+    if not tenants:
+        return []
+    return [f"    http-request set-priority-offset int({int(batch_delay_s * 1000)}) "
+            f"if {{ req.hdr({PRIORITY_HEADER}) -m str {Priority.BATCH.value} }}"]
 
 
 def token_rules(tenants: Sequence[TenantEntry], timeout: str) -> list[str]:

@@ -25,6 +25,7 @@ from numad_infer.config.tenants import TenantKey
 from numad_infer.config.load import parse_config
 from numad_infer.errors import ConfigError
 from numad_infer.frontdoor import tenants
+from numad_infer.frontdoor.haproxy import AdminState
 from tests.daemon_harness import wait_for
 from tests.frontdoor.harness import Door, with_haproxy
 
@@ -391,6 +392,43 @@ def test_a_batch_tenants_queued_requests_let_an_interactive_request_pass(door_wi
     assert len(order) == 7 and order.index("interactive") <= 3, finished
     assert ("    http-request set-priority-offset int(10000) if { var(txn.tenant) -m str team-b } || "
             "{ req.hdr(x-priority) -m str -i batch }") in door.door.paths.config.read_text()
+
+
+@with_haproxy
+def test_requests_let_go_after_a_hold_queue_again_in_their_class(door_with) -> None:
+    """No instance in rotation: four batch requests (team-b's class) and then an interactive
+    one wait in the hold (hold.py). When one instance of one slot comes back, all five are
+    let go at once, into the backend's queue again from the hold frontend, where no key is
+    read: the class the gate decided goes with them (tenants.held_priority), and the
+    interactive request is served first or second, not in whatever order they woke."""
+    door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', server="parallel = 1\n",
+                     b='priority = "batch"\n')
+    api = door.door.api
+    names = list(api.backend("instances").instances)
+    for name in names:
+        api.set_state("instances", name, AdminState.MAINT)
+    finished: list[tuple[str, float]] = []
+    started = time.monotonic()
+
+    def ask(key: str, who: str) -> None:
+        assert post(door.port, key, content=SLOW).status == 200
+        finished.append((who, time.monotonic() - started))
+
+    def held() -> int:
+        return api.backend("instances").servers["hold-instances"].in_flight
+
+    threads = [threading.Thread(target=ask, args=(KEY_B, "batch")) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: held() == 4, "the four batch requests held")
+    threads.append(threading.Thread(target=ask, args=(KEY_A, "interactive")))
+    threads[-1].start()
+    wait_for(lambda: held() == 5, "the interactive request held too")
+    api.set_state("instances", names[0], AdminState.READY)
+    for thread in threads:
+        thread.join(40)
+    order = [who for who, _ in sorted(finished, key=lambda f: f[1])]
+    assert len(order) == 5 and order.index("interactive") <= 1, finished
 
 
 @with_haproxy
