@@ -247,6 +247,8 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
              f"hdr Retry-After 1 if {hold.ARRIVING} {{ queue({backend}) ge {front.queue_size} }} || "
              f"{hold.ARRIVING} {{ srv_conn({backend}/{hold.hold_server(backend)}) ge {front.queue_size} }}",
+             # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
+             *hold.hold_rules(front, _BUSY.body()),
              f"    option httpchk GET {engine.liveness_path}",
              "    http-check expect status 200",
              f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {engine.slots(model.view)} "

@@ -3,33 +3,42 @@
 HAProxy queues a request only while some server of its backend is up and full: with none
 up (the only instance of a model restarting, drained for a restart, crashed, hung) it
 answers 503 at once. On a host with one instance that is every restart numa-infer makes
-(issue 40: 6,740 of 7,369 requests refused during one 10 s roll-out).
+(issue 40: 6,740 of 7,369 requests refused during one 10 s roll-out). The hold is a Lua
+script of HAProxy's own (Debian's HAProxy is built with Lua), in a file the daemon writes
+beside haproxy.cfg: HAProxy still does all the routing; nothing is proxied here.
 
-So each model's backend has one more server, a `backup` that HAProxy uses only while none
-of the backend's own servers is in rotation (up, not drained, not in maintenance): the
-hold server. It is HAProxy itself, a listener on a Unix socket beside its runtime API's
-(the `hold` frontend), where a Lua action of HAProxy's own (Debian's HAProxy is built with Lua;
-this file is the script) waits, in 50 ms steps, until the backend has a server in
-rotation again, up to `frontend.queue_timeout_s`. Then the request goes to that backend
-once more, and from there to the instance that is back; past the limit it gets the JSON
-503 with Retry-After. HAProxy still does all the routing; nothing is proxied here. What
-it keeps bounded, as the queue is: the hold server takes `frontend.queue_size` requests
-per backend, and those beyond wait in the backend's queue, whose own bound answers 503.
+Two ways in, one wait (`wait_for`: look again every 50 ms until the backend has a server
+in rotation, up to `frontend.queue_timeout_s`; past it, the JSON 503 with Retry-After):
 
-Why a server and not a rule at the backend's top (what numa-infer first did): a rule runs
-once, when the request enters the backend, so it saw only what arrived while no server
-was in rotation. A request that HAProxy had already given to the only instance when it
-died (waiting in the queue for its slots, or sent in the instant before HAProxy saw it
-dead) met a refused connection; redispatched, it found no server and got a 503 at once.
-Sent to the same server again instead, it reached the replacement as soon as it listened:
-llama-server listens before its model is loaded and answers 503 "Loading model" until
-then (a model of a few GB takes seconds), and HAProxy 2.6 retries a 503 at once, not a
-second later (30 retries in 10 ms, measured). A backup server is chosen at each
-redispatch as at the first dispatch, so a refused request now goes where a new one goes:
-the first refused connection marks the instance down (`observe layer4`), the retry a
-second later finds the hold server, and the held request is let go once HAProxy's own
-check of the new instance passes, which llama-server's /health does only once its model
-is loaded.
+1. A request that arrives while no server is in rotation: the backend's first action
+   (`numa_hold`) holds it there, in its own stream. Let go, it goes on through the backend
+   as any request (its class in the queue, its line in the request log, the abandon watch
+   able to end it). At most `frontend.queue_size` wait per backend; the next gets the 503
+   at once, as with a full queue. The count is a table of deadlines, not a counter: a
+   request whose client left mid-wait is dropped by HAProxy without running the rest of
+   the action, and its entry simply expires.
+2. A request HAProxy had already given to the only instance when it died (waiting in the
+   queue for its slots, or sent in the instant before HAProxy saw it dead) meets a refused
+   connection, past that action. Once it was redispatched, found no server and got a 503
+   at once; then it was sent to the same server again every second, and met the
+   replacement as soon as it listened: llama-server listens before its model is loaded and
+   answers 503 "Loading model" until then (a model of a few GB takes seconds), and HAProxy
+   2.6 retries a 503 at once, not a second later (30 retries in 10 ms, measured). So each
+   model's backend has one more server, a `backup`, which HAProxy chooses only while none
+   of the backend's own servers is in rotation, at a redispatch as at a first dispatch: the
+   hold server. It is HAProxy itself, a listener on a Unix socket beside its runtime API's
+   (the `hold` frontend), whose action (`numa_hold_again`) waits, then sends the request
+   back to its backend. The first refused connection marks the instance down (`observe
+   layer4`), the retry a second later goes to the hold server, and the request is let go
+   once HAProxy's own check of the replacement passes, which llama-server's /health does
+   only once its model is loaded. The hold server takes up to `frontend.queue_size`.
+
+What the second way costs, for the few requests that take it: they pass through their
+backend twice, and the second time no key is read, so the gate says a batch request's
+class in a header it sets itself (tenants.held_priority); the runtime API's backend counts
+see such a request twice while it is answered (haproxy.BackendStat counts the hold
+server's sessions as waiting, not in flight: exact while they wait); its log line names
+the hold server; and the abandon watch cannot end it once let go (its client is HAProxy).
 
 Only connection failures are retried: a POST the instance had received is still not
 replayed. It may be what killed it, and replayed it would crash the instance again at
@@ -38,16 +47,10 @@ each restart within the hold (about three times in 30 s under the default
 the killed process was answering gets a JSON 502, which OpenAI's clients retry by default
 (`max_retries = 2`), into the hold.
 
-`/healthz` is answered in the frontend, before any backend, from the same count the hold
-waits on (`lua.numa_in_rotation`: HAProxy's `nbsrv` counts a backup server when no other
-is up, so it would say 200 during a hold): during a hold it says 503, so an outer
-balancer can send the traffic to another host.
-
-What a held request costs the figures: it passes through its model's backend twice, once
-to the hold server and once, let go, to an instance. So the runtime API's backend counts
-see it twice while it is answered. haproxy.BackendStat takes the hold server's sessions
-out of what is in flight and counts them as waiting: exact while a request waits, and once
-let go it is counted on its instance too, until its answer ends."""
+`/healthz` is answered in the frontend, before any backend, from the count the hold waits
+on (`lua.numa_in_rotation`: HAProxy's `nbsrv` counts the backup when no other server is
+up, so it would say 200 during a hold): during a hold it says 503, so an outer balancer
+can send the traffic to another host."""
 
 from __future__ import annotations
 
@@ -57,16 +60,26 @@ from numad_infer.config.frontend import FrontendSection
 
 HOLD_NAME = "hold.lua"
 ACTION = "numa_hold"
+AGAIN = "numa_hold_again"
 FETCH = "numa_in_rotation"
 FRONTEND = "hold"
 HOLD_PREFIX = "hold-"  # the hold server of backend B is "hold-B"; an instance's is named by its unit
 STEP_MS = 50  # how often a held request looks again: what a hold adds to the wait, at most
 _LET_GO = "txn.hold_let_go"
+_REFUSED = "txn.hold_refused"
 # An ACL: the request enters its backend from the main frontend, not let go by the hold
-# (the bounds a request meets on arrival are not met again after it waited).
+# frontend (the bounds a request meets on arrival are not met again after it waited).
 ARRIVING = f"!{{ fe_name {FRONTEND} }}"
 
 HOLD_LUA = f"""-- numa-infer's hold (numad_infer/frontdoor/hold.py): written by the daemon, do not edit.
+local held = {{}}  -- backend name -> {{request id -> deadline, in ms}}
+local seq = 0
+
+local function now_ms()
+  local t = core.now()
+  return t.sec * 1000 + t.usec // 1000
+end
+
 -- The servers of a backend in rotation: up, not drained, not in maintenance, backups left
 -- out (the hold server is one, and always up).
 local function in_rotation(name)
@@ -75,22 +88,52 @@ local function in_rotation(name)
   return tonumber(backend:get_stats()["act"]) or 0
 end
 
-local function now_ms()
-  local t = core.now()
-  return t.sec * 1000 + t.usec // 1000
+-- The same, cheaply where it can be: nbsrv counts the servers in rotation while there are
+-- any, and 1 (the hold server) while there are none.
+local function serving(txn, name)
+  return txn.f:nbsrv(name) > 1 or in_rotation(name) > 0
+end
+
+-- How many requests of this backend are waiting now (entries past their deadline are gone:
+-- a request whose client left is dropped mid-sleep and never removes its own).
+local function waiting(list, now)
+  local n = 0
+  for id, deadline in pairs(list) do
+    if deadline <= now then list[id] = nil else n = n + 1 end
+  end
+  return n
+end
+
+-- Wait while the backend has no server in rotation, up to the limit: true once it has one.
+-- `most`: how many may wait at once (nil: no bound here, the hold server's maxconn is one).
+local function wait_for(backend, timeout_ms, most)
+  local list = held[backend]
+  if list == nil then list = {{}}; held[backend] = list end
+  local start = now_ms()
+  if most ~= nil and waiting(list, start) >= most then return false end
+  seq = seq + 1
+  local id = seq
+  list[id] = start + timeout_ms
+  while in_rotation(backend) == 0 and now_ms() < start + timeout_ms do
+    core.msleep({STEP_MS})
+  end
+  list[id] = nil
+  return in_rotation(backend) > 0
 end
 
 core.register_fetches("{FETCH}", function(txn, name) return in_rotation(name) end)
 
--- In the hold frontend: the listener's name is the backend the request came from. Wait
--- until it has a server in rotation, up to the limit; say whether it has one.
-core.register_action("{ACTION}", {{"http-req"}}, function(txn, timeout_ms)
-  local backend = txn.f:so_name()
-  local deadline = now_ms() + tonumber(timeout_ms)
-  while in_rotation(backend) == 0 and now_ms() < deadline do
-    core.msleep({STEP_MS})
-  end
-  if in_rotation(backend) > 0 then txn:set_var("{_LET_GO}", true) end
+-- A model's backend's first action: a request arriving while none of its servers is in rotation.
+core.register_action("{ACTION}", {{"http-req"}}, function(txn, timeout_ms, most)
+  local backend = txn.f:be_name()
+  if serving(txn, backend) then return end
+  if not wait_for(backend, tonumber(timeout_ms), tonumber(most)) then txn:set_var("{_REFUSED}", true) end
+end, 2)
+
+-- The hold frontend's: a request dispatched again to the hold server (its instance died
+-- under it). The listener's name is the backend it came from.
+core.register_action("{AGAIN}", {{"http-req"}}, function(txn, timeout_ms)
+  if wait_for(txn.f:so_name(), tonumber(timeout_ms), nil) then txn:set_var("{_LET_GO}", true) end
 end, 1)
 """
 
@@ -115,6 +158,15 @@ def server_line(backend: str, socket: str, front: FrontendSection) -> str:
     return f"    server {hold_server(backend)} unix@{socket} backup no-check maxconn {front.queue_size}"
 
 
+def hold_rules(front: FrontendSection, busy: str) -> list[str]:
+    """A model backend's rules, after the bound on its queue: a request arriving while none
+    of its servers is in rotation waits here, in its own stream; one that waited the whole
+    limit, or found queue_size requests waiting already, gets `busy` (the JSON 503)."""
+    return [f"    http-request lua.{ACTION} {int(front.queue_timeout_s * 1000)} {front.queue_size}",
+            f"    http-request return status 503 content-type application/json string '{busy}' "
+            f"hdr Retry-After 1 if {{ var({_REFUSED}) -m bool }}"]
+
+
 def hold_frontend(listeners: list[tuple[str, str]], front: FrontendSection, busy: str,
                   priority: list[str]) -> list[str]:
     """The frontend behind every hold server: one listener per backend, named by it
@@ -125,7 +177,7 @@ def hold_frontend(listeners: list[tuple[str, str]], front: FrontendSection, busy
     return ["frontend " + FRONTEND,
             *(f"    bind unix@{socket} name {backend} mode 600" for backend, socket in listeners),
             "    no log",
-            f"    http-request lua.{ACTION} {int(front.queue_timeout_s * 1000)}",
+            f"    http-request lua.{AGAIN} {int(front.queue_timeout_s * 1000)}",
             f"    http-request return status 503 content-type application/json string '{busy}' "
             f"hdr Retry-After 1 if !{{ var({_LET_GO}) -m bool }}",
             *priority,

@@ -398,9 +398,10 @@ def test_a_batch_tenants_queued_requests_let_an_interactive_request_pass(door_wi
 def test_requests_let_go_after_a_hold_queue_again_in_their_class(door_with) -> None:
     """No instance in rotation: four batch requests (team-b's class) and then an interactive
     one wait in the hold (hold.py). When one instance of one slot comes back, all five are
-    let go at once, into the backend's queue again from the hold frontend, where no key is
-    read: the class the gate decided goes with them (tenants.held_priority), and the
-    interactive request is served first or second, not in whatever order they woke."""
+    let go at once into the backend's queue, each in its class: the interactive request is
+    served first or second, not in whatever order they woke. A request that reaches the
+    hold through the hold server (its instance died under it) enters the backend again from
+    the hold frontend, where no key is read: the gate's X-Priority says its class there."""
     door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', server="parallel = 1\n",
                      b='priority = "batch"\n')
     api = door.door.api
@@ -415,7 +416,7 @@ def test_requests_let_go_after_a_hold_queue_again_in_their_class(door_with) -> N
         finished.append((who, time.monotonic() - started))
 
     def held() -> int:
-        return api.backend("instances").servers["hold-instances"].in_flight
+        return api.backend("instances").in_flight
 
     threads = [threading.Thread(target=ask, args=(KEY_B, "batch")) for _ in range(4)]
     for thread in threads:
@@ -429,6 +430,10 @@ def test_requests_let_go_after_a_hold_queue_again_in_their_class(door_with) -> N
         thread.join(40)
     order = [who for who, _ in sorted(finished, key=lambda f: f[1])]
     assert len(order) == 5 and order.index("interactive") <= 1, finished
+    text = door.door.paths.config.read_text()
+    assert "    http-request set-header x-priority batch if { prio_offset gt 0 }\n" in text  # the gate's
+    hold_frontend = text.split("\nfrontend hold\n")[1].split("\n\n")[0]
+    assert "    http-request set-priority-offset int(10000) if { req.hdr(x-priority) -m str batch }" in hold_frontend
 
 
 @with_haproxy
