@@ -200,10 +200,10 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
     engine = engine if engine is not None else engine_of(config)
     front: FrontendSection = config.frontend
     host, port = front.address
-    # Each backend queues up to queue_size requests of its own, and holds as many (hold.py),
-    # each held one a second connection, to the hold frontend.
+    # Each backend queues up to queue_size requests of its own, holds as many arriving, and
+    # as many more on its hold server, each of those two connections (hold.py).
     maxconn = (sum(len(_instances_of(plan, s)) * engine.slots(s.view) for s in models)
-               + 3 * len(models) * front.queue_size + SPARE_CONNECTIONS)
+               + 4 * len(models) * front.queue_size + SPARE_CONNECTIONS)
     holds = [(backend_of(s), quoted(hold.socket_of(paths.socket.parent, n))) for n, s in enumerate(models)]
     pick = route(models, body_buffer(models)) if routed(models) else [f"    default_backend {backend_of(models[0])}"]
     lines = [MARKER, *_global(config, models, paths, maxconn), "", *_defaults(front), "",

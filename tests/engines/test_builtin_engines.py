@@ -104,7 +104,10 @@ def test_the_front_door_sends_each_instance_as_many_requests_as_it_has_slots(tmp
         text = render_haproxy(cfg, plan, Paths(Path("/c"), Path("/s"), Path("/k")))
         assert engine_of(cfg).slots(cfg) == per_server
         assert f" maxconn {per_server} " in text and f"option httpchk GET {path}" in text
-        assert f"    maxconn {len(plan.instances) * per_server + cfg.frontend.queue_size + SPARE_CONNECTIONS}\n" in text
+        # The slots, and the model's queue and holds (hold.py: arriving, and on the hold server,
+        # two connections each).
+        held = 4 * cfg.frontend.queue_size
+        assert f"    maxconn {len(plan.instances) * per_server + held + SPARE_CONNECTIONS}\n" in text
 
 
 METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.

@@ -50,9 +50,9 @@ def test_two_models_get_a_backend_each_with_their_own_slots_queue_and_a_route_by
     assert "    use_backend model-beta if { var(txn.model) -m str beta b:latest }\n" in text
     # The buffer holds the longest context of the two (alpha's), routing needs it without affinity.
     assert "    tune.bufsize 278528\n" in text
-    # 2 instances x 4 slots + 2 x 2, and per backend a queue and a hold (a held request is
-    # two connections: its client's, and the hold server's to the hold frontend).
-    assert f"    maxconn {8 + 4 + 2 * 3 * 64 + SPARE_CONNECTIONS}\n" in text
+    # 2 instances x 4 slots + 2 x 2, and per backend a queue and holds: arriving ones, and
+    # on its hold server, two connections each (the client's, the hold server's).
+    assert f"    maxconn {8 + 4 + 2 * 4 * 64 + SPARE_CONNECTIONS}\n" in text
 
 
 def test_one_model_in_either_form_reads_no_model_from_the_body(tmp_path: Path) -> None:
