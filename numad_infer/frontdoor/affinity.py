@@ -88,7 +88,8 @@ def _prefix(front: FrontendSection, backend: str, slots: int) -> list[str]:
             f"    http-request set-var({PREFIX_KEY}) var({first}),concat(,{second},)",
             f"    http-request set-var({PREFIX_KEY}) req.hdr({front.affinity_header}) "
             f"if {{ req.hdr({front.affinity_header}) -m found }}",
-            # be_conn counts this request and those queued; nbsrv the servers in rotation.
+            # be_conn counts this request and those queued; nbsrv the servers in rotation (never
+            # 0: with none, the hold server, but then the request waits in the hold first).
             f"    http-request set-var(txn.prefix_room) nbsrv({backend}),mul({slots * 100})",
             f"    acl prefix_crowded be_conn({backend}),mul({_factor(front)}),sub(txn.prefix_room) gt 0",
             f"    http-request set-var({PREFIX_KEY}) rand() if prefix_crowded || !{{ var({PREFIX_KEY}) -m found }}"]
