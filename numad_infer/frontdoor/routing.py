@@ -120,8 +120,9 @@ def route(served: Served, buffer: int) -> list[str]:
 
 def health(served: Served, path: str, healthy: str, none: str) -> list[str]:
     """frontend.health_path: 200 only while every model has a server in rotation (up, not
-    drained, not in maintenance: what the hold waits for, hold.py), else 503 naming the first model without one (the
-    names are public: GET /v1/models lists them); with one model, `none` says it."""
+    drained, not in maintenance: what the hold waits for, hold.py), else 503 naming the
+    first model without one (the names are public: GET /v1/models lists them); with one
+    model, `none` says it."""
     when = f"{{ path {path} }}"
     lines = []
     for s in served:
