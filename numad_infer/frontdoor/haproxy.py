@@ -219,8 +219,9 @@ def _backend(rows: list[dict[str, str]], name: str) -> BackendStat:
     # The BACKEND row's qcur is the backend's own queue only: `balance hash` (affinity =
     # "prefix") queues a request for its hashed server in that server's queue instead.
     queued += sum(s.queued for s in servers.values())
-    # A held request waits, at no instance; let go, it passes through the backend again
-    # (hold.py), and is counted there on its instance.
+    # A request on the hold server waits, at no instance: waiting, not in flight. Let go, it
+    # passes through the backend again (hold.py) and is counted on its instance too, until
+    # answered: then it is counted both ways.
     held = sum(s.in_flight for n, s in servers.items() if n.startswith(HOLD_PREFIX))
     return BackendStat(queued + held, in_flight - held, servers)
 

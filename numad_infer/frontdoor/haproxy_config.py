@@ -245,8 +245,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              "    option http-buffer-request",
              *hold.retry_rules(),
              f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
-             f"hdr Retry-After 1 if {hold.ARRIVING} {{ queue({backend}) ge {front.queue_size} }} || "
-             f"{hold.ARRIVING} {{ srv_conn({backend}/{hold.hold_server(backend)}) ge {front.queue_size} }}",
+             f"hdr Retry-After 1 if {hold.ARRIVING} {{ queue({backend}) ge {front.queue_size} }}",
              # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
              *hold.hold_rules(front, _BUSY.body()),
              f"    option httpchk GET {engine.liveness_path}",

@@ -17,13 +17,15 @@ in rotation, up to `frontend.queue_timeout_s`; past it, the JSON 503 with Retry-
    at once, as with a full queue. The count is a table of deadlines, not a counter: a
    request whose client left mid-wait is dropped by HAProxy without running the rest of
    the action, and its entry simply expires.
-2. A request HAProxy had already given to the only instance when it died (waiting in the
-   queue for its slots, or sent in the instant before HAProxy saw it dead) meets a refused
-   connection, past that action. Once it was redispatched, found no server and got a 503
-   at once; then it was sent to the same server again every second, and met the
-   replacement as soon as it listened: llama-server listens before its model is loaded and
-   answers 503 "Loading model" until then (a model of a few GB takes seconds), and HAProxy
-   2.6 retries a 503 at once, not a second later (30 retries in 10 ms, measured). So each
+2. A request HAProxy had already given to the only instance when it died (sent in the
+   instant before HAProxy saw it dead, or handed the slot the dead process's request left)
+   meets a refused connection, past that action. (Those still in the backend's queue stay
+   there, and the replacement takes them once it is up, within `timeout queue`.) Once it
+   was redispatched, found no server and got a 503 at once; then it was sent to the same
+   server again every second, and met the replacement as soon as it listened: llama-server
+   listens before its model is loaded and answers 503 "Loading model" until then (a model
+   of a few GB takes seconds), and HAProxy 2.6 retries a 503 at once, not a second later
+   (30 retries in 10 ms, measured). So each
    model's backend has one more server, a `backup`, which HAProxy chooses only while none
    of the backend's own servers is in rotation, at a redispatch as at a first dispatch: the
    hold server. It is HAProxy itself, a listener on a Unix socket beside its runtime API's
@@ -31,13 +33,17 @@ in rotation, up to `frontend.queue_timeout_s`; past it, the JSON 503 with Retry-
    back to its backend. The first refused connection marks the instance down (`observe
    layer4`), the retry a second later goes to the hold server, and the request is let go
    once HAProxy's own check of the replacement passes, which llama-server's /health does
-   only once its model is loaded. The hold server takes up to `frontend.queue_size`.
+   only once its model is loaded. The hold server takes up to `frontend.queue_size`; more
+   wait in its queue, within `timeout queue`. A request let go that is refused again (an
+   instance that died again at once) goes back to the hold server for another wait: at
+   most queue_size such waits at a time, each up to the limit.
 
 What the second way costs, for the few requests that take it: they pass through their
 backend twice, and the second time no key is read, so the gate says a batch request's
 class in a header it sets itself (tenants.held_priority); the runtime API's backend counts
 see such a request twice while it is answered (haproxy.BackendStat counts the hold
-server's sessions as waiting, not in flight: exact while they wait); its log line names
+server's sessions as waiting, not in flight: exact while they wait, and once let go the
+request is counted both waiting and at its instance until answered); its log line names
 the hold server; and the abandon watch cannot end it once let go (its client is HAProxy).
 
 Only connection failures are retried: a POST the instance had received is still not
@@ -113,7 +119,8 @@ local function wait_for(backend, timeout_ms, most)
   if most ~= nil and waiting(list, start) >= most then return false end
   seq = seq + 1
   local id = seq
-  list[id] = start + timeout_ms
+  -- Only arrivals count against `most`: the hold server's requests have its maxconn.
+  if most ~= nil then list[id] = start + timeout_ms end
   while in_rotation(backend) == 0 and now_ms() < start + timeout_ms do
     core.msleep({STEP_MS})
   end
