@@ -155,10 +155,11 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/routing": (CORE, "several models behind one front door: a backend per model, routing by the "
                                 "body's `model`, GET /v1/models"),
     "frontdoor/affinity": (CORE, "which instance of a model a request goes to: least busy, a stick table, or a "
-                                 "bounded consistent hash of the prompt's start"),
+                                 "hash of the prompt's start within a load bound (a Lua fetch)"),
     "frontdoor/haproxy_config": (CORE, "haproxy.cfg from the plan"),
     "frontdoor/reload_watch": (CORE, "whether HAProxy took the reload asked for (another worker answers)"),
     "frontdoor/hold": (CORE, "requests for a model with no instance in rotation wait for one (HAProxy Lua action)"),
+    "frontdoor/lua": (CORE, "the one Lua file HAProxy loads: the hold's actions and the prefix pick"),
     "frontdoor/tenants": (CORE, "tenants at the front door: keys, limits and models as HAProxy rules and key files"),
     "frontdoor/abandoned": (CORE, "requests whose client has left: which of HAProxy's streams to end"),
     "frontdoor/abandon_watch": (EDGE, "twice a second: half-closed client connections (/proc/net/tcp), their streams "

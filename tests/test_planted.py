@@ -253,7 +253,7 @@ def test_haproxy_cfg_and_its_lua_file_replace_planted_links_instead_of_writing_t
     run_dir = tmp_path / "frontdoor"
     run_dir.mkdir()
     front = Frontdoor(IdleRunner(run_dir))
-    for planted in (front.paths.config, front.paths.hold):
+    for planted in (front.paths.config, front.paths.lua):
         planted.symlink_to(secret)
     from tests.daemon_harness import free_port_block
 
@@ -265,7 +265,7 @@ def test_haproxy_cfg_and_its_lua_file_replace_planted_links_instead_of_writing_t
     assert front.apply(config, plan, served, render_checked(config, plan, served, engine_of(config), front.paths))
     # Before: the daemon wrote haproxy.cfg into the link's target and chmod-ed it 0644.
     assert secret.read_text() == "untouched\n" and stat.S_IMODE(secret.stat().st_mode) == 0o600
-    for written in (front.paths.config, front.paths.hold):
+    for written in (front.paths.config, front.paths.lua):
         assert not written.is_symlink() and written.read_text()
     front.runner.listener.release()
 

@@ -1,7 +1,17 @@
 """Which instance of a model a request goes to (`frontend.affinity`), as HAProxy's lines
 in each model's backend: the least busy (`none`), a stick table on a request header or on
-the OpenAI `user` field (`header`, `user`: later turns follow the first), or a bounded
-consistent hash of the prompt's start (`prefix`, docs/frontdoor.md "Prefix routing"). Pure.
+the OpenAI `user` field (`header`, `user`: later turns follow the first), or the prompt's
+start, within a load bound (`prefix`, docs/frontdoor.md "Prefix routing"). Pure.
+
+Prefix routing is not HAProxy's `hash-type consistent` with `hash-balance-factor`: that
+bound counts only the requests a server is serving, not those waiting for it, and a hashed
+request whose server is full waits in that server's own queue, where no other server takes
+it (measured, HAProxy 2.6: 8 requests with one key over 2 servers of 2 slots, 6 on one, the
+last done after 9 s against 6 s with leastconn). The pick is a small Lua fetch instead
+(PICK_LUA, in the Lua file HAProxy loads): rendezvous hashing of the key over the servers
+in rotation, skipping any whose load (serving and waiting for it) would pass the factor x
+the mean, then `use-server`. Keys move only with the server that leaves or joins, and the
+bound holds however busy the backend is.
 """
 
 from __future__ import annotations
@@ -11,39 +21,69 @@ from numad_infer.config.frontend import Affinity, FrontendSection
 # Conversations remembered at once: entries are made as keys arrive, each about 50 bytes
 # of HAProxy's own plus the 128-byte key, so the table stays under ~20 MiB.
 STICK_ENTRIES = 100_000
-# affinity = "prefix": the variable `balance hash` reads, and each server's weight (ring_weight).
-PREFIX_KEY = "txn.prefix_key"
-RING_WEIGHT = 16
+# How a backend picks a server when no rule chose one, under every affinity: the least busy
+# (the first turn of header and user; a prefix request without a key, or past the bound).
+BALANCE = "    balance leastconn"
+# affinity = "prefix": the key's hash, and the server the Lua fetch picked for it.
+PREFIX_HASH = "txn.prefix_hash"
+PREFIX_SERVER = "txn.prefix_server"
+PICK = "numa_pick"
+
+PICK_LUA = f"""
+-- numa-infer's prefix routing (numad_infer/frontdoor/affinity.py): written by the daemon, do not edit.
+-- murmur3's 32-bit finalizer: the key's hash mixed with a server's is that server's score.
+local function mix(h)
+  h = h & 0xffffffff
+  h = ((h ~ (h >> 16)) * 0x85ebca6b) & 0xffffffff
+  h = ((h ~ (h >> 13)) * 0xc2b2ae35) & 0xffffffff
+  return h ~ (h >> 16)
+end
+
+local server_hashes = {{}}  -- server name -> FNV-1a of it, computed once
+local function server_hash(name)
+  local h = server_hashes[name]
+  if h == nil then
+    h = 2166136261
+    for i = 1, #name do h = ((h ~ name:byte(i)) * 16777619) & 0xffffffff end
+    server_hashes[name] = h
+  end
+  return h
+end
+
+-- The server for the request's key (its hash in {PREFIX_HASH}): of the servers in rotation
+-- (up, not drained, not backups) whose load (requests served and waiting for it) stays
+-- within factor x the mean once this one is added, the one that scores highest for the key
+-- (rendezvous hashing: a server that leaves or joins moves only its own keys). None within
+-- the bound: the least loaded, the highest scoring among equals. No server: "" (the hold).
+core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
+  local backend = core.backends[backend_name]
+  local key = tonumber(txn:get_var("{PREFIX_HASH}"))
+  if backend == nil or key == nil then return "" end
+  local up, total = {{}}, 0
+  for name, server in pairs(backend.servers) do
+    local s = server:get_stats()
+    if tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" and (tonumber(s.weight) or 0) > 0 then
+      local load = (tonumber(s.scur) or 0) + (tonumber(s.qcur) or 0)
+      up[#up + 1] = {{name = name, load = load, score = mix(key ~ server_hash(name))}}
+      total = total + load
+    end
+  end
+  if #up == 0 then return "" end
+  local bound = math.max(1, tonumber(factor_text) * (total + 1) / #up)
+  local best, least = nil, nil
+  for _, s in ipairs(up) do
+    if s.load + 1 <= bound and (best == nil or s.score > best.score) then best = s end
+    if least == nil or s.load < least.load or (s.load == least.load and s.score > least.score) then least = s end
+  end
+  return (best or least).name
+end)
+"""
 
 
-def balance(front: FrontendSection) -> list[str]:
-    """How a backend picks a server: a bounded consistent hash of the prefix key, or the
-    least busy (none, and the stick tables of header and user, whose first turn it places)."""
-    if front.affinity != Affinity.PREFIX:
-        return ["    balance leastconn"]
-    # A request without a key (no JSON, no readable prompt) is hashed on a random one
-    # (_prefix says why): served, never refused.
-    return [f"    balance hash var({PREFIX_KEY})",
-            "    hash-type consistent",
-            # HAProxy counts a server's load as the requests it is serving (not those queued
-            # for it) and skips, along the ring, any server already at factor x the mean.
-            f"    hash-balance-factor {_factor(front)}"]
-
-
-def _factor(front: FrontendSection) -> int:
-    return round(front.prefix_balance_factor * 100)
-
-
-def ring_weight(front: FrontendSection) -> str:
-    # HAProxy puts 16 points per unit of weight on its ring: at weight 1 two servers split
-    # 600 random keys 252/348, at 16 289/311 (measured, HAProxy 2.6). All servers weigh the
-    # same, so leastconn and the bound are unchanged.
-    return f" weight {RING_WEIGHT}" if front.affinity == Affinity.PREFIX else ""
-
-
-def _prefix(front: FrontendSection, backend: str, slots: int) -> list[str]:
-    """The hash key of `affinity = "prefix"`, in PREFIX_KEY: what stays the same across a
-    conversation's turns and differs between conversations.
+def _prefix(front: FrontendSection, backend: str, servers: list[str]) -> list[str]:
+    """The hash key of `affinity = "prefix"` (PREFIX_HASH): what stays the same across a
+    conversation's turns and differs between conversations, then the server the Lua fetch
+    picks for it (`servers`: the backend's own, each named in a use-server rule).
 
     - chat: the first message's content, and the second's when the first is the system (or
       developer) prompt: a system prompt that every conversation shares would otherwise
@@ -56,21 +96,10 @@ def _prefix(front: FrontendSection, backend: str, slots: int) -> list[str]:
     json_query returns scalars only, and reads a body cut at the buffer's end as far as it
     goes: a long history behind a short first message still has its key.
 
-    The bound counts the requests a server is serving, not those waiting for it, and a
-    hashed request whose server is full waits in that server's own queue, where no other
-    server takes it (measured: 8 requests with one key over 2 servers of 2 slots, 6 on one,
-    the last done after 9 s against 6 s with leastconn). Below 1/factor of the backend's
-    slots (in use or waiting) no full server is within the bound, so that cannot happen;
-    above it the key is replaced by a random one: the request goes to a random server
-    within the bound instead of piling onto its key's.
-
-    A request without a key gets a random one too, not HAProxy's round robin: over a
-    consistent-hash ring HAProxy 2.6 forgets its round-robin position whenever every server
-    was full, then looks at the ring's first server only, and queues while another server
-    is free (measured: 12 keyless requests over 2 servers of 1 slot, all 12 on one, twice
-    leastconn's time)."""
+    A request without a key (no JSON, no readable prompt) goes to the least busy server:
+    served, never refused."""
     cut = f"bytes(0,{front.prefix_bytes})"
-    first, second = "txn.prefix_first", "txn.prefix_second"
+    first, second, key = "txn.prefix_first", "txn.prefix_second", "txn.prefix_key"
 
     def read(var: str, path: str, *when: str) -> str:
         condition = f" if {' '.join(when)}" if when else ""
@@ -85,24 +114,23 @@ def _prefix(front: FrontendSection, backend: str, slots: int) -> list[str]:
             "    acl prefix_system req.body,json_query('$.messages[0].role') -m str system developer",
             read(second, "$.messages[1].content", "prefix_system"),
             read(second, "$.messages[1].content[0].text", "prefix_system", unset(second)),
-            f"    http-request set-var({PREFIX_KEY}) var({first}),concat(,{second},)",
-            f"    http-request set-var({PREFIX_KEY}) req.hdr({front.affinity_header}) "
+            f"    http-request set-var({key}) var({first}),concat(,{second},)",
+            f"    http-request set-var({key}) req.hdr({front.affinity_header}) "
             f"if {{ req.hdr({front.affinity_header}) -m found }}",
-            # be_conn counts this request and those queued; nbsrv the servers in rotation (never
-            # 0: with none, the hold server, but then the request waits in the hold first).
-            f"    http-request set-var(txn.prefix_room) nbsrv({backend}),mul({slots * 100})",
-            f"    acl prefix_crowded be_conn({backend}),mul({_factor(front)}),sub(txn.prefix_room) gt 0",
-            f"    http-request set-var({PREFIX_KEY}) rand() if prefix_crowded || !{{ var({PREFIX_KEY}) -m found }}"]
+            f"    http-request set-var({PREFIX_HASH}) var({key}),xxh32 if {{ var({key}) -m found }}",
+            f"    http-request set-var({PREFIX_SERVER}) lua.{PICK}({backend},{front.prefix_balance_factor}) "
+            f"if {{ var({PREFIX_HASH}) -m found }}",
+            *(f"    use-server {name} if {{ var({PREFIX_SERVER}) -m str {name} }}" for name in servers)]
 
 
-def rules(front: FrontendSection, backend: str, slots: int) -> list[str]:
+def rules(front: FrontendSection, backend: str, servers: list[str]) -> list[str]:
     """Header and user: the first turn goes where leastconn sends it; later turns follow it
     (stick table), to the instance whose KV cache already holds the conversation's prompt
-    prefix. Prefix: the key `balance hash` reads."""
+    prefix. Prefix: the key, and the server picked for it. `servers`: the backend's own."""
     if front.affinity == Affinity.NONE:
         return []
     if front.affinity == Affinity.PREFIX:
-        return _prefix(front, backend, slots)
+        return _prefix(front, backend, servers)
     key = (f"req.hdr({front.affinity_header})" if front.affinity == Affinity.HEADER
            else "req.body,json_query('$.user')")
     expire = max(int(front.affinity_expire_s * 1000), 1)

@@ -33,7 +33,7 @@ from numad_infer.engines import Engine
 from numad_infer.frontdoor import haproxy, tenants
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.haproxy_config import CheckedConfig, Paths, paths_in, render_haproxy
-from numad_infer.frontdoor.hold import HOLD_LUA
+from numad_infer.frontdoor.lua import SCRIPT as LUA
 from numad_infer.plan.model import Plan
 from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE, FRONTDOOR_TWIN_FD_VARIABLE
 from numad_infer.util.addresses import loopback_twin
@@ -56,15 +56,15 @@ def twin_of(host: str) -> str | None:
     return twin
 
 
-def put_hold(paths: Paths) -> None:
-    """The Lua file haproxy.cfg loads (hold.py), in place before the text is checked there."""
+def put_lua(paths: Paths) -> None:
+    """The Lua file haproxy.cfg loads (lua.py), in place before the text is checked there."""
     try:
-        if paths.hold.read_text(encoding="utf-8") == HOLD_LUA:
+        if paths.lua.read_text(encoding="utf-8") == LUA:
             return
     except OSError:
         pass
     # Renamed into place, never written through; 0644: HAProxy runs as another user.
-    write_atomic(paths.hold, HOLD_LUA, durable=False)
+    write_atomic(paths.lua, LUA, durable=False)
 
 
 def put_key_files(paths: Paths) -> None:
@@ -107,7 +107,7 @@ def render_checked(config: Config, plan: Plan, served: tuple[ServedModel, ...], 
     texts = (tenants.keys_text(keys), tenants.upstream_text(api_key if config.tenants else None))
     if paths is not None:
         try:
-            put_hold(paths)
+            put_lua(paths)
             put_key_files(paths)
         except OSError as exc:
             raise HaproxyError(f"cannot write the front door's files beside {paths.config}: {exc.strerror}") from None
@@ -115,7 +115,7 @@ def render_checked(config: Config, plan: Plan, served: tuple[ServedModel, ...], 
     with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
         base = Path(scratch)
         where = paths_in(base, base / "admin.sock")
-        put_hold(where)
+        put_lua(where)
         put_key_files(where)
         return _checked(config, plan, served, engine, where, texts)
 

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
-from numad_infer.frontdoor.checked_config import put_hold, put_keys
+from numad_infer.frontdoor.checked_config import put_keys, put_lua
 from numad_infer.frontdoor.haproxy import (
     AdminState,
     BackendStat,
@@ -160,7 +160,7 @@ class Frontdoor:
             write_atomic(self.paths.state, "1\n", durable=False)
         # Renamed into place, never written through: a link planted under these names is
         # replaced, not followed. 0644: HAProxy runs as another user (numa-infer-frontdoor).
-        put_hold(self.paths)
+        put_lua(self.paths)
         write_atomic(self.paths.config, text, durable=False)
 
     def observe(self) -> BackendStat | None:

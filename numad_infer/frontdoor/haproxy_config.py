@@ -22,11 +22,10 @@ Why these HAProxy settings (each one is a finding, see issue 9):
 - affinity on the `user` field or on the prompt's prefix: HAProxy reads the body from its
   buffer only, so the buffer is sized for the longest prompt an instance accepts
   (`body_buffer`).
-- `affinity = "prefix"` (opt-in, docs/frontdoor.md says why): `balance hash` of the prompt's start with
-  `hash-type consistent` and `hash-balance-factor` (`_prefix`): a conversation's turns and
-  requests sharing a prompt meet the instance whose prompt cache holds it, no instance
-  serves more than the factor x the mean, and a server that leaves or joins moves only
-  its own keys.
+- `affinity = "prefix"`: a hash of the prompt's start picks the server (affinity.py, a Lua
+  fetch and `use-server`): a conversation's turns and requests sharing a prompt meet the
+  instance whose prompt cache holds it, no instance carries (serving and waiting) more
+  than the factor x the mean, and a server that leaves or joins moves only its own keys.
 - with `[[models]]`, one backend per model and the frontend routes by the body's `model`
   (routing.py says why).
 - health checks on the engine's path that never waits on the model
@@ -45,7 +44,7 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor import affinity, hold, tenants
+from numad_infer.frontdoor import affinity, hold, lua, tenants
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
 from numad_infer.frontdoor.routing import backend_of, health, route, routed
 from numad_infer.plan.model import Instance, Plan
@@ -144,9 +143,9 @@ class Paths:
     requests: Path | None = None  # where HAProxy sends one timing line per request (request_log.py)
 
     @property
-    def hold(self) -> Path:
-        """The hold's Lua script (hold.py), beside haproxy.cfg: whoever writes the one writes the other."""
-        return self.config.with_name(hold.HOLD_NAME)
+    def lua(self) -> Path:
+        """The Lua file HAProxy loads (lua.py), beside haproxy.cfg: whoever writes the one writes the other."""
+        return self.config.with_name(lua.NAME)
 
     @property
     def keys(self) -> tuple[Path, Path]:
@@ -168,7 +167,7 @@ class CheckedConfig:
 def write_config(paths: Paths, text: str) -> None:
     """haproxy.cfg and the file it loads, for a caller that writes it in place (`check`'s
     scratch copy, tests); the daemon renames a checked candidate into place (control.py)."""
-    paths.hold.write_text(hold.HOLD_LUA, encoding="utf-8")
+    paths.lua.write_text(lua.SCRIPT, encoding="utf-8")
     for path in paths.keys:
         if not path.exists():
             path.write_text(tenants.HEADER, encoding="utf-8")
@@ -237,7 +236,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
     backend = backend_of(model)
     target = connect_host(config.server.host)
     lines = [f"backend {backend}",
-             *affinity.balance(front),
+             affinity.BALANCE,
              *tenants.model_rule(config.tenants, model),
              *_first_byte(front),
              *tenants.token_rules(config.tenants, _ms(front.request_timeout_s)),
@@ -251,8 +250,8 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              f"    option httpchk GET {engine.liveness_path}",
              "    http-check expect status 200",
              f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {engine.slots(model.view)} "
-             f"observe layer4 error-limit 1 on-error mark-down{affinity.ring_weight(front)}"]
-    lines += affinity.rules(front, backend, engine.slots(model.view))
+             f"observe layer4 error-limit 1 on-error mark-down"]
+    lines += affinity.rules(front, backend, [*(server_name(i.name) for i in instances), surge_server(backend)])
     for instance in instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
     # Out of rotation (and unchecked) until a surge points it at a copy: port 1, never contacted.
@@ -301,7 +300,7 @@ def _global(config: Config, served: tuple[ServedModel, ...], paths: Paths, maxco
              # Either way the directory around it is HAProxy's, closed to everyone else.
              f"    stats socket {_socket_address(paths.socket)} mode 660 level admin",
              f"    server-state-file {quoted(paths.state)}",
-             f"    lua-load {quoted(paths.hold)}",  # the hold (hold.py)
+             f"    lua-load {quoted(paths.lua)}",  # the hold and the prefix pick (lua.py)
              # Server up/down changes reach the journal (or the process backend's log file).
              "    log stderr format short local0 notice"]
     if config.frontend.affinity in (Affinity.USER, Affinity.PREFIX) or routed(served):

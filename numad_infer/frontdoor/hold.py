@@ -64,7 +64,6 @@ from pathlib import Path
 
 from numad_infer.config.frontend import FrontendSection
 
-HOLD_NAME = "hold.lua"
 ACTION = "numa_hold"
 AGAIN = "numa_hold_again"
 FETCH = "numa_in_rotation"

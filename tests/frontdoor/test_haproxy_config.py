@@ -149,7 +149,7 @@ def test_every_path_in_haproxy_cfg_is_quoted_and_haproxy_accepts_it(tmp_path: Pa
     text = render_haproxy(config, plan, paths)
     assert f'stats socket "{run_dir}/haproxy.sock" mode 660' in text
     assert f'server-state-file "{run_dir}/state \\$HOME"' in text
-    assert f'lua-load "{run_dir}/hold.lua"' in text
+    assert f'lua-load "{run_dir}/numa-infer.lua"' in text
     write_config(paths, text)
     paths.state.write_text("1\n")
     check = subprocess.run([HAPROXY, "-c", "-f", str(paths.config)], capture_output=True, text=True)

@@ -210,7 +210,7 @@ def test_haproxy_cfg_is_rendered_once_for_the_front_doors_directory_and_written_
             assert door.apply(loaded.config, loaded.plan, loaded.served, loaded.haproxy_cfg)
         assert counts == Counter({"render": 1, "haproxy -c": 1})
         assert door.paths.config.read_text() == loaded.haproxy_cfg.text
-        assert '"fd@${NUMA_INFER_FRONTDOOR_FD}"' in loaded.haproxy_cfg.text and str(door.paths.hold) in loaded.haproxy_cfg.text
+        assert '"fd@${NUMA_INFER_FRONTDOOR_FD}"' in loaded.haproxy_cfg.text and str(door.paths.lua) in loaded.haproxy_cfg.text
         # A text checked for another directory (`check`'s scratch one) is never written here.
         elsewhere = validate(config, SOURCE, small_nodes(tmp_path / "b", 4), BackendKind.PROCESS, unit_dirs=())
         assert elsewhere.haproxy_cfg is not None and elsewhere.haproxy_cfg.paths != door.paths
