@@ -78,7 +78,7 @@ class FrontendSection(Section):
         Affinity.NONE, strict=False,
         description=(
             "keep the turns of a conversation on the instance that holds its prompt prefix. `\"prefix\"`: a "
-            "consistent hash of the prompt's start (chat: the first message, and the second too when the first "
+            "hash of the prompt's start (chat: the first message, and the second too when the first "
             "is the system prompt; completions: `prompt`; the `affinity_header` instead when a request sends "
             "it) picks the instance, but never one above `prefix_balance_factor` x the mean load. "
             "`\"header\"`, `\"user\"`: a stick table on a request header or on the OpenAI `user` field, the "
@@ -98,16 +98,16 @@ class FrontendSection(Section):
             "affinity; conversations that agree on them share an instance"
         ),
     )
-    # 1.25: HAProxy's hash-balance-factor 125, the goal (no instance above 1.25 x
-    # the mean). Measured: 16 requests with one key over 4 instances peak at 5/5/5/1
-    # (tests/frontdoor/test_prefix.py); other factors not swept yet. HAProxy takes a whole
-    # percentage above 100, hence at least 1.01.
+    # 1.25: the goal (no instance above 1.25 x the mean). Measured: 16 requests with
+    # one key over 4 instances peak at 5 on one (tests/frontdoor/test_prefix.py); bench/prefix.py
+    # compares factors. At least 1.01: at 1.0 a key would keep its instance only while every
+    # instance carries exactly the same load.
     prefix_balance_factor: float = Field(
         1.25, ge=1.01, le=10.0,
         description=(
-            "the load bound of the `\"prefix\"` affinity: no instance takes a new request while it serves "
-            "this many times the mean of its model's instances (HAProxy's `hash-balance-factor`, x 100); the "
-            "request goes to the next instance on the hash ring instead"
+            "the load bound of the `\"prefix\"` affinity: no instance takes a request that would bring its load "
+            "(requests served and waiting for it) above this many times the mean of its model's instances; the "
+            "request goes to the next instance in its key's order instead"
         ),
     )
     affinity_header: SafeStr = Field(
