@@ -159,6 +159,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/haproxy_config": (CORE, "haproxy.cfg from the plan"),
     "frontdoor/reload_watch": (CORE, "whether HAProxy took the reload asked for (another worker answers)"),
     "frontdoor/hold": (CORE, "requests for a model with no instance in rotation wait for one (HAProxy Lua action)"),
+    "frontdoor/batch_wait": (CORE, "a batch request's own queue deadline: it waits for room before the queue "
+                                   "(HAProxy Lua action)"),
     "frontdoor/lua": (CORE, "the one Lua file HAProxy loads: the hold's actions and the prefix pick"),
     "frontdoor/tenants": (CORE, "tenants at the front door: keys, limits and models as HAProxy rules and key files"),
     "frontdoor/abandoned": (CORE, "requests whose client has left: which of HAProxy's streams to end"),

@@ -112,8 +112,8 @@ class ServerStat:
 
 @dataclass(frozen=True)
 class BackendStat:
-    queued: int  # waiting: in the backend's queue or in one of its servers'
-    in_flight: int  # scur of the BACKEND row
+    queued: int  # waiting for an instance: in a queue, in the hold, in the batch wait
+    in_flight: int  # at an instance (the spare included)
     servers: dict[str, ServerStat]  # every server, the spare a surge's copy serves from too
 
     @property
@@ -202,7 +202,7 @@ class RuntimeAPI:
 
 def _backend(rows: list[dict[str, str]], name: str) -> BackendStat:
     servers: dict[str, ServerStat] = {}
-    queued = in_flight = 0
+    held = 0  # the BACKEND row's scur
     found = False
     for row in rows:
         if row.get("pxname") != name:
@@ -210,20 +210,20 @@ def _backend(rows: list[dict[str, str]], name: str) -> BackendStat:
         kind = row.get("svname", "")
         if kind == "BACKEND":
             found = True
-            queued, in_flight = _int(row.get("qcur")), _int(row.get("scur"))
+            held = _int(row.get("scur"))
         elif kind != "FRONTEND":
             servers[kind] = ServerStat(kind, row.get("status", ""), _int(row.get("scur")), _int(row.get("qcur")),
                                        _int(row.get("stot")), row.get("check_status", ""))
     if not found:
         raise HaproxyError(f"runtime API: no backend {name!r} in show stat")
-    # The BACKEND row's qcur is the backend's own queue only: `balance hash` (affinity =
-    # "prefix") queues a request for its hashed server in that server's queue instead.
-    queued += sum(s.queued for s in servers.values())
-    # A request on the hold server waits, at no instance: waiting, not in flight. Let go, it
-    # passes through the backend again (hold.py) and is counted on its instance too, until
-    # answered: then it is counted both ways.
-    held = sum(s.in_flight for n, s in servers.items() if n.startswith(HOLD_PREFIX))
-    return BackendStat(queued + held, in_flight - held, servers)
+    # The BACKEND row's scur counts every request the backend holds (measured, HAProxy 2.6):
+    # at a server, in the backend's queue or a server's own (prefix routing's), waiting in a
+    # Lua action (the hold, the batch wait) or on the hold server. In flight: at an instance
+    # (the servers' own scur, the hold server's left out); waiting: all the rest. A request
+    # let go by the hold server passes through the backend again (hold.py) and is counted at
+    # its instance too, until answered: then it is counted both ways.
+    at_instances = sum(s.in_flight for n, s in servers.items() if not n.startswith(HOLD_PREFIX))
+    return BackendStat(max(0, held - at_instances), at_instances, servers)
 
 
 def merged(stats: Sequence[BackendStat]) -> BackendStat:

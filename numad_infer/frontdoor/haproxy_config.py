@@ -44,7 +44,7 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor import affinity, hold, lua, tenants
+from numad_infer.frontdoor import affinity, batch_wait, hold, lua, tenants
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
 from numad_infer.frontdoor.routing import backend_of, health, route, routed
 from numad_infer.plan.model import Instance, Plan
@@ -247,6 +247,8 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              f"hdr Retry-After 1 if {hold.ARRIVING} {{ queue({backend}) ge {front.queue_size} }}",
              # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
              *hold.hold_rules(front, _BUSY.body()),
+             # A batch request's own deadline: it waits for room before the queue (batch_wait.py).
+             *batch_wait.rules(front, config.tenants, hold.ARRIVING, _BUSY.body()),
              f"    option httpchk GET {engine.liveness_path}",
              "    http-check expect status 200",
              f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {engine.slots(model.view)} "

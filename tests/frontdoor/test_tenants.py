@@ -124,10 +124,11 @@ def tenant_tables(keys_dir: Path, a: str = "", b: str = "") -> str:
 def door_with(tmp_path: Path, keys_dir: Path) -> Iterator:
     made: list[tuple[Door, list[_Server]]] = []
 
-    def make(models: str = TWO_MODELS, server: str = "", a: str = "", b: str = "") -> Door:
+    def make(models: str = TWO_MODELS, server: str = "", a: str = "", b: str = "", frontend: str = "") -> Door:
+        """`frontend`: more [frontend] keys."""
         key_file(keys_dir, "a", KEY_A)
         key_file(keys_dir, "b", KEY_B)
-        door = Door(tmp_path, models=models, server=server, extra=tenant_tables(keys_dir, a, b))
+        door = Door(tmp_path, models=models, server=server, extra=frontend + tenant_tables(keys_dir, a, b))
         stubs = []
         for instance in door.plan.instances:
             stub = _Server(("127.0.0.1", instance.port), _Echo)
@@ -395,6 +396,61 @@ def test_a_batch_tenants_queued_requests_let_an_interactive_request_pass(door_wi
 
 
 @with_haproxy
+@pytest.mark.parametrize("deadlines", ["own", "shared"])
+def test_each_class_waits_up_to_its_own_queue_deadline(door_with, deadlines: str) -> None:
+    """Two instances of one slot, each request 2 s. B1, B2 take the slots; B3-B6 (batch)
+    wait, then I (interactive). Interactive deadline 3 s; batch 5 s (`own`) or also 3 s
+    (`shared`, what HAProxy's one queue timeout gave before). At 2 s I passes the waiting
+    batch requests (with B3); at 4 s B4 and B5 get the slots, having waited 4 s, past the
+    interactive deadline but within their own; B6 would get one at 6 s, past its 5 s: a
+    JSON 503 with Retry-After at 5 s. With one shared deadline, B4-B6 get that 503 at 3 s."""
+    own = deadlines == "own"
+    door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', server="parallel = 1\n",
+                     b='priority = "batch"\n',
+                     frontend="queue_timeout_s = 3\n" + ("batch_queue_timeout_s = 5\n" if own else ""))
+    api = door.door.api
+    results: dict[str, tuple[Reply, float]] = {}
+    started = time.monotonic()
+
+    def ask(key: str, who: str) -> None:
+        sent = time.monotonic()
+        reply = post(door.port, key, content=SLOW)
+        results[who] = (reply, time.monotonic() - sent)
+
+    def send(key: str, who: str, waiting: int) -> threading.Thread:
+        thread = threading.Thread(target=ask, args=(key, who))
+        thread.start()
+        wait_for(lambda: api.backend("instances").queued >= waiting - 2, f"{who} waiting")
+        return thread
+
+    threads = [threading.Thread(target=ask, args=(KEY_B, f"B{n}")) for n in (1, 2)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: api.backend("instances").in_flight == 2, "B1 and B2 at the instances")
+    threads += [send(KEY_B, f"B{n}", n) for n in range(3, 7)]  # one by one: their order is known
+    threads.append(send(KEY_A, "I", 7))
+    waiting = api.backend("instances")  # status's figures: at the instances, and the rest
+    assert (waiting.in_flight, waiting.queued) == (2, 5), waiting
+    for thread in threads:
+        thread.join(30)
+    statuses = {who: reply.status for who, (reply, _) in results.items()}
+    ended = {who: took for who, (_, took) in results.items()}
+    assert statuses["I"] == 200 and ended["I"] < 4.9, (statuses, ended)  # with B3, before B4 and B5
+    assert statuses["B1"] == statuses["B2"] == statuses["B3"] == 200, statuses
+    late = ("B4", "B5", "B6")
+    if own:
+        assert statuses["B4"] == statuses["B5"] == 200 and min(ended["B4"], ended["B5"]) > 4.0, (statuses, ended)
+        refused, waited = results["B6"][0], ended["B6"]
+        assert refused.status == 503 and refused.headers["Retry-After"] == "1", refused
+        assert refused.body["error"]["code"] == 503 and 4.5 < waited < 5.9, (refused, waited)
+        assert "    http-request lua.numa_batch_wait 5000 64 if { prio_offset gt 0 }" in door.door.paths.config.read_text()
+    else:
+        assert all(statuses[w] == 503 for w in late) and all(2.5 < ended[w] < 3.9 for w in late), (statuses, ended)
+        assert "numa_batch_wait" not in door.door.paths.config.read_text()
+    assert time.monotonic() - started < 20
+
+
+@with_haproxy
 def test_requests_let_go_after_a_hold_queue_again_in_their_class(door_with) -> None:
     """No instance in rotation: four batch requests (team-b's class) and then an interactive
     one wait in the hold (hold.py). When one instance of one slot comes back, all five are
@@ -416,7 +472,7 @@ def test_requests_let_go_after_a_hold_queue_again_in_their_class(door_with) -> N
         finished.append((who, time.monotonic() - started))
 
     def held() -> int:
-        return api.backend("instances").in_flight
+        return api.backend("instances").queued
 
     threads = [threading.Thread(target=ask, args=(KEY_B, "batch")) for _ in range(4)]
     for thread in threads:

@@ -1,0 +1,115 @@
+"""A queue deadline per class (issue 39): batch requests may wait longer than interactive
+ones (`frontend.batch_queue_timeout_s` above `queue_timeout_s`). Pure.
+
+HAProxy 2.6 has one `timeout queue` per backend (a deadline per request,
+`http-request set-timeout queue`, is HAProxy 3.4's), and its queue is the one place where
+an interactive request can pass a batch one. So the backend's queue keeps the interactive
+deadline, and a batch request does not enter it while the backend is full: it waits at the
+backend's top, in a Lua action of HAProxy's own (`numa_batch_wait`, in the Lua file HAProxy
+loads), looking every STEP_MS for room, up to the batch deadline; past it, the JSON 503
+with Retry-After. Room: a free slot on a server in rotation that no queued request is
+waiting for. Batch requests waiting there go in arrival order (the first `room` of them
+go), and an interactive request that arrives meanwhile goes straight to the queue, ahead
+of them: the class order holds. Once in, a batch request waits in the queue as before, in
+its class (`set-priority-offset`), within the interactive deadline: a request let in with
+room takes the slot at once, unless an interactive one arrived in the same instant.
+
+What it costs: only batch requests, and only while their backend is full, run the action
+past its first look (a read of each server's counters, ~10 µs a server). Waiting there,
+a batch request is counted in the backend's in-flight figure, as the hold's are
+(haproxy.BackendStat), and at most `frontend.queue_size` wait there at once: one more gets
+the 503 at once, as with a full queue. A request whose client left is dropped by HAProxy
+mid-wait without running the rest of the action: its entry stops being refreshed and is
+forgotten after STALE_MS, until when it still counts as ahead of the others.
+
+Rendered only where it changes anything: with `[[tenants]]` (which give a request its
+class) and a batch deadline longer than the interactive one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from numad_infer.config.frontend import FrontendSection
+from numad_infer.config.tenants import TenantEntry
+
+ACTION = "numa_batch_wait"
+STEP_MS = 50
+STALE_MS = 1000
+_REFUSED = "txn.batch_refused"
+
+BATCH_LUA = f"""
+-- numa-infer's batch wait (numad_infer/frontdoor/batch_wait.py): written by the daemon, do not edit.
+local batch_waiting = {{}}  -- backend name -> {{request id -> {{rank, seen (ms)}}}}
+local batch_seq = 0
+
+local function batch_now()
+  local t = core.now()
+  return t.sec * 1000 + t.usec // 1000
+end
+
+-- Free slots on the backend's servers in rotation, less the requests queued for them.
+local function batch_room(name)
+  local backend = core.backends[name]
+  if backend == nil then return 0 end
+  local free = -(tonumber(backend:get_stats()["qcur"]) or 0)
+  for _, server in pairs(backend.servers) do
+    local s = server:get_stats()
+    if tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" then
+      free = free + (tonumber(s.slim) or 0) - (tonumber(s.scur) or 0) - (tonumber(s.qcur) or 0)
+    end
+  end
+  return free
+end
+
+-- The waiting requests ahead of `rank`, forgetting those no longer refreshed (client gone).
+local function batch_ahead(list, rank, now)
+  local n = 0
+  for id, entry in pairs(list) do
+    if now - entry.seen > {STALE_MS} then list[id] = nil
+    elseif entry.rank < rank then n = n + 1 end
+  end
+  return n
+end
+
+core.register_action("{ACTION}", {{"http-req"}}, function(txn, timeout_ms, most)
+  local name = txn.f:be_name()
+  local list = batch_waiting[name]
+  if list == nil then list = {{}}; batch_waiting[name] = list end
+  local now = batch_now()
+  local waiting = batch_ahead(list, math.huge, now)
+  if waiting == 0 and batch_room(name) > 0 then return end
+  if waiting >= tonumber(most) then txn:set_var("{_REFUSED}", true); return end
+  batch_seq = batch_seq + 1
+  local id = batch_seq
+  local entry = {{rank = id, seen = now}}
+  list[id] = entry
+  local deadline = now + tonumber(timeout_ms)
+  while true do
+    core.msleep({STEP_MS})
+    now = batch_now()
+    entry.seen = now
+    if now >= deadline then list[id] = nil; txn:set_var("{_REFUSED}", true); return end
+    if batch_ahead(list, id, now) < batch_room(name) then list[id] = nil; return end
+  end
+end, 2)
+"""
+
+
+def applies(front: FrontendSection, tenants: Sequence[TenantEntry]) -> bool:
+    """Batch requests have a deadline of their own: tenants give classes, and it is longer."""
+    return bool(tenants) and front.batch_deadline_s > front.queue_timeout_s
+
+
+def rules(front: FrontendSection, tenants: Sequence[TenantEntry], arriving: str, busy: str) -> list[str]:
+    """A model backend's rules, after the hold's: a batch request (the gate gave it a priority
+    offset) arriving while the backend is full waits for room, up to the batch deadline; one
+    that waited that long, or found queue_size waiting already, gets `busy` (the JSON 503).
+    `arriving`: the ACL of a request entering from the main frontend (one let go by the hold
+    waited already)."""
+    if not applies(front, tenants):
+        return []
+    return [f"    http-request lua.{ACTION} {int(front.batch_deadline_s * 1000)} {front.queue_size} "
+            f"if {{ prio_offset gt 0 }} {arriving}",
+            f"    http-request return status 503 content-type application/json string '{busy}' "
+            f"hdr Retry-After 1 if {{ var({_REFUSED}) -m bool }}"]
