@@ -7,6 +7,7 @@ they answer at once, or after `--service-ms`, so what is measured is the front d
    without tenants, and through one with 100 tenants (each with a key, an in-flight limit
    and a rate limit; the key sent is the last tenant's, so every tenant's rules are
    passed over), interleaved; p50 and p99, and what the tenants add (goal <= 0.5 ms p50);
+   beside them, a front door without tenants under `affinity = "prefix"` (issue 38's pick);
 2. isolation: upstreams that take `--service-ms` per request; tenant "quiet" sends one
    request at a time, alone and then while tenant "flood" sends 10x its in-flight limit at
    once without pause; quiet's p50/p99 latency both ways, its refusals (goal: 0), and the
@@ -71,14 +72,15 @@ class Door:
     """HAProxy over stubs for a single model, with `tables` ([[tenants]]) and their keys."""
 
     def __init__(self, tmp: Path, tables: list[str], service_ms: int = 0, parallel: int = 1,
-                 model: Path | None = None) -> None:
-        """`model`: real llama-server instances on it instead of stubs."""
+                 model: Path | None = None, frontend: str = "") -> None:
+        """`model`: real llama-server instances on it instead of stubs; `frontend`: more
+        [frontend] keys."""
         tmp.mkdir()
         self.model, self.parallel = model, parallel
         base = free_port_block(5)
         text = "".join(f'[[tenants]]\nkey_file = "/k/{n}"\n{t}' for n, t in enumerate(tables))
         self.config = parse_config(f'{MODEL}[server]\nbase_port = {base + 1}\nengine = "llama-server"\n'
-                                   f'parallel = {parallel}\n[frontend]\nlisten = "127.0.0.1:{base}"\n{text}',
+                                   f'parallel = {parallel}\n[frontend]\nlisten = "127.0.0.1:{base}"\n{frontend}{text}',
                                    "/etc/numa-infer.toml")
         self.port = base
         plan = plan_for(tmp / "plan", self.config)
@@ -170,23 +172,28 @@ def timed(port: int, data: bytes, key: str | None) -> tuple[float, int, float | 
 def gate_cost(tmp: Path, count: int) -> None:
     many = [f'name = "tenant-{n:03d}"\nmax_in_flight = 64\nrequests_per_minute = 1000000\n' for n in range(100)]
     none, hundred = Door(tmp / "none", []), Door(tmp / "hundred", many)
+    prefix = Door(tmp / "prefix", [], frontend='affinity = "prefix"\n')  # the prefix pick's cost, beside
     try:
         data, last = body("alpha"), key_of("tenant-099")
-        times: dict[str, list[float]] = {"direct": [], "no tenants": [], "100 tenants": []}
-        for _ in range(count):  # interleaved, so that the machine's moods fall on all three alike
+        times: dict[str, list[float]] = {"direct": [], "no tenants": [], "100 tenants": [], "prefix pick": []}
+        for _ in range(count):  # interleaved, so that the machine's moods fall on all alike
             times["direct"].append(once(none.stubs[0], data, None)[0])
             times["no tenants"].append(once(none.port, data, None)[0])
             took, status = once(hundred.port, data, last)
             assert status == 200, status
             times["100 tenants"].append(took)
+            times["prefix pick"].append(once(prefix.port, data, None)[0])
     finally:
         none.stop()
         hundred.stop()
+        prefix.stop()
     print(f"gate cost, {count} requests each, a new connection each (ms):  p50     p99")
     for name, values in times.items():
         print(f"  {name:<12}  {pct(values, 0.5) * 1000:7.3f} {pct(values, 0.99) * 1000:7.3f}")
     p50 = {name: pct(values, 0.5) * 1000 for name, values in times.items()}
     print(f"  the tenants' rules add, p50: {p50['100 tenants'] - p50['no tenants']:.3f} ms (goal <= 0.5 ms)")
+    print(f"  affinity = \"prefix\" (no tenants) adds, p50: {p50['prefix pick'] - p50['no tenants']:.3f} ms "
+          "(the body's key read, hashed, and the Lua pick over 2 instances)")
 
 
 def isolation(tmp: Path, count: int, service_ms: int, model: Path | None = None, polite: bool = False) -> None:

@@ -54,9 +54,6 @@ SHIPPED: dict[str, Shipped] = {
         "with [[models]] each model has its own (models[].instances_per_node) and a set one is refused: left "
         "unset for the same reason as placement.nodes",
         commented=True),
-    "frontend.batch_queue_timeout_s": Shipped(
-        "unset, it is queue_timeout_s: one deadline for both classes, and no value here to keep in step with it",
-        "120.0", commented=True),
     "server.parallel": Shipped(
         "llama-server is the shipped engine for its slots (more tokens/s under concurrency, bench/README.md); "
         "with one slot the front door would queue every request behind the one in progress",

@@ -64,18 +64,17 @@ class FrontendSection(Section):
         30.0, gt=0, le=3600,
         description="longest wait in that queue before a `503`",
     )
-    # Unset by default: one deadline for both classes, as before. Never below queue_timeout_s:
+    # 0 by default: one deadline for both classes, as before. Never below queue_timeout_s:
     # an interactive request passes every batch one in the queue, so a shorter deadline for
     # batch would refuse requests that the queue's order would serve later anyway.
-    batch_queue_timeout_s: float | None = Field(
-        None, gt=0, le=3600,
+    batch_queue_timeout_s: float = Field(
+        0.0, ge=0, le=3600,
         description=(
             "longest wait of a `[[tenants]]` request of priority `\"batch\"` (or sent with `X-Priority: batch`) "
             "before a `503`, at least `queue_timeout_s` (which then bounds the interactive requests' wait); a batch "
-            "request waits in the front door until an instance has room, then enters the queue; unset: "
+            "request waits in the front door until an instance has room, then enters the queue; `0`: "
             "`queue_timeout_s` for both"
         ),
-        json_schema_extra={"kind": "float", "default": "`queue_timeout_s`"},
     )
     batch_delay_s: float = Field(
         10.0, ge=0, le=3600,
@@ -170,9 +169,9 @@ class FrontendSection(Section):
 
     @field_validator("batch_queue_timeout_s")
     @classmethod
-    def _batch_deadline(cls, value: float | None, info: ValidationInfo) -> float | None:
+    def _batch_deadline(cls, value: float, info: ValidationInfo) -> float:
         interactive = info.data.get("queue_timeout_s")
-        if value is not None and interactive is not None and value < interactive:
+        if value and interactive is not None and value < interactive:
             raise ValueError(f"must be at least queue_timeout_s ({interactive:g}): a batch request may wait longer "
                              "than an interactive one, never less; raise it, or lower queue_timeout_s")
         return value
@@ -210,7 +209,7 @@ class FrontendSection(Section):
     def batch_deadline_s(self) -> float:
         """How long a batch request may wait for an instance (batch_queue_timeout_s, or the
         one queue deadline)."""
-        return self.batch_queue_timeout_s if self.batch_queue_timeout_s is not None else self.queue_timeout_s
+        return self.batch_queue_timeout_s or self.queue_timeout_s
 
     @property
     def enabled(self) -> bool:

@@ -57,6 +57,7 @@ KEYS = {
     "metrics": {"listen": either(LISTEN | st.just(""))},
     "frontend": {"listen": either(LISTEN | st.just("")), "haproxy": either(PATH),
                  "queue_size": either(st.integers(0, 200_000)), "queue_timeout_s": either(st.floats(0, 4000)),
+                 "batch_queue_timeout_s": either(st.floats(0, 4000)),
                  "affinity": either(st.sampled_from(["none", "prefix", "header", "user"])),
                  "affinity_header": either(st.from_regex(r"[A-Za-z0-9-]{1,20}", fullmatch=True)),
                  "prefix_bytes": either(st.integers(-1, 70_000)),
