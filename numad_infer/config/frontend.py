@@ -85,8 +85,9 @@ class FrontendSection(Section):
     )
     # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
     affinity: Affinity = Field(
-        # Not yet the default: bench/prefix.py showed later turns 1.2x faster, not the 3x
-        # sought, and traffic that shares nothing a worse p99 (bench/README.md).
+        # Not yet the default: bench/prefix.py showed later turns 1.0-1.2x faster, not the 3x
+        # sought (llama-server keeps no conversation's history behind a shared system prompt
+        # in its prompt cache: docs/frontdoor.md, "Prefix routing"); bench/README.md, run 4.
         Affinity.NONE, strict=False,
         description=(
             "keep the turns of a conversation on the instance that holds its prompt prefix. `\"prefix\"`: a "

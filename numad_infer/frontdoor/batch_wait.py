@@ -16,9 +16,9 @@ room takes the slot at once, unless an interactive one arrived in the same insta
 
 What it costs: only batch requests, and only while their backend is full, run the action
 past its first look (a read of each server's counters, ~10 µs a server). Waiting there,
-a batch request is counted in the backend's in-flight figure, as the hold's are
-(haproxy.BackendStat), and at most `frontend.queue_size` wait there at once: one more gets
-the 503 at once, as with a full queue. A request whose client left is dropped by HAProxy
+a batch request is counted as queued in status, as the hold's are (haproxy.BackendStat),
+and at most `frontend.queue_size` wait there at once: one more gets the 503 at once, as
+with a full queue. A request whose client left is dropped by HAProxy
 mid-wait without running the rest of the action: its entry stops being refreshed and is
 forgotten after STALE_MS, until when it still counts as ahead of the others.
 

@@ -302,7 +302,7 @@ def _global(config: Config, served: tuple[ServedModel, ...], paths: Paths, maxco
              # Either way the directory around it is HAProxy's, closed to everyone else.
              f"    stats socket {_socket_address(paths.socket)} mode 660 level admin",
              f"    server-state-file {quoted(paths.state)}",
-             f"    lua-load {quoted(paths.lua)}",  # the hold and the prefix pick (lua.py)
+             f"    lua-load {quoted(paths.lua)}",  # the hold, the prefix pick, the batch wait (lua.py)
              # Server up/down changes reach the journal (or the process backend's log file).
              "    log stderr format short local0 notice"]
     if config.frontend.affinity in (Affinity.USER, Affinity.PREFIX) or routed(served):
