@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from numad_infer.config.load import parse_config  # noqa: E402
 from numad_infer.frontdoor.abandon_watch import AbandonWatch  # noqa: E402
-from numad_infer.frontdoor.checked_config import put_hold  # noqa: E402
+from numad_infer.frontdoor.checked_config import put_lua  # noqa: E402
 from numad_infer.frontdoor.haproxy import RuntimeAPI  # noqa: E402
 from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy  # noqa: E402
 from tests.daemon_harness import free_port_block, generated_model, llama_server_binary, wait_for  # noqa: E402
@@ -74,7 +74,7 @@ def _case(watch_on: bool, args: argparse.Namespace, tmp: Path, model: Path) -> s
     instance = plan.instances[0]
     paths = paths_in(tmp / f"run-{watch_on}", tmp / f"run-{watch_on}" / "haproxy.sock")
     paths.config.parent.mkdir(parents=True)
-    put_hold(paths)
+    put_lua(paths)
     paths.state.write_text("1\n")
     text = render_haproxy(config, plan, paths)
     # One instance only (the plan is for a 2-node stand-in machine): the others' lines out.
