@@ -4,23 +4,34 @@ ones (`frontend.batch_queue_timeout_s` above `queue_timeout_s`). Pure.
 HAProxy 2.6 has one `timeout queue` per backend (a deadline per request,
 `http-request set-timeout queue`, is HAProxy 3.4's), and its queue is the one place where
 an interactive request can pass a batch one. So the backend's queue keeps the interactive
-deadline, and a batch request does not enter it while the backend is full: it waits at the
-backend's top, in a Lua action of HAProxy's own (`numa_batch_wait`, in the Lua file HAProxy
-loads), looking every STEP_MS for room, up to the batch deadline; past it, the JSON 503
-with Retry-After. Room: a free slot on a server in rotation that no queued request is
-waiting for. Batch requests waiting there go in arrival order (the first `room` of them
-go), and an interactive request that arrives meanwhile goes straight to the queue, ahead
-of them: the class order holds. Once in, a batch request waits in the queue as before, in
-its class (`set-priority-offset`), within the interactive deadline: a request let in with
-room takes the slot at once, unless an interactive one arrived in the same instant.
+deadline, and a batch request (the gate's `txn.batch`, tenants.py) does not enter it while
+the backend is full: it waits at the backend's top, in a Lua action of HAProxy's own
+(`numa_batch_wait`, in the Lua file HAProxy loads), looking every STEP_MS for room, until
+its deadline counted from its arrival; past it, the JSON 503 with Retry-After. Room: a free
+slot on a server in rotation, less the requests in the backend's own queue (a request in a
+server's own queue, put there by an affinity, waits for that server alone). Batch requests
+waiting there go in arrival order (the first `room` of them go), and an interactive request
+that arrives meanwhile goes straight to the queue, ahead of them: the class order holds.
+Let in with room, a batch request takes the slot at once, unless an interactive one
+arrived in the same instant: then it waits in the queue, in its class
+(`set-priority-offset`), within the interactive deadline. With no instance in rotation a
+batch request's hold (hold.py) lasts the batch deadline too, and counts against it.
 
-What it costs: only batch requests, and only while their backend is full, run the action
-past its first look (a read of each server's counters, ~10 µs a server). Waiting there,
-a batch request is counted as queued in status, as the hold's are (haproxy.BackendStat),
-and at most `frontend.queue_size` wait there at once: one more gets the 503 at once, as
-with a full queue. A request whose client left is dropped by HAProxy
-mid-wait without running the rest of the action: its entry stops being refreshed and is
-forgotten after STALE_MS, until when it still counts as ahead of the others.
+What it costs:
+- only batch requests, and only while their backend is full, run the action past its first
+  look (a read of each server's counters, ~10 µs a server); each one waiting reads them
+  again every STEP_MS, under the Lua lock all of HAProxy's Lua shares;
+- a slot freed while only batch requests wait stays idle until the first of them looks
+  again: STEP_MS / 2 on average, small beside an LLM request's seconds;
+- waiting there, a batch request is counted as queued in status, as the hold's are
+  (haproxy.BackendStat), and at most `frontend.queue_size` wait there at once: one more
+  gets the 503 at once, as with a full queue;
+- a request whose client left is dropped by HAProxy mid-wait without running the rest of
+  the action: its entry stops being refreshed and is forgotten after STALE_MS, until when it
+  still counts as ahead of the others.
+
+A request that comes back through the hold server (its instance died under it, hold.py)
+waits there up to queue_timeout_s, whatever its class.
 
 Rendered only where it changes anything: with `[[tenants]]` (which give a request its
 class) and a batch deadline longer than the interactive one.
@@ -32,9 +43,10 @@ from collections.abc import Sequence
 
 from numad_infer.config.frontend import FrontendSection
 from numad_infer.config.tenants import TenantEntry
+from numad_infer.frontdoor.tenants import ARRIVED, IS_BATCH
 
 ACTION = "numa_batch_wait"
-STEP_MS = 50
+STEP_MS = 20
 STALE_MS = 1000
 _REFUSED = "txn.batch_refused"
 
@@ -48,7 +60,9 @@ local function batch_now()
   return t.sec * 1000 + t.usec // 1000
 end
 
--- Free slots on the backend's servers in rotation, less the requests queued for them.
+-- Free slots on the backend's servers in rotation, less the requests in the backend's own
+-- queue (which any of them may take). A server's own queue (a request routed to it by an
+-- affinity) waits for that server alone: it takes none of another server's free slots.
 local function batch_room(name)
   local backend = core.backends[name]
   if backend == nil then return 0 end
@@ -56,7 +70,7 @@ local function batch_room(name)
   for _, server in pairs(backend.servers) do
     local s = server:get_stats()
     if tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" then
-      free = free + (tonumber(s.slim) or 0) - (tonumber(s.scur) or 0) - (tonumber(s.qcur) or 0)
+      free = free + math.max(0, (tonumber(s.slim) or 0) - (tonumber(s.scur) or 0) - (tonumber(s.qcur) or 0))
     end
   end
   return free
@@ -84,7 +98,8 @@ core.register_action("{ACTION}", {{"http-req"}}, function(txn, timeout_ms, most)
   local id = batch_seq
   local entry = {{rank = id, seen = now}}
   list[id] = entry
-  local deadline = now + tonumber(timeout_ms)
+  -- From the request's arrival: a hold before this wait is part of it.
+  local deadline = (tonumber(txn:get_var("{ARRIVED}")) or now) + tonumber(timeout_ms)
   while true do
     core.msleep({STEP_MS})
     now = batch_now()
@@ -102,14 +117,14 @@ def applies(front: FrontendSection, tenants: Sequence[TenantEntry]) -> bool:
 
 
 def rules(front: FrontendSection, tenants: Sequence[TenantEntry], arriving: str, busy: str) -> list[str]:
-    """A model backend's rules, after the hold's: a batch request (the gate gave it a priority
-    offset) arriving while the backend is full waits for room, up to the batch deadline; one
+    """A model backend's rules, after the hold's: a batch request (the gate said its class)
+    arriving while the backend is full waits for room, up to the batch deadline; one
     that waited that long, or found queue_size waiting already, gets `busy` (the JSON 503).
     `arriving`: the ACL of a request entering from the main frontend (one let go by the hold
     waited already)."""
     if not applies(front, tenants):
         return []
     return [f"    http-request lua.{ACTION} {int(front.batch_deadline_s * 1000)} {front.queue_size} "
-            f"if {{ prio_offset gt 0 }} {arriving}",
+            f"if {IS_BATCH} {arriving}",
             f"    http-request return status 503 content-type application/json string '{busy}' "
             f"hdr Retry-After 1 if {{ var({_REFUSED}) -m bool }}"]

@@ -246,7 +246,8 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
              f"hdr Retry-After 1 if {hold.ARRIVING} {{ queue({backend}) ge {front.queue_size} }}",
              # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
-             *hold.hold_rules(front, _BUSY.body()),
+             *hold.hold_rules(front, _BUSY.body(),
+                              tenants.IS_BATCH if batch_wait.applies(front, config.tenants) else None),
              # A batch request's own deadline: it waits for room before the queue (batch_wait.py).
              *batch_wait.rules(front, config.tenants, hold.ARRIVING, _BUSY.body()),
              f"    option httpchk GET {engine.liveness_path}",

@@ -8,7 +8,8 @@ script of HAProxy's own (Debian's HAProxy is built with Lua), in a file the daem
 beside haproxy.cfg: HAProxy still does all the routing; nothing is proxied here.
 
 Two ways in, one wait (`wait_for`: look again every 50 ms until the backend has a server
-in rotation, up to `frontend.queue_timeout_s`; past it, the JSON 503 with Retry-After):
+in rotation, up to `frontend.queue_timeout_s`, or a batch request's own deadline where it
+has a longer one, batch_wait.py; past it, the JSON 503 with Retry-After):
 
 1. A request that arrives while no server is in rotation: the backend's first action
    (`numa_hold`) holds it there, in its own stream. Let go, it goes on through the backend
@@ -164,12 +165,19 @@ def server_line(backend: str, socket: str, front: FrontendSection) -> str:
     return f"    server {hold_server(backend)} unix@{socket} backup no-check maxconn {front.queue_size}"
 
 
-def hold_rules(front: FrontendSection, busy: str) -> list[str]:
+def hold_rules(front: FrontendSection, busy: str, batch: str | None = None) -> list[str]:
     """A model backend's rules, after the bound on its queue: a request arriving while none
     of its servers is in rotation waits here, in its own stream; one that waited the whole
-    limit, or found queue_size requests waiting already, gets `busy` (the JSON 503)."""
-    return [f"    http-request lua.{ACTION} {int(front.queue_timeout_s * 1000)} {front.queue_size}",
-            f"    http-request return status 503 content-type application/json string '{busy}' "
+    limit, or found queue_size requests waiting already, gets `busy` (the JSON 503). `batch`:
+    the ACL of a batch request where that class has a longer deadline of its own
+    (batch_wait.py), which its hold lasts instead."""
+    wait = f"    http-request lua.{ACTION} {{}} {front.queue_size}"
+    if batch is None:
+        lines = [wait.format(int(front.queue_timeout_s * 1000))]
+    else:
+        lines = [wait.format(int(front.queue_timeout_s * 1000)) + f" if !{batch}",
+                 wait.format(int(front.batch_deadline_s * 1000)) + f" if {batch}"]
+    return [*lines, f"    http-request return status 503 content-type application/json string '{busy}' "
             f"hdr Retry-After 1 if {{ var({_REFUSED}) -m bool }}"]
 
 

@@ -53,6 +53,11 @@ HEADER = "# numa-infer: written by the daemon from the [[tenants]] key files; do
 # A request's own class, when lower than its tenant's (docs/frontdoor.md, "Priority").
 PRIORITY_HEADER = "x-priority"
 VARIABLE = "txn.tenant"  # the tenant's name, once its key is known (request_log.py may log it)
+# Set on a batch request by the gate: what its offset in the queue, its header on to the hold
+# frontend, its hold and its own deadline (batch_wait.py) go by, whatever batch_delay_s is.
+BATCH_VARIABLE = "txn.batch"
+IS_BATCH = f"{{ var({BATCH_VARIABLE}) -m bool }}"
+ARRIVED = "txn.arrived_ms"  # when the gate saw the request (ms since the epoch): a batch deadline counts from it
 # An answer's token counts as the engine reported them (`usage`), where HAProxy can read it.
 TOKEN_VARIABLES = ("txn.prompt_tokens", "txn.completion_tokens")
 
@@ -92,7 +97,8 @@ def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key:
     the instances require their own key, which replaces the tenant's."""
     if not tenants:
         return []
-    lines = [f"    http-request set-var({VARIABLE}) req.fhdr(authorization),word(2,' '),map({keys}) "
+    lines = [f"    http-request set-var({ARRIVED}) date(0,ms)",
+             f"    http-request set-var({VARIABLE}) req.fhdr(authorization),word(2,' '),map({keys}) "
              "if { req.fhdr(authorization) -m beg -i \"bearer \" }",
              _answer(401, "invalid_request_error", _UNKNOWN, f"!{{ var({VARIABLE}) -m found }}",
                      "WWW-Authenticate Bearer"),
@@ -115,12 +121,13 @@ def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key:
     # interactive tenant): a header lowers a request's class, never raises it.
     batch = [t.name for t in tenants if t.priority == Priority.BATCH]
     own = f"{{ var({VARIABLE}) -m str {' '.join(batch)} }} || " if batch else ""
-    lines += [f"    http-request set-priority-offset int({int(batch_delay_s * 1000)}) "
+    lines += [f"    http-request set-var({BATCH_VARIABLE}) bool(true) "
               f"if {own}{{ req.hdr({PRIORITY_HEADER}) -m str -i {Priority.BATCH.value} }}",
+              f"    http-request set-priority-offset int({int(batch_delay_s * 1000)}) if {IS_BATCH}",
               f"    http-request del-header {PRIORITY_HEADER}",
               # Said again, as the class decided, for a request the hold lets go (hold.py): it
               # enters the backend's queue again from the hold frontend, where no key is read.
-              f"    http-request set-header {PRIORITY_HEADER} {Priority.BATCH.value} if {{ prio_offset gt 0 }}"]
+              f"    http-request set-header {PRIORITY_HEADER} {Priority.BATCH.value} if {IS_BATCH}"]
     lines.append(f"    http-request set-header Authorization %[str({_UPSTREAM_ENTRY}),map({upstream})]" if instance_key
                  else "    http-request del-header Authorization")
     return lines

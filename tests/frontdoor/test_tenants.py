@@ -391,8 +391,10 @@ def test_a_batch_tenants_queued_requests_let_an_interactive_request_pass(door_wi
         thread.join(30)
     order = [who for who, _ in sorted(finished, key=lambda f: f[1])]
     assert len(order) == 7 and order.index("interactive") <= 3, finished
-    assert ("    http-request set-priority-offset int(10000) if { var(txn.tenant) -m str team-b } || "
-            "{ req.hdr(x-priority) -m str -i batch }") in door.door.paths.config.read_text()
+    text = door.door.paths.config.read_text()
+    assert ("    http-request set-var(txn.batch) bool(true) if { var(txn.tenant) -m str team-b } || "
+            "{ req.hdr(x-priority) -m str -i batch }\n"
+            "    http-request set-priority-offset int(10000) if { var(txn.batch) -m bool }\n") in text
 
 
 @with_haproxy
@@ -443,11 +445,52 @@ def test_each_class_waits_up_to_its_own_queue_deadline(door_with, deadlines: str
         refused, waited = results["B6"][0], ended["B6"]
         assert refused.status == 503 and refused.headers["Retry-After"] == "1", refused
         assert refused.body["error"]["code"] == 503 and 4.5 < waited < 5.9, (refused, waited)
-        assert "    http-request lua.numa_batch_wait 5000 64 if { prio_offset gt 0 }" in door.door.paths.config.read_text()
+        text = door.door.paths.config.read_text()
+        assert "    http-request lua.numa_batch_wait 5000 64 if { var(txn.batch) -m bool } !{ fe_name hold }" in text
+        # With no instance in rotation, a batch request's hold lasts its own deadline too.
+        assert ("    http-request lua.numa_hold 3000 64 if !{ var(txn.batch) -m bool }\n"
+                "    http-request lua.numa_hold 5000 64 if { var(txn.batch) -m bool }\n") in text
     else:
         assert all(statuses[w] == 503 for w in late) and all(2.5 < ended[w] < 3.9 for w in late), (statuses, ended)
         assert "numa_batch_wait" not in door.door.paths.config.read_text()
     assert time.monotonic() - started < 20
+
+
+@with_haproxy
+def test_in_a_hold_each_class_waits_up_to_its_own_deadline_from_its_arrival(door_with) -> None:
+    """No instance in rotation (both in maintenance). Interactive deadline 1 s, batch 4 s,
+    and batch_delay_s = 0 (the class still counts: the gate marks it, not its offset). The
+    interactive request gets the JSON 503 at 1 s; a batch one held 2.5 s is let go when an
+    instance comes back and is served; another batch one sent while the only slot is taken
+    waits for room, its hold counted in its 4 s: refused at about 4 s from its arrival."""
+    door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', server="parallel = 1\n",
+                     b='priority = "batch"\n',
+                     frontend="queue_timeout_s = 1\nbatch_queue_timeout_s = 4\nbatch_delay_s = 0\n")
+    api = door.door.api
+    names = list(api.backend("instances").instances)
+    for name in names:
+        api.set_state("instances", name, AdminState.MAINT)
+    results: dict[str, tuple[int, float]] = {}
+
+    def ask(key: str, who: str, content: str) -> None:
+        sent = time.monotonic()
+        results[who] = (post(door.port, key, content=content).status, time.monotonic() - sent)
+
+    threads = [threading.Thread(target=ask, args=(KEY_A, "interactive", "hi")),
+               threading.Thread(target=ask, args=(KEY_B, "held", SLOW)),
+               threading.Thread(target=ask, args=(KEY_B, "late", SLOW))]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.2)
+    time.sleep(2.5)
+    api.set_state("instances", names[0], AdminState.READY)  # one slot: held or late, the other waits
+    for thread in threads:
+        thread.join(20)
+    assert results["interactive"][0] == 503 and results["interactive"][1] < 2.0, results
+    served = [w for w in ("held", "late") if results[w][0] == 200]
+    refused = [w for w in ("held", "late") if results[w][0] == 503]
+    assert len(served) == 1 and len(refused) == 1, results  # one slot for 2 s: the other's 4 s ran out
+    assert 3.5 < results[refused[0]][1] < 4.8 and results[served[0]][1] > 2.5, results
 
 
 @with_haproxy
@@ -487,7 +530,7 @@ def test_requests_let_go_after_a_hold_queue_again_in_their_class(door_with) -> N
     order = [who for who, _ in sorted(finished, key=lambda f: f[1])]
     assert len(order) == 5 and order.index("interactive") <= 1, finished
     text = door.door.paths.config.read_text()
-    assert "    http-request set-header x-priority batch if { prio_offset gt 0 }\n" in text  # the gate's
+    assert "    http-request set-header x-priority batch if { var(txn.batch) -m bool }\n" in text  # the gate's
     hold_frontend = text.split("\nfrontend hold\n")[1].split("\n\n")[0]
     assert "    http-request set-priority-offset int(10000) if { req.hdr(x-priority) -m str batch }" in hold_frontend
 
