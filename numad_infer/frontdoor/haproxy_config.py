@@ -217,7 +217,8 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
     for model, (_, socket) in zip(models, holds, strict=True):
         lines += ["", *_backend(config, engine, model, _instances_of(plan, model), socket)]
     again = tenants.held_priority(config.tenants, front.batch_delay_s)
-    lines += ["", *hold.hold_frontend(holds, front, _BUSY.body(), again)]
+    lines += ["", *hold.hold_frontend(holds, front, _BUSY.body(), again,
+                                      tenants.HELD_BATCH if batch_wait.applies(front, config.tenants) else None)]
     if config.tenants:
         lines += ["", *tenants.table(config.tenants)]
     return "\n".join(lines) + "\n"

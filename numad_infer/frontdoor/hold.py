@@ -41,11 +41,12 @@ has a longer one, batch_wait.py; past it, the JSON 503 with Retry-After):
 
 What the second way costs, for the few requests that take it: they pass through their
 backend twice, and the second time no key is read, so the gate says a batch request's
-class in a header it sets itself (tenants.held_priority); the runtime API's backend counts
-see such a request twice while it is answered (haproxy.BackendStat counts the hold
-server's sessions as waiting, not in flight: exact while they wait, and once let go the
-request is counted both waiting and at its instance until answered); its log line names
-the hold server; and the abandon watch cannot end it once let go (its client is HAProxy).
+class in a header it sets itself (its queue offset, tenants.held_priority, and the limit
+of its wait go by it); the runtime API's backend counts see such a request twice while it
+is answered (haproxy.BackendStat counts the hold server's sessions as waiting, not in
+flight: exact while they wait, and once let go the request is counted both waiting and at
+its instance until answered); its log line names the hold server; and the abandon watch
+cannot end it once let go (its client is HAProxy).
 
 Only connection failures are retried: a POST the instance had received is still not
 replayed. It may be what killed it, and replayed it would crash the instance again at
@@ -182,16 +183,23 @@ def hold_rules(front: FrontendSection, busy: str, batch: str | None = None) -> l
 
 
 def hold_frontend(listeners: list[tuple[str, str]], front: FrontendSection, busy: str,
-                  priority: list[str]) -> list[str]:
+                  priority: list[str], batch: str | None = None) -> list[str]:
     """The frontend behind every hold server: one listener per backend, named by it
     (`listeners`: backend, socket path as an HAProxy word). A request let go goes back to its
     backend; one that waited the whole limit gets `busy` (the JSON 503) with Retry-After. Not
     logged: the request's own line, from the main frontend, covers it. `priority`: the rules
-    that queue it again in its class (tenants.held_priority)."""
+    that queue it again in its class (tenants.held_priority). `batch`: the ACL of a batch
+    request here (the gate's header: no variable crosses the socket) where that class has a
+    longer deadline of its own, which its wait lasts instead; counted from its arrival here,
+    as it was dispatched again, not from its first arrival (which this stream cannot see)."""
+    wait = f"    http-request lua.{AGAIN} {{}}"
+    waits = ([wait.format(int(front.queue_timeout_s * 1000))] if batch is None
+             else [wait.format(int(front.queue_timeout_s * 1000)) + f" if !{batch}",
+                   wait.format(int(front.batch_deadline_s * 1000)) + f" if {batch}"])
     return ["frontend " + FRONTEND,
             *(f"    bind unix@{socket} name {backend} mode 600" for backend, socket in listeners),
             "    no log",
-            f"    http-request lua.{AGAIN} {int(front.queue_timeout_s * 1000)}",
+            *waits,
             f"    http-request return status 503 content-type application/json string '{busy}' "
             f"hdr Retry-After 1 if !{{ var({_LET_GO}) -m bool }}",
             *priority,

@@ -57,6 +57,9 @@ VARIABLE = "txn.tenant"  # the tenant's name, once its key is known (request_log
 # frontend, its hold and its own deadline (batch_wait.py) go by, whatever batch_delay_s is.
 BATCH_VARIABLE = "txn.batch"
 IS_BATCH = f"{{ var({BATCH_VARIABLE}) -m bool }}"
+# The same on the hold frontend, which sees the request in a new stream: the gate's header
+# (any client's own was removed before it was set).
+HELD_BATCH = f"{{ req.hdr({PRIORITY_HEADER}) -m str {Priority.BATCH.value} }}"
 ARRIVED = "txn.arrived_ms"  # when the gate saw the request (ms since the epoch): a batch deadline counts from it
 # An answer's token counts as the engine reported them (`usage`), where HAProxy can read it.
 TOKEN_VARIABLES = ("txn.prompt_tokens", "txn.completion_tokens")
@@ -138,8 +141,7 @@ def held_priority(tenants: Sequence[TenantEntry], batch_delay_s: float) -> list[
     as the batch it was (the gate's header, set after any client's own was removed)."""
     if not tenants:
         return []
-    return [f"    http-request set-priority-offset int({int(batch_delay_s * 1000)}) "
-            f"if {{ req.hdr({PRIORITY_HEADER}) -m str {Priority.BATCH.value} }}"]
+    return [f"    http-request set-priority-offset int({int(batch_delay_s * 1000)}) if {HELD_BATCH}"]
 
 
 def token_rules(tenants: Sequence[TenantEntry], timeout: str) -> list[str]:

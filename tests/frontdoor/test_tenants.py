@@ -491,6 +491,12 @@ def test_in_a_hold_each_class_waits_up_to_its_own_deadline_from_its_arrival(door
     refused = [w for w in ("held", "late") if results[w][0] == 503]
     assert len(served) == 1 and len(refused) == 1, results  # one slot for 2 s: the other's 4 s ran out
     assert 3.5 < results[refused[0]][1] < 4.8 and results[served[0]][1] > 2.5, results
+    # A request that reaches the hold through the hold server (its instance died under it)
+    # waits there by its class too, read from the gate's header (the same Lua action as
+    # tests/frontdoor/test_hold.py's replacement test, with the class's limit).
+    hold_frontend = door.door.paths.config.read_text().split("\nfrontend hold\n")[1].split("\n\n")[0]
+    assert ("    http-request lua.numa_hold_again 1000 if !{ req.hdr(x-priority) -m str batch }\n"
+            "    http-request lua.numa_hold_again 4000 if { req.hdr(x-priority) -m str batch }\n") in hold_frontend
 
 
 @with_haproxy
