@@ -113,8 +113,31 @@ class LlamaServer(Engine):
             "--metrics",
             "--no-webui",
             *(["--alias", view.model.name] if view.model.name else []),
+            *(["--slot-prompt-similarity", "0"] if self._keeps_prompts(view, instance) else []),
             *view.server.extra_args,
         ]
+
+    @staticmethod
+    def _keeps_prompts(view: ModelView, instance: Instance) -> bool:
+        """Whether the instance keeps a prompt cache (--cache-ram not 0: the operator's, else the
+        plan's bound, else the server's default).
+
+        Where it does, numa-infer turns the slot-by-similarity pick off (`-sps 0`, which an
+        operator's extra_args, given after, can set again). With it on, a request takes the
+        slot that shares the most of its prompt, and the server looks in its prompt cache
+        only when that would drop at least half of the slot's prompt (tools/server
+        server-context.cpp, get_available_slot: f_keep < 0.5); a shared system prompt is
+        most of a short history, so a slot's conversation was overwritten without being
+        saved, and no conversation's history was ever brought back from the cache: measured,
+        one slot, three conversations of 4 turns behind a ~800-token system prompt, turns
+        >= 2 found the system prompt only (cached share 0.60), and 0.86 (the whole history
+        before the new message) with -sps 0; two slots, four conversations, the same. With
+        it off, each request saves its slot's prompt to the cache and takes the cached one
+        that best matches its own: a copy of KV cells, not a prefill."""
+        operator = last_option(view.server.extra_args, "-cram", "--cache-ram")
+        if operator is not None:
+            return _prompt_cache(operator) != 0
+        return instance.prompt_cache_mib != 0
 
     def slots(self, view: ModelView) -> int:
         return view.server.parallel

@@ -353,3 +353,88 @@ def test_the_real_llama_server_counts_a_shared_prefix_as_cached_in_metrics_and_a
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def _similarity(argv: list[str]) -> list[str]:
+    """Every value given to --slot-prompt-similarity (or -sps), in order: the last one wins."""
+    return [argv[k + 1] for k, a in enumerate(argv) if a in ("--slot-prompt-similarity", "-sps")]
+
+
+def test_llama_server_takes_prompts_from_its_cache_not_the_most_similar_slot(tmp_path: Path) -> None:
+    """-sps 0 wherever the instance keeps a prompt cache (why: LlamaServer._keeps_prompts);
+    none where --cache-ram is 0, the operator's or the plan's bound (with no cache to take
+    prompts from, the most similar slot is the best the server has); an operator's own
+    value comes after it, and wins."""
+    from dataclasses import replace
+
+    cfg = config()
+    instance = plan_for(tmp_path, cfg).instances[0]
+    assert _similarity(LlamaServer().argv(cfg, instance)) == ["0"]
+    assert _similarity(LlamaServer().argv(cfg, replace(instance, prompt_cache_mib=512))) == ["0"]
+    assert _similarity(LlamaServer().argv(cfg, replace(instance, prompt_cache_mib=0))) == []
+    off = config(SERVER + 'extra_args = ["--cache-ram", "0"]\n')
+    assert _similarity(LlamaServer().argv(off, replace(instance, prompt_cache_mib=None))) == []
+    own = config(SERVER + 'extra_args = ["-sps", "0.5", "-cram", "256"]\n')
+    assert _similarity(LlamaServer().argv(own, instance)) == ["0", "0.5"]
+
+
+def test_the_real_llama_server_brings_a_conversation_back_from_its_cache_after_another_took_the_slot(
+        tmp_path: Path) -> None:
+    """One slot, numa-infer's argv: conversation A's first turn, then B's (the same system
+    prompt), then A's second turn. A's whole first prompt comes back from the prompt cache
+    (`timings.cache_n`), not only the system prompt both share. The same server given the
+    slot pick by similarity again (its default, -sps 0.1) finds the system prompt only:
+    what numa-infer's -sps 0 is for, and a sign if a llama.cpp update changes it."""
+    import json
+    import subprocess
+    import time
+    import urllib.request
+    from dataclasses import replace
+
+    from tests.daemon_harness import free_port_block, generated_model, llama_server_binary
+
+    cfg = parse_config(f'[model]\npath = "{generated_model("tiny")}"\ncontext_size = 512\n'
+                       f'[server]\nllama_server = "{llama_server_binary()}"\n', "/etc/numa-infer.toml")
+    words = " ".join(f"w{k % 97}" for k in range(40))  # the tiny model's context: 512 tokens
+    system = {"role": "system", "content": f"You are a careful assistant. {words}"}
+    planned = plan_for(tmp_path, cfg).instances[0]
+
+    def turns(extra: list[str]) -> tuple[int, int, int]:
+        """A's first prompt's tokens, what B found cached, and what A's second turn did."""
+        port = free_port_block(1)
+        instance = replace(planned, port=port, threads=1, threads_batch=1,
+                           prompt_cache_mib=64)
+        proc = subprocess.Popen([*LlamaServer().argv(cfg, instance), "--cache-ram", "64", *extra],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def ask(messages: list[dict[str, str]]) -> dict:
+            body = json.dumps({"messages": messages, "max_tokens": 2, "temperature": 0}).encode()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=120) as answer:
+                return json.load(answer)
+
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as health:
+                        if health.status == 200:
+                            break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            a = [system, {"role": "user", "content": "conversation a: " + words}]
+            first = ask(a)["timings"]
+            b = ask([system, {"role": "user", "content": "conversation b: " + words[::-1]}])["timings"]
+            second = ask([*a, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and then?"}])
+            return first["prompt_n"] + first["cache_n"], b["cache_n"], second["timings"]["cache_n"]
+        finally:
+            proc.terminate()
+            proc.wait(10)
+
+    a_prompt, shared, back = turns([])
+    assert 0 < shared < a_prompt and back >= a_prompt - 4, (a_prompt, shared, back)
+    a_prompt, shared, back = turns(["--slot-prompt-similarity", "0.1"])
+    assert back == shared, (a_prompt, shared, back)
