@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -229,6 +230,8 @@ class NotifyListener:
         self.sock.bind(str(path))
         self.sock.settimeout(0.2)
         self.messages: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        self._read = 0
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -241,12 +244,32 @@ class NotifyListener:
                 continue
             except OSError:
                 return
-            self.messages.append((time.monotonic(), data.decode()))
+            with self._lock:
+                self.messages.append((time.monotonic(), data.decode()))
+                self._read += 1
+
+    def _settle(self, timeout_s: float = 5.0) -> None:
+        """Wait until every datagram sent so far is read: a daemon that notified and exited
+        has put its last message in the socket's buffer, which the reader thread, on a
+        loaded machine, may not have taken yet (a test that asserted at once failed so)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.sock.fileno() >= 0:  # closed: all read (close joins the reader)
+            with self._lock:
+                read = self._read
+            if not select.select([self.sock], [], [], 0)[0]:
+                time.sleep(0.02)  # one being appended now is counted once it is
+                with self._lock:
+                    if self._read == read and not select.select([self.sock], [], [], 0)[0]:
+                        return
+            time.sleep(0.01)
 
     def fields(self) -> list[str]:
-        return [f for _, m in self.messages for f in m.split("\n")]
+        self._settle()
+        with self._lock:
+            return [f for _, m in self.messages for f in m.split("\n")]
 
     def close(self) -> None:
+        self._settle(2.0)  # what the daemon sent before it exited (STOPPING=1) is kept
         self._stop = True
         self._thread.join(1)
         self.sock.close()
