@@ -85,9 +85,10 @@ class FrontendSection(Section):
     )
     # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
     affinity: Affinity = Field(
-        # Not yet the default: bench/prefix.py showed later turns 1.0-1.2x faster, not the 3x
-        # sought (llama-server keeps no conversation's history behind a shared system prompt
-        # in its prompt cache: docs/frontdoor.md, "Prefix routing"); bench/README.md, run 4.
+        # Not yet the default: bench/prefix.py (bench/README.md, runs 4 and 5) showed later
+        # turns 1.5x faster with one slot an instance (once llama-server took prompts from its
+        # cache, -sps 0), not the 3x sought, and 0.72x with two slots for four conversations
+        # (four keys hash unevenly; the bound moves the third conversation back and forth).
         Affinity.NONE, strict=False,
         description=(
             "keep the turns of a conversation on the instance that holds its prompt prefix. `\"prefix\"`: a "
