@@ -8,10 +8,11 @@ bound counts only the requests a server is serving, not those waiting for it, an
 request whose server is full waits in that server's own queue, where no other server takes
 it (measured, HAProxy 2.6: 8 requests with one key over 2 servers of 2 slots, 6 on one, the
 last done after 9 s against 6 s with leastconn). The pick is a small Lua fetch instead
-(PICK_LUA, in the Lua file HAProxy loads): rendezvous hashing of the key over the servers
-in rotation, skipping any whose load (serving and waiting for it) would pass the factor x
-the mean, then `use-server`. Keys move only with the server that leaves or joins, and the
-bound holds however busy the backend is.
+(PICK_LUA, in the Lua file HAProxy loads): a key goes to its home (the instance it went to
+first: the least loaded then, the highest scoring for the key by rendezvous hashing among
+equals), skipping any instance whose load (serving and waiting for it) would pass the
+factor x the mean, rounded up, then `use-server`. Keys move only with the server that
+leaves or joins, and the bound holds however busy the backend is.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ BALANCE = "    balance leastconn"
 PREFIX_HASH = "txn.prefix_hash"
 PREFIX_SERVER = "txn.prefix_server"
 PICK = "numa_pick"
+# Keys whose home the pick keeps, per generation (two are kept): as many as the stick table
+# of "header" and "user" remembers conversations, about 10 MiB of Lua tables.
+HOME_GENERATION = STICK_ENTRIES // 2
 
 PICK_LUA = f"""
 -- numa-infer's prefix routing (numad_infer/frontdoor/affinity.py): written by the daemon, do not edit.
@@ -50,11 +54,46 @@ local function server_hash(name)
   return h
 end
 
--- The server for the request's key (its hash in {PREFIX_HASH}): of the servers in rotation
--- (up, not drained, not backups) whose load (requests served and waiting for it) stays
--- within factor x the mean once this one is added, the one that scores highest for the key
--- (rendezvous hashing: a server that leaves or joins moves only its own keys). None within
--- the bound: the least loaded, the highest scoring among equals. No server: "" (the hold).
+-- Where each key was first sent, per backend: its home, kept while the home is in
+-- rotation. Two generations of at most HOME_GENERATION keys each: a key not seen for a
+-- whole generation is forgotten (so at most 2 x HOME_GENERATION are kept), one seen again
+-- is moved to the newer.
+local HOME_GENERATION = {HOME_GENERATION}
+local homes = {{}}  -- backend name -> {{now = {{key -> server}}, old = {{...}}, n = keys in now}}
+
+local function home_of(backend_name, key)
+  local h = homes[backend_name]
+  if h == nil then return nil end
+  return h.now[key] or h.old[key]
+end
+
+local function remember(backend_name, key, server)
+  local h = homes[backend_name]
+  if h == nil then
+    h = {{now = {{}}, old = {{}}, n = 0}}
+    homes[backend_name] = h
+  end
+  if h.now[key] == nil then
+    if h.n >= HOME_GENERATION then h.old, h.now, h.n = h.now, {{}}, 0 end
+    h.n = h.n + 1
+  end
+  h.now[key] = server
+end
+
+-- The server for the request's key (its hash in {PREFIX_HASH}), among the servers in
+-- rotation (up, not drained, not backups) whose load (requests served and waiting for it)
+-- stays within factor x the mean once this one is added:
+-- - the key's home, where it went first (that instance's caches hold its prompts);
+-- - a key seen for the first time: the least loaded, the highest scoring for the key among
+--   equals (rendezvous hashing: on an idle fleet, and after HAProxy restarts and forgets
+--   the homes, a key goes where it went before); it becomes the key's home. Few
+--   conversations spread evenly this way, where hashing alone sends three of four to one
+--   instance of two a time in two;
+-- - a home out of rotation or past the bound: the highest scoring within the bound for
+--   this request only (the same one each time, whose caches then hold the key too), the
+--   home kept: a drained instance gets its keys back, and one that leaves or joins moves
+--   no other instance's keys.
+-- None within the bound: the least loaded. No server: "" (the hold).
 core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
   local backend = core.backends[backend_name]
   local key = tonumber(txn:get_var("{PREFIX_HASH}"))
@@ -69,11 +108,21 @@ core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
     end
   end
   if #up == 0 then return "" end
-  local bound = math.max(1, tonumber(factor_text) * (total + 1) / #up)
+  -- Rounded up, as in the bounded-loads paper (Mirrokni et al.) and HAProxy's own
+  -- hash-balance-factor: with one request in flight over two instances the bound is 2, not
+  -- 1.25, so a conversation is not sent away from its instance because that instance serves
+  -- one other request while the second is idle.
+  local bound = math.ceil(tonumber(factor_text) * (total + 1) / #up)
+  local home = home_of(backend_name, key)
   local best, least = nil, nil
   for _, s in ipairs(up) do
+    if s.name == home and s.load + 1 <= bound then return home end
     if s.load + 1 <= bound and (best == nil or s.score > best.score) then best = s end
     if least == nil or s.load < least.load or (s.load == least.load and s.score > least.score) then least = s end
+  end
+  if home == nil then
+    remember(backend_name, key, least.name)
+    return least.name
   end
   return (best or least).name
 end)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -332,5 +333,46 @@ def test_past_the_bound_a_hot_key_no_longer_piles_onto_its_server(tmp_path: Path
         # Not 6 of 8 on the hot server: at most 1.25 x the mean of 4.
         assert max(served.values()) <= 5 and len(served) == 2, served
         print(f"past the bound: served {dict(served)}")
+    finally:
+        door.stop()
+
+
+@with_haproxy
+def test_conversations_first_seen_together_spread_evenly_and_keep_their_instance(tmp_path: Path) -> None:
+    """Two servers of 4 slots, 8 new conversations started a moment apart, each turn held
+    3 s (all 8 in flight together): each first turn goes to the least loaded server, so
+    they split 4/4 (rendezvous hashing alone splits 8 keys 4/4 about a time in four), and
+    each later turn, sent in the opposite order, meets the server of its first (its home,
+    within the bound: 1.25 x the mean, rounded up)."""
+    door = _door(tmp_path, '[model]\npath = "/m.gguf"\n[server]\nparallel = 4\n')
+    try:
+        for k in range(2):
+            door.start_stub(k)
+        door.start_haproxy()
+        door.servers_up()
+        openings = [f"conversation {c} about topic {c * 7919} " + "x" * 300 + SLOW_MARKER for c in range(8)]
+
+        def turn(k: int, order: list[int]) -> list[str]:
+            served: list[str | None] = [None] * 8
+
+            def send(c: int) -> None:
+                body = _chat(SYSTEM, [openings[c], *(f"follow-up {t}" for t in range(k))])
+                served[c] = _post(door, json.dumps(body).encode()).served_by()
+
+            threads = []
+            for c in order:
+                threads.append(threading.Thread(target=send, args=(c,)))
+                threads[-1].start()
+                time.sleep(0.15)  # HAProxy counts each before the next arrives
+            for thread in threads:
+                thread.join(60)
+            assert all(s is not None for s in served), served
+            return [s for s in served if s is not None]
+
+        # The later turns in the opposite order: the loads each meets differ from the first
+        # turn's, and a pick made again from them alone would not give each its server back.
+        turns = [turn(0, list(range(8))), turn(1, list(range(7, -1, -1)))]
+        assert sorted(Counter(turns[0]).values()) == [4, 4], turns[0]
+        assert turns[1] == turns[0], turns
     finally:
         door.stop()
