@@ -185,6 +185,10 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, tmp: Path) -> dic
         plain_s = time.monotonic() - started
     finally:
         run.stop()
+    if args.verbose:
+        for t in sorted(multi.turns, key=lambda t: (t.conversation, t.turn)):
+            print(f"# {mode}: conversation {t.conversation} turn {t.turn}: prompt {t.prompt_tokens}, cached "
+                  f"{t.cached_tokens}, TTFT {t.ttft_s:.2f}s")
     later = [t.ttft_s for t in multi.turns if t.turn >= 1]
     firsts = [t.ttft_s for t in multi.turns if t.turn == 0]
     tokens = sum(t.prompt_tokens + t.generated for t in multi.turns)
@@ -216,6 +220,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--size", default="medium")
     parser.add_argument("--quant", default="Q4_K_M")
+    parser.add_argument("--verbose", action="store_true", help="each turn's prompt, cached tokens and TTFT")
     args = parser.parse_args()
     model = generated_model(args.size, args.quant)
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-prefix-"))
