@@ -91,10 +91,15 @@ def chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> tuple[fl
 
 
 def conversation(port: int, index: int, system: str, turns: int, user_words: int, max_tokens: int,
-                 out: Workload) -> None:
+                 out: Workload, think_s: float = 0.0) -> None:
     rng = random.Random(1000 + index)
     messages = [{"role": "system", "content": system}]
     for turn in range(turns):
+        # A user's time between turns, the same in every mode (seeded): without it the
+        # conversations move in lockstep, and least connections alone sends each one back to
+        # the same instance every turn (conversation c on instance c mod 2), which no real
+        # clients do.
+        time.sleep(rng.uniform(0, think_s))
         messages.append({"role": "user", "content": f"conversation {index} turn {turn}: {words(rng, user_words)}"})
         try:
             ttft, total, text, timings = chat(port, messages, max_tokens)
@@ -162,7 +167,7 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, tmp: Path) -> dic
         multi = Workload()
         started = time.monotonic()
         threads = [threading.Thread(target=conversation, args=(port, c, system, args.turns, args.user_words,
-                                                               args.max_tokens, multi))
+                                                               args.max_tokens, multi, args.think_s))
                    for c in range(args.conversations)]
         for t in threads:
             t.start()
@@ -220,6 +225,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--size", default="medium")
     parser.add_argument("--quant", default="Q4_K_M")
+    parser.add_argument("--think-s", type=float, default=0.0,
+                        help="each turn waits up to this long first (uniform, seeded): a user's time between turns")
     parser.add_argument("--verbose", action="store_true", help="each turn's prompt, cached tokens and TTFT")
     args = parser.parse_args()
     model = generated_model(args.size, args.quant)
@@ -227,7 +234,7 @@ def main() -> None:
     print(f"# {args.size} {args.quant}, {args.instances} instances (llama-server), "
           f"{args.parallel} slot(s) each, {args.conversations} conversations x {args.turns} turns, system prompt "
           f"{args.system_words} words, "
-          f"{args.user_words} words a turn, "
+          f"{args.user_words} words a turn, up to {args.think_s:g} s between turns, "
           f"{args.max_tokens} tokens an answer")
     results = [run_mode(mode, args, model, tmp) for mode in args.modes.split(",")]
     base = results[0]

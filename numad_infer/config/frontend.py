@@ -85,10 +85,11 @@ class FrontendSection(Section):
     )
     # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
     affinity: Affinity = Field(
-        # Not yet the default: bench/prefix.py (bench/README.md, runs 4 and 5) showed later
-        # turns 1.5x faster with one slot an instance (once llama-server took prompts from its
-        # cache, -sps 0), not the 3x sought, and 0.72x with two slots for four conversations
-        # (four keys hash unevenly; the bound moves the third conversation back and forth).
+        # Not yet the default, though bench/prefix.py (bench/README.md, run 6) now shows it
+        # paying: later turns 1.77-2.14x faster with one slot an instance, 0.92x with two,
+        # throughput 1.08-1.37x, no cost without reuse. The scenarios that count requests per
+        # instance under the default (tests/vm) assume least connections and must name
+        # "none" first.
         Affinity.NONE, strict=False,
         description=(
             "keep the turns of a conversation on the instance that holds its prompt prefix. `\"prefix\"`: a "
