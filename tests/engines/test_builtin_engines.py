@@ -361,8 +361,8 @@ def _similarity(argv: list[str]) -> list[str]:
 
 
 def test_llama_server_takes_prompts_from_its_cache_not_the_most_similar_slot(tmp_path: Path) -> None:
-    """-sps 0 wherever the instance keeps a prompt cache (why: LlamaServer._keeps_prompts);
-    none where --cache-ram is 0, the operator's or the plan's bound (with no cache to take
+    """-sps 0 wherever the instance has one slot and keeps a prompt cache (why:
+    LlamaServer._keeps_prompts); none with several slots, or where --cache-ram is 0, the operator's or the plan's bound (with no cache to take
     prompts from, the most similar slot is the best the server has); an operator's own
     value comes after it, and wins."""
     from dataclasses import replace
@@ -376,6 +376,8 @@ def test_llama_server_takes_prompts_from_its_cache_not_the_most_similar_slot(tmp
     assert _similarity(LlamaServer().argv(off, replace(instance, prompt_cache_mib=None))) == []
     own = config(SERVER + 'extra_args = ["-sps", "0.5", "-cram", "256"]\n')
     assert _similarity(LlamaServer().argv(own, instance)) == ["0", "0.5"]
+    # Several slots: the server's own pick keeps a conversation in its slot, which a restart keeps.
+    assert _similarity(LlamaServer().argv(config(SERVER + "parallel = 2\n"), instance)) == []
 
 
 def test_the_real_llama_server_brings_a_conversation_back_from_its_cache_after_another_took_the_slot(
