@@ -32,6 +32,9 @@ PICK = "numa_pick"
 # Keys whose home the pick keeps, per generation (two are kept): as many as the stick table
 # of "header" and "user" remembers conversations, about 10 MiB of Lua tables.
 HOME_GENERATION = STICK_ENTRIES // 2
+# The longest a pick counts for its server on top of HAProxy's own count (PICK_LUA), when
+# the server's session total never shows it.
+PICK_MEMORY_MS = 1000
 
 PICK_LUA = f"""
 -- numa-infer's prefix routing (numad_infer/frontdoor/affinity.py): written by the daemon, do not edit.
@@ -80,6 +83,33 @@ local function remember(backend_name, key, server)
   h.now[key] = server
 end
 
+-- Picks HAProxy has not counted yet: between this fetch and the moment HAProxy counts the
+-- request at its server, requests arriving at once (on other threads, or waiting for the
+-- Lua lock) would see the old counts, and a burst with one key passed the bound (6 of 16
+-- on one of 4 servers, in a loaded test run). Each pick counts for its server until that
+-- server's session total (stot) shows it (it was the n-th pick still uncounted there: the
+-- total has grown by n since), or PICK_MEMORY_MS at most (a request that never reached
+-- its server, or one waiting in its queue, which qcur counts already).
+local PICK_MEMORY_MS = {PICK_MEMORY_MS}
+local picked = {{}}  -- backend name -> list of {{server name, stot that shows it, ms}}
+
+local function clock_ms()
+  local t = core.now()
+  return t.sec * 1000 + t.usec // 1000
+end
+
+local function uncounted(backend_name, totals, now)
+  local kept, counts = {{}}, {{}}
+  for _, p in ipairs(picked[backend_name] or {{}}) do
+    if now - p[3] < PICK_MEMORY_MS and (totals[p[1]] or 0) < p[2] then
+      kept[#kept + 1] = p
+      counts[p[1]] = (counts[p[1]] or 0) + 1
+    end
+  end
+  picked[backend_name] = kept
+  return counts
+end
+
 -- The server for the request's key (its hash in {PREFIX_HASH}), among the servers in
 -- rotation (up, not drained, not backups) whose load (requests served and waiting for it)
 -- stays within factor x the mean once this one is added:
@@ -98,11 +128,18 @@ core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
   local backend = core.backends[backend_name]
   local key = tonumber(txn:get_var("{PREFIX_HASH}"))
   if backend == nil or key == nil then return "" end
-  local up, total = {{}}, 0
+  local now = clock_ms()
+  local stats, totals = {{}}, {{}}
   for name, server in pairs(backend.servers) do
     local s = server:get_stats()
+    stats[name] = s
+    totals[name] = tonumber(s.stot) or 0
+  end
+  local pending = uncounted(backend_name, totals, now)
+  local up, total = {{}}, 0
+  for name, s in pairs(stats) do
     if tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" and (tonumber(s.weight) or 0) > 0 then
-      local load = (tonumber(s.scur) or 0) + (tonumber(s.qcur) or 0)
+      local load = (tonumber(s.scur) or 0) + (tonumber(s.qcur) or 0) + (pending[name] or 0)
       up[#up + 1] = {{name = name, load = load, score = mix(key ~ server_hash(name))}}
       total = total + load
     end
@@ -114,17 +151,20 @@ core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
   -- one other request while the second is idle.
   local bound = math.ceil(tonumber(factor_text) * (total + 1) / #up)
   local home = home_of(backend_name, key)
-  local best, least = nil, nil
+  local chosen, best, least = nil, nil, nil
   for _, s in ipairs(up) do
-    if s.name == home and s.load + 1 <= bound then return home end
+    if s.name == home and s.load + 1 <= bound then chosen = home end
     if s.load + 1 <= bound and (best == nil or s.score > best.score) then best = s end
     if least == nil or s.load < least.load or (s.load == least.load and s.score > least.score) then least = s end
   end
-  if home == nil then
-    remember(backend_name, key, least.name)
-    return least.name
+  if chosen == nil and home == nil then
+    chosen = least.name
+    remember(backend_name, key, chosen)
   end
-  return (best or least).name
+  chosen = chosen or (best or least).name
+  local list = picked[backend_name]
+  list[#list + 1] = {{chosen, totals[chosen] + (pending[chosen] or 0) + 1, now}}
+  return chosen
 end)
 """
 

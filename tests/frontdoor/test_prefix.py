@@ -102,6 +102,20 @@ def _door(tmp_path: Path, head: str, frontend: str = "") -> FrontDoor:
     return FrontDoor(tmp_path, config, tmp_path / "run", ports)
 
 
+def _two_started(tmp_path: Path, parallel: int) -> FrontDoor:
+    """Two servers of `parallel` slots, both stubs up and HAProxy started; the caller stops it."""
+    door = _door(tmp_path, f'[model]\npath = "/m.gguf"\n[server]\nparallel = {parallel}\n')
+    try:
+        for k in range(2):
+            door.start_stub(k)
+        door.start_haproxy()
+        door.servers_up()
+    except BaseException:
+        door.stop()
+        raise
+    return door
+
+
 @pytest.fixture
 def four(tmp_path: Path):
     door = _door(tmp_path, FOUR)
@@ -303,12 +317,8 @@ def test_past_the_bound_a_hot_key_no_longer_piles_onto_its_server(tmp_path: Path
     # one counts those waiting for a server too: no server takes more than 1.25 x the mean,
     # so the 8 end at 4/4 or 5/3, each in its server's queue (not one shared queue, as with
     # leastconn: the gap docs/frontdoor.md states).
-    door = _door(tmp_path, '[model]\npath = "/m.gguf"\n[server]\nparallel = 2\n')
+    door = _two_started(tmp_path, 2)
     try:
-        for k in range(2):
-            door.start_stub(k)
-        door.start_haproxy()
-        door.servers_up()
         api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
         hot = json.dumps({"prompt": "H" * 300 + SLOW_MARKER}).encode()
         waiting: list[tuple[int, dict[str, int]]] = []
@@ -344,12 +354,8 @@ def test_conversations_first_seen_together_spread_evenly_and_keep_their_instance
     they split 4/4 (rendezvous hashing alone splits 8 keys 4/4 about a time in four), and
     each later turn, sent in the opposite order, meets the server of its first (its home,
     within the bound: 1.25 x the mean, rounded up)."""
-    door = _door(tmp_path, '[model]\npath = "/m.gguf"\n[server]\nparallel = 4\n')
+    door = _two_started(tmp_path, 4)
     try:
-        for k in range(2):
-            door.start_stub(k)
-        door.start_haproxy()
-        door.servers_up()
         openings = [f"conversation {c} about topic {c * 7919} " + "x" * 300 + SLOW_MARKER for c in range(8)]
 
         def turn(k: int, order: list[int]) -> list[str]:
