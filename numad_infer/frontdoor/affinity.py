@@ -64,12 +64,6 @@ end
 local HOME_GENERATION = {HOME_GENERATION}
 local homes = {{}}  -- backend name -> {{now = {{key -> server}}, old = {{...}}, n = keys in now}}
 
-local function home_of(backend_name, key)
-  local h = homes[backend_name]
-  if h == nil then return nil end
-  return h.now[key] or h.old[key]
-end
-
 local function remember(backend_name, key, server)
   local h = homes[backend_name]
   if h == nil then
@@ -81,6 +75,18 @@ local function remember(backend_name, key, server)
     h.n = h.n + 1
   end
   h.now[key] = server
+end
+
+local function home_of(backend_name, key)
+  local h = homes[backend_name]
+  if h == nil then return nil end
+  local server = h.now[key]
+  if server == nil and h.old[key] ~= nil then
+    server = h.old[key]
+    h.old[key] = nil
+    remember(backend_name, key, server)
+  end
+  return server
 end
 
 -- Picks HAProxy has not counted yet: between this fetch and the moment HAProxy counts the
