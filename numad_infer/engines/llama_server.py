@@ -119,26 +119,26 @@ class LlamaServer(Engine):
 
     @staticmethod
     def _keeps_prompts(view: ModelView, instance: Instance) -> bool:
-        """Whether the instance has one slot and keeps a prompt cache (--cache-ram not 0: the
-        operator's, else the plan's bound, else the server's default).
+        """Whether numa-infer turns llama-server's slot pick by similarity off (`-sps 0`; an
+        operator's extra_args, given after, can set it again): where the instance has one
+        slot and keeps a prompt cache (--cache-ram not 0: the operator's, else the plan's
+        bound, else the server's default).
 
-        Where it does, numa-infer turns the slot-by-similarity pick off (`-sps 0`, which an
-        operator's extra_args, given after, can set again). Not with several slots: there
-        the pick by least recent use moves a conversation out of its slot into the cache as
-        soon as another request takes that slot, and a restart keeps only what the slots
-        hold (kept_slots.py saves slots, not the cache): measured, tests/e2e/test_kept_slots.py's
-        conversation was gone from its slot under a loop of other requests. With one slot
-        any request takes it anyway. With it on, a request takes the
-        slot that shares the most of its prompt, and the server looks in its prompt cache
-        only when that would drop at least half of the slot's prompt (tools/server
-        server-context.cpp, get_available_slot: f_keep < 0.5); a shared system prompt is
-        most of a short history, so a slot's conversation was overwritten without being
-        saved, and no conversation's history was ever brought back from the cache: measured,
-        one slot, three conversations of 4 turns behind a ~800-token system prompt, turns
-        >= 2 found the system prompt only (cached share 0.60), and 0.86 (the whole history
-        before the new message) with -sps 0; two slots, four conversations, the same. With
-        it off, each request saves its slot's prompt to the cache and takes the cached one
-        that best matches its own: a copy of KV cells, not a prefill."""
+        Why: with the pick on, a request takes the slot that shares the most of its prompt,
+        and the server looks in its prompt cache only when that would drop at least half
+        of the slot's prompt (tools/server/server-context.cpp, get_available_slot: f_keep <
+        0.5). A shared system prompt is most of a short history, so a conversation's slot
+        was overwritten unsaved and no history ever came back from the cache: measured, one
+        slot, three conversations of 4 turns behind a ~800-token system prompt, turns >= 2
+        found the system prompt only (cached share 0.60), and 0.86 (the whole history before
+        the new message) with -sps 0 (bench/slot_pick.py). With it off, each request saves
+        the slot's prompt to the cache and takes the cached one that best matches its own:
+        a copy of KV cells, not a prefill.
+
+        Not with several slots: there the pick by least recent use moves a conversation out
+        of its slot at the next request, and a restart keeps only what the slots hold
+        (kept_slots.py saves slots, not the cache; tests/e2e/test_kept_slots.py caught it).
+        With one slot every request takes that slot anyway."""
         if view.server.parallel != 1:
             return False
         operator = last_option(view.server.extra_args, "-cram", "--cache-ram")

@@ -166,19 +166,24 @@ def server_line(backend: str, socket: str, front: FrontendSection) -> str:
     return f"    server {hold_server(backend)} unix@{socket} backup no-check maxconn {front.queue_size}"
 
 
+def _per_class(wait: str, front: FrontendSection, batch: str | None) -> list[str]:
+    """A wait rule (`wait`, with {} for its limit in ms) limited by queue_timeout_s, or, where
+    `batch` (an ACL) names the requests of a class with a deadline of its own, one rule for
+    each class."""
+    interactive = wait.format(int(front.queue_timeout_s * 1000))
+    if batch is None:
+        return [interactive]
+    return [f"{interactive} if !{batch}", f"{wait.format(int(front.batch_deadline_s * 1000))} if {batch}"]
+
+
 def hold_rules(front: FrontendSection, busy: str, batch: str | None = None) -> list[str]:
     """A model backend's rules, after the bound on its queue: a request arriving while none
     of its servers is in rotation waits here, in its own stream; one that waited the whole
     limit, or found queue_size requests waiting already, gets `busy` (the JSON 503). `batch`:
     the ACL of a batch request where that class has a longer deadline of its own
     (batch_wait.py), which its hold lasts instead."""
-    wait = f"    http-request lua.{ACTION} {{}} {front.queue_size}"
-    if batch is None:
-        lines = [wait.format(int(front.queue_timeout_s * 1000))]
-    else:
-        lines = [wait.format(int(front.queue_timeout_s * 1000)) + f" if !{batch}",
-                 wait.format(int(front.batch_deadline_s * 1000)) + f" if {batch}"]
-    return [*lines, f"    http-request return status 503 content-type application/json string '{busy}' "
+    return [*_per_class(f"    http-request lua.{ACTION} {{}} {front.queue_size}", front, batch),
+            f"    http-request return status 503 content-type application/json string '{busy}' "
             f"hdr Retry-After 1 if {{ var({_REFUSED}) -m bool }}"]
 
 
@@ -192,14 +197,10 @@ def hold_frontend(listeners: list[tuple[str, str]], front: FrontendSection, busy
     request here (the gate's header: no variable crosses the socket) where that class has a
     longer deadline of its own, which its wait lasts instead; counted from its arrival here,
     as it was dispatched again, not from its first arrival (which this stream cannot see)."""
-    wait = f"    http-request lua.{AGAIN} {{}}"
-    waits = ([wait.format(int(front.queue_timeout_s * 1000))] if batch is None
-             else [wait.format(int(front.queue_timeout_s * 1000)) + f" if !{batch}",
-                   wait.format(int(front.batch_deadline_s * 1000)) + f" if {batch}"])
     return ["frontend " + FRONTEND,
             *(f"    bind unix@{socket} name {backend} mode 600" for backend, socket in listeners),
             "    no log",
-            *waits,
+            *_per_class(f"    http-request lua.{AGAIN} {{}}", front, batch),
             f"    http-request return status 503 content-type application/json string '{busy}' "
             f"hdr Retry-After 1 if !{{ var({_LET_GO}) -m bool }}",
             *priority,
