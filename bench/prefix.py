@@ -146,9 +146,12 @@ def pct(values: list[float], q: float) -> float:
 
 def run_mode(mode: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, object]:
     (tmp / mode).mkdir()
+    # "prefix@3": the prefix affinity with frontend.prefix_wait_s = 3 (a sweep in one run).
+    affinity, _, wait = mode.partition("@")
+    waits = f"prefix_wait_s = {float(wait)}\n" if wait else ""
     run = DaemonRun(tmp / mode, model, machine=host_machine(), engine="llama-server", interval_s=2.0,
                     context_size=args.context, placement=f"instances_per_node = {args.instances}\n",
-                    frontend=f'listen = "127.0.0.1:{{port}}"\naffinity = "{mode}"\n')
+                    frontend=f'listen = "127.0.0.1:{{port}}"\naffinity = "{affinity}"\n{waits}')
     try:
         run.all_healthy(args.instances, timeout=600)
         if args.parallel != 1:  # a reload: the harness starts the daemon with the default
@@ -212,7 +215,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, tmp: Path) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--modes", default="none,prefix", help="frontend.affinity values, the first the baseline")
+    parser.add_argument("--modes", default="none,prefix",
+                        help="frontend.affinity values, the first the baseline; prefix@S: prefix_wait_s = S")
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-words", type=int, default=180)  # ~950 tokens

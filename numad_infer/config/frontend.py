@@ -85,12 +85,12 @@ class FrontendSection(Section):
     )
     # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
     affinity: Affinity = Field(
-        # Not yet the default, though bench/prefix.py (bench/README.md, run 6) now shows it
-        # paying: later turns 1.77-2.14x faster with one slot an instance, 0.92x with two,
-        # throughput 1.08-1.37x, no cost without reuse. The scenarios that count requests per
-        # instance under the default (tests/vm) assume least connections and must name
-        # "none" first.
-        Affinity.NONE, strict=False,
+        # The default: bench/prefix.py (bench/README.md, run 7) measured later turns of a
+        # conversation 1.08-2.11x faster than least connections at p50 (1.58x with two
+        # slots), throughput 1.02-1.22x, traffic that shares nothing 0.97-1.03x; it never
+        # leaves a request waiting beside a free slot longer than prefix_wait_s, and the load
+        # bound keeps one hot prompt from piling on one instance.
+        Affinity.PREFIX, strict=False,
         description=(
             "keep the turns of a conversation on the instance that holds its prompt prefix. `\"prefix\"`: a "
             "hash of the prompt's start (chat: the first message, and the second too when the first "
@@ -123,6 +123,18 @@ class FrontendSection(Section):
             "the load bound of the `\"prefix\"` affinity: no instance takes a request that would bring its load "
             "(requests served and waiting for it) above this many times the mean of its model's instances; the "
             "request goes to the next instance in its key's order instead"
+        ),
+    )
+    # 1.0 (bench/prefix.py, bench/README.md run 7; 3 and 10 no better): a turn whose
+    # instance is busy waited for it in that instance's own queue in an earlier pick (fast,
+    # but an instance idle beside a waiting request, and queue_size refusing meanwhile),
+    # and ran elsewhere at once in the next (0.70-0.91x: its history read again there).
+    prefix_wait_s: float = Field(
+        1.0, ge=0, le=30,
+        description=(
+            "under the `\"prefix\"` affinity, how long a request waits for its own instance (the one that "
+            "holds its prompt) when that instance is busy and another has a free slot, before it runs on the "
+            "other and reads its prompt again there; 0: never waits"
         ),
     )
     affinity_header: SafeStr = Field(

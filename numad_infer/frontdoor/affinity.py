@@ -10,9 +10,12 @@ it (measured, HAProxy 2.6: 8 requests with one key over 2 servers of 2 slots, 6 
 last done after 9 s against 6 s with leastconn). The pick is a small Lua fetch instead
 (PICK_LUA, in the Lua file HAProxy loads): a key goes to its home (the instance it went to
 first: the least loaded then, the highest scoring for the key by rendezvous hashing among
-equals), skipping any instance whose load (serving and waiting for it) would pass the
-factor x the mean, rounded up, then `use-server`. Keys move only with the server that
-leaves or joins, and the bound holds however busy the backend is.
+equals), skipping any instance without a free slot or whose load (serving and waiting
+for it) would pass the factor x the mean, rounded up, then `use-server`; when none has
+room, no pick: the request waits in the backend's one queue (leastconn), where queue_size,
+the priority classes and their deadlines apply, for whichever instance frees first. Keys
+move only with the server that leaves or joins, and the bound holds however busy the
+backend is.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ HOME_GENERATION = STICK_ENTRIES // 2
 # The longest a pick counts for its server on top of HAProxy's own count (PICK_LUA), when
 # the server's session total never shows it.
 PICK_MEMORY_MS = 1000
+
+# affinity = "prefix": the wait for a key's busy home (frontend.prefix_wait_s), and how
+# often it looks (what it adds to a wait, at most; each look reads every server's stats).
+WAIT = "numa_home_wait"
+WAIT_STEP_MS = 25
+WAITED = "txn.prefix_waited"  # set on a request that waited: the queue's bound is checked again
 
 PICK_LUA = f"""
 -- numa-infer's prefix routing (numad_infer/frontdoor/affinity.py): written by the daemon, do not edit.
@@ -116,20 +125,24 @@ local function uncounted(backend_name, totals, now)
   return counts
 end
 
--- The server for the request's key (its hash in {PREFIX_HASH}), among the servers in
--- rotation (up, not drained, not backups) whose load (requests served and waiting for it)
--- stays within factor x the mean once this one is added:
+-- The server for the request's key (its hash in {PREFIX_HASH}), among the servers that
+-- fit it: in rotation (up, not drained, not backups), with a free slot (load below its
+-- maxconn), and whose load (requests served and waiting for it) stays within factor x the
+-- mean once this one is added:
 -- - the key's home, where it went first (that instance's caches hold its prompts);
 -- - a key seen for the first time: the least loaded, the highest scoring for the key among
 --   equals (rendezvous hashing: on an idle fleet, and after HAProxy restarts and forgets
 --   the homes, a key goes where it went before); it becomes the key's home. Few
 --   conversations spread evenly this way, where hashing alone sends three of four to one
 --   instance of two a time in two;
--- - a home out of rotation or past the bound: the highest scoring within the bound for
---   this request only (the same one each time, whose caches then hold the key too), the
---   home kept: a drained instance gets its keys back, and one that leaves or joins moves
---   no other instance's keys.
--- None within the bound: the least loaded. No server: "" (the hold).
+-- - a home that does not fit: the highest scoring that does, for this request only (the
+--   same one each time, whose caches then hold the key too), the home kept: a drained
+--   instance gets its keys back, and one that leaves or joins moves no other's keys.
+-- None fits: "", and the request waits in the backend's one queue for whichever instance
+-- frees a slot first (leastconn), as under affinity "none": a request pinned to a full
+-- server would wait in that server's own queue while another instance may sit idle, and
+-- out of reach of queue_size, the priority classes and their deadlines. No server in
+-- rotation: "" too (the hold).
 core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
   local backend = core.backends[backend_name]
   local key = tonumber(txn:get_var("{PREFIX_HASH}"))
@@ -146,7 +159,9 @@ core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
   for name, s in pairs(stats) do
     if tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" and (tonumber(s.weight) or 0) > 0 then
       local load = (tonumber(s.scur) or 0) + (tonumber(s.qcur) or 0) + (pending[name] or 0)
-      up[#up + 1] = {{name = name, load = load, score = mix(key ~ server_hash(name))}}
+      local slots = tonumber(s.slim) or 0  -- the server's maxconn: its slots; 0, no limit
+      up[#up + 1] = {{name = name, load = load, room = slots == 0 or load < slots,
+                     score = mix(key ~ server_hash(name))}}
       total = total + load
     end
   end
@@ -157,21 +172,82 @@ core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
   -- one other request while the second is idle.
   local bound = math.ceil(tonumber(factor_text) * (total + 1) / #up)
   local home = home_of(backend_name, key)
-  local chosen, best, least = nil, nil, nil
+  local chosen, best, least, home_up = nil, nil, nil, false
   for _, s in ipairs(up) do
-    if s.name == home and s.load + 1 <= bound then chosen = home end
-    if s.load + 1 <= bound and (best == nil or s.score > best.score) then best = s end
+    local fits = s.room and s.load + 1 <= bound
+    if s.name == home then
+      home_up = true
+      if fits then chosen = home end
+    end
+    if fits and (best == nil or s.score > best.score) then best = s end
     if least == nil or s.load < least.load or (s.load == least.load and s.score > least.score) then least = s end
   end
-  if chosen == nil and home == nil then
+  if home == nil and least.room then
+    -- First seen with a slot free somewhere: its home. With every slot taken it gets none
+    -- yet (the shared queue decides where it runs), and one when it is next seen.
     chosen = least.name
     remember(backend_name, key, chosen)
   end
-  chosen = chosen or (best or least).name
+  if chosen == nil and best ~= nil then
+    chosen = best.name
+    -- Busy at home: the key now runs where its whole history will be read, so that is
+    -- where its next turn finds it. A home out of rotation is kept (it gets its keys back).
+    if home_up then remember(backend_name, key, chosen) end
+  end
+  if chosen == nil then return "" end
   local list = picked[backend_name]
   list[#list + 1] = {{chosen, totals[chosen] + (pending[chosen] or 0) + 1, now}}
   return chosen
 end)
+
+-- Before the pick: a key whose home is in rotation but has no free slot, while another
+-- instance has one, waits for its home up to `wait_ms`, looking every WAIT_STEP_MS. On a
+-- CPU the history the home holds costs seconds to read again elsewhere, often more than
+-- the turn it waits for; past `wait_ms` the pick sends it elsewhere. With no slot free
+-- anywhere it does not wait here: the backend's one queue gives it the first slot freed.
+-- One request waits per home at a time (a second would find the slot taken by the first):
+-- a burst with one prompt goes on to the free instances at once. A request that waited
+-- is marked ({WAITED}): the queue's bound is checked again after the wait.
+local WAIT_STEP_MS = {WAIT_STEP_MS}
+local waiters = {{}}  -- "backend/server" -> true while a request waits for that home
+core.register_action("{WAIT}", {{"http-req"}}, function(txn, backend_name, wait_ms)
+  local key = tonumber(txn:get_var("{PREFIX_HASH}"))
+  local backend = core.backends[backend_name]
+  if key == nil or backend == nil then return end
+  local home = home_of(backend_name, key)
+  if home == nil or backend.servers[home] == nil then return end
+  local slot = backend_name .. "/" .. home
+  local deadline = clock_ms() + tonumber(wait_ms)
+  -- A waiter whose client left is dropped mid-sleep and never clears its mark: the mark
+  -- holds its deadline, and a later request takes the place once it has passed.
+  if (waiters[slot] or 0) > clock_ms() then return end
+  local marked = false
+  while clock_ms() < deadline do
+    local totals, loads, room = {{}}, {{}}, {{}}
+    local stats = {{}}
+    for name, server in pairs(backend.servers) do
+      stats[name] = server:get_stats()
+      totals[name] = tonumber(stats[name].stot) or 0
+    end
+    local pending = uncounted(backend_name, totals, clock_ms())
+    local other_free = false
+    for name, s in pairs(stats) do
+      local rotating = tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" and (tonumber(s.weight) or 0) > 0
+      local slots = tonumber(s.slim) or 0
+      local load = (tonumber(s.scur) or 0) + (tonumber(s.qcur) or 0) + (pending[name] or 0)
+      room[name] = rotating and (slots == 0 or load < slots)
+      if name == home and not rotating then return end
+      if name ~= home and room[name] then other_free = true end
+    end
+    if room[home] or not other_free then break end
+    if not marked then
+      waiters[slot], marked = deadline, true
+      txn:set_var("{WAITED}", true)
+    end
+    core.msleep(WAIT_STEP_MS)
+  end
+  if marked then waiters[slot] = nil end
+end, 2)
 """
 
 
@@ -213,6 +289,8 @@ def _prefix(front: FrontendSection, backend: str, servers: list[str]) -> list[st
             f"    http-request set-var({key}) req.hdr({front.affinity_header}) "
             f"if {{ req.hdr({front.affinity_header}) -m found }}",
             f"    http-request set-var({PREFIX_HASH}) var({key}),xxh32 if {{ var({key}) -m found }}",
+            *([f"    http-request lua.{WAIT} {backend} {int(front.prefix_wait_s * 1000)} "
+               f"if {{ var({PREFIX_HASH}) -m found }}"] if front.prefix_wait_s > 0 else []),
             f"    http-request set-var({PREFIX_SERVER}) lua.{PICK}({backend},{front.prefix_balance_factor}) "
             f"if {{ var({PREFIX_HASH}) -m found }}",
             *(f"    use-server {name} if {{ var({PREFIX_SERVER}) -m str {name} }}" for name in servers)]

@@ -47,6 +47,7 @@ from numad_infer.frontdoor.tenants import ARRIVED, IS_BATCH
 
 ACTION = "numa_batch_wait"
 STEP_MS = 20
+GRANT_MS = 250
 STALE_MS = 1000
 _REFUSED = "txn.batch_refused"
 
@@ -63,10 +64,27 @@ end
 -- Free slots on the backend's servers in rotation, less the requests in the backend's own
 -- queue (which any of them may take). A server's own queue (a request routed to it by an
 -- affinity) waits for that server alone: it takes none of another server's free slots.
-local function batch_room(name)
+-- Requests let go in the last GRANT_MS count as taking a slot: between its release and
+-- the moment HAProxy counts it at a server, the rules after this one run (the prefix pick's
+-- Lua among them, behind the Lua lock), and the next in line would see the same free slot
+-- (a test saw three let go for two slots). Counted twice for GRANT_MS at most once
+-- HAProxy counts it: the next batch request waits that much longer.
+local GRANT_MS = {GRANT_MS}
+local granted = {{}}  -- backend name -> list of release times (ms)
+
+local function batch_granted(name, now)
+  local kept = {{}}
+  for _, at in ipairs(granted[name] or {{}}) do
+    if now - at < GRANT_MS then kept[#kept + 1] = at end
+  end
+  granted[name] = kept
+  return #kept
+end
+
+local function batch_room(name, now)
   local backend = core.backends[name]
   if backend == nil then return 0 end
-  local free = -(tonumber(backend:get_stats()["qcur"]) or 0)
+  local free = -(tonumber(backend:get_stats()["qcur"]) or 0) - batch_granted(name, now)
   for _, server in pairs(backend.servers) do
     local s = server:get_stats()
     if tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" then
@@ -92,7 +110,7 @@ core.register_action("{ACTION}", {{"http-req"}}, function(txn, timeout_ms, most)
   if list == nil then list = {{}}; batch_waiting[name] = list end
   local now = batch_now()
   local waiting = batch_ahead(list, math.huge, now)
-  if waiting == 0 and batch_room(name) > 0 then return end
+  if waiting == 0 and batch_room(name, now) > 0 then table.insert(granted[name], now); return end
   if waiting >= tonumber(most) then txn:set_var("{_REFUSED}", true); return end
   batch_seq = batch_seq + 1
   local id = batch_seq
@@ -105,7 +123,11 @@ core.register_action("{ACTION}", {{"http-req"}}, function(txn, timeout_ms, most)
     now = batch_now()
     entry.seen = now
     if now >= deadline then list[id] = nil; txn:set_var("{_REFUSED}", true); return end
-    if batch_ahead(list, id, now) < batch_room(name) then list[id] = nil; return end
+    if batch_ahead(list, id, now) < batch_room(name, now) then
+      list[id] = nil
+      table.insert(granted[name], now)
+      return
+    end
   end
 end, 2)
 """

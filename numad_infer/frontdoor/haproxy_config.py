@@ -255,7 +255,16 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              "    http-check expect status 200",
              f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {engine.slots(model.view)} "
              f"observe layer4 error-limit 1 on-error mark-down"]
-    lines += affinity.rules(front, backend, [*(server_name(i.name) for i in instances), surge_server(backend)])
+    picks = affinity.rules(front, backend, [*(server_name(i.name) for i in instances), surge_server(backend)])
+    if front.affinity == Affinity.PREFIX and front.prefix_wait_s > 0:
+        # A request that waited for its busy home (affinity.py) was checked against the
+        # queue's bound before it waited: the queue may have filled meanwhile. Before the
+        # use-server rules, where HAProxy reads http-request rules in the order it runs them.
+        first_use = next(n for n, line in enumerate(picks) if line.startswith("    use-server "))
+        picks.insert(first_use, f"    http-request return status 503 content-type application/json string "
+                                f"'{_BUSY.body()}' hdr Retry-After 1 if {{ var({affinity.WAITED}) -m bool }} "
+                                f"{{ queue({backend}) ge {front.queue_size} }}")
+    lines += picks
     for instance in instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
     # Out of rotation (and unchecked) until a surge points it at a copy: port 1, never contacted.

@@ -168,11 +168,11 @@ def door(tmp_path: Path) -> Iterator[tuple[Door, list[_Instance]]]:
         instance.close()
 
 
-def _ask_then_leave(port: int, leave_after_s: float,
-                    done: threading.Event | None = None) -> tuple[float, tuple[str, int]]:
+def _ask_then_leave(port: int, leave_after_s: float, done: threading.Event | None = None,
+                    prompt: str = "Once upon a time") -> tuple[float, tuple[str, int]]:
     """A non-streaming request over a raw socket, closed without reading an answer after
     `leave_after_s`, or as soon as `done` is set."""
-    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 1800, "stream": False}).encode()
+    body = json.dumps({"prompt": prompt, "max_tokens": 1800, "stream": False}).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -211,8 +211,10 @@ def test_a_queued_request_whose_client_left_never_reaches_an_instance(door) -> N
     # take an instance out for a moment, and a holder's request then waits in the queue
     # for it; one that left meanwhile would never arrive.
     release = threading.Event()
-    holders = [threading.Thread(target=_ask_then_leave, args=(front.port, 120.0, release), daemon=True)
-               for _ in range(slots)]
+    # One conversation each: under prefix routing (the default) a shared prompt would be one
+    # key, kept on one instance within the load bound, and leave another idle.
+    holders = [threading.Thread(target=_ask_then_leave, args=(front.port, 120.0, release, f"Holder {n}"), daemon=True)
+               for n in range(slots)]
     for holder in holders:
         holder.start()
     try:

@@ -80,8 +80,9 @@ def test_a_request_that_crashes_its_instance_gets_one_json_502_and_reaches_no_ot
     assert set(ordinary.values()) == {200}, ordinary
 
 
-def test_a_refused_connection_is_still_retried_on_another_instance(front_door) -> None:
-    door = front_door()
+@pytest.mark.parametrize("affinity", ["prefix", "none"])
+def test_a_refused_connection_is_still_retried_on_another_instance(front_door, affinity: str) -> None:
+    door = front_door(frontend=f'affinity = "{affinity}"')
     door.start_stub(0)
     door.start_stub(1)
     door.start_haproxy()
@@ -89,8 +90,10 @@ def test_a_refused_connection_is_still_retried_on_another_instance(front_door) -
     # stub1 vanishes; HAProxy still has it UP until a check or a refused connection says otherwise.
     door.stubs["stub1"].send_signal(signal.SIGKILL)
     door.stubs["stub1"].wait(10)
-    answers = [door.post(f"ok{n}", {"prompt": "hello"}) for n in range(4)]
-    assert [a.status for a in answers] == [200] * 4, answers
+    # Prompts of their own: under prefix routing a key whose home is stub1 is picked for it
+    # (use-server) and must still be redispatched to stub0.
+    answers = [door.post(f"ok{n}", {"prompt": f"hello {n}"}) for n in range(8)]
+    assert [a.status for a in answers] == [200] * 8, answers
     assert {a.served_by() for a in answers} == {"stub0"}
     assert door.backend_counter("wretr") + door.backend_counter("wredis") >= 1, "no request met the refused port"
 

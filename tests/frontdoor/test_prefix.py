@@ -26,7 +26,7 @@ SYSTEM = "You are a helpful assistant. Answer briefly and cite sources. " * 20  
 
 
 def _prefix(text: str) -> str:
-    """`affinity = "prefix"` (opt-in) unless the text names an affinity."""
+    """`affinity = "prefix"` (the default, named so that these tests keep it) unless the text names an affinity."""
     if "affinity =" in text:
         return text
     return text.replace("[frontend]\n", '[frontend]\naffinity = "prefix"\n') if "[frontend]\n" in text else (
@@ -44,10 +44,8 @@ def _backend_text(text: str, name: str = BACKEND) -> str:
 
 
 def test_prefix_hashes_the_prompt_start_within_a_load_bound_and_none_keeps_leastconn(tmp_path: Path) -> None:
-    # Opt-in: the default stays least connections (docs/frontdoor.md, "Prefix routing").
-    default = _backend_text(_render(tmp_path / "z", '[model]\npath = "/m.gguf"\n', as_written=True))
-    assert "    balance leastconn\n" in default and "prefix_key" not in default and "use-server" not in default
-    text = _backend_text(_render(tmp_path / "a", '[model]\npath = "/m.gguf"\n'))
+    # The default (docs/frontdoor.md, "Prefix routing"): a file that names no affinity.
+    text = _backend_text(_render(tmp_path / "a", '[model]\npath = "/m.gguf"\n', as_written=True))
     # Least connections where no rule picks: a request without a key, or none in rotation.
     assert "    balance leastconn\n" in text and "balance hash" not in text and "hash-balance-factor" not in text
     assert "json_query('$.messages[0].content'),bytes(0,256)" in text
@@ -60,6 +58,13 @@ def test_prefix_hashes_the_prompt_start_within_a_load_bound_and_none_keeps_least
     servers = [line.split()[1] for line in text.splitlines() if line.startswith("    server ")]
     assert [s for s in servers if not s.startswith("hold-")] == [
         line.split()[1] for line in text.splitlines() if line.startswith("    use-server ")]
+    # The wait for a busy home, then the queue's bound again for a request that waited,
+    # before the use-server rules (HAProxy runs http-request rules first whatever the order).
+    wait = text.index("    http-request lua.numa_home_wait instances 1000 if { var(txn.prefix_hash) -m found }\n")
+    again = text.index("if { var(txn.prefix_waited) -m bool } { queue(instances) ge 64 }\n")
+    assert wait < again < text.index("    use-server ")
+    unwaited = _render(tmp_path / "w", '[model]\npath = "/m.gguf"\n[frontend]\nprefix_wait_s = 0\n')
+    assert "numa_home_wait" not in _backend_text(unwaited) and "prefix_waited" not in unwaited
     tuned = _render(tmp_path / "b", '[model]\npath = "/m.gguf"\n[frontend]\nprefix_bytes = 512\n'
                                     'prefix_balance_factor = 1.5\naffinity_header = "X-Chat"\n')
     assert "lua.numa_pick(instances,1.5)" in tuned and "bytes(0,512)" in tuned and "req.hdr(X-Chat)" in tuned
@@ -102,9 +107,9 @@ def _door(tmp_path: Path, head: str, frontend: str = "") -> FrontDoor:
     return FrontDoor(tmp_path, config, tmp_path / "run", ports)
 
 
-def _two_started(tmp_path: Path, parallel: int) -> FrontDoor:
+def _two_started(tmp_path: Path, parallel: int, frontend: str = "") -> FrontDoor:
     """Two servers of `parallel` slots, both stubs up and HAProxy started; the caller stops it."""
-    door = _door(tmp_path, f'[model]\npath = "/m.gguf"\n[server]\nparallel = {parallel}\n')
+    door = _door(tmp_path, f'[model]\npath = "/m.gguf"\n[server]\nparallel = {parallel}\n', frontend)
     try:
         for k in range(2):
             door.start_stub(k)
@@ -314,9 +319,9 @@ def test_past_the_bound_a_hot_key_no_longer_piles_onto_its_server(tmp_path: Path
     # Two servers of 2 slots, 8 requests at once with one key, each held 3 s. HAProxy's own
     # bound (hash-balance-factor) counts only requests being served: the 4 that wait would
     # all queue for the hot server (measured: 6 of 8 there, the last done after 9 s). This
-    # one counts those waiting for a server too: no server takes more than 1.25 x the mean,
-    # so the 8 end at 4/4 or 5/3, each in its server's queue (not one shared queue, as with
-    # leastconn: the gap docs/frontdoor.md states).
+    # pick names a server only while it has a free slot within the bound: 2 go to each, and
+    # the 4 others wait in the backend's one queue for whichever frees first, never in a
+    # server's own queue (where an idle server could not take them).
     door = _two_started(tmp_path, 2)
     try:
         api = RuntimeAPI(str(door.run_dir / "haproxy.sock"))
@@ -339,7 +344,8 @@ def test_past_the_bound_a_hot_key_no_longer_piles_onto_its_server(tmp_path: Path
             watcher.join()
         assert [a.status for a in answers] == [200] * 8
         served = Counter(a.served_by() for a in answers)
-        assert max(q for q, _ in waiting) >= 3, waiting  # they did wait
+        assert max(q for q, _ in waiting) >= 3, waiting  # they did wait, in the one queue
+        assert not any(any(per_server.values()) for _, per_server in waiting), waiting
         # Not 6 of 8 on the hot server: at most 1.25 x the mean of 4.
         assert max(served.values()) <= 5 and len(served) == 2, served
         print(f"past the bound: served {dict(served)}")
@@ -380,5 +386,45 @@ def test_conversations_first_seen_together_spread_evenly_and_keep_their_instance
         turns = [turn(0, list(range(8))), turn(1, list(range(7, -1, -1)))]
         assert sorted(Counter(turns[0]).values()) == [4, 4], turns[0]
         assert turns[1] == turns[0], turns
+    finally:
+        door.stop()
+
+
+@with_haproxy
+@pytest.mark.parametrize("wait_s", [1.0, 6.0])
+def test_a_request_waits_for_its_busy_home_up_to_prefix_wait_s_then_runs_on_a_free_instance(
+        tmp_path: Path, wait_s: float) -> None:
+    """Two servers of one slot. A conversation's first turn holds its home 3 s; its next
+    turn, sent meanwhile while the other server is free, waits for the home up to
+    prefix_wait_s: at 1 s it runs on the free server (which becomes its home: it read the
+    whole history there), at 6 s it gets its home back when the first turn ends."""
+    door = _two_started(tmp_path, 1, frontend=f"prefix_wait_s = {wait_s}\n")
+    try:
+        opening = "a conversation of its own " + "x" * 300
+
+        def turn(k: int) -> tuple[str, float]:
+            started = time.monotonic()
+            body = _chat(SYSTEM, [opening + SLOW_MARKER, *(f"follow-up {t}" for t in range(k))])
+            answer = _post(door, json.dumps(body).encode())
+            assert answer.status == 200, answer
+            return answer.served_by(), time.monotonic() - started
+
+        first: list[tuple[str, float]] = []
+        holder = threading.Thread(target=lambda: first.append(turn(0)))
+        holder.start()
+        time.sleep(0.5)  # the first turn at its home
+        home_busy = time.monotonic()
+        second, took = turn(1)
+        holder.join(30)
+        (home, _), = first
+        if wait_s < 3:
+            # Waited about wait_s, then served at once elsewhere (3 s of the stub's own).
+            assert second != home and wait_s - 0.2 < took - 3 < wait_s + 1.0, (home, second, took)
+            third, _ = turn(2)
+            assert third == second, (home, second, third)  # its new home
+        else:
+            # Waited for its home to free (about 2.5 s after it was sent), not for wait_s.
+            assert second == home and 2.0 < took - 3 < 4.0, (home, second, took)
+        assert time.monotonic() - home_busy < 20
     finally:
         door.stop()

@@ -416,7 +416,9 @@ def test_each_class_waits_up_to_its_own_queue_deadline(door_with, deadlines: str
 
     def ask(key: str, who: str) -> None:
         sent = time.monotonic()
-        reply = post(door.port, key, content=SLOW)
+        # Each its own conversation: one prompt for all would be one prefix key, and the
+        # second request would wait for the first's instance (frontend.prefix_wait_s).
+        reply = post(door.port, key, content=f"{who} {SLOW}")
         results[who] = (reply, time.monotonic() - sent)
 
     def send(key: str, who: str, waiting: int) -> threading.Thread:

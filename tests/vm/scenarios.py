@@ -264,14 +264,19 @@ class Load:
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._client, args=(limit,), daemon=True) for _ in range(clients)]
+        self.threads = [threading.Thread(target=self._client, args=(limit, f"numa client {n}"), daemon=True)
+                        for n in range(clients)]
 
-    def _client(self, limit: int) -> None:
+    def _client(self, limit: int, prompt: str) -> None:
+        # Each client its own prompt, as each user has their own conversation: under the
+        # default prefix routing the clients' keys find homes on different instances
+        # (1b-frontdoor counts requests on both nodes), where one shared prompt would be one
+        # key kept on one instance within the load bound.
         for _ in range(limit):
             if self._stop.is_set():
                 return
             try:
-                complete(FRONT_PORT, timeout=300)
+                complete(FRONT_PORT, timeout=300, prompt=prompt)
                 with self._lock:
                     self.ok += 1
             except Exception as exc:  # every kind of failure counts
@@ -303,9 +308,9 @@ def under_load(action, what: str):
     return result, load.verdict(what)
 
 
-def complete(port: int, timeout: float = 120) -> str:
+def complete(port: int, timeout: float = 120, prompt: str = "numa") -> str:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
-                                 data=json.dumps({"prompt": "numa", "max_tokens": 4}).encode(),
+                                 data=json.dumps({"prompt": prompt, "max_tokens": 4}).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.load(resp)["choices"][0]["text"]
@@ -384,6 +389,10 @@ def s1b_frontdoor() -> str:
     if sh("systemctl", "is-active", "numa-infer-frontdoor", check=False).strip() != "active":
         raise Fail("numa-infer-frontdoor.service is not active")
     user = frontdoor_runs_as_its_user()  # and the daemon's capabilities
+    # Prefix routing is the default: the rendered front door picks an instance per key.
+    picks = [line for line in Path("/run/numa-infer/haproxy.cfg").read_text().splitlines() if "use-server" in line]
+    if len(picks) != 2:
+        raise Fail(f"haproxy.cfg has {len(picks)} use-server rules, not one per instance: prefix routing is off")
     before = {i["name"]: i.get("served") or 0 for i in status()["instances"]}
     load = Load(clients=2, limit=6)
     for t in load.threads:
@@ -401,7 +410,8 @@ def s1b_frontdoor() -> str:
     if not front or not front["up"]:
         raise Fail(f"status: front door {front}")
     served = {i["name"]: i["served"] - before[i["name"]] for i in state["instances"]}
-    return f"haproxy as {user}; {load.ok} requests through :{FRONT_PORT}, served per node {served}"
+    return (f"haproxy as {user}; prefix routing; {load.ok} requests through :{FRONT_PORT} from 2 clients, "
+            f"served per node {served}")
 
 
 @scenario("1c-api-key")
@@ -1270,7 +1280,7 @@ class ModelLoad(Load):
         super().__init__(clients)
         self.model = model
 
-    def _client(self, limit: int) -> None:
+    def _client(self, limit: int, prompt: str) -> None:
         for _ in range(limit):
             if self._stop.is_set():
                 return
@@ -1536,8 +1546,10 @@ def b1_aggregate() -> str:
     global MODEL
     MODEL = "/var/lib/numa-infer/models/bench.gguf"
     sh("install", "-D", "-m", "0644", str(SHARE / "bench.gguf"), MODEL)
-    # Under TCG a completion takes tens of seconds: the queue may wait that long.
-    slow = "queue_timeout_s = 1800\nrequest_timeout_s = 1800\n"
+    # Under TCG a completion takes tens of seconds: the queue may wait that long. Least
+    # connections: the four clients send one prompt, which prefix routing would keep on one
+    # instance as far as its load bound allows; this measures placement, not routing.
+    slow = 'queue_timeout_s = 1800\nrequest_timeout_s = 1800\naffinity = "none"\n'
     write_config(frontend=slow)
     sh("systemctl", "start", "numa-infer", timeout=300)
     state = all_healthy(2)
