@@ -11,11 +11,12 @@ last done after 9 s against 6 s with leastconn). The pick is a small Lua fetch i
 (PICK_LUA, in the Lua file HAProxy loads): a key goes to its home (the instance it went to
 first: the least loaded then, the highest scoring for the key by rendezvous hashing among
 equals), skipping any instance without a free slot or whose load (serving and waiting
-for it) would pass the factor x the mean, rounded up, then `use-server`; when none has
-room, no pick: the request waits in the backend's one queue (leastconn), where queue_size,
-the priority classes and their deadlines apply, for whichever instance frees first. Keys
-move only with the server that leaves or joins, and the bound holds however busy the
-backend is.
+for it) would pass the factor x the mean, rounded up, then `use-server`. A busy home is
+waited for up to `frontend.prefix_wait_s` first (the Lua action WAIT); a key that then runs
+elsewhere makes its home there. When none has room, no pick: the request waits in the
+backend's one queue (leastconn), where queue_size, the priority classes and their
+deadlines apply, for whichever instance frees first. A drained instance keeps its keys,
+and the bound holds however busy the backend is.
 """
 
 from __future__ import annotations
@@ -125,6 +126,28 @@ local function uncounted(backend_name, totals, now)
   return counts
 end
 
+-- Each server of the backend by name: in rotation or not (up, not drained, not a backup),
+-- its load (requests served, waiting for it, and picks HAProxy has not counted yet), a
+-- free slot or not (load below its maxconn; 0: no limit). And per server, the session
+-- total a pick made now will show in (its own and the uncounted picks before it).
+local function servers_of(backend_name, backend, now)
+  local stats, totals = {{}}, {{}}
+  for name, server in pairs(backend.servers) do
+    stats[name] = server:get_stats()
+    totals[name] = tonumber(stats[name].stot) or 0
+  end
+  local pending = uncounted(backend_name, totals, now)
+  local servers, counted = {{}}, {{}}
+  for name, s in pairs(stats) do
+    local rotating = tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" and (tonumber(s.weight) or 0) > 0
+    local slots = tonumber(s.slim) or 0
+    local load = (tonumber(s.scur) or 0) + (tonumber(s.qcur) or 0) + (pending[name] or 0)
+    servers[name] = {{rotating = rotating, load = load, room = rotating and (slots == 0 or load < slots)}}
+    counted[name] = totals[name] + (pending[name] or 0)
+  end
+  return servers, counted
+end
+
 -- The server for the request's key (its hash in {PREFIX_HASH}), among the servers that
 -- fit it: in rotation (up, not drained, not backups), with a free slot (load below its
 -- maxconn), and whose load (requests served and waiting for it) stays within factor x the
@@ -135,9 +158,10 @@ end
 --   the homes, a key goes where it went before); it becomes the key's home. Few
 --   conversations spread evenly this way, where hashing alone sends three of four to one
 --   instance of two a time in two;
--- - a home that does not fit: the highest scoring that does, for this request only (the
---   same one each time, whose caches then hold the key too), the home kept: a drained
---   instance gets its keys back, and one that leaves or joins moves no other's keys.
+-- - a home that does not fit: the highest scoring that does. A home in rotation (full, or
+--   past the bound) gives way to it: it then holds the key's whole history. A home out of
+--   rotation is kept: a drained instance gets its keys back, and one that leaves or joins
+--   moves no other's keys.
 -- None fits: "", and the request waits in the backend's one queue for whichever instance
 -- frees a slot first (leastconn), as under affinity "none": a request pinned to a full
 -- server would wait in that server's own queue while another instance may sit idle, and
@@ -148,21 +172,12 @@ core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
   local key = tonumber(txn:get_var("{PREFIX_HASH}"))
   if backend == nil or key == nil then return "" end
   local now = clock_ms()
-  local stats, totals = {{}}, {{}}
-  for name, server in pairs(backend.servers) do
-    local s = server:get_stats()
-    stats[name] = s
-    totals[name] = tonumber(s.stot) or 0
-  end
-  local pending = uncounted(backend_name, totals, now)
+  local servers, counted = servers_of(backend_name, backend, now)
   local up, total = {{}}, 0
-  for name, s in pairs(stats) do
-    if tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" and (tonumber(s.weight) or 0) > 0 then
-      local load = (tonumber(s.scur) or 0) + (tonumber(s.qcur) or 0) + (pending[name] or 0)
-      local slots = tonumber(s.slim) or 0  -- the server's maxconn: its slots; 0, no limit
-      up[#up + 1] = {{name = name, load = load, room = slots == 0 or load < slots,
-                     score = mix(key ~ server_hash(name))}}
-      total = total + load
+  for name, s in pairs(servers) do
+    if s.rotating then
+      up[#up + 1] = {{name = name, load = s.load, room = s.room, score = mix(key ~ server_hash(name))}}
+      total = total + s.load
     end
   end
   if #up == 0 then return "" end
@@ -190,13 +205,14 @@ core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
   end
   if chosen == nil and best ~= nil then
     chosen = best.name
-    -- Busy at home: the key now runs where its whole history will be read, so that is
-    -- where its next turn finds it. A home out of rotation is kept (it gets its keys back).
+    -- Its home full or past the bound: the key now runs where its whole history will be
+    -- read, so that is where its next turn finds it. A home out of rotation is kept (it
+    -- gets its keys back).
     if home_up then remember(backend_name, key, chosen) end
   end
   if chosen == nil then return "" end
   local list = picked[backend_name]
-  list[#list + 1] = {{chosen, totals[chosen] + (pending[chosen] or 0) + 1, now}}
+  list[#list + 1] = {{chosen, counted[chosen] + 1, now}}
   return chosen
 end)
 
@@ -209,7 +225,7 @@ end)
 -- a burst with one prompt goes on to the free instances at once. A request that waited
 -- is marked ({WAITED}): the queue's bound is checked again after the wait.
 local WAIT_STEP_MS = {WAIT_STEP_MS}
-local waiters = {{}}  -- "backend/server" -> true while a request waits for that home
+local waiters = {{}}  -- "backend/server" -> the deadline of the request waiting for that home
 core.register_action("{WAIT}", {{"http-req"}}, function(txn, backend_name, wait_ms)
   local key = tonumber(txn:get_var("{PREFIX_HASH}"))
   local backend = core.backends[backend_name]
@@ -223,23 +239,14 @@ core.register_action("{WAIT}", {{"http-req"}}, function(txn, backend_name, wait_
   if (waiters[slot] or 0) > clock_ms() then return end
   local marked = false
   while clock_ms() < deadline do
-    local totals, loads, room = {{}}, {{}}, {{}}
-    local stats = {{}}
-    for name, server in pairs(backend.servers) do
-      stats[name] = server:get_stats()
-      totals[name] = tonumber(stats[name].stot) or 0
-    end
-    local pending = uncounted(backend_name, totals, clock_ms())
+    local servers = servers_of(backend_name, backend, clock_ms())
     local other_free = false
-    for name, s in pairs(stats) do
-      local rotating = tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" and (tonumber(s.weight) or 0) > 0
-      local slots = tonumber(s.slim) or 0
-      local load = (tonumber(s.scur) or 0) + (tonumber(s.qcur) or 0) + (pending[name] or 0)
-      room[name] = rotating and (slots == 0 or load < slots)
-      if name == home and not rotating then return end
-      if name ~= home and room[name] then other_free = true end
+    for name, s in pairs(servers) do
+      if name ~= home and s.room then other_free = true end
     end
-    if room[home] or not other_free then break end
+    -- A home out of rotation is not waited for (the pick sends the request elsewhere).
+    local at_home = servers[home]
+    if at_home == nil or not at_home.rotating or at_home.room or not other_free then break end
     if not marked then
       waiters[slot], marked = deadline, true
       txn:set_var("{WAITED}", true)
