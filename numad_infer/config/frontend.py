@@ -85,11 +85,9 @@ class FrontendSection(Section):
     )
     # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
     affinity: Affinity = Field(
-        # The default: bench/prefix.py (bench/README.md, run 7) measured later turns of a
-        # conversation 1.08-2.11x faster than least connections at p50 (1.58x with two
-        # slots), throughput 1.02-1.22x, traffic that shares nothing 0.97-1.03x; it never
-        # leaves a request waiting beside a free slot longer than prefix_wait_s, and the load
-        # bound keeps one hot prompt from piling on one instance.
+        # The default: later turns 1.08-2.11x faster than least connections at p50, no cost
+        # where nothing is shared (bench/README.md, run 7); idle beside a waiting request
+        # for prefix_wait_s at most, and the load bound keeps a hot prompt spread.
         Affinity.PREFIX, strict=False,
         description=(
             "keep the turns of a conversation on the instance that holds its prompt prefix. `\"prefix\"`: a "
@@ -125,10 +123,8 @@ class FrontendSection(Section):
             "request goes to the next instance in its key's order instead"
         ),
     )
-    # 1.0 (bench/prefix.py, bench/README.md run 7; 3 and 10 no better): a turn whose
-    # instance is busy waited for it in that instance's own queue in an earlier pick (fast,
-    # but an instance idle beside a waiting request, and queue_size refusing meanwhile),
-    # and ran elsewhere at once in the next (0.70-0.91x: its history read again there).
+    # 1.0 (bench/README.md run 7; 3 and 10 no better, 0 read histories again: 0.70-0.91x;
+    # waiting with no limit left instances idle beside waiting requests).
     prefix_wait_s: float = Field(
         1.0, ge=0, le=30,
         description=(
