@@ -244,8 +244,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              # Needed for retries (the request is replayed from the buffer) and for json_query.
              "    option http-buffer-request",
              *hold.retry_rules(),
-             f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
-             f"hdr Retry-After 1 if {hold.ARRIVING} {{ queue({backend}) ge {front.queue_size} }}",
+             _queue_full(backend, front, hold.ARRIVING),
              # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
              *hold.hold_rules(front, _BUSY.body(),
                               tenants.IS_BATCH if batch_wait.applies(front, config.tenants) else None),
@@ -261,9 +260,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
         # queue's bound before it waited: the queue may have filled meanwhile. Before the
         # use-server rules, where HAProxy reads http-request rules in the order it runs them.
         first_use = next(n for n, line in enumerate(picks) if line.startswith("    use-server "))
-        picks.insert(first_use, f"    http-request return status 503 content-type application/json string "
-                                f"'{_BUSY.body()}' hdr Retry-After 1 if {{ var({affinity.WAITED}) -m bool }} "
-                                f"{{ queue({backend}) ge {front.queue_size} }}")
+        picks.insert(first_use, _queue_full(backend, front, f"{{ var({affinity.WAITED}) -m bool }}"))
     lines += picks
     for instance in instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
@@ -347,6 +344,13 @@ def _defaults(front: FrontendSection) -> list[str]:
         lines.append(f"    http-error status {answer.status} content-type application/json "
                      f"string '{answer.body()}'{retry}")
     return lines
+
+
+def _queue_full(backend: str, front: FrontendSection, when: str) -> str:
+    """The JSON 503 with Retry-After for a request that finds `queue_size` waiting already,
+    checked `when` (on arrival; again after a wait for a prefix home)."""
+    return (f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
+            f"hdr Retry-After 1 if {when} {{ queue({backend}) ge {front.queue_size} }}")
 
 
 def body_buffer(served: tuple[ServedModel, ...]) -> int:
