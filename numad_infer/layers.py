@@ -161,7 +161,10 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/hold": (CORE, "requests for a model with no instance in rotation wait for one (HAProxy Lua action)"),
     "frontdoor/batch_wait": (CORE, "a batch request's own queue deadline: it waits for room before the queue "
                                    "(HAProxy Lua action)"),
-    "frontdoor/lua": (CORE, "the one Lua file HAProxy loads: the hold's actions, the prefix pick, the batch wait"),
+    "frontdoor/token_count": (CORE, "an answer's token counts as the engine reported them, for each tenant's usage "
+                              "(HAProxy Lua filter)"),
+    "frontdoor/lua": (CORE, "the one Lua file HAProxy loads: the hold's actions, the prefix pick, the batch wait, "
+                      "the token counts"),
     "frontdoor/tenants": (CORE, "tenants at the front door: keys, limits and models as HAProxy rules and key files"),
     "frontdoor/abandoned": (CORE, "requests whose client has left: which of HAProxy's streams to end"),
     "frontdoor/abandon_watch": (EDGE, "twice a second: half-closed client connections (/proc/net/tcp), their streams "

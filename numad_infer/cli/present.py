@@ -224,5 +224,5 @@ def _tenant_line(tenant: TenantStatus) -> str:
            else f"{tenant.in_flight} in flight, {tenant.last_minute} let through in the last minute; ")
     answered = ", ".join(f"{status} x{n}" for status, n in sorted(tenant.answers.items())) or "none"
     tokens = (f"; tokens {tenant.prompt_tokens} prompt, {tenant.completion_tokens} completion in "
-              f"{tenant.counted_answers} answer(s) sent whole" if tenant.counted_answers else "")
+              f"{tenant.counted_answers} answer(s)" if tenant.counted_answers else "")
     return f"  tenant {tenant.name}: {now}answers since the daemon started: {answered}{tokens}"

@@ -12,11 +12,11 @@ last done after 9 s against 6 s with leastconn). The pick is a small Lua fetch i
 first: the least loaded then, the highest scoring for the key by rendezvous hashing among
 equals), skipping any instance without a free slot or whose load (serving and waiting
 for it) would pass the factor x the mean, rounded up, then `use-server`. A busy home is
-waited for up to `frontend.prefix_wait_s` first (the Lua action WAIT); a key that then runs
-elsewhere makes its home there. When none has room, no pick: the request waits in the
-backend's one queue (leastconn), where queue_size, the priority classes and their
-deadlines apply, for whichever instance frees first. A drained instance keeps its keys,
-and the bound holds however busy the backend is.
+waited for up to `frontend.prefix_wait_s` first (the Lua action WAIT). When none has room,
+no pick: the request waits in the backend's one queue (leastconn), where queue_size, the
+priority classes and their deadlines apply, for whichever instance frees first. Wherever
+a turn ran, the instance that answered it becomes the key's home (the Lua action RAN). A
+drained instance keeps its keys, and the bound holds however busy the backend is.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ PICK_MEMORY_MS = 1000
 WAIT = "numa_home_wait"
 WAIT_STEP_MS = 25
 WAITED = "txn.prefix_waited"  # set on a request that waited: the queue's bound is checked again
+# affinity = "prefix": after a 200, the key's home becomes the server that answered it.
+RAN = "numa_home_ran"
 
 PICK_LUA = f"""
 -- numa-infer's prefix routing (numad_infer/frontdoor/affinity.py): written by the daemon, do not edit.
@@ -126,6 +128,11 @@ local function uncounted(backend_name, totals, now)
   return counts
 end
 
+-- A server's stats say it takes requests: up, not drained (weight 0), not a backup.
+local function in_rotation(s)
+  return tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" and (tonumber(s.weight) or 0) > 0
+end
+
 -- Each server of the backend by name: in rotation or not (up, not drained, not a backup),
 -- its load (requests served, waiting for it, and picks HAProxy has not counted yet), a
 -- free slot or not (load below its maxconn; 0: no limit). And per server, the session
@@ -139,7 +146,7 @@ local function servers_of(backend_name, backend, now)
   local pending = uncounted(backend_name, totals, now)
   local servers, counted = {{}}, {{}}
   for name, s in pairs(stats) do
-    local rotating = tonumber(s.bck) == 0 and tostring(s.status):sub(1, 2) == "UP" and (tonumber(s.weight) or 0) > 0
+    local rotating = in_rotation(s)
     local slots = tonumber(s.slim) or 0
     local load = (tonumber(s.scur) or 0) + (tonumber(s.qcur) or 0) + (pending[name] or 0)
     servers[name] = {{rotating = rotating, load = load, room = rotating and (slots == 0 or load < slots)}}
@@ -215,6 +222,28 @@ core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
   list[#list + 1] = {{chosen, counted[chosen] + 1, now}}
   return chosen
 end)
+
+-- After an answer (200) from one of the backend's instances: the key's home becomes the
+-- server that answered, however the request got there (its pick, the one queue's least
+-- busy, a retry): that instance has just read the key's whole history, so the next turn
+-- finds the most of it there. Without this, a turn the one queue sent away left its home
+-- where it was, and the next turn, back home, read the turn it had missed again (seen in
+-- bench/prefix.py: the third turn of every conversation ran away from home, and the fourth
+-- found only the second's prompt cached). A home out of rotation is kept, as in the pick:
+-- a drained instance gets its keys back.
+core.register_action("{RAN}", {{"http-res"}}, function(txn, backend_name)
+  local key = tonumber(txn:get_var("{PREFIX_HASH}"))
+  local server = txn.f:srv_name()
+  local backend = core.backends[backend_name]
+  if key == nil or server == nil or backend == nil then return end
+  local home = home_of(backend_name, key)
+  if home == server then return end
+  local at_home = home and backend.servers[home]
+  if at_home ~= nil then
+    if not in_rotation(at_home:get_stats()) then return end
+  end
+  remember(backend_name, key, server)
+end, 1)
 
 -- Before the pick: a key whose home is in rotation but has no free slot, while another
 -- instance has one, waits for its home up to `wait_ms`, looking every WAIT_STEP_MS. On a
@@ -300,6 +329,8 @@ def _prefix(front: FrontendSection, backend: str, servers: list[str]) -> list[st
                f"if {{ var({PREFIX_HASH}) -m found }}"] if front.prefix_wait_s > 0 else []),
             f"    http-request set-var({PREFIX_SERVER}) lua.{PICK}({backend},{front.prefix_balance_factor}) "
             f"if {{ var({PREFIX_HASH}) -m found }}",
+            f"    http-response lua.{RAN} {backend} if {{ var({PREFIX_HASH}) -m found }} {{ status 200 }} "
+            f"{{ srv_name -m str {' '.join(servers)} }}",
             *(f"    use-server {name} if {{ var({PREFIX_SERVER}) -m str {name} }}" for name in servers)]
 
 

@@ -44,7 +44,7 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor import affinity, batch_wait, hold, lua, tenants
+from numad_infer.frontdoor import affinity, batch_wait, hold, lua, tenants, token_count
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
 from numad_infer.frontdoor.routing import backend_of, health, route, routed
 from numad_infer.plan.model import Instance, Plan
@@ -127,11 +127,11 @@ CONFIG_NAME = "haproxy.cfg"
 # reads it): the server, the status, the time to the first byte of the answer's body (a
 # variable the backend sets) and %Ta, the request's whole active time, both in ms. With
 # [[tenants]], then the tenant whose key it carried ("-": none), from the key file's map,
-# and the answer's prompt and completion tokens where HAProxy read them (tenants.token_rules).
+# and the answer's prompt and completion tokens as the engine reported them (token_count.py).
 REQUEST_LOG_NAME = "requests.sock"
 REQUEST_LOG_FORMAT = "%s %ST %[var(txn.first_byte_ms)] %Ta"
 TENANT_LOG_FORMAT = (f"{REQUEST_LOG_FORMAT} %[var({tenants.VARIABLE})] "
-                     + " ".join(f"%[var({v})]" for v in tenants.TOKEN_VARIABLES))  # "-" where not read
+                     + " ".join(f"%[var({v})]" for v in token_count.TOKEN_VARIABLES))  # "-" where not read
 STATE_NAME = "haproxy.state"
 
 
@@ -240,7 +240,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              affinity.BALANCE,
              *tenants.model_rule(config.tenants, model),
              *_first_byte(front),
-             *tenants.token_rules(config.tenants, _ms(front.request_timeout_s)),
+             *token_count.rules(config.tenants),
              # Needed for retries (the request is replayed from the buffer) and for json_query.
              "    option http-buffer-request",
              *hold.retry_rules(),

@@ -48,8 +48,8 @@ class TenantUsage:
     answers: dict[str, int]  # by HTTP status ("200", "429"...), HAProxy's own refusals included
     time_to_first_token: Histogram  # requests an instance answered
     request_duration: Histogram
-    # Tokens as the engine reported them in answers sent whole (tenants.token_rules: not
-    # streams), and how many answers those are.
+    # Tokens as the engine reported them, in answers sent whole or streamed (token_count.py),
+    # and how many answers those are.
     prompt_tokens: int = 0
     completion_tokens: int = 0
     counted_answers: int = 0

@@ -61,8 +61,6 @@ IS_BATCH = f"{{ var({BATCH_VARIABLE}) -m bool }}"
 # (any client's own was removed before it was set).
 HELD_BATCH = f"{{ req.hdr({PRIORITY_HEADER}) -m str {Priority.BATCH.value} }}"
 ARRIVED = "txn.arrived_ms"  # when the gate saw the request (ms since the epoch): a batch deadline counts from it
-# An answer's token counts as the engine reported them (`usage`), where HAProxy can read it.
-TOKEN_VARIABLES = ("txn.prompt_tokens", "txn.completion_tokens")
 
 
 def keys_text(keys: Sequence[TenantKey]) -> str:
@@ -142,24 +140,6 @@ def held_priority(tenants: Sequence[TenantEntry], batch_delay_s: float) -> list[
     if not tenants:
         return []
     return [f"    http-request set-priority-offset int({int(batch_delay_s * 1000)}) if {HELD_BATCH}"]
-
-
-def token_rules(tenants: Sequence[TenantEntry], timeout: str) -> list[str]:
-    """A backend's rules that read an answer's `usage` (OpenAI's prompt_tokens and
-    completion_tokens, which llama-server sends) into TOKEN_VARIABLES, for the request's log
-    line (request_log.py). Only an answer sent whole (JSON) that fits HAProxy's buffer: the
-    engine sends it at once when done, so holding it costs nothing. A stream's counts come
-    in its last event, which HAProxy passes on without reading (only a Lua filter, which
-    HAProxy calls experimental, could): streams are not counted, and neither is a longer
-    answer (HAProxy passes it on once its buffer is full). `timeout`: the request's bound."""
-    if not tenants:
-        return []
-    whole = "{ res.hdr(content-type) -m beg -i application/json }"
-    # at-least past any buffer: wait for the whole answer, or until the buffer is full.
-    lines = [f"    http-response wait-for-body time {timeout} at-least 64m if {whole}"]
-    for variable, field in zip(TOKEN_VARIABLES, ("prompt_tokens", "completion_tokens"), strict=True):
-        lines.append(f"    http-response set-var({variable}) res.body,json_query('$.usage.{field}','int') if {whole}")
-    return lines
 
 
 def table(tenants: Sequence[TenantEntry]) -> list[str]:

@@ -196,8 +196,8 @@ def _tenant_metrics(tenants: tuple[TenantStatus, ...]) -> Iterator[Metric]:
                                   "As numa_infer_request_duration_seconds, for the tenant's requests",
                                   labels=["tenant"])
     tokens = CounterMetricFamily("numa_infer_tenant_tokens",
-                                 "Tokens the engine reported in the tenant's answers sent whole (streams are not "
-                                 "counted), by kind: prompt or completion", labels=["tenant", "kind"])
+                                 "Tokens the engine reported in the tenant's answers, sent whole or streamed, by "
+                                 "kind: prompt or completion", labels=["tenant", "kind"])
     counted = CounterMetricFamily("numa_infer_tenant_token_counted_answers",
                                   "The tenant's answers whose tokens numa_infer_tenant_tokens_total counts",
                                   labels=["tenant"])

@@ -179,8 +179,8 @@ class TenantStatus:
     answers: dict[str, int] = field(default_factory=dict)
     time_to_first_token: Histogram | None = None  # of its requests an instance answered
     request_duration: Histogram | None = None
-    # Tokens the engine reported in its answers sent whole (not streams: frontdoor/tenants.
-    # token_rules), since the daemon started, and how many such answers were counted.
+    # Tokens the engine reported in its answers, whole or streamed (frontdoor/token_count.py),
+    # since the daemon started, and how many answers reported them.
     prompt_tokens: int = 0
     completion_tokens: int = 0
     counted_answers: int = 0

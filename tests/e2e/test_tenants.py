@@ -34,6 +34,19 @@ def completion(port: int, key: str | None, max_tokens: int = 4) -> tuple[int, di
         return exc.code, json.loads(exc.read())
 
 
+def streamed(port: int, key: str, max_tokens: int = 4) -> tuple[int, dict]:
+    """A streamed completion: its status and its last event's `timings` (llama-server's own
+    counts, which it sends in every stream's last event)."""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", method="POST",
+        data=json.dumps({"prompt": "hello", "max_tokens": max_tokens, "stream": True}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        events = [json.loads(line[len("data: "):]) for line in response.read().decode().splitlines()
+                  if line.startswith("data: {")]
+        return response.status, events[-1]["timings"]
+
+
 def _tenant(state: dict, name: str) -> dict:
     front = state.get("frontdoor") or {}
     return next((t for t in front.get("tenants", []) if t["name"] == name), {"answers": {}, "last_minute": None})
@@ -98,20 +111,24 @@ def test_tenant_keys_gate_the_front_door_rotate_by_reload_and_appear_nowhere(dae
     # counts start again with the reloaded HAProxy: the last minute holds the later one.
     status, last = completion(door, KEY_B)
     assert status == 200
-    state = run.wait(lambda s: _answers(s, "team-a").get("200", 0) >= 2 and _answers(s, "team-b").get("200") == 2
-                     and _tenant(s, "team-b")["last_minute"] == 1, 30, "the tenants' answers counted")
+    status, timings = streamed(door, KEY_B)
+    assert status == 200
+    state = run.wait(lambda s: _answers(s, "team-a").get("200", 0) >= 2 and _answers(s, "team-b").get("200") == 3
+                     and _tenant(s, "team-b")["last_minute"] == 2, 30, "the tenants' answers counted")
     tenant_b = _tenant(state, "team-b")
-    assert tenant_b["in_flight"] == 0 and tenant_b["time_to_first_token"]["count"] == 2
-    # Its tokens, as llama-server reported them in the two answers (sent whole, not streamed).
+    assert tenant_b["in_flight"] == 0 and tenant_b["time_to_first_token"]["count"] == 3
+    # Its tokens, as llama-server reported them: `usage` in the two answers sent whole, the
+    # stream's last event's `timings` (read from the cache + computed; generated).
     reported = [answer["usage"] for _, answer in during] + [last["usage"]]
     assert (tenant_b["prompt_tokens"], tenant_b["completion_tokens"], tenant_b["counted_answers"]) == (
-        sum(u["prompt_tokens"] for u in reported), sum(u["completion_tokens"] for u in reported), 2)
+        sum(u["prompt_tokens"] for u in reported) + timings["cache_n"] + timings["prompt_n"],
+        sum(u["completion_tokens"] for u in reported) + timings["predicted_n"], 3)
     text = run.cli("status").stdout
     assert "  tenant team-a: 0 in flight" in text and "200 x" in text, text
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
         metrics = response.read().decode()
     assert 'numa_infer_tenant_requests_total{code="200",tenant="team-a"}' in metrics
-    assert 'numa_infer_tenant_time_to_first_token_seconds_count{tenant="team-b"} 2.0' in metrics
+    assert 'numa_infer_tenant_time_to_first_token_seconds_count{tenant="team-b"} 3.0' in metrics
     completion_tokens = float(tenant_b["completion_tokens"])
     assert f'numa_infer_tenant_tokens_total{{kind="completion",tenant="team-b"}} {completion_tokens}' in metrics
 

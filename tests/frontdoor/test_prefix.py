@@ -428,3 +428,38 @@ def test_a_request_waits_for_its_busy_home_up_to_prefix_wait_s_then_runs_on_a_fr
         assert time.monotonic() - home_busy < 20
     finally:
         door.stop()
+
+
+@with_haproxy
+def test_a_turn_the_one_queue_sent_elsewhere_makes_its_new_home_where_it_ran(tmp_path: Path) -> None:
+    """Two servers of one slot. A conversation's first turn goes to Q while P serves a slow
+    request; a second slow request then takes Q. The next turn finds no slot free anywhere:
+    it waits in the backend's one queue and runs on P, which frees first, and reads the
+    whole history there. The turn after it goes to P, its new home, not back to Q, where the
+    second turn would be read again."""
+    door = _two_started(tmp_path, 1)
+    try:
+        def slow(n: int) -> threading.Thread:
+            body = json.dumps(_chat(SYSTEM, [f"someone else {n} {SLOW_MARKER}"])).encode()
+            thread = threading.Thread(target=lambda: _post(door, body))
+            thread.start()
+            return thread
+
+        def turn(k: int) -> str:
+            answer = _post(door, json.dumps(_chat(SYSTEM, ["a conversation", *(f"follow-up {t}" for t in range(k))]))
+                           .encode())
+            assert answer.status == 200, answer
+            return answer.served_by()
+
+        holders = [slow(1)]
+        time.sleep(0.3)  # P serves it
+        first = turn(0)  # Q: P is busy
+        holders.append(slow(2))
+        time.sleep(0.5)  # Q serves the second slow request
+        second = turn(1)  # no slot free: the one queue; P frees first (about 2 s later)
+        for holder in holders:
+            holder.join(30)
+        assert second != first, (first, second)
+        assert _served(door, _chat(SYSTEM, ["a conversation", "follow-up 0", "follow-up 1"])) == second
+    finally:
+        door.stop()

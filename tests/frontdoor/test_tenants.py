@@ -65,10 +65,22 @@ class _Echo(BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.end_headers()
-            for event in ({"choices": [{"delta": {"content": "hi"}}]}, {"choices": [], "usage": usage}):
-                self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+            # Its `timings` always; `usage` too when the client asked for it. A text that looks
+            # like a count, as a model could write it (escaped inside its string), counts not.
+            last = {"choices": [], "timings": {"cache_n": 5, "prompt_n": 2, "predicted_n": 4}}
+            if b'"include_usage": true' in body:
+                last = {**last, "usage": usage}
+            first = {"choices": [{"delta": {"content": 'say "prompt_tokens":900 and "predicted_n":900'}}]}
+            self.wfile.write(f"data: {json.dumps(first)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(STREAM_GAP_S)  # the first token long before the end
+            # The last event in two writes, cut inside a number: HAProxy gets two chunks.
+            text = f"data: {json.dumps(last)}\n\n".encode()
+            cut = text.index(b'"prompt_n": 2') + len(b'"prompt_n": ')
+            for part in (text[:cut], text[cut:]):
+                self.wfile.write(part)
                 self.wfile.flush()
-                time.sleep(STREAM_GAP_S)  # the first token long before the end
+                time.sleep(0.3)
             self.wfile.write(b"data: [DONE]\n\n")
             self.close_connection = True
             return
@@ -319,7 +331,7 @@ def test_status_and_metrics_show_each_tenant_with_labels_from_the_configuration_
     shown = (TenantStatus("team-a", 1, 5, {"200": 4, "429": 2}, first, first, 120, 30, 3), TenantStatus("team-b"))
     assert _tenant_line(shown[0]) == ("  tenant team-a: 1 in flight, 5 let through in the last minute; answers since "
                                       "the daemon started: 200 x4, 429 x2; tokens 120 prompt, 30 completion in 3 "
-                                      "answer(s) sent whole")
+                                      "answer(s)")
     assert _tenant_line(shown[1]) == "  tenant team-b: answers since the daemon started: none"
     families = {f.name: f for f in _tenant_metrics(shown)}
     assert [(s.labels, s.value) for s in families["numa_infer_tenant_requests"].samples if s.name.endswith("_total")] \
@@ -331,7 +343,7 @@ def test_status_and_metrics_show_each_tenant_with_labels_from_the_configuration_
 
 
 @with_haproxy
-def test_each_tenants_tokens_are_counted_from_the_answers_it_got_whole(door_with) -> None:
+def test_each_tenants_tokens_are_counted_from_its_answers_whole_or_streamed(door_with) -> None:
     door = door_with()
     timings = door.door.requests.timings
     wait_for(lambda: "team-a" in timings.tenants(), "the first request's log line")  # the fixture's own
@@ -339,21 +351,25 @@ def test_each_tenants_tokens_are_counted_from_the_answers_it_got_whole(door_with
     for _ in range(3):
         assert post(door.port, KEY_A).status == 200
     assert post(door.port, KEY_B, more={}).status == 200
-    first_s, streamed = post_stream(door.port, KEY_A)
-    assert b'"usage"' in streamed  # the engine reported them; HAProxy passed the stream on unread
-    assert first_s < STREAM_GAP_S * 0.8, first_s  # its first token was not held for the token count
-    wait_for(lambda: timings.tenants()["team-a"].answers.get("200", 0) == before.answers.get("200", 0) + 4,
+    streams = [post_stream(door.port, KEY_A), post_stream(door.port, KEY_A, usage=True)]
+    for first_s, streamed in streams:
+        assert first_s < STREAM_GAP_S * 0.8, first_s  # its first token was not held for the token count
+        assert streamed.count(b"data: ") == 3 and streamed.endswith(b"data: [DONE]\n\n"), streamed  # passed on whole
+    wait_for(lambda: timings.tenants()["team-a"].answers.get("200", 0) == before.answers.get("200", 0) + 5,
              "the log lines of team-a's requests", detail=door.log)
     used = timings.tenants()["team-a"]
+    # Three answers sent whole (11 + 3 each), a stream with llama-server's timings only (5 from
+    # the cache + 2 read, 4 made), a stream with usage (11 + 3): the model's text counts not.
     assert (used.prompt_tokens - before.prompt_tokens, used.completion_tokens - before.completion_tokens,
-            used.counted_answers - before.counted_answers) == (33, 9, 3)  # the three answers sent whole; not the stream
+            used.counted_answers - before.counted_answers) == (33 + 7 + 11, 9 + 4 + 3, 5)
     wait_for(lambda: timings.tenants().get("team-b") is not None, "team-b's line")
     assert (timings.tenants()["team-b"].prompt_tokens, timings.tenants()["team-b"].counted_answers) == (11, 1)
 
 
-def post_stream(port: int, key: str) -> tuple[float, bytes]:
-    """Seconds to the first event, and the whole stream."""
-    data = json.dumps({"model": "alpha", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+def post_stream(port: int, key: str, usage: bool = False) -> tuple[float, bytes]:
+    """Seconds to the first event, and the whole stream (`usage`: ask for OpenAI's usage)."""
+    data = json.dumps({"model": "alpha", "stream": True, "messages": [{"role": "user", "content": "hi"}],
+                       **({"stream_options": {"include_usage": True}} if usage else {})}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=data,
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
     started = time.monotonic()

@@ -522,7 +522,7 @@ def s1d_tenants() -> str:
              if p.is_file() and "vm-tenant-" in p.read_text(errors="replace")]
     if leaks or "vm-tenant-" in sh("journalctl", "--no-pager", "-o", "cat", "--since", "-10min", check=False):
         raise Fail(f"a tenant's key is readable in {leaks or 'the journal'}")
-    # Its tokens, as the engine reported them in its answers (sent whole), from HAProxy's
+    # Its tokens, as the engine reported them in its answers, from HAProxy's
     # unit to the daemon's socket.
     def team_b_tokens() -> dict | None:
         found = [t for t in (status().get("frontdoor") or {}).get("tenants", []) if t["name"] == "team-b"]

@@ -1,0 +1,74 @@
+"""An answer's token counts as the engine reported them, for each tenant's usage (issue 39):
+a Lua filter on each model's backend reads the answer as it passes, sent whole or
+streamed, and sets TOKEN_VARIABLES for the request's log line (request_log.py). Pure.
+
+Why it is done this way:
+- a stream's counts come in its last event, after the client has had every token: only a
+  filter sees what HAProxy passes on without holding it. A `wait-for-body` rule would
+  hold the answer (and gives up on one larger than HAProxy's buffer). The filter forwards
+  each chunk as it comes (it returns nothing, which forwards all); it only looks.
+- read where the engine puts them: OpenAI's `usage` (an answer sent whole, or a stream
+  whose client asked for `stream_options.include_usage`), else llama-server's `timings`,
+  which its last event always carries (`prompt_n` read + `cache_n` taken from the cache =
+  the prompt's tokens; `predicted_n` made). An answer with neither (another engine's
+  stream) is not counted: its log line says "-", and the tenant's counted answers say how
+  many were.
+- a key is matched only as JSON writes it outside a string (`"key": 12`, spaces or none): the
+  model's own text cannot produce it, since inside a string its quotes are escaped
+  (`\\"key\\": 12`).
+- an event split between two chunks: the last TAIL bytes of a chunk are read again with the
+  next one, and the last value seen wins (a number cut in two is read whole the second time).
+- only with `[[tenants]]`: the counts feed nothing else, and the filter costs a Lua call per
+  chunk (per token in a stream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from numad_infer.config.tenants import TenantEntry
+
+TOKEN_VARIABLES = ("txn.prompt_tokens", "txn.completion_tokens")
+FILTER = "numa_tokens"
+TAIL = 512  # bytes read again with the next chunk: more than one `usage` or `timings` object
+
+TOKEN_LUA = f"""
+-- numa-infer: an answer's token counts, as the engine reported them (token_count.py).
+local NumaTokens = {{}}
+NumaTokens.id = "numa-infer token counts"
+NumaTokens.flags = filter.FLT_CFG_FL_HTX
+NumaTokens.__index = NumaTokens
+local TOKEN_KEYS = {{"prompt_tokens", "completion_tokens", "prompt_n", "cache_n", "predicted_n"}}
+
+function NumaTokens:new()
+  return setmetatable({{tail = "", seen = {{}}}}, NumaTokens)
+end
+
+function NumaTokens:start_analyze(txn, chn)
+  if chn:is_resp() then filter.register_data_filter(self, chn) end
+end
+
+function NumaTokens:http_payload(txn, msg)
+  local data = msg:body(0, -1)
+  if data == nil or #data == 0 then return end
+  local text = self.tail .. data
+  self.tail = string.sub(text, -{TAIL})
+  local seen = self.seen
+  for _, key in ipairs(TOKEN_KEYS) do
+    local value = string.match(text, '.*"' .. key .. '"%s*:%s*(%d+)')
+    if value then seen[key] = tonumber(value) end
+  end
+  local prompt, completion = seen.prompt_tokens, seen.completion_tokens
+  if prompt == nil and seen.prompt_n ~= nil then prompt = seen.prompt_n + (seen.cache_n or 0) end
+  if completion == nil then completion = seen.predicted_n end
+  if prompt ~= nil then txn:set_var("{TOKEN_VARIABLES[0]}", prompt) end
+  if completion ~= nil then txn:set_var("{TOKEN_VARIABLES[1]}", completion) end
+end
+
+core.register_filter("{FILTER}", NumaTokens, function(flt, args) return flt end)
+"""
+
+
+def rules(tenants: Sequence[TenantEntry]) -> list[str]:
+    """A model's backend's line that reads its answers' token counts (with tenants only)."""
+    return [f"    filter lua.{FILTER}"] if tenants else []
