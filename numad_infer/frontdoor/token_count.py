@@ -55,8 +55,13 @@ function NumaTokens:http_payload(txn, msg)
   self.tail = string.sub(text, -{TAIL})
   local seen = self.seen
   for _, key in ipairs(TOKEN_KEYS) do
-    local value = string.match(text, '.*"' .. key .. '"%s*:%s*(%d+)')
-    if value then seen[key] = tonumber(value) end
+    -- Anchored, and only where the key is: an unanchored `.*` is tried again from every
+    -- position of a chunk without it (quadratic: a 16 KiB chunk held HAProxy's thread past
+    -- its watchdog's 3 s, which killed it).
+    if string.find(text, '"' .. key .. '"', 1, true) then
+      local value = string.match(text, '^.*"' .. key .. '"%s*:%s*(%d+)')
+      if value then seen[key] = tonumber(value) end
+    end
   end
   local prompt, completion = seen.prompt_tokens, seen.completion_tokens
   if prompt == nil and seen.prompt_n ~= nil then prompt = seen.prompt_n + (seen.cache_n or 0) end

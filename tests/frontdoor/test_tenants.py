@@ -36,6 +36,7 @@ TWO_MODELS = ('[[models]]\nname = "alpha"\npath = "/a.gguf"\nnodes = [0]\n'
               '[[models]]\nname = "beta"\npath = "/b.gguf"\nnodes = [1]\n')
 SLOW = "please-answer-late"
 STREAM_GAP_S = 1.0
+LONG_STREAM = 3000  # events sent at once after the first (~300 KiB)
 
 
 class _Echo(BaseHTTPRequestHandler):
@@ -74,6 +75,8 @@ class _Echo(BaseHTTPRequestHandler):
             self.wfile.write(f"data: {json.dumps(first)}\n\n".encode())
             self.wfile.flush()
             time.sleep(STREAM_GAP_S)  # the first token long before the end
+            if b'"long": true' in body:  # a long answer at once: HAProxy reads it in full buffers
+                self.wfile.write(f"data: {json.dumps(first)}\n\n".encode() * LONG_STREAM)
             # The last event in two writes, cut inside a number: HAProxy gets two chunks.
             text = f"data: {json.dumps(last)}\n\n".encode()
             cut = text.index(b'"prompt_n": 2') + len(b'"prompt_n": ')
@@ -351,25 +354,28 @@ def test_each_tenants_tokens_are_counted_from_its_answers_whole_or_streamed(door
     for _ in range(3):
         assert post(door.port, KEY_A).status == 200
     assert post(door.port, KEY_B, more={}).status == 200
-    streams = [post_stream(door.port, KEY_A), post_stream(door.port, KEY_A, usage=True)]
-    for first_s, streamed in streams:
+    streams = [post_stream(door.port, KEY_A), post_stream(door.port, KEY_A, usage=True),
+               post_stream(door.port, KEY_A, long=True)]
+    for (first_s, streamed), events in zip(streams, (3, 3, 3 + LONG_STREAM), strict=True):
         assert first_s < STREAM_GAP_S * 0.8, first_s  # its first token was not held for the token count
-        assert streamed.count(b"data: ") == 3 and streamed.endswith(b"data: [DONE]\n\n"), streamed  # passed on whole
-    wait_for(lambda: timings.tenants()["team-a"].answers.get("200", 0) == before.answers.get("200", 0) + 5,
+        assert streamed.count(b"data: ") == events and streamed.endswith(b"data: [DONE]\n\n")  # passed on whole
+    wait_for(lambda: timings.tenants()["team-a"].answers.get("200", 0) == before.answers.get("200", 0) + 6,
              "the log lines of team-a's requests", detail=door.log)
     used = timings.tenants()["team-a"]
-    # Three answers sent whole (11 + 3 each), a stream with llama-server's timings only (5 from
-    # the cache + 2 read, 4 made), a stream with usage (11 + 3): the model's text counts not.
+    # Three answers sent whole (11 + 3 each), two streams with llama-server's timings only (5
+    # from the cache + 2 read, 4 made), a stream with usage (11 + 3): the model's text counts not.
     assert (used.prompt_tokens - before.prompt_tokens, used.completion_tokens - before.completion_tokens,
-            used.counted_answers - before.counted_answers) == (33 + 7 + 11, 9 + 4 + 3, 5)
+            used.counted_answers - before.counted_answers) == (33 + 7 + 11 + 7, 9 + 4 + 3 + 4, 6)
     wait_for(lambda: timings.tenants().get("team-b") is not None, "team-b's line")
     assert (timings.tenants()["team-b"].prompt_tokens, timings.tenants()["team-b"].counted_answers) == (11, 1)
 
 
-def post_stream(port: int, key: str, usage: bool = False) -> tuple[float, bytes]:
-    """Seconds to the first event, and the whole stream (`usage`: ask for OpenAI's usage)."""
+def post_stream(port: int, key: str, usage: bool = False, long: bool = False) -> tuple[float, bytes]:
+    """Seconds to the first event, and the whole stream (`usage`: ask for OpenAI's usage;
+    `long`: LONG_STREAM more events)."""
     data = json.dumps({"model": "alpha", "stream": True, "messages": [{"role": "user", "content": "hi"}],
-                       **({"stream_options": {"include_usage": True}} if usage else {})}).encode()
+                       **({"stream_options": {"include_usage": True}} if usage else {}),
+                       **({"long": True} if long else {})}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=data,
                                  headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
     started = time.monotonic()
