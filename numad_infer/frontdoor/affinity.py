@@ -47,6 +47,11 @@ WAIT_STEP_MS = 25
 WAITED = "txn.prefix_waited"  # set on a request that waited: the queue's bound is checked again
 # affinity = "prefix": after a 200, the key's home becomes the server that answered it.
 RAN = "numa_home_ran"
+# The homes outlive a reload (a plan or tenant change starts a new HAProxy process, whose
+# Lua starts empty): the daemon reads them with this runtime API command just before it
+# reloads and writes them to this file beside the Lua file, which reads it once at start.
+HOMES_NAME = "haproxy.homes"
+HOMES_COMMAND = "numa-infer homes"
 
 PICK_LUA = f"""
 -- numa-infer's prefix routing (numad_infer/frontdoor/affinity.py): written by the daemon, do not edit.
@@ -100,6 +105,39 @@ local function home_of(backend_name, key)
   end
   return server
 end
+
+-- The homes, for the next HAProxy (`{HOMES_COMMAND}` on the runtime API, which the daemon
+-- saves to {HOMES_NAME} just before a reload): "backend server key" lines, the older
+-- generation first, so that the newer stays newer when they are read back.
+core.register_cli({{"numa-infer", "homes"}}, "numa-infer: each prefix key's home", function(applet)
+  for backend_name, h in pairs(homes) do
+    for _, generation in ipairs({{h.old, h.now}}) do
+      local lines = {{}}
+      for key, server in pairs(generation) do
+        lines[#lines + 1] = backend_name .. " " .. server .. " " .. key .. "\\n"
+        if #lines == 1000 then
+          applet:send(table.concat(lines))
+          lines = {{}}
+        end
+      end
+      applet:send(table.concat(lines))
+    end
+  end
+end)
+
+-- Read back once this HAProxy has its backends: the last process's homes, where their
+-- backend and server still exist (a server that left is no home; its keys find another).
+core.register_init(function()
+  local dir = debug.getinfo(1, "S").source:match("^@(.+)/[^/]+$")
+  local file = dir and io.open(dir .. "/{HOMES_NAME}", "r")
+  if not file then return end
+  for line in file:lines() do
+    local backend_name, server, key = line:match("^(%S+) (%S+) (%d+)$")
+    local backend = backend_name and core.backends[backend_name]
+    if backend ~= nil and backend.servers[server] ~= nil then remember(backend_name, tonumber(key), server) end
+  end
+  file:close()
+end)
 
 -- Picks HAProxy has not counted yet: between this fetch and the moment HAProxy counts the
 -- request at its server, requests arriving at once (on other threads, or waiting for the
@@ -161,8 +199,8 @@ end
 -- mean once this one is added:
 -- - the key's home, where it went first (that instance's caches hold its prompts);
 -- - a key seen for the first time: the least loaded, the highest scoring for the key among
---   equals (rendezvous hashing: on an idle fleet, and after HAProxy restarts and forgets
---   the homes, a key goes where it went before); it becomes the key's home. Few
+--   equals (rendezvous hashing: on an idle fleet, a key goes where hashing sends it); it
+--   becomes the key's home. Few
 --   conversations spread evenly this way, where hashing alone sends three of four to one
 --   instance of two a time in two;
 -- - a home that does not fit: the highest scoring that does. A home in rotation (full, or

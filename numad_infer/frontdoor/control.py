@@ -34,6 +34,7 @@ from numad_infer.frontdoor.haproxy_config import (
     BACKEND,
     FRONTEND,
     CheckedConfig,
+    Paths,
     paths_in,
     server_name,
 )
@@ -154,7 +155,7 @@ class Frontdoor:
     def _write(self, text: str, running: bool) -> None:
         """The checked text in place, with the server states the reload reads back."""
         if running:
-            _save_server_states(self.api, self.paths.state)
+            _save_for_reload(self.api, self.paths, self.runner.haproxy_gid)
         elif not self.paths.state.exists():
             # An empty state file (version line only): HAProxy warns about a missing one.
             write_atomic(self.paths.state, "1\n", durable=False)
@@ -297,9 +298,14 @@ def _hold(runner: FrontdoorRunner, config: Config) -> bool:
                            "free the port or choose another") from None
 
 
-def _save_server_states(api: RuntimeAPI, state: Path) -> None:
-    # Read back by `load-server-state-from-file`: drain/maint survive the reload (every backend's).
-    try:
-        write_atomic(state, api.servers_state(), durable=False)
-    except (HaproxyError, OSError) as exc:
-        log.warning("front door: cannot save server states before the reload: %s", exc)
+def _save_for_reload(api: RuntimeAPI, paths: Paths, group: int | None) -> None:
+    """What the running HAProxy knows that its next process reads back: the server states
+    (`load-server-state-from-file`: drain/maint survive the reload, every backend's) and the
+    prefix keys' homes (affinity.py: conversations keep their instances). The homes are
+    hashes of prompts' first bytes: readable by HAProxy's group only."""
+    for what, path, read, mode, owners in (("server states", paths.state, api.servers_state, 0o644, None),
+                                           ("the prefix keys' homes", paths.homes, api.homes, 0o640, group)):
+        try:
+            write_atomic(path, read(), durable=False, mode=mode, group=owners)
+        except (HaproxyError, OSError) as exc:
+            log.warning("front door: cannot save %s before the reload: %s", what, exc)

@@ -19,6 +19,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from numad_infer.errors import ConfigError, NumaInferError
+from numad_infer.frontdoor import affinity
 from numad_infer.frontdoor.haproxy_config import SPARE_PREFIX
 from numad_infer.frontdoor.hold import HOLD_PREFIX
 from numad_infer.util import peer
@@ -136,6 +137,7 @@ class FrontendStat:
 # `show stat` is about 500 bytes a row, one row per instance and three more: 1 MiB is a
 # thousand instances. An answer past it is no HAProxy's, and is refused unread.
 ANSWER_CAP = 1 << 20
+HOMES_CAP = 16 << 20  # the prefix keys' homes: 2 x HOME_GENERATION lines of ~40 bytes, per model
 
 
 class NoRuntimeAnswer(HaproxyError):
@@ -160,6 +162,10 @@ class RuntimeAPI:
         except peer.PeerError as exc:
             raise NoRuntimeAnswer(f"runtime API {self.socket_path}: {exc}") from None
         return answer.decode(errors="replace")
+
+    def homes(self) -> str:
+        """The prefix keys' homes (affinity.HOMES_COMMAND): up to 100,000 lines of ~40 bytes."""
+        return RuntimeAPI(self.socket_path, max(self.timeout_s, 5.0), HOMES_CAP).command(affinity.HOMES_COMMAND)
 
     def backend(self, name: str) -> BackendStat:
         return _backend(self._show_stat(), name)

@@ -148,6 +148,11 @@ class Paths:
         return self.config.with_name(lua.NAME)
 
     @property
+    def homes(self) -> Path:
+        """The prefix keys' homes the last HAProxy had, read by the next (affinity.py)."""
+        return self.config.with_name(affinity.HOMES_NAME)
+
+    @property
     def keys(self) -> tuple[Path, Path]:
         """The tenants' keys and the instances' key, beside haproxy.cfg (tenants.py)."""
         return tenants.files(self.config.parent)

@@ -280,6 +280,32 @@ def test_a_rotated_key_is_a_reload_that_refuses_the_old_key_from_the_next_reques
     assert not door.apply(keys)  # the same keys again: nothing to do
 
 
+@with_haproxy
+def test_conversations_keep_their_instances_across_the_reload_of_a_key_rotation(door_with, keys_dir: Path) -> None:
+    """Prefix routing's homes outlive a reload: a new HAProxy process starts with empty Lua
+    tables, and the daemon hands it the last one's homes (affinity.py). Eight conversations
+    start while instance X is busy, so all are homed on Y; after a key rotation (a reload)
+    each next turn goes to Y again. A fresh HAProxy on an idle fleet would send about half
+    of them to X (the highest score among equals)."""
+    door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', server="parallel = 1\n")
+    busy = threading.Thread(target=post, args=(door.port, KEY_B), kwargs={"content": SLOW})
+    busy.start()
+    time.sleep(0.5)
+    first = {post(door.port, KEY_A, content=f"conversation {n}").body["port"] for n in range(8)}
+    busy.join(30)
+    assert len(first) == 1, first  # all on the instance that was free
+    master = door.master
+    new_key = "team-a-new-" + "e" * 40
+    key_file(keys_dir, "a", new_key)
+    assert door.apply(read_tenant_keys(door.config, "test.toml"))
+    wait_for(lambda: post(door.port, KEY_A).status == 401, f"the reload\n{door.log()}")
+    assert door.master == master  # reloaded, not restarted
+    after = [post(door.port, new_key, content=f"conversation {n}").body["port"] for n in range(8)]
+    assert set(after) == first, (first, after)
+    homes = door.door.paths.homes  # hashes of prompts' first bytes: HAProxy's group may read them, no one else
+    assert stat.S_IMODE(homes.stat().st_mode) == 0o640, oct(homes.stat().st_mode)
+
+
 def test_tenant_keys_are_checked_as_the_instances_key_is(tmp_path: Path, keys_dir: Path) -> None:
     def config(a: str = "", b: str = "", front: str = "") -> str:
         return (f'[model]\npath = "/m.gguf"\nname = "alpha"\n{front}'

@@ -518,6 +518,13 @@ def s1d_tenants() -> str:
         raise Fail(f"after the rotation: the old key got {old}; team-b's requests {len(results)}, failed {failed[:3]}")
     if {n: main_pid(n) for n in pids} != pids:
         raise Fail(f"an instance restarted: {pids} -> { {n: main_pid(n) for n in pids} }")
+    # The prefix keys' homes, saved for the reloaded HAProxy to read: team-b's prompt has one.
+    homes = Path("/run/numa-infer/haproxy.homes")
+    info = homes.stat()
+    kept = [line.split() for line in homes.read_text().splitlines()]
+    if ((info.st_uid, grp.getgrgid(info.st_gid).gr_name, stat.S_IMODE(info.st_mode)) != (0, group, 0o640)
+            or not kept or any(len(words) != 3 for words in kept)):
+        raise Fail(f"{homes}: uid {info.st_uid}, gid {info.st_gid}, mode {stat.S_IMODE(info.st_mode):o}, {kept[:3]}")
     leaks = [str(p) for p in (*Path("/run/systemd/system").rglob("*"), Path("/run/numa-infer/haproxy.cfg"))
              if p.is_file() and "vm-tenant-" in p.read_text(errors="replace")]
     if leaks or "vm-tenant-" in sh("journalctl", "--no-pager", "-o", "cat", "--since", "-10min", check=False):
@@ -535,7 +542,7 @@ def s1d_tenants() -> str:
     sh(NI, "reload", timeout=300)
     wait(lambda: ask("vm-key-42") == 200, 60, "the front door without tenants")
     return (f"answers {codes}; {mapped.name} root:{group} 640; rotation: {len(results)} requests of team-b, 0 "
-            "failed, old key 401, no instance restarted; no key in units, haproxy.cfg or the journal; team-b's "
+            f"failed, old key 401, no instance restarted, {len(kept)} prefix home(s) kept; no key in units, haproxy.cfg or the journal; team-b's "
             f"tokens {used['prompt_tokens']} prompt, {used['completion_tokens']} completion in "
             f"{used['counted_answers']} answers")
 
