@@ -8,7 +8,8 @@ backend, llama-server, two instances on this host, the front door) run once per
    a new user message of its own on top of the whole history so far. Per mode: the time
    to the first token of turns >= 2 (p50, p90), of the first turns, the tokens per
    second (prompt and generated) of the whole workload, and the requests each instance
-   got (its share against the mean);
+   got (its share against the mean); and of the later turns' TTFT, the engine's own time
+   reading the prompt (timings.prompt_ms) and the rest (the wait for a slot), apart;
 2. no reuse: random prompts that share nothing, C at a time: throughput and p99 latency.
 
     .venv/bin/python bench/prefix.py [--modes none,prefix] [--conversations 4] [--turns 4]
@@ -51,6 +52,7 @@ class Turn:
     prompt_tokens: int
     cached_tokens: int
     generated: int
+    prompt_s: float = 0.0  # the engine's own time reading the prompt (timings.prompt_ms)
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Workload:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, float, str, dict[str, int]]:
+def chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> tuple[float, float, str, dict[str, float]]:
     """One streamed chat completion through the front door: the time to its first content
     chunk, its whole time, the text, and what the engine said of the prompt."""
     body = json.dumps({"model": "bench", "messages": messages, "max_tokens": max_tokens, "stream": True,
@@ -73,7 +75,7 @@ def chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> tuple[fl
         raise RuntimeError(f"{response.status}: {response.read()[:200]!r}")
     first = None
     text: list[str] = []
-    timings: dict[str, int] = {}
+    timings: dict[str, float] = {}
     for raw in response:
         line = raw.decode().strip()
         if not line.startswith("data:") or line == "data: [DONE]":
@@ -85,7 +87,8 @@ def chat(port: int, messages: list[dict[str, str]], max_tokens: int) -> tuple[fl
             text.append((choice.get("delta") or {}).get("content") or "")
         if "timings" in chunk:
             timings = {"prompt": chunk["timings"].get("prompt_n", 0), "cached": chunk["timings"].get("cache_n", 0),
-                       "generated": chunk["timings"].get("predicted_n", 0)}
+                       "generated": chunk["timings"].get("predicted_n", 0),
+                       "prompt_ms": chunk["timings"].get("prompt_ms", 0.0)}
     conn.close()
     return first or 0.0, time.monotonic() - started, "".join(text), timings
 
@@ -110,8 +113,9 @@ def conversation(port: int, index: int, system: str, turns: int, user_words: int
             return
         messages.append({"role": "assistant", "content": text})
         with out.lock:
-            out.turns.append(Turn(index, turn, ttft, total, timings.get("prompt", 0) + timings.get("cached", 0),
-                                  timings.get("cached", 0), timings.get("generated", 0)))
+            out.turns.append(Turn(index, turn, ttft, total, int(timings.get("prompt", 0) + timings.get("cached", 0)),
+                                  int(timings.get("cached", 0)), int(timings.get("generated", 0)),
+                                  timings.get("prompt_ms", 0.0) / 1000))
 
 
 def no_reuse(port: int, index: int, requests: int, prompt_words: int, max_tokens: int, out: Workload,
@@ -127,8 +131,8 @@ def no_reuse(port: int, index: int, requests: int, prompt_words: int, max_tokens
             continue
         with out.lock:
             latencies.append(total)
-            out.turns.append(Turn(index, k, 0.0, total, timings.get("prompt", 0) + timings.get("cached", 0),
-                                  timings.get("cached", 0), timings.get("generated", 0)))
+            out.turns.append(Turn(index, k, 0.0, total, int(timings.get("prompt", 0) + timings.get("cached", 0)),
+                                  int(timings.get("cached", 0)), int(timings.get("generated", 0))))
 
 
 def counts(run: DaemonRun) -> dict[str, int]:
@@ -146,9 +150,12 @@ def pct(values: list[float], q: float) -> float:
 
 def run_mode(mode: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, object]:
     (tmp / mode).mkdir()
-    # "prefix@3": the prefix affinity with frontend.prefix_wait_s = 3 (a sweep in one run).
-    affinity, _, wait = mode.partition("@")
-    waits = f"prefix_wait_s = {float(wait)}\n" if wait else ""
+    # "prefix@3": the prefix affinity with frontend.prefix_wait_s = 3; "prefix~1.5": with
+    # frontend.prefix_balance_factor = 1.5 (sweeps in one run).
+    head, _, factor = mode.partition("~")
+    affinity, _, wait = head.partition("@")
+    waits = (f"prefix_wait_s = {float(wait)}\n" if wait else "") + (
+        f"prefix_balance_factor = {float(factor)}\n" if factor else "")
     run = DaemonRun(tmp / mode, model, machine=host_machine(), engine="llama-server", interval_s=2.0,
                     context_size=args.context, placement=f"instances_per_node = {args.instances}\n",
                     frontend=f'listen = "127.0.0.1:{{port}}"\naffinity = "{affinity}"\n{waits}')
@@ -196,14 +203,19 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, tmp: Path) -> dic
     if args.verbose:
         for t in sorted(multi.turns, key=lambda t: (t.conversation, t.turn)):
             print(f"# {mode}: conversation {t.conversation} turn {t.turn}: prompt {t.prompt_tokens}, cached "
-                  f"{t.cached_tokens}, TTFT {t.ttft_s:.2f}s")
+                  f"{t.cached_tokens}, TTFT {t.ttft_s:.2f}s (prompt read {t.prompt_s:.2f}s)")
     later = [t.ttft_s for t in multi.turns if t.turn >= 1]
+    # TTFT = the wait for a slot (the front door's queue, a home's wait) + reading the prompt
+    # + the first token: the engine's prompt time, and the rest, apart.
+    reading = [t.prompt_s for t in multi.turns if t.turn >= 1]
+    waiting = [max(t.ttft_s - t.prompt_s, 0.0) for t in multi.turns if t.turn >= 1]
     firsts = [t.ttft_s for t in multi.turns if t.turn == 0]
     tokens = sum(t.prompt_tokens + t.generated for t in multi.turns)
     prompt_tokens = sum(t.prompt_tokens for t in multi.turns)
     mean = statistics.mean(per_instance.values()) if per_instance else 0
     return {
         "mode": mode, "later_p50": pct(later, 0.5), "later_p90": pct(later, 0.9), "first_p50": pct(firsts, 0.5),
+        "read_p50": pct(reading, 0.5), "wait_p50": pct(waiting, 0.5),
         "multi_tokens_s": tokens / multi_s, "multi_s": multi_s, "failed": multi.failed + plain.failed,
         "cached_share": sum(t.cached_tokens for t in multi.turns) / max(prompt_tokens, 1),
         "per_instance": per_instance, "max_over_mean": max(per_instance.values()) / mean if mean else float("nan"),
@@ -216,7 +228,8 @@ def run_mode(mode: str, args: argparse.Namespace, model: Path, tmp: Path) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--modes", default="none,prefix",
-                        help="frontend.affinity values, the first the baseline; prefix@S: prefix_wait_s = S")
+                        help="frontend.affinity values, the first the baseline; prefix@S: prefix_wait_s = S; "
+                        "prefix~F: prefix_balance_factor = F")
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--system-words", type=int, default=180)  # ~950 tokens
@@ -244,15 +257,19 @@ def main() -> None:
     base = results[0]
     print(f"# first turn's prompt: {base['prompt_tokens_turn1']:.0f} tokens")
     print(f"{'affinity':<10} {'TTFT t>=2 p50':>14} {'p90':>7} {'TTFT t=1 p50':>13} {'cached':>7} {'tok/s':>7} "
-          f"{'max/mean':>9} {'no-reuse tok/s':>15} {'p99':>7} failed  requests per instance")
+          f"{'max/mean':>9} {'no-reuse tok/s':>15} {'p99':>7} failed {'read p50':>9} {'rest p50':>9}  "
+          "requests per instance")
     for r in results:
         print(f"{r['mode']:<10} {r['later_p50']:>13.2f}s {r['later_p90']:>6.2f}s {r['first_p50']:>12.2f}s "
               f"{r['cached_share']:>7.0%} {r['multi_tokens_s']:>7.1f} {r['max_over_mean']:>9.2f} "
-              f"{r['plain_tokens_s']:>15.1f} {r['plain_p99']:>6.2f}s {r['failed']:>6}  {r['per_instance']}")
+              f"{r['plain_tokens_s']:>15.1f} {r['plain_p99']:>6.2f}s {r['failed']:>6} {r['read_p50']:>8.2f}s "
+              f"{r['wait_p50']:>8.2f}s  {r['per_instance']}")
     for r in results[1:]:
         print(f"ratio {r['mode']} / {base['mode']}: TTFT of turns >= 2 p50 {base['later_p50'] / r['later_p50']:.2f}x "
               f"better; multi-turn tokens/s {r['multi_tokens_s'] / base['multi_tokens_s']:.2f}x; no-reuse tokens/s "
-              f"{r['plain_tokens_s'] / base['plain_tokens_s']:.2f}x, p99 {r['plain_p99'] / base['plain_p99']:.2f}x")
+              f"{r['plain_tokens_s'] / base['plain_tokens_s']:.2f}x, p99 {r['plain_p99'] / base['plain_p99']:.2f}x; "
+              f"of the TTFT, the prompt's reading p50 {base['read_p50'] / r['read_p50']:.2f}x better, the rest (the "
+              f"wait for a slot) {base['wait_p50'] / max(r['wait_p50'], 1e-3):.2f}x")
 
 
 if __name__ == "__main__":
