@@ -7,7 +7,10 @@ they answer at once, or after `--service-ms`, so what is measured is the front d
    without tenants, and through one with 100 tenants (each with a key, an in-flight limit
    and a rate limit; the key sent is the last tenant's, so every tenant's rules are
    passed over), interleaved; p50 and p99, and what the tenants add (goal <= 0.5 ms p50);
-   beside them, a front door without tenants under `affinity = "prefix"` (issue 38's pick);
+   beside them, a front door without tenants under `affinity = "prefix"` (issue 38's pick,
+   the default; the others run `"none"`); then streams of 1,000 token events read whole,
+   through a front door without tenants and one with 100 (whose Lua filter reads every
+   chunk for the token counts);
 2. isolation: upstreams that take `--service-ms` per request; tenant "quiet" sends one
    request at a time, alone and then while tenant "flood" sends 10x its in-flight limit at
    once without pause; quiet's p50/p99 latency both ways, its refusals (goal: 0), and the
@@ -51,9 +54,13 @@ from numad_infer.config.tenants import TenantKey  # noqa: E402
 from numad_infer.frontdoor import tenants  # noqa: E402
 from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy, write_config  # noqa: E402
 from numad_infer.plan.model import Plan  # noqa: E402
-from tests.daemon_harness import free_port_block, generated_model, llama_server_binary  # noqa: E402
+from tests.daemon_harness import (  # noqa: E402
+    free_port_block,
+    generated_model,
+    llama_server_binary,
+    wait_for,
+)
 from tests.engines.test_builtin_engines import plan_for  # noqa: E402
-from tests.daemon_harness import wait_for  # noqa: E402
 from tests.frontdoor.harness import HAPROXY, _accepts  # noqa: E402
 
 MODEL = '[model]\npath = "/a.gguf"\nname = "alpha"\n'
@@ -64,6 +71,43 @@ MODEL = '[model]\npath = "/a.gguf"\nname = "alpha"\n'
 QUEUE_HEADER = "X-Bench-Queue-Ms"
 
 
+# A stub that streams: EVENTS token events, then the last with llama-server's `timings`,
+# as fast as it can write them (the Lua filter that counts tokens reads every chunk).
+EVENTS = 1000
+STREAM_STUB = """
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+EVENT = b'data: {"choices":[{"index":0,"delta":{"content":" word"}}],"object":"chat.completion.chunk"}\\n\\n'
+LAST = b'data: {"choices":[],"timings":{"cache_n":0,"predicted_n":%d,"prompt_n":12}}\\n\\ndata: [DONE]\\n\\n'
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def log_message(self, *args):
+        pass
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for part in [EVENT] * EVENTS + [LAST % EVENTS]:
+            self.wfile.write(b"%x\\r\\n%s\\r\\n" % (len(part), part))
+        self.wfile.write(b"0\\r\\n\\r\\n")
+
+class Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address):
+        pass
+
+Server(("127.0.0.1", int(sys.argv[2])), Handler).serve_forever()
+""".replace("EVENTS", str(EVENTS))
+
+
 def key_of(name: str) -> str:
     return f"{name}-" + "k" * 32
 
@@ -72,9 +116,9 @@ class Door:
     """HAProxy over stubs for a single model, with `tables` ([[tenants]]) and their keys."""
 
     def __init__(self, tmp: Path, tables: list[str], service_ms: int = 0, parallel: int = 1,
-                 model: Path | None = None, frontend: str = "") -> None:
+                 model: Path | None = None, frontend: str = "", stub: str | None = None) -> None:
         """`model`: real llama-server instances on it instead of stubs; `frontend`: more
-        [frontend] keys."""
+        [frontend] keys; `stub`: another stub's script."""
         tmp.mkdir()
         self.model, self.parallel = model, parallel
         base = free_port_block(5)
@@ -87,8 +131,8 @@ class Door:
         self.procs: list[subprocess.Popen[bytes]] = []
         script = tmp / "stub.py"
         # The routing bench's stub, answering after service_ms.
-        script.write_text(STUB.replace("        seen.append(", f"        __import__('time').sleep({service_ms / 1000})\n"
-                                       "        seen.append("))
+        sleep = f"        __import__('time').sleep({service_ms / 1000})\n"
+        script.write_text(stub or STUB.replace("        seen.append(", sleep + "        seen.append("))
         self.stubs = [i.port for i in plan.instances]
         try:
             self._start(tmp, plan, script)
@@ -113,7 +157,8 @@ class Door:
         run.mkdir()
         paths = paths_in(run, run / "haproxy.sock")
         text = render_haproxy(self.config, plan, paths).replace(
-            "    option http-buffer-request\n", f"    option http-buffer-request\n    http-response set-header {QUEUE_HEADER} %Tw\n")
+            "    option http-buffer-request\n",
+            f"    option http-buffer-request\n    http-response set-header {QUEUE_HEADER} %Tw\n")
         write_config(paths, text)
         keys = [TenantKey(t.name, key_of(t.name)) for t in self.config.tenants]
         paths.keys[0].write_text(tenants.keys_text(keys))
@@ -169,9 +214,12 @@ def timed(port: int, data: bytes, key: str | None) -> tuple[float, int, float | 
     return time.perf_counter() - start, response.status, int(queued) / 1000 if queued is not None else None
 
 
+MANY = [f'name = "tenant-{n:03d}"\nmax_in_flight = 64\nrequests_per_minute = 1000000\n' for n in range(100)]
+LEASTCONN = 'affinity = "none"\n'  # the gate's cost alone; the prefix pick's (the default) is its own row
+
+
 def gate_cost(tmp: Path, count: int) -> None:
-    many = [f'name = "tenant-{n:03d}"\nmax_in_flight = 64\nrequests_per_minute = 1000000\n' for n in range(100)]
-    none, hundred = Door(tmp / "none", []), Door(tmp / "hundred", many)
+    none, hundred = Door(tmp / "none", [], frontend=LEASTCONN), Door(tmp / "hundred", MANY, frontend=LEASTCONN)
     prefix = Door(tmp / "prefix", [], frontend='affinity = "prefix"\n')  # the prefix pick's cost, beside
     try:
         data, last = body("alpha"), key_of("tenant-099")
@@ -194,6 +242,41 @@ def gate_cost(tmp: Path, count: int) -> None:
     print(f"  the tenants' rules add, p50: {p50['100 tenants'] - p50['no tenants']:.3f} ms (goal <= 0.5 ms)")
     print(f"  affinity = \"prefix\" (no tenants) adds, p50: {p50['prefix pick'] - p50['no tenants']:.3f} ms "
           "(the body's key read, hashed, and the Lua pick over 2 instances)")
+
+
+def streamed(port: int, key: str | None) -> float:
+    """One streamed answer read to its end on a new connection: seconds."""
+    start = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body("alpha"),
+                 {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+    response = conn.getresponse()
+    data = response.read()
+    conn.close()
+    assert response.status == 200 and data.count(b"data: ") == EVENTS + 2, (response.status, len(data))
+    return time.perf_counter() - start
+
+
+def stream_cost(tmp: Path, count: int) -> None:
+    """With [[tenants]], each answer passes through the Lua filter that reads its token
+    counts (token_count.py): its cost on a long stream, against the same door without."""
+    none = Door(tmp / "stream-none", [], frontend=LEASTCONN, stub=STREAM_STUB)
+    hundred = Door(tmp / "stream-hundred", MANY, frontend=LEASTCONN, stub=STREAM_STUB)
+    try:
+        last = key_of("tenant-099")
+        times: dict[str, list[float]] = {"no tenants": [], "100 tenants": []}
+        for _ in range(count):
+            times["no tenants"].append(streamed(none.port, None))
+            times["100 tenants"].append(streamed(hundred.port, last))
+    finally:
+        none.stop()
+        hundred.stop()
+    print(f"streams of {EVENTS} token events (~{EVENTS * 96 // 1024} KiB), {count} each, read whole (ms):  p50     p99")
+    for name, values in times.items():
+        print(f"  {name:<12}  {pct(values, 0.5) * 1000:7.3f} {pct(values, 0.99) * 1000:7.3f}")
+    added = (pct(times["100 tenants"], 0.5) - pct(times["no tenants"], 0.5)) * 1000
+    print(f"  the token count (and the gate) add, p50: {added:.3f} ms a stream, "
+          f"{added * 1000 / EVENTS:.2f} us an event")
 
 
 def isolation(tmp: Path, count: int, service_ms: int, model: Path | None = None, polite: bool = False) -> None:
@@ -302,6 +385,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if model is None:  # the gate's cost is HAProxy's alone
             gate_cost(Path(tmp), 300 if args.quick else 2000)
+            stream_cost(Path(tmp), 30 if args.quick else 200)
         isolation(Path(tmp), 50 if args.quick else 200, args.service_ms, model, args.polite)
         priority(Path(tmp), 30 if args.quick else 100, args.service_ms * 4, model)
     return 0

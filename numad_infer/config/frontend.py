@@ -128,9 +128,9 @@ class FrontendSection(Section):
     prefix_wait_s: float = Field(
         1.0, ge=0, le=30,
         description=(
-            "under the `\"prefix\"` affinity, how long a request waits for its own instance (the one that "
-            "holds its prompt) when that instance is busy and another has a free slot, before it runs on the "
-            "other and reads its prompt again there; 0: never waits"
+            "under the `\"prefix\"` affinity, how long a chat's later turn waits for its own instance (the one "
+            "that holds its history) when that instance is busy and another has a free slot, before it runs on "
+            "the other and reads its history again there; 0: never waits"
         ),
     )
     affinity_header: SafeStr = Field(

@@ -12,11 +12,14 @@ last done after 9 s against 6 s with leastconn). The pick is a small Lua fetch i
 first: the least loaded then, the highest scoring for the key by rendezvous hashing among
 equals), skipping any instance without a free slot or whose load (serving and waiting
 for it) would pass the factor x the mean, rounded up, then `use-server`. A busy home is
-waited for up to `frontend.prefix_wait_s` first (the Lua action WAIT). When none has room,
-no pick: the request waits in the backend's one queue (leastconn), where queue_size, the
-priority classes and their deadlines apply, for whichever instance frees first. Wherever
-a turn ran, the instance that answered it becomes the key's home (the Lua action RAN). A
-drained instance keeps its keys, and the bound holds however busy the backend is.
+waited for up to `frontend.prefix_wait_s` first by a chat's later turn (the Lua action
+WAIT). When none has room, no pick: the request waits in the backend's one queue
+(leastconn), where queue_size, the priority classes and their deadlines apply, for
+whichever instance frees first. A drained instance keeps its keys, and the bound holds
+however busy the backend is. (A Lua action on the response, to make the instance that
+answered a turn its key's home, was tried and removed: with the tenants' Lua filter on the
+same stream, HAProxy 2.6 failed the filter, "attempt to index a thread value", and left
+the answer stuck.)
 """
 
 from __future__ import annotations
@@ -45,8 +48,7 @@ PICK_MEMORY_MS = 1000
 WAIT = "numa_home_wait"
 WAIT_STEP_MS = 25
 WAITED = "txn.prefix_waited"  # set on a request that waited: the queue's bound is checked again
-# affinity = "prefix": after a 200, the key's home becomes the server that answered it.
-RAN = "numa_home_ran"
+LATER_TURN = "txn.prefix_later"  # a chat's later turn: only such a request waits for its home
 # The homes outlive a reload (a plan or tenant change starts a new HAProxy process, whose
 # Lua starts empty): the daemon reads them with this runtime API command just before it
 # reloads and writes them to this file beside the Lua file, which reads it once at start.
@@ -261,28 +263,6 @@ core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
   return chosen
 end)
 
--- After an answer (200) from one of the backend's instances: the key's home becomes the
--- server that answered, however the request got there (its pick, the one queue's least
--- busy, a retry): that instance has just read the key's whole history, so the next turn
--- finds the most of it there. Without this, a turn the one queue sent away left its home
--- where it was, and the next turn, back home, read the turn it had missed again (seen in
--- bench/prefix.py: the third turn of every conversation ran away from home, and the fourth
--- found only the second's prompt cached). A home out of rotation is kept, as in the pick:
--- a drained instance gets its keys back.
-core.register_action("{RAN}", {{"http-res"}}, function(txn, backend_name)
-  local key = tonumber(txn:get_var("{PREFIX_HASH}"))
-  local server = txn.f:srv_name()
-  local backend = core.backends[backend_name]
-  if key == nil or server == nil or backend == nil then return end
-  local home = home_of(backend_name, key)
-  if home == server then return end
-  local at_home = home and backend.servers[home]
-  if at_home ~= nil then
-    if not in_rotation(at_home:get_stats()) then return end
-  end
-  remember(backend_name, key, server)
-end, 1)
-
 -- Before the pick: a key whose home is in rotation but has no free slot, while another
 -- instance has one, waits for its home up to `wait_ms`, looking every WAIT_STEP_MS. On a
 -- CPU the history the home holds costs seconds to read again elsewhere, often more than
@@ -363,12 +343,17 @@ def _prefix(front: FrontendSection, backend: str, servers: list[str]) -> list[st
             f"    http-request set-var({key}) req.hdr({front.affinity_header}) "
             f"if {{ req.hdr({front.affinity_header}) -m found }}",
             f"    http-request set-var({PREFIX_HASH}) var({key}),xxh32 if {{ var({key}) -m found }}",
-            *([f"    http-request lua.{WAIT} {backend} {int(front.prefix_wait_s * 1000)} "
-               f"if {{ var({PREFIX_HASH}) -m found }}"] if front.prefix_wait_s > 0 else []),
+            # Only a later turn of a chat waits for its home (a third message: an answer and
+            # the next question after the first): a first turn, a completion or a request
+            # repeated as is has no history at home worth a wait, which a short request
+            # would pay many times over (bench/tenants.py's quiet tenant: p99 1 s beside a
+            # flood that kept its home busy while the other instance had room).
+            *([f"    http-request set-var({LATER_TURN}) req.body,json_query('$.messages[2].role')",
+               f"    http-request lua.{WAIT} {backend} {int(front.prefix_wait_s * 1000)} "
+               f"if {{ var({PREFIX_HASH}) -m found }} {{ var({LATER_TURN}) -m found }}"]
+              if front.prefix_wait_s > 0 else []),
             f"    http-request set-var({PREFIX_SERVER}) lua.{PICK}({backend},{front.prefix_balance_factor}) "
             f"if {{ var({PREFIX_HASH}) -m found }}",
-            f"    http-response lua.{RAN} {backend} if {{ var({PREFIX_HASH}) -m found }} {{ status 200 }} "
-            f"{{ srv_name -m str {' '.join(servers)} }}",
             *(f"    use-server {name} if {{ var({PREFIX_SERVER}) -m str {name} }}" for name in servers)]
 
 

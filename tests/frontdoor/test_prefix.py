@@ -60,7 +60,8 @@ def test_prefix_hashes_the_prompt_start_within_a_load_bound_and_none_keeps_least
         line.split()[1] for line in text.splitlines() if line.startswith("    use-server ")]
     # The wait for a busy home, then the queue's bound again for a request that waited,
     # before the use-server rules (HAProxy runs http-request rules first whatever the order).
-    wait = text.index("    http-request lua.numa_home_wait instances 1000 if { var(txn.prefix_hash) -m found }\n")
+    wait = text.index("    http-request lua.numa_home_wait instances 1000 if { var(txn.prefix_hash) -m found } "
+                      "{ var(txn.prefix_later) -m found }\n")
     again = text.index("if { var(txn.prefix_waited) -m bool } { queue(instances) ge 64 }\n")
     assert wait < again < text.index("    use-server ")
     unwaited = _render(tmp_path / "w", '[model]\npath = "/m.gguf"\n[frontend]\nprefix_wait_s = 0\n')
@@ -431,35 +432,21 @@ def test_a_request_waits_for_its_busy_home_up_to_prefix_wait_s_then_runs_on_a_fr
 
 
 @with_haproxy
-def test_a_turn_the_one_queue_sent_elsewhere_makes_its_new_home_where_it_ran(tmp_path: Path) -> None:
-    """Two servers of one slot. A conversation's first turn goes to Q while P serves a slow
-    request; a second slow request then takes Q. The next turn finds no slot free anywhere:
-    it waits in the backend's one queue and runs on P, which frees first, and reads the
-    whole history there. The turn after it goes to P, its new home, not back to Q, where the
-    second turn would be read again."""
+def test_only_a_later_turn_waits_for_its_busy_home(tmp_path: Path) -> None:
+    """Two servers of one slot; a conversation's later turn holds its home 3 s. The same
+    conversation's first turn sent again (nothing at home beyond what it asks) does not wait
+    for the home: it runs at once on the free instance."""
     door = _two_started(tmp_path, 1)
     try:
-        def slow(n: int) -> threading.Thread:
-            body = json.dumps(_chat(SYSTEM, [f"someone else {n} {SLOW_MARKER}"])).encode()
-            thread = threading.Thread(target=lambda: _post(door, body))
-            thread.start()
-            return thread
-
-        def turn(k: int) -> str:
-            answer = _post(door, json.dumps(_chat(SYSTEM, ["a conversation", *(f"follow-up {t}" for t in range(k))]))
-                           .encode())
-            assert answer.status == 200, answer
-            return answer.served_by()
-
-        holders = [slow(1)]
-        time.sleep(0.3)  # P serves it
-        first = turn(0)  # Q: P is busy
-        holders.append(slow(2))
-        time.sleep(0.5)  # Q serves the second slow request
-        second = turn(1)  # no slot free: the one queue; P frees first (about 2 s later)
-        for holder in holders:
-            holder.join(30)
-        assert second != first, (first, second)
-        assert _served(door, _chat(SYSTEM, ["a conversation", "follow-up 0", "follow-up 1"])) == second
+        home = _served(door, _chat(SYSTEM, ["a repeated opening"]))
+        holder = threading.Thread(target=_post, args=(door, json.dumps(
+            _chat(SYSTEM, ["a repeated opening", f"and then {SLOW_MARKER}"])).encode()))
+        holder.start()
+        time.sleep(0.5)  # the later turn at its home
+        started = time.monotonic()
+        again = _post(door, json.dumps(_chat(SYSTEM, ["a repeated opening"])).encode())
+        took = time.monotonic() - started
+        holder.join(30)
+        assert again.status == 200 and again.served_by() != home and took < 0.8, (home, again, took)
     finally:
         door.stop()
