@@ -110,20 +110,20 @@ end
 
 -- The homes, for the next HAProxy (`{HOMES_COMMAND}` on the runtime API, which the daemon
 -- saves to {HOMES_NAME} just before a reload): "backend server key" lines, the older
--- generation first, so that the newer stays newer when they are read back.
+-- generation first, so that the newer stays newer when they are read back. All read
+-- before the first send: a send may yield, and picks made meanwhile add keys, which a
+-- traversal with pairs() must not see happen.
 core.register_cli({{"numa-infer", "homes"}}, "numa-infer: each prefix key's home", function(applet)
+  local lines = {{}}
   for backend_name, h in pairs(homes) do
     for _, generation in ipairs({{h.old, h.now}}) do
-      local lines = {{}}
       for key, server in pairs(generation) do
         lines[#lines + 1] = backend_name .. " " .. server .. " " .. key .. "\\n"
-        if #lines == 1000 then
-          applet:send(table.concat(lines))
-          lines = {{}}
-        end
       end
-      applet:send(table.concat(lines))
     end
+  end
+  for first = 1, #lines, 1000 do
+    applet:send(table.concat(lines, "", first, math.min(first + 999, #lines)))
   end
 end)
 
@@ -202,9 +202,8 @@ end
 -- - the key's home, where it went first (that instance's caches hold its prompts);
 -- - a key seen for the first time: the least loaded, the highest scoring for the key among
 --   equals (rendezvous hashing: on an idle fleet, a key goes where hashing sends it); it
---   becomes the key's home. Few
---   conversations spread evenly this way, where hashing alone sends three of four to one
---   instance of two a time in two;
+--   becomes the key's home. Few conversations spread evenly this way, where hashing alone
+--   sends three of four to one instance of two a time in two;
 -- - a home that does not fit: the highest scoring that does. A home in rotation (full, or
 --   past the bound) gives way to it: it then holds the key's whole history. A home out of
 --   rotation is kept: a drained instance gets its keys back, and one that leaves or joins
