@@ -153,7 +153,7 @@ class Frontdoor:
         return True
 
     def _write(self, text: str, running: bool) -> None:
-        """The checked text in place, with the server states the reload reads back."""
+        """The checked text in place, with what the reload reads back (server states, homes)."""
         if running:
             _save_for_reload(self.api, self.paths, self.runner.haproxy_gid)
         elif not self.paths.state.exists():
