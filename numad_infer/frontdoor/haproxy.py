@@ -164,8 +164,10 @@ class RuntimeAPI:
         return answer.decode(errors="replace")
 
     def homes(self) -> str:
-        """The prefix keys' homes (affinity.HOMES_COMMAND): up to 100,000 lines of ~40 bytes."""
-        return RuntimeAPI(self.socket_path, max(self.timeout_s, 5.0), HOMES_CAP).command(affinity.HOMES_COMMAND)
+        """The prefix keys' homes (affinity.HOMES_COMMAND): up to 100,000 lines of ~40 bytes,
+        without the blank line that ends every answer of HAProxy's CLI."""
+        text = RuntimeAPI(self.socket_path, max(self.timeout_s, 5.0), HOMES_CAP).command(affinity.HOMES_COMMAND)
+        return "".join(f"{line}\n" for line in text.splitlines() if line.strip())
 
     def backend(self, name: str) -> BackendStat:
         return _backend(self._show_stat(), name)

@@ -310,6 +310,8 @@ def test_conversations_keep_their_instances_across_the_reload_of_a_key_rotation(
     assert set(after) == first, (first, after)
     homes = door.door.paths.homes  # hashes of prompts' first bytes: HAProxy's group may read them, no one else
     assert stat.S_IMODE(homes.stat().st_mode) == 0o640, oct(homes.stat().st_mode)
+    lines = homes.read_text().splitlines()  # "backend server key", nothing else (no blank line)
+    assert len(lines) >= 8 and all(len(line.split()) == 3 for line in lines), lines
 
 
 def test_tenant_keys_are_checked_as_the_instances_key_is(tmp_path: Path, keys_dir: Path) -> None:

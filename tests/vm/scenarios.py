@@ -521,7 +521,7 @@ def s1d_tenants() -> str:
     # The prefix keys' homes, saved for the reloaded HAProxy to read: team-b's prompt has one.
     homes = Path("/run/numa-infer/haproxy.homes")
     info = homes.stat()
-    kept = [line.split() for line in homes.read_text().splitlines()]
+    kept = [line.split() for line in homes.read_text().splitlines() if line.strip()]
     if ((info.st_uid, grp.getgrgid(info.st_gid).gr_name, stat.S_IMODE(info.st_mode)) != (0, group, 0o640)
             or not kept or any(len(words) != 3 for words in kept)):
         raise Fail(f"{homes}: uid {info.st_uid}, gid {info.st_gid}, mode {stat.S_IMODE(info.st_mode):o}, {kept[:3]}")
