@@ -328,12 +328,13 @@ def isolation(tmp: Path, count: int, service_ms: int, model: Path | None = None,
           f"flood's answers: {json.dumps(dict(sorted(flood.items())))}")
 
 
-def priority(tmp: Path, count: int, service_ms: int, model: Path | None = None) -> None:
+def priority(tmp: Path, count: int, service_ms: int, model: Path | None = None, reserve: int = 1) -> None:
     """The instances kept busy by a batch tenant; an interactive tenant's requests among its
     queued ones. The queue wait of each: its latency less the service time (a real engine's:
-    the median of requests sent alone, measured first)."""
+    the median of requests sent alone, measured first). `reserve`: frontend.interactive_reserve."""
     tables = ['name = "chat"\n', 'name = "bulk"\npriority = "batch"\n']
-    door = Door(tmp / "priority", tables, service_ms, parallel=2, model=model)
+    door = Door(tmp / f"priority-{reserve}", tables, service_ms, parallel=2, model=model,
+                frontend=f"interactive_reserve = {reserve}\n")
     real = model is not None
     if real:
         service_ms = int(pct([once(door.port, prompt(real), key_of("chat"))[0] for _ in range(10)], 0.5) * 1000)
@@ -357,16 +358,19 @@ def priority(tmp: Path, count: int, service_ms: int, model: Path | None = None) 
     try:
         for thread in threads:
             thread.start()
+        began = time.monotonic()
         while len(waits["chat"]) < count:
             time.sleep(0.2)
         stop.set()
+        took_s = time.monotonic() - began
         for thread in threads:
             thread.join(60)
     finally:
         door.stop()
     upstreams = f"llama-server on {model.name} ({service_ms} ms alone)" if model else f"upstreams take {service_ms} ms"
-    print(f"priority: {upstreams}, 2 instances x 2 slots, 12 batch clients without pause, one "
-          f"interactive client ({len(waits['chat'])} requests; batch {len(waits['bulk'])}); p50 (goal: ratio <= 0.2):")
+    print(f"priority, interactive_reserve = {reserve}: {upstreams}, 2 instances x 2 slots, 12 batch clients "
+          f"without pause, one interactive client ({len(waits['chat'])} requests; batch {len(waits['bulk'])}, "
+          f"{len(waits['bulk']) / took_s:.2f}/s); p50 (goal: ratio <= 0.2):")
     for what, figures in (("in HAProxy's queue (%Tw)", queued), ("latency less the service time", waits)):
         p50 = {name: pct(values, 0.5) * 1000 for name, values in figures.items()}
         print(f"  {what:<30} interactive {p50['chat']:7.1f} ms  batch {p50['bulk']:7.1f} ms  "
@@ -380,14 +384,19 @@ def main() -> int:
     parser.add_argument("--engine", choices=["stub", "llama-server"], default="stub")
     parser.add_argument("--size", default="small", help="the generated model for --engine llama-server")
     parser.add_argument("--polite", action="store_true", help="the flood waits out each 429's Retry-After")
+    parser.add_argument("--reserves", type=lambda v: [int(n) for n in v.split(",")], default=[0, 1],
+                        help="frontend.interactive_reserve values for the priority section, side by side")
+    parser.add_argument("--only", choices=["isolation", "priority"], help="one section of the run")
     args = parser.parse_args()
     model = generated_model(args.size) if args.engine == "llama-server" else None
     with tempfile.TemporaryDirectory() as tmp:
-        if model is None:  # the gate's cost is HAProxy's alone
+        if model is None and args.only is None:  # the gate's cost is HAProxy's alone
             gate_cost(Path(tmp), 300 if args.quick else 2000)
             stream_cost(Path(tmp), 30 if args.quick else 200)
-        isolation(Path(tmp), 50 if args.quick else 200, args.service_ms, model, args.polite)
-        priority(Path(tmp), 30 if args.quick else 100, args.service_ms * 4, model)
+        if args.only in (None, "isolation"):
+            isolation(Path(tmp), 50 if args.quick else 200, args.service_ms, model, args.polite)
+        for reserve in args.reserves if args.only in (None, "priority") else []:
+            priority(Path(tmp), 30 if args.quick else 100, args.service_ms * 4, model, reserve)
     return 0
 
 

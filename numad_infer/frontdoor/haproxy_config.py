@@ -266,6 +266,10 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
         # use-server rules, where HAProxy reads http-request rules in the order it runs them.
         first_use = next(n for n, line in enumerate(picks) if line.startswith("    use-server "))
         picks.insert(first_use, _queue_full(backend, front, f"{{ var({affinity.WAITED}) -m bool }}"))
+    # The last http-request rule, before the use-server ones: a batch request let go is
+    # counted at a server from here (batch_wait.py).
+    uses = next((n for n, line in enumerate(picks) if line.startswith("    use-server ")), len(picks))
+    picks[uses:uses] = batch_wait.landed_rule(front, config.tenants)
     lines += picks
     for instance in instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")

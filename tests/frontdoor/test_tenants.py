@@ -500,11 +500,13 @@ def test_each_class_waits_up_to_its_own_queue_deadline(door_with, deadlines: str
     (`shared`, what HAProxy's one queue timeout gave before). At 2 s I passes the waiting
     batch requests (with B3); at 4 s B4 and B5 get the slots, having waited 4 s, past the
     interactive deadline but within their own; B6 would get one at 6 s, past its 5 s: a
-    JSON 503 with Retry-After at 5 s. With one shared deadline, B4-B6 get that 503 at 3 s."""
+    JSON 503 with Retry-After at 5 s. With one shared deadline, B4-B6 get that 503 at 3 s.
+    No interactive reserve: B1 and B2 take both slots (the reserve has its own test)."""
     own = deadlines == "own"
     door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', server="parallel = 1\n",
                      b='priority = "batch"\n',
-                     frontend="queue_timeout_s = 3\n" + ("batch_queue_timeout_s = 5\n" if own else ""))
+                     frontend="queue_timeout_s = 3\ninteractive_reserve = 0\n"
+                     + ("batch_queue_timeout_s = 5\n" if own else ""))
     api = door.door.api
     results: dict[str, tuple[Reply, float]] = {}
     started = time.monotonic()
@@ -543,7 +545,7 @@ def test_each_class_waits_up_to_its_own_queue_deadline(door_with, deadlines: str
         assert refused.status == 503 and refused.headers["Retry-After"] == "1", refused
         assert refused.body["error"]["code"] == 503 and 4.5 < waited < 5.9, (refused, waited)
         text = door.door.paths.config.read_text()
-        assert "    http-request lua.numa_batch_wait 5000 64 if { var(txn.batch) -m bool } !{ fe_name hold }" in text
+        assert "    http-request lua.numa_batch_wait 5000 64 0 if { var(txn.batch) -m bool } !{ fe_name hold }" in text
         # With no instance in rotation, a batch request's hold lasts its own deadline too.
         assert ("    http-request lua.numa_hold 3000 64 if !{ var(txn.batch) -m bool }\n"
                 "    http-request lua.numa_hold 5000 64 if { var(txn.batch) -m bool }\n") in text
@@ -551,6 +553,50 @@ def test_each_class_waits_up_to_its_own_queue_deadline(door_with, deadlines: str
         assert all(statuses[w] == 503 for w in late) and all(2.5 < ended[w] < 3.9 for w in late), (statuses, ended)
         assert "numa_batch_wait" not in door.door.paths.config.read_text()
     assert time.monotonic() - started < 20
+
+
+@with_haproxy
+def test_interactive_requests_find_a_slot_kept_for_them_while_they_come(door_with) -> None:
+    """Two instances of one slot, each request 2 s; the default reserve of 1 slot. The
+    fixture's first request (team-a, interactive) starts the reserve: B1 (batch) takes one
+    slot, B2 waits in the front door beside the free one, and I (interactive) sent then is
+    answered in one request's time, not after B1's. Once no interactive request has come for
+    10 s, batch takes every slot."""
+    door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', server="parallel = 1\n",
+                     b='priority = "batch"\n')
+    seen = time.monotonic()  # the fixture's request, just answered
+    api = door.door.api
+    results: dict[str, tuple[int, float, float]] = {}
+
+    def ask(key: str, who: str) -> threading.Thread:
+        def run() -> None:
+            sent = time.monotonic()
+            reply = post(door.port, key, content=f"{who} {SLOW}")
+            results[who] = (reply.status, sent, time.monotonic())
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    threads = [ask(KEY_B, "B1")]
+    wait_for(lambda: api.backend("instances").in_flight == 1, "B1 at an instance")
+    threads.append(ask(KEY_B, "B2"))
+    wait_for(lambda: api.backend("instances").queued == 1, "B2 waiting")
+    time.sleep(0.3)  # B2 would have had the free slot by now without the reserve
+    assert api.backend("instances").in_flight == 1, api.backend("instances")
+    threads.append(ask(KEY_A, "I"))
+    for thread in threads:
+        thread.join(30)
+    status, sent, ended = results["I"]
+    assert status == 200 and ended - sent < 2.9, results  # at once, beside B1
+    assert results["B2"][0] == 200 and results["B2"][2] > results["B1"][2] - 0.5, results  # after B1 or I
+    assert "    http-request lua.numa_batch_wait 30000 64 1 if {" in door.door.paths.config.read_text()
+    # 10 s without an interactive request: no slot is held back.
+    time.sleep(max(0.0, 10.2 - (time.monotonic() - max(seen, results["I"][1]))))
+    threads = [ask(KEY_B, "B3"), ask(KEY_B, "B4")]
+    wait_for(lambda: api.backend("instances").in_flight == 2, "B3 and B4 at the instances")
+    for thread in threads:
+        thread.join(30)
+    assert results["B3"][0] == results["B4"][0] == 200, results
 
 
 @with_haproxy
