@@ -61,6 +61,7 @@ STALE_MS = 1000
 RECENT_MS = 10_000
 SEEN = "numa_interactive"
 LANDED = "numa_batch_landed"
+FLIGHT = "numa_batch_flight"  # a stick table: batch requests let go and not yet answered, per backend
 _REFUSED = "txn.batch_refused"
 _GRANT = "txn.batch_grant"
 
@@ -116,12 +117,16 @@ core.register_action("{SEEN}", {{"http-req"}}, function(txn)
   interactive_seen[txn.f:be_name()] = batch_now()
 end, 0)
 
--- Room for a batch request: the free slots less `reserve` of them while interactive
--- requests come, never all of the slots in rotation (batch keeps one).
-local function batch_room(name, now, reserve)
+-- Room for a batch request: the free slots; while interactive requests come, no more than
+-- leave batch (at the servers, in the queue, let go) `reserve` slots short of all those in
+-- rotation, and never short of every one (batch keeps one). Batch's own count, not the free
+-- slots less the reserve: an interactive request in the reserved slot leaves the reserve
+-- kept, not a second one held.
+local function batch_room(txn, name, now, reserve)
   local backend = core.backends[name]
   if backend == nil then return 0 end
-  local free = -(tonumber(backend:get_stats()["qcur"]) or 0) - batch_granted(name, now)
+  local let_go = batch_granted(name, now)
+  local free = -(tonumber(backend:get_stats()["qcur"]) or 0) - let_go
   local slots = 0
   for _, server in pairs(backend.servers) do
     local s = server:get_stats()
@@ -132,7 +137,8 @@ local function batch_room(name, now, reserve)
     end
   end
   if now - (interactive_seen[name] or -{RECENT_MS}) < {RECENT_MS} then
-    free = free - math.min(reserve, math.max(0, slots - 1))
+    local batch = (tonumber(txn.c:table_conn_cur(name, "{FLIGHT}")) or 0) + let_go
+    free = math.min(free, slots - math.min(reserve, math.max(0, slots - 1)) - batch)
   end
   return free
 end
@@ -156,7 +162,7 @@ core.register_action("{ACTION}", {{"http-req"}}, function(txn, timeout_ms, most,
   local waiting = batch_ahead(list, math.huge, now)
   batch_seq = batch_seq + 1
   local id = batch_seq
-  if waiting == 0 and batch_room(name, now, reserve) > 0 then batch_grant(txn, name, id, now); return end
+  if waiting == 0 and batch_room(txn, name, now, reserve) > 0 then batch_grant(txn, name, id, now); return end
   if waiting >= tonumber(most) then txn:set_var("{_REFUSED}", true); return end
   local entry = {{rank = id, seen = now}}
   list[id] = entry
@@ -167,7 +173,7 @@ core.register_action("{ACTION}", {{"http-req"}}, function(txn, timeout_ms, most,
     now = batch_now()
     entry.seen = now
     if now >= deadline then list[id] = nil; txn:set_var("{_REFUSED}", true); return end
-    if batch_ahead(list, id, now) < batch_room(name, now, reserve) then
+    if batch_ahead(list, id, now) < batch_room(txn, name, now, reserve) then
       list[id] = nil
       batch_grant(txn, name, id, now)
       return
@@ -199,9 +205,20 @@ def rules(front: FrontendSection, tenants: Sequence[TenantEntry], arriving: str,
             f"hdr Retry-After 1 if {{ var({_REFUSED}) -m bool }}"]
 
 
-def landed_rule(front: FrontendSection, tenants: Sequence[TenantEntry]) -> list[str]:
-    """The backend's last http-request rule: a batch request let go reached it, and HAProxy
-    counts it at a server next, in the same pass (so it stops counting as let go)."""
+def landed_rules(front: FrontendSection, tenants: Sequence[TenantEntry]) -> list[str]:
+    """The backend's last http-request rules: a batch request let go reached them, and
+    HAProxy counts it at a server next, in the same pass (so it stops counting as let go).
+    From here until its answer ends, it counts in FLIGHT (the interactive reserve's count
+    of batch's slots)."""
     if not applies(front, tenants):
         return []
-    return [f"    http-request lua.{LANDED} if {{ var({_GRANT}) -m found }}"]
+    let_go = f"{{ var({_GRANT}) -m found }}"
+    return [f"    http-request track-sc1 be_name table {FLIGHT} if {let_go}",
+            f"    http-request lua.{LANDED} if {let_go}"]
+
+
+def table(front: FrontendSection, tenants: Sequence[TenantEntry], backends: int) -> list[str]:
+    """The stick table of batch requests let go, one entry per model's backend."""
+    if not applies(front, tenants):
+        return []
+    return [f"backend {FLIGHT}", f"    stick-table type string len 64 size {backends} store conn_cur"]

@@ -226,6 +226,8 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
                                       tenants.HELD_BATCH if batch_wait.applies(front, config.tenants) else None)]
     if config.tenants:
         lines += ["", *tenants.table(config.tenants)]
+    if flight := batch_wait.table(front, config.tenants, len(models)):
+        lines += ["", *flight]
     return "\n".join(lines) + "\n"
 
 
@@ -269,7 +271,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
     # The last http-request rule, before the use-server ones: a batch request let go is
     # counted at a server from here (batch_wait.py).
     uses = next((n for n, line in enumerate(picks) if line.startswith("    use-server ")), len(picks))
-    picks[uses:uses] = batch_wait.landed_rule(front, config.tenants)
+    picks[uses:uses] = batch_wait.landed_rules(front, config.tenants)
     lines += picks
     for instance in instances:
         lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")

@@ -600,6 +600,38 @@ def test_interactive_requests_find_a_slot_kept_for_them_while_they_come(door_wit
 
 
 @with_haproxy
+def test_an_interactive_request_in_the_reserved_slot_holds_no_second_one(door_with) -> None:
+    """Two instances of two slots (4), reserve 1: batch may hold 3. B1 at 0 s; B2, B3 at ~1 s
+    (3 held), B4 waits, I takes the fourth slot. At ~2 s B1 ends: B4 takes its slot while I
+    is still served (batch holds 3 again), not once I ends (free slots less the reserve)."""
+    door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', server="parallel = 2\n",
+                     b='priority = "batch"\n')
+    api = door.door.api
+    ended: dict[str, float] = {}
+
+    def ask(key: str, who: str) -> threading.Thread:
+        def run() -> None:
+            assert post(door.port, key, content=f"{who} {SLOW}").status == 200
+            ended[who] = time.monotonic()
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    threads = [ask(KEY_B, "B1")]
+    wait_for(lambda: api.backend("instances").in_flight == 1, "B1 at an instance")
+    time.sleep(1)
+    threads += [ask(KEY_B, "B2"), ask(KEY_B, "B3")]
+    wait_for(lambda: api.backend("instances").in_flight == 3, "B2 and B3 at the instances")
+    threads.append(ask(KEY_B, "B4"))
+    wait_for(lambda: api.backend("instances").queued == 1, "B4 waiting")
+    threads.append(ask(KEY_A, "I"))
+    wait_for(lambda: api.backend("instances").in_flight == 4, "I in the reserved slot")
+    for thread in threads:
+        thread.join(30)
+    assert ended["B1"] < ended["I"] and ended["B4"] - ended["I"] < 1.6, ended
+
+
+@with_haproxy
 def test_in_a_hold_each_class_waits_up_to_its_own_deadline_from_its_arrival(door_with) -> None:
     """No instance in rotation (both in maintenance). Interactive deadline 1 s, batch 4 s,
     and batch_delay_s = 0 (the class still counts: the gate marks it, not its offset). The
