@@ -103,7 +103,7 @@ class FrontendSection(Section):
         1, ge=0, le=1024,
         description=(
             "slots of a model's instances kept free for interactive requests while that model had one in the "
-            "last 10 s, with `[[tenants]]`: a batch request waits in the front door while only these are free "
+            "last 5 to 10 s, with `[[tenants]]`: a batch request waits in the front door while only these are free "
             "(up to its deadline); never every slot: batch keeps at least one; `0`: batch takes any free slot"
         ),
     )

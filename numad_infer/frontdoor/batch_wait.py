@@ -34,13 +34,18 @@ A request that comes back through the hold server (its instance died under it, h
 waits there up to queue_timeout_s, whatever its class.
 
 An interactive reserve (`frontend.interactive_reserve`, default 1 slot): while the backend
-saw an interactive request in the last RECENT_MS, room for a batch request is the free
-slots beyond that many. The queue's order alone is not enough: a client that sends its next
+saw an interactive request in the last RECENT_MS (5 to 10 s: HAProxy's rate over 5 s
+periods), batch requests hold at most every slot
+in rotation less that many (counted in a stick table, FLIGHT, from the backend's last rule
+to the end of the answer), so an interactive request finds a free slot. The queue's order
+alone is not enough: a client that sends its next
 request when its answer comes finds the slot it freed taken by the head of the batch queue,
 and waits for the next slot to free (over real engines: 181 ms at p50 against batch's 555,
 bench/README.md). Never every slot (batch keeps at least one, so it never starves); and
 only while interactive requests come: a host of batch alone loses nothing. An interactive
-request marks its backend in another action, `numa_interactive` (a table write).
+request is counted in a stick table, SEEN (HAProxy's own tracking: another Lua action on
+every request beside the token filter made HAProxy 2.6 fail the filter, "attempt to index a
+number value", in a smoke test under load).
 
 Rendered only where it changes anything: with `[[tenants]]` (which give a request its
 class) and a batch deadline longer than the interactive one, or a reserve.
@@ -59,7 +64,7 @@ STEP_MS = 20
 GRANT_MS = 250
 STALE_MS = 1000
 RECENT_MS = 10_000
-SEEN = "numa_interactive"
+SEEN = "numa_interactive"  # a stick table: interactive requests in the last RECENT_MS, per backend
 LANDED = "numa_batch_landed"
 FLIGHT = "numa_batch_flight"  # a stick table: batch requests let go and not yet answered, per backend
 _REFUSED = "txn.batch_refused"
@@ -110,13 +115,6 @@ core.register_action("{LANDED}", {{"http-req"}}, function(txn)
   if list ~= nil then list[tonumber(txn:get_var("{_GRANT}"))] = nil end
 end, 0)
 
--- When each backend last saw an interactive request (ms): its reserve holds for RECENT_MS.
-local interactive_seen = {{}}
-
-core.register_action("{SEEN}", {{"http-req"}}, function(txn)
-  interactive_seen[txn.f:be_name()] = batch_now()
-end, 0)
-
 -- Room for a batch request: the free slots; while interactive requests come, no more than
 -- leave batch (at the servers, in the queue, let go) `reserve` slots short of all those in
 -- rotation, and never short of every one (batch keeps one). Batch's own count, not the free
@@ -136,7 +134,7 @@ local function batch_room(txn, name, now, reserve)
       free = free + math.max(0, limit - (tonumber(s.scur) or 0) - (tonumber(s.qcur) or 0))
     end
   end
-  if now - (interactive_seen[name] or -{RECENT_MS}) < {RECENT_MS} then
+  if (tonumber(txn.c:table_http_req_rate(name, "{SEEN}")) or 0) > 0 then
     local batch = (tonumber(txn.c:table_conn_cur(name, "{FLIGHT}")) or 0) + let_go
     free = math.min(free, slots - math.min(reserve, math.max(0, slots - 1)) - batch)
   end
@@ -197,7 +195,8 @@ def rules(front: FrontendSection, tenants: Sequence[TenantEntry], arriving: str,
     waited already)."""
     if not applies(front, tenants):
         return []
-    seen = [f"    http-request lua.{SEEN} if !{IS_BATCH} {arriving}"] if front.interactive_reserve else []
+    seen = [f"    http-request track-sc2 be_name table {SEEN} if !{IS_BATCH} {arriving}"] \
+        if front.interactive_reserve else []
     return [*seen,
             f"    http-request lua.{ACTION} {int(front.batch_deadline_s * 1000)} {front.queue_size} "
             f"{front.interactive_reserve} if {IS_BATCH} {arriving}",
@@ -218,7 +217,11 @@ def landed_rules(front: FrontendSection, tenants: Sequence[TenantEntry]) -> list
 
 
 def table(front: FrontendSection, tenants: Sequence[TenantEntry], backends: int) -> list[str]:
-    """The stick table of batch requests let go, one entry per model's backend."""
+    """The stick tables of batch requests let go and of interactive requests' arrivals, one
+    entry per model's backend."""
     if not applies(front, tenants):
         return []
-    return [f"backend {FLIGHT}", f"    stick-table type string len 64 size {backends} store conn_cur"]
+    return [f"backend {FLIGHT}", f"    stick-table type string len 64 size {backends} store conn_cur", "",
+            f"backend {SEEN}",
+            # A rate over 5 s periods is above 0 for 5 to 10 s after the last request.
+            f"    stick-table type string len 64 size {backends} store http_req_rate({RECENT_MS // 2000}s)"]

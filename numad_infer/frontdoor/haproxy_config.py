@@ -323,7 +323,8 @@ def _global(config: Config, served: tuple[ServedModel, ...], paths: Paths, maxco
              f"    server-state-file {quoted(paths.state)}",
              f"    lua-load {quoted(paths.lua)}",  # the hold, the prefix pick, the batch wait (lua.py)
              # Server up/down changes reach the journal (or the process backend's log file).
-             "    log stderr format short local0 notice"]
+             "    log stderr format short local0 notice",
+             *token_count.global_rules(config.tenants)]
     if config.frontend.affinity in (Affinity.USER, Affinity.PREFIX) or routed(served):
         lines.append(f"    tune.bufsize {body_buffer(served)}")
     return lines

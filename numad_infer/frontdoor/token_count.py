@@ -77,3 +77,13 @@ core.register_filter("{FILTER}", NumaTokens, function(flt, args) return flt end)
 def rules(tenants: Sequence[TenantEntry]) -> list[str]:
     """A model's backend's line that reads its answers' token counts (with tenants only)."""
     return [f"    filter lua.{FILTER}"] if tenants else []
+
+
+def global_rules(tenants: Sequence[TenantEntry]) -> list[str]:
+    """One HAProxy thread where the filter runs. HAProxy 2.6 runs a Lua filter of the shared
+    Lua state on several threads unsafely: under concurrent load it failed the filter
+    ("attempt to index a thread value", "... a number value") and crashed the worker
+    (SIGSEGV), in 1 run of 2 to 6 of the smoke test (tests/frontdoor/test_tenants.py); with
+    one thread, 0 of 10. Every Lua action takes one global lock anyway, and an LLM's request
+    rate is far below what one thread forwards."""
+    return ["    nbthread 1"] if tenants else []

@@ -439,7 +439,7 @@ def test_the_token_filter_under_load_fails_nothing_and_holds_nothing(door_with) 
         thread.start()
     for thread in clients:
         thread.join(60)
-    assert failures == [] and not any(t.is_alive() for t in clients), failures[:3]
+    assert failures == [] and not any(t.is_alive() for t in clients), (failures[:3], door.log()[-3000:])
     assert "Lua" not in door.log(), door.log()[-2000:]
 
 
