@@ -279,11 +279,13 @@ def stream_cost(tmp: Path, count: int) -> None:
           f"{added * 1000 / EVENTS:.2f} us an event")
 
 
-def isolation(tmp: Path, count: int, service_ms: int, model: Path | None = None, polite: bool = False) -> None:
+def isolation(tmp: Path, count: int, service_ms: int, model: Path | None = None, polite: bool = False,
+              limit: int = 2) -> None:
     """`polite`: the flood's clients wait out each 429's Retry-After (1 s) before asking again,
-    as the OpenAI clients do; otherwise they ask again at once."""
-    tables = ['name = "quiet"\n', 'name = "flood"\nmax_in_flight = 2\n']
-    door = Door(tmp / "isolation", tables, service_ms, parallel=2, model=model)
+    as the OpenAI clients do; otherwise they ask again at once. `limit`: the flood's
+    max_in_flight (it keeps 10x that many in flight)."""
+    tables = ['name = "quiet"\n', f'name = "flood"\nmax_in_flight = {limit}\n']
+    door = Door(tmp / f"isolation-{limit}", tables, service_ms, parallel=2, model=model)
     real = model is not None
     stop = threading.Event()
     flood: dict[int, int] = {}
@@ -307,7 +309,7 @@ def isolation(tmp: Path, count: int, service_ms: int, model: Path | None = None,
 
     try:
         alone, refused_alone = quiet()
-        threads = [threading.Thread(target=flooder) for _ in range(20)]  # 10x flood's limit of 2
+        threads = [threading.Thread(target=flooder) for _ in range(10 * limit)]  # 10x flood's limit
         for thread in threads:
             thread.start()
         time.sleep(1)
@@ -320,7 +322,7 @@ def isolation(tmp: Path, count: int, service_ms: int, model: Path | None = None,
     upstreams = f"llama-server on {model.name}" if model is not None else f"upstreams take {service_ms} ms"
     retry = "waiting out Retry-After" if polite else "asking again at once after a 429"
     print(f"isolation: {upstreams}, 2 instances x 2 slots; quiet sends {count} one at a time, "
-          f"flood keeps 20 in flight (limit 2), {retry}:")
+          f"flood keeps {10 * limit} in flight (limit {limit}), {retry}:")
     for name, values, refused in (("alone", alone, refused_alone), ("beside flood", beside, refused_beside)):
         print(f"  quiet {name:<13} p50 {pct(values, 0.5) * 1000:7.1f} ms  p99 {pct(values, 0.99) * 1000:7.1f} ms  "
               f"refused {refused}")
@@ -387,14 +389,16 @@ def main() -> int:
     parser.add_argument("--reserves", type=lambda v: [int(n) for n in v.split(",")], default=[0, 1],
                         help="frontend.interactive_reserve values for the priority section, side by side")
     parser.add_argument("--only", choices=["isolation", "priority"], help="one section of the run")
+    parser.add_argument("--flood-limits", type=lambda v: [int(n) for n in v.split(",")], default=[2],
+                        help="the flood tenant's max_in_flight values for the isolation section, one after another")
     args = parser.parse_args()
     model = generated_model(args.size) if args.engine == "llama-server" else None
     with tempfile.TemporaryDirectory() as tmp:
         if model is None and args.only is None:  # the gate's cost is HAProxy's alone
             gate_cost(Path(tmp), 300 if args.quick else 2000)
             stream_cost(Path(tmp), 30 if args.quick else 200)
-        if args.only in (None, "isolation"):
-            isolation(Path(tmp), 50 if args.quick else 200, args.service_ms, model, args.polite)
+        for limit in args.flood_limits if args.only in (None, "isolation") else []:
+            isolation(Path(tmp), 50 if args.quick else 200, args.service_ms, model, args.polite, limit)
         for reserve in args.reserves if args.only in (None, "priority") else []:
             priority(Path(tmp), 30 if args.quick else 100, args.service_ms * 4, model, reserve)
     return 0
