@@ -160,8 +160,8 @@ class FrontendSection(Section):
         1.0, ge=0, le=30,
         description=(
             "under the `\"prefix\"` affinity, how long a chat's later turn waits for its own instance (the one "
-            "that holds its history) when that instance is busy and another has a free slot, before it runs on "
-            "the other and reads its history again there; 0: never waits"
+            "that holds its history) when that instance is busy, before it runs on another (or waits in the "
+            "queue for any) and reads its history again there; 0: never waits"
         ),
     )
     affinity_header: HeaderName = Field(

@@ -13,13 +13,14 @@ first: the least loaded then, the highest scoring for the key by rendezvous hash
 equals), skipping any instance without a free slot or whose load (serving and waiting
 for it) would pass the factor x the mean, rounded up, then `use-server`. A busy home is
 waited for up to `frontend.prefix_wait_s` first by a chat's later turn (the Lua action
-WAIT). When none has room, no pick: the request waits in the backend's one queue
-(leastconn), where queue_size, the priority classes and their deadlines apply, for
-whichever instance frees first. A drained instance keeps its keys, and the bound holds
-however busy the backend is. (A Lua action on the response, to make the instance that
-answered a turn its key's home, was tried and removed: with the tenants' Lua filter on the
-same stream, HAProxy 2.6 failed the filter, "attempt to index a thread value", and left
-the answer stuck.)
+WAIT), whether another instance has room or not. When none has room, no pick: the
+request waits in the backend's one queue (leastconn), where queue_size, the priority
+classes and their deadlines apply, for whichever instance frees first. A drained instance
+keeps its keys, and the bound holds however busy the backend is. (A Lua action on the
+response, to make the instance that answered a turn its key's home, was tried and
+removed: with the tenants' Lua filter on the same stream, HAProxy 2.6 failed the filter,
+"attempt to index a thread value", and left the answer stuck; HAProxy now runs one
+thread with tenants, token_count.py, which may have been the cause, untested.)
 """
 
 from __future__ import annotations
@@ -262,11 +263,15 @@ core.register_fetches("{PICK}", function(txn, backend_name, factor_text)
   return chosen
 end)
 
--- Before the pick: a key whose home is in rotation but has no free slot, while another
--- instance has one, waits for its home up to `wait_ms`, looking every WAIT_STEP_MS. On a
--- CPU the history the home holds costs seconds to read again elsewhere, often more than
--- the turn it waits for; past `wait_ms` the pick sends it elsewhere. With no slot free
--- anywhere it does not wait here: the backend's one queue gives it the first slot freed.
+-- Before the pick: a key whose home is in rotation but has no free slot waits for its
+-- home up to `wait_ms`, looking every WAIT_STEP_MS. On a CPU the history the home holds
+-- costs seconds to read again elsewhere, often more than the turn it waits for; past
+-- `wait_ms` the pick sends it to a free instance, or with none to the backend's one queue.
+-- With no slot free anywhere it waits too: the one queue would give it the first slot
+-- freed, its home's or not (half the time with two instances), and a turn that runs away
+-- from home leaves the home behind, so the next turn misses this one (bench/README.md
+-- run 9: later turns 0.78-0.92x of least connections at p50 without this wait, 1.85-2.00x
+-- with it).
 -- One request waits per home at a time (a second would find the slot taken by the first):
 -- a burst with one prompt goes on to the free instances at once. A request that waited
 -- is marked ({WAITED}): the queue's bound is checked again after the wait.
@@ -286,13 +291,9 @@ core.register_action("{WAIT}", {{"http-req"}}, function(txn, backend_name, wait_
   local marked = false
   while clock_ms() < deadline do
     local servers = servers_of(backend_name, backend, clock_ms())
-    local other_free = false
-    for name, s in pairs(servers) do
-      if name ~= home and s.room then other_free = true end
-    end
     -- A home out of rotation is not waited for (the pick sends the request elsewhere).
     local at_home = servers[home]
-    if at_home == nil or not at_home.rotating or at_home.room or not other_free then break end
+    if at_home == nil or not at_home.rotating or at_home.room then break end
     if not marked then
       waiters[slot], marked = deadline, true
       txn:set_var("{WAITED}", true)
