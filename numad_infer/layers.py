@@ -157,6 +157,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/affinity": (CORE, "which instance of a model a request goes to: least busy, a stick table, or a "
                                  "hash of the prompt's start within a load bound (a Lua fetch)"),
     "frontdoor/haproxy_config": (CORE, "haproxy.cfg from the plan"),
+    "frontdoor/api_paths": (CORE, "the paths the front door forwards (the inference API); any other is a 404"),
+    "frontdoor/client_limits": (CORE, "what a client without a request holds: its headers' wait, a cap per address"),
     "frontdoor/reload_watch": (CORE, "whether HAProxy took the reload asked for (another worker answers)"),
     "frontdoor/hold": (CORE, "requests for a model with no instance in rotation wait for one (HAProxy Lua action)"),
     "frontdoor/batch_wait": (CORE, "a batch request's own queue deadline: it waits for room before the queue "

@@ -136,7 +136,7 @@ class FakeProc:
     def port_owner(self, host: str, port: int, pid: int) -> PortOwner:
         return PortOwner(Holder.INSTANCE)  # no server listens in these tests: the probe stands in for one
 
-    def open_connections(self, port: int) -> int:
+    def open_connections(self, port: int, pid: int) -> int:
         return getattr(self, "connections", {}).get(port, 0)
 
 

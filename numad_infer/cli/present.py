@@ -223,6 +223,7 @@ def _tenant_line(tenant: TenantStatus) -> str:
     now = ("" if tenant.in_flight is None
            else f"{tenant.in_flight} in flight, {tenant.last_minute} let through in the last minute; ")
     answered = ", ".join(f"{status} x{n}" for status, n in sorted(tenant.answers.items())) or "none"
+    left = f"; {tenant.left} left before the answer" if tenant.left else ""
     tokens = (f"; tokens {tenant.prompt_tokens} prompt, {tenant.completion_tokens} completion in "
               f"{tenant.counted_answers} answer(s)" if tenant.counted_answers else "")
-    return f"  tenant {tenant.name}: {now}answers since the daemon started: {answered}{tokens}"
+    return f"  tenant {tenant.name}: {now}answers since the daemon started: {answered}{left}{tokens}"

@@ -131,10 +131,7 @@ class FrontendSection(Section):
             "without a key is still served"
         ),
     )
-    # 256 (not swept against other values yet): each of the two messages is cut on its own,
-    # so a long shared system prompt cannot fill the key, and ~50 words of a user's first
-    # message tell conversations apart; openings that agree on 256 bytes share a prompt
-    # prefix anyway, which their instance's cache holds.
+    # 256: ~50 words of a first message tell conversations apart (each message cut on its own).
     prefix_bytes: int = Field(
         256, ge=16, le=65536,
         description=(
@@ -142,10 +139,7 @@ class FrontendSection(Section):
             "affinity; conversations that agree on them share an instance"
         ),
     )
-    # 1.25: the issue's goal (no instance above 1.25 x the mean). Measured: 16 requests with
-    # one key over 4 instances peak at 5 on one (tests/frontdoor/test_prefix.py); swept in
-    # bench/README.md run 8: 1.1 gave later turns 1.92x, 1.25-2 gave 2.24-2.32x. At least
-    # 1.01: at 1.0 a key keeps its instance only while all carry the same load.
+    # 1.25: swept in bench/README.md run 8 (1.1: later turns 1.92x; 1.25-2: 2.24-2.32x).
     prefix_balance_factor: float = Field(
         1.25, ge=1.01, le=10.0,
         description=(
@@ -190,6 +184,20 @@ class FrontendSection(Section):
             "beside it (same CPUs, another port) that serves until it is back, where its nodes' free memory fits one; "
             "false: requests wait for it (the hold)"
         ),
+    )
+    # 5 s: a request's line and headers come in one packet or a few; a connection that sends
+    # nothing holds HAProxy's room for others this long at most (docs/security.md).
+    header_timeout_s: float = Field(
+        5.0, gt=0, le=300,
+        description=(
+            "longest wait for a request's line and headers, on a new connection or a kept-alive one; the body "
+            "then has 30 s more to arrive whole; a client that sends nothing is closed after this"
+        ),
+    )
+    # 0: behind a load balancer every client shares its address (docs/security.md).
+    connections_per_source: int = Field(
+        0, ge=0, le=1_000_000,
+        description="connections one client address may hold open at once, one more is refused; `0`: no cap",
     )
     request_timeout_s: float = Field(
         600.0, gt=0, le=86400,

@@ -1,18 +1,23 @@
 """Reading /etc/numa-infer.toml: TOML parsed, validated against the schema, and pydantic's
-errors turned into one operator-facing line that names the file, the key and the fix.
+errors turned into operator-facing lines, one per problem, each naming the file, the key
+and the fix.
+
+What a table allows, where a key belongs and which table a key is in are read from the
+schema (the pydantic models' fields), never from a list of names kept by hand.
 
 `parse_config(text, source)` validates a document; `load_config(path)` only adds reading
 the file."""
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args, get_origin
 
 from pydantic import BaseModel, ValidationError
 
@@ -22,14 +27,114 @@ from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
 
 
-def _section_fields(loc: tuple[Any, ...]) -> list[str]:
+class ConfigProblems(ConfigError):
+    """Every problem of one file, one line each (`FILE: KEY: problem; fix`); its key,
+    problem and value are the first's."""
+
+    def __init__(self, problems: list[ConfigError]) -> None:
+        first = problems[0]
+        super().__init__(first.source, first.key, first.problem, first.value, first.value is not None)
+        self.problems = tuple(problems)
+        self.args = ("\n".join(str(p) for p in problems),)
+
+
+def _table_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
+    """The table (model class) a field holds, through `| None` and `list[...]`, and whether
+    it is an array of tables (`[[models]]`); (None, False) for a plain value."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation, False
+    for arg in get_args(annotation):
+        model, listed = _table_of(arg)
+        if model is not None:
+            return model, listed or get_origin(annotation) is list
+    return None, False
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The table at `loc` (`("models", 1)` is the second `[[models]]` table's ModelEntry)."""
     model: type[BaseModel] | None = Config
+    listed = False
     for part in loc:
-        if model is None or not isinstance(part, str) or part not in model.model_fields:
-            return []
-        annotation = model.model_fields[part].annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    return list(model.model_fields) if model is not None else []
+        if isinstance(part, int) and listed:
+            listed = False
+        elif model is not None and not listed and isinstance(part, str) and part in model.model_fields:
+            model, listed = _table_of(model.model_fields[part].annotation)
+        else:
+            return None
+    return None if listed else model
+
+
+def _tables(model: type[BaseModel] = Config, prefix: str = "") -> Iterator[tuple[str, str, type[BaseModel]]]:
+    """Every table of the schema: its dotted name, its header (`[server]`, `[[models]]`) and its class."""
+    for name, field in model.model_fields.items():
+        table, listed = _table_of(field.annotation)
+        if table is not None:
+            dotted = prefix + name
+            yield dotted, f"[[{dotted}]]" if listed else f"[{dotted}]", table
+            yield from _tables(table, dotted + ".")
+
+
+def _header(loc: tuple[Any, ...]) -> str:
+    """The header of the table at `loc`, as the file writes it."""
+    names = [p for p in loc if isinstance(p, str)]
+    if not names:
+        return "the top of the file"
+    return f"[[{'.'.join(names)}]]" if isinstance(loc[-1], int) else f"[{'.'.join(names)}]"
+
+
+def _unknown_key(loc: tuple[Any, ...], raw: Mapping[str, Any]) -> str:
+    """An unknown key's problem and fix: the table it belongs in, if another table has it,
+    else the nearest key of its own table and every key that table allows."""
+    name, model = str(loc[-1]), _model_at(loc[:-1])
+    # One model form or the other: the file's own, when it uses one.
+    skip = {"models"} if "model" in raw and "models" not in raw else {"model"} if "models" in raw else set()
+    homes = [header for dotted, header, table in _tables()
+             if table is not model and name in table.model_fields and dotted not in skip]
+    if homes:
+        return f"unknown key; it belongs in {' or '.join(homes)}: move it there"
+    allowed = list(model.model_fields) if model is not None else []
+    close = difflib.get_close_matches(name, allowed, n=1)
+    hint = f'; did you mean "{close[0]}"?' if close else ""
+    return f"unknown key{hint} (allowed here: {', '.join(allowed)})"
+
+
+def _missing(loc: tuple[Any, ...]) -> str:
+    model = _model_at(loc[:-1])
+    field = model.model_fields.get(str(loc[-1])) if model is not None else None
+    extra = field.json_schema_extra if field is not None else None
+    kind = extra.get("kind") if isinstance(extra, dict) else None
+    value = f"<{kind}>" if isinstance(kind, str) else "..."
+    return f"is required; add {loc[-1]} = {value} to {_header(loc[:-1])}"
+
+
+def _toml_type(value: Any) -> str:
+    """What TOML calls the value's type, as an operator wrote it."""
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return "an array of tables"
+    names = ((bool, "true or false"), (int, "a whole number"), (float, "a number"), (str, "a string"),
+             (list, "a list"), (dict, "a table"), (datetime.date, "a date"), (datetime.time, "a time"))
+    return next((word for kind, word in names if isinstance(value, kind)), "another type")
+
+
+def _plain(value: Any) -> bool:
+    """A value an error can show as written: no table, no date (their Python form is not TOML's)."""
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    return isinstance(value, (str, int, float))
+
+
+def _wrong_form(loc: tuple[Any, ...], kind: str, value: Any) -> str | None:
+    """`[models]` written for `[[models]]` (or `[[server]]` for `[server]`): the fix, or None."""
+    parent = _model_at(loc[:-1]) if loc and isinstance(loc[-1], str) else None
+    field = parent.model_fields.get(loc[-1]) if parent is not None else None
+    table, listed = _table_of(field.annotation) if field is not None else (None, False)
+    name = ".".join(p for p in loc if isinstance(p, str))
+    if table is not None and listed and kind == "list_type" and isinstance(value, dict):
+        return (f"is a single [{name}] table; write [[{name}]] (an array of tables), one [[{name}]] table for each "
+                f"{name.rsplit('.', 1)[-1].removesuffix('s')}, not [{name}]")
+    if table is not None and not listed and kind in ("model_type", "dict_type") and isinstance(value, list):
+        return f"is an array of tables [[{name}]]; write one [{name}] table, not [[{name}]]"
+    return None
 
 
 _TYPE_NAMES = {
@@ -51,27 +156,61 @@ def _error_to_config_error(source: str, raw: dict[str, Any], error: Mapping[str,
     key = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
     kind = error["type"]
     if kind == "extra_forbidden":
-        allowed = _section_fields(loc[:-1])
-        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        hint = f'; did you mean "{close[0]}"?' if close else ""
-        return ConfigError(source, key, f"unknown key{hint} (allowed here: {', '.join(allowed)})")
+        return ConfigError(source, key, _unknown_key(loc, raw))
     if kind == "missing":
-        return ConfigError(source, key, "is required")
+        return ConfigError(source, key, _missing(loc))
     if _UNSHOWN_KEYS.match(key):
         # An argument list may hold a secret (an API key typed into it): name the key, never the value.
         return ConfigError(source, key, error["msg"].removeprefix("Value error, "))
     value = error.get("input")
+    form = _wrong_form(loc, kind, value)
+    if form is not None:
+        return ConfigError(source, key, form)
+    shown = _plain(value)  # a table or a date is named by its type, never shown as Python writes it
     ctx = error.get("ctx") or {}
     bounds = {"less_than_equal": "at most {le}", "greater_than_equal": "at least {ge}",
               "less_than": "less than {lt}", "greater_than": "greater than {gt}"}
     if kind in bounds:
-        return ConfigError(source, key, "must be " + bounds[kind].format(**ctx), value, True)
+        return ConfigError(source, key, "must be " + bounds[kind].format(**ctx), value, shown)
     if kind in _TYPE_NAMES:
-        return ConfigError(source, key, f"must be {_TYPE_NAMES[kind]}, not {type(value).__name__}", value, True)
+        return ConfigError(source, key, f"must be {_TYPE_NAMES[kind]}, not {_toml_type(value)}", value, shown)
     if kind in ("literal_error", "enum"):
-        return ConfigError(source, key, f"must be one of {error['ctx']['expected']}", value, True)
+        return ConfigError(source, key, f"must be one of {ctx['expected']}", value, shown)
     message = error["msg"].removeprefix("Value error, ")
-    return ConfigError(source, key, message, value, True)
+    if not shown:
+        message = f"is {_toml_type(value)}: {message}"
+    return ConfigError(source, key, message, value, shown)
+
+
+_HEADER = re.compile(r"\s*(\[\[?)\s*([A-Za-z0-9_-]+)\s*\]\]?\s*(#.*)?")
+
+
+def _declared_twice(text: str, detail: str, source: str) -> ConfigError | None:
+    """A table TOML refused to declare again (`[tenants]` beside `[[tenants]]`, `[server]`
+    twice): the file's line of each and the fix, or None for another TOML error."""
+    at = re.search(r"at line (\d+)", detail)
+    lines = text.splitlines()
+    if at is None or not 0 < int(at[1]) <= len(lines):
+        return None
+    here = _HEADER.fullmatch(lines[int(at[1]) - 1])
+    if here is None:
+        return None
+    name = here[2]
+    earlier = [(n, h[1]) for n, line in enumerate(lines[:int(at[1]) - 1], 1)
+               if (h := _HEADER.fullmatch(line)) is not None and h[2] == name]
+    if not earlier:
+        return None
+    line, form = earlier[0]
+    field = Config.model_fields.get(name)
+    _, listed = _table_of(field.annotation) if field is not None else (None, form == "[[")
+    one, many = f"[{name}]", f"[[{name}]]"
+    where = f"{here[1]}{name}{here[1].replace('[', ']')} at line {at[1]} beside {form}{name}{form.replace('[', ']')} " \
+            f"at line {line}"
+    if listed:
+        fix = f"write {many} for each {name.removesuffix('s')}, no {one}"
+    else:
+        fix = f"write one {one} table with all its keys, no {many} and no second {one}"
+    return ConfigError(source, name, f"{where}; {fix}")
 
 
 def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
@@ -79,7 +218,7 @@ def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         detail = str(exc).replace("at end of document", f"at line {text.count(chr(10)) + 1}, the end of the file")
-        raise ConfigError(source, None, f"invalid TOML: {detail}") from None
+        raise _declared_twice(text, detail, source) or ConfigError(source, None, f"invalid TOML: {detail}") from None
     except RecursionError:
         # tomllib recurses once per nested array or inline table.
         raise ConfigError(source, None, "invalid TOML: arrays or tables nested too deeply") from None
@@ -88,12 +227,9 @@ def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
     except ValidationError as exc:
         # An unknown key first: a typo ("modle") also explains the "missing" that follows.
         errors = sorted(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
-        # One clear message beats a wall: report the first, say how many more.
-        first = _error_to_config_error(source, raw, errors[0])
-        if len(errors) > 1:
-            first = ConfigError(source, None,
-                                f"{first.args[0].removeprefix(source + ': ')} (and {len(errors) - 1} more problem(s))")
-        raise first from None
+        # Every problem, one line each: an operator fixes them all in one edit.
+        problems = list({str(p): p for p in (_error_to_config_error(source, raw, e) for e in errors)}.values())
+        raise (problems[0] if len(problems) == 1 else ConfigProblems(problems)) from None
     check_models(config, source)
     return config
 

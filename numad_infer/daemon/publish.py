@@ -126,7 +126,7 @@ def _tenants(fd: Frontdoor) -> tuple[TenantStatus, ...]:
             continue
         out.append(TenantStatus(name, in_flight, last_minute, used.answers, used.time_to_first_token,
                                 used.request_duration, used.prompt_tokens, used.completion_tokens,
-                                used.counted_answers))
+                                used.counted_answers, used.left))
     return tuple(out)
 
 

@@ -1,8 +1,10 @@
 """The daemon's watch for clients that left before their answer (abandoned.py says why).
 
-Twice a second it reads the kernel's TCP tables for half-closed connections to the front
-door's port. Only when there are some does it ask HAProxy for its streams (`show sess`) and
-end theirs (`shutdown session`). A thread of its own: the monitoring pass comes every
+Twice a second it reads the kernel's TCP tables for half-closed connections that the front
+door's listening sockets took (at its address or its loopback twin's, accepted by HAProxy's
+user): another local user's on the same port at another address never count. Only when
+there are some does it ask HAProxy for its streams (`show sess`) and end theirs
+(`shutdown session`). A thread of its own: the monitoring pass comes every
 `monitor.interval_s` (5 s by default), too rarely for a slot to be free within a second, and
 a pass may wait on probes. The usual poll reads two small tables and asks HAProxy nothing.
 
@@ -22,6 +24,7 @@ from numad_infer.frontdoor.abandoned import Session, left_by_client, parse_sessi
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.haproxy_config import FRONTEND
 from numad_infer.host.portowner import clients_gone
+from numad_infer.util.addresses import loopback_twin
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,11 @@ class Commands(Protocol):
     def command(self, line: str) -> str: ...
 
 
+class Runner(Protocol):
+    @property
+    def haproxy_uids(self) -> frozenset[int]: ...  # who HAProxy runs as (and root)
+
+
 class Door(Protocol):
     """What the watch reads of the front door (control.Frontdoor)."""
 
@@ -40,6 +48,9 @@ class Door(Protocol):
 
     @property
     def api(self) -> Commands: ...
+
+    @property
+    def runner(self) -> Runner: ...
 
 
 class AbandonWatch:
@@ -81,8 +92,12 @@ class AbandonWatch:
         """One look: the streams ended this time."""
         if not self.door.listen:  # no front door
             return []
-        port = parse_listen(self.door.listen)[1]  # as validated: never refused here
-        gone = clients_gone(self.proc, port)
+        host, port = parse_listen(self.door.listen)  # as validated: never refused here
+        # Its loopback twin too: the front door serves both (frontdoor/listener.py). Only
+        # connections its own listeners took count, accepted by HAProxy (as its user), never
+        # another local user's on the same port at another address (portowner.clients_gone).
+        twin = loopback_twin(host)
+        gone = clients_gone(self.proc, [host] if twin is None else [host, twin], port, self.door.runner.haproxy_uids)
         if not gone:
             return []
         try:

@@ -10,9 +10,10 @@ abortonclose` changes nothing there, even for a queued request).
 
 The kernel knows at once: the client's FIN puts HAProxy's end of the connection in
 CLOSE_WAIT (host/portowner.clients_gone). The watch (abandon_watch.py) looks for such
-connections on the front door's port, finds their streams in `show sess` by the client's
-address, and ends them with `shutdown session`: HAProxy then closes its connection to the
-instance (the engine stops, the slot is free) or drops the request from its queue.
+connections that the front door's listening sockets accepted (never another local user's
+on the same port), finds their streams in `show sess` by the client's address, and ends
+them with `shutdown session`: HAProxy then closes its connection to the instance (the
+engine stops, the slot is free) or drops the request from its queue.
 
 A client that half-closes (shuts its sending side) and still reads is cut too, as HAProxy's
 own `abortonclose` would. HTTP clients do not do that; docs/frontdoor.md says so.

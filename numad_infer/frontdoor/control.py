@@ -91,7 +91,7 @@ class Frontdoor:
         self.tenant_counts: dict[str, TenantCount] = {}  # their stick table entries, read each pass
         self.error = ""  # why the last apply or read failed, for status
         assert self.paths.requests is not None
-        self.requests = RequestLog(self.paths.requests, runner.haproxy_uids)  # per-request timings
+        self.requests = RequestLog(self.paths.requests, runner.haproxy_uids, runner.haproxy_gid)  # per-request timings
 
     def apply(self, config: Config, plan: Plan, served: tuple[ServedModel, ...], checked: CheckedConfig | None) -> bool:
         """Bring HAProxy to this plan (`served`: as validated; `checked`: the haproxy.cfg

@@ -1,7 +1,7 @@
 """haproxy.cfg from the plan: pure (config + plan -> text). The daemon's `frontdoor.Frontdoor`
 writes it and drives the running HAProxy; `numa-infer check` validates it.
 
-Why these HAProxy settings (each one is a finding, see issue 9):
+Why these HAProxy settings:
 - `maxconn` per server = what the engine serves at once (`Engine.slots`: 1 for
   llama-cpp-python, `server.parallel` for llama-server): one more request would wait
   inside the server, where no other instance can take it. HAProxy queues it instead and
@@ -13,19 +13,14 @@ Why these HAProxy settings (each one is a finding, see issue 9):
   `http-request disable-l7-retry` for all but GET/HEAD (nginx's default for
   non-idempotent requests): a request that never reached a server (connection refused)
   is sent again, to another server every time; a POST that reached one is never replayed,
-  so a prompt that crashes llama.cpp crashes one instance, not every instance in turn
-  (issue 19). Its client gets a JSON 502. Where no other server is in rotation (a model's
+  so a prompt that crashes llama.cpp crashes one instance, not every instance in turn.
+  Its client gets a JSON 502. Where no other server is in rotation (a model's
   only instance died), "another server" is the hold server, which waits for one (hold.py).
 - every answer HAProxy makes itself (400, 408, 429, 500, 501, 502, 503, 504) is JSON in
   OpenAI's error shape: an OpenAI client parses the body of a failure, and HAProxy's
   default pages are HTML.
-- affinity on the `user` field or on the prompt's prefix: HAProxy reads the body from its
-  buffer only, so the buffer is sized for the longest prompt an instance accepts
-  (`body_buffer`).
-- `affinity = "prefix"`: a hash of the prompt's start picks the server (affinity.py, a Lua
-  fetch and `use-server`): a conversation's turns and requests sharing a prompt meet the
-  instance whose prompt cache holds it, no instance carries (serving and waiting) more
-  than the factor x the mean, and a server that leaves or joins moves only its own keys.
+- affinity on the `user` field or on the prompt's prefix (affinity.py): HAProxy reads the
+  body from its buffer only, sized for the longest prompt an instance accepts (`body_buffer`).
 - with `[[models]]`, one backend per model and the frontend routes by the body's `model`
   (routing.py says why).
 - health checks on the engine's path that never waits on the model
@@ -44,9 +39,9 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor import affinity, batch_wait, hold, lua, tenants, token_count
+from numad_infer.frontdoor import affinity, api_paths, batch_wait, client_limits, hold, lua, tenants, token_count
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
-from numad_infer.frontdoor.routing import backend_of, health, route, routed
+from numad_infer.frontdoor.routing import BODY_TIMEOUT, backend_of, health, route, routed
 from numad_infer.plan.model import Instance, Plan
 from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
 from numad_infer.systemd.unitnames import FRONTDOOR_TWIN_FD_VARIABLE as TWIN_FD_VARIABLE
@@ -124,12 +119,13 @@ def surge_server(backend: str) -> str:
 
 CONFIG_NAME = "haproxy.cfg"
 # HAProxy's timing line per request, to the daemon's socket of this name (request_log.py
-# reads it): the server, the status, the time to the first byte of the answer's body (a
-# variable the backend sets) and %Ta, the request's whole active time, both in ms. With
-# [[tenants]], then the tenant whose key it carried ("-": none), from the key file's map,
-# and the answer's prompt and completion tokens as the engine reported them (token_count.py).
+# reads it): the server, the status/how the stream ended (%ts: "C" or "K" first, its client
+# left), in one word so that old lines keep their length, the time to the first byte of the
+# answer's body (a variable the backend sets) and %Ta, the request's whole active time, both
+# in ms. With [[tenants]], then the tenant whose key it carried ("-": none), from the key
+# file's map, and the answer's prompt and completion tokens as the engine reported them (token_count.py).
 REQUEST_LOG_NAME = "requests.sock"
-REQUEST_LOG_FORMAT = "%s %ST %[var(txn.first_byte_ms)] %Ta"
+REQUEST_LOG_FORMAT = "%s %ST/%ts %[var(txn.first_byte_ms)] %Ta"
 TENANT_LOG_FORMAT = (f"{REQUEST_LOG_FORMAT} %[var({tenants.VARIABLE})] "
                      + " ".join(f"%[var({v})]" for v in token_count.TOKEN_VARIABLES))  # "-" where not read
 STATE_NAME = "haproxy.state"
@@ -215,7 +211,10 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
              f"    bind {HELD_BIND if held else host_port(host, port)}",
              *([f"    bind {TWIN_BIND}"] if held and twin else []),
              *_timing_log(paths, bool(config.tenants)),
+             *client_limits.rules(front),
              *_health(config, models),
+             # Only the inference API reaches an instance (api_paths.py), whoever sends it.
+             *api_paths.rules(routed(models)),
              *tenants.gate(config.tenants, quoted(paths.keys[0]), quoted(paths.keys[1]),
                            bool(config.server.api_key_file), front.batch_delay_s),
              *pick]
@@ -228,6 +227,7 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
         lines += ["", *tenants.table(config.tenants)]
     if flight := batch_wait.table(front, config.tenants, len(models)):
         lines += ["", *flight]
+    lines += client_limits.table(front)
     return "\n".join(lines) + "\n"
 
 
@@ -347,7 +347,9 @@ def _defaults(front: FrontendSection) -> list[str]:
              f"    timeout client {_ms(front.request_timeout_s)}",
              f"    timeout server {_ms(front.request_timeout_s)}",
              f"    timeout queue {_ms(front.queue_timeout_s)}",
-             "    timeout http-request 30s",
+             # The body's wait, in the backends (`option http-buffer-request`); the frontend
+             # waits frontend.header_timeout_s for the headers (client_limits.py).
+             f"    timeout http-request {BODY_TIMEOUT}",
              "    timeout http-keep-alive 10s",
              "    timeout check 2s",
              "    load-server-state-from-file global"]

@@ -324,7 +324,7 @@ class Handout:
     """Hands the held socket to HAProxy's unit (`frontdoor_exec`) over a unix socket.
 
     Only to a peer whose uid is in `uids` (SO_PEERCRED: the front door's user, or root):
-    the file is group-only besides, in the daemon's run directory.
+    the file is its owner's and `gid`'s only (its owner's without one), in the run directory.
     """
 
     def __init__(self, listener: HeldListener, path: Path, uids: frozenset[int], gid: int | None) -> None:
@@ -337,13 +337,14 @@ class Handout:
     def start(self) -> None:
         self.path.unlink(missing_ok=True)  # a previous daemon's
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o117)  # 0660 from the start, never a moment wider
+        old = os.umask(0o177)  # owner only: without `gid` the file's group is the daemon's, no one's to use
         try:
             server.bind(str(self.path))
         finally:
             os.umask(old)
         if self.gid is not None:
             os.chown(self.path, -1, self.gid)  # the daemon is in that group: no capability needed
+            os.chmod(self.path, 0o660)  # the front door's user connects through its group
         server.listen(16)
         self._server = server
         threading.Thread(target=self._serve, args=(server,), name="frontdoor-handout", daemon=True).start()

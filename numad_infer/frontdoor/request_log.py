@@ -11,10 +11,18 @@ token: for a stream it is the time to first token a client sees, for an answer s
 whole it is the whole answer, which is when such a client gets its first token too.
 
 Edge: a unix datagram socket the daemon binds in its run directory. HAProxy sends one
-line per request (haproxy_config.REQUEST_LOG_FORMAT: "<server> <status> <ttft ms> <active
-ms>"; with `[[tenants]]`, then "<tenant> <prompt tokens> <completion tokens>", "-" where
-not known); a datagram counts only when the kernel says (SCM_CREDENTIALS) its sender is
-HAProxy's user or root, so another local user cannot write figures into the metrics.
+line per request (haproxy_config.REQUEST_LOG_FORMAT: "<server> <status>/<how it ended>
+<ttft ms> <active ms>"; with `[[tenants]]`, then "<tenant> <prompt tokens> <completion
+tokens>", "-" where not known). Only HAProxy (through its group, or as the daemon's own
+user) and root may send to it (the file's mode, `RequestLog.start`), and a datagram counts
+only when the kernel says (SCM_CREDENTIALS) its sender is HAProxy's user or root: another
+local user can neither write figures into the metrics nor crowd HAProxy's lines out of the
+socket's queue.
+
+A request whose client left before its answer (HAProxy's termination state: the client
+aborted, or the daemon's watch ended the stream, frontdoor/abandoned.py) is its tenant's
+`left`, not an answer by status: HAProxy logs such a stream with the 502 it never sent, and
+an alert on 5xx must not fire because users gave up.
 """
 
 from __future__ import annotations
@@ -39,6 +47,10 @@ log = logging.getLogger(__name__)
 
 _MAX_DATAGRAM = 1024  # the line is ~40 bytes; HAProxy's `len` is set to this too
 _CREDENTIALS = struct.calcsize("3i")
+# %ts's first character when the client went away first: "C", it aborted; "K", an admin
+# ended the stream, which only the daemon's abandon watch does, and only for a client that
+# left (`shutdown session`). Not "c", a client too slow to send its request (HAProxy's 408).
+_CLIENT_LEFT = frozenset("CK")
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,9 @@ class TenantUsage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     counted_answers: int = 0
+    # Requests whose client left before the answer's end: not in `answers` under the status
+    # HAProxy logged for them (a 502 no one was sent, or the 200 of a stream cut short).
+    left: int = 0
 
 
 @dataclass
@@ -63,6 +78,7 @@ class _Tally:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     counted_answers: int = 0
+    left: int = 0
 
 
 def _count(word: str) -> int | None:
@@ -83,10 +99,13 @@ class Timings:
         """One log line; False for one that is not a served request's (nothing recorded per
         server; a tenant's refusal is still counted for the tenant)."""
         words = line.split()
-        # 4: a HAProxy started before tenants were logged; 5: before their tokens were.
+        # 4: without tenants; 5: a HAProxy started before tenants' tokens were logged; 7: with them.
         if len(words) not in (4, 5, 7):
             return False
-        server, status, first_ms, active_ms = words[:4]
+        server, ended, first_ms, active_ms = words[:4]
+        # "502/KD"; "502" alone from a HAProxy started before the ending was logged: not known.
+        status, _, how = ended.partition("/")
+        left = how[:1] in _CLIENT_LEFT
         tenant = words[4] if len(words) >= 5 and words[4] != "-" else None
         tokens = (_count(words[5]), _count(words[6])) if len(words) == 7 else (None, None)
         try:
@@ -95,9 +114,12 @@ class Timings:
             first = whole = -1.0  # "-": no answer came from the server (cut, timed out, refused)
         served = not server.startswith("<") and first >= 0 and whole >= 0  # <NOSRV>: HAProxy's own answer
         with self._lock:
-            if tenant is not None and status.isdigit():
+            if tenant is not None and (status.isdigit() or left):
                 tally = self._tenants.setdefault(tenant, _Tally())
-                tally.answers[status] = tally.answers.get(status, 0) + 1
+                if left:
+                    tally.left += 1
+                else:
+                    tally.answers[status] = tally.answers.get(status, 0) + 1
                 if served:
                     tally.first.observe(first)
                     tally.whole.observe(whole)
@@ -119,15 +141,19 @@ class Timings:
         """tenant -> its usage since the daemon started."""
         with self._lock:
             return {name: TenantUsage(dict(t.answers), t.first.snapshot(), t.whole.snapshot(), t.prompt_tokens,
-                                      t.completion_tokens, t.counted_answers)
+                                      t.completion_tokens, t.counted_answers, t.left)
                     for name, t in self._tenants.items()}
 
 
 class RequestLog:
-    """The socket HAProxy logs to, and the thread that reads it into `timings`."""
+    """The socket HAProxy logs to, and the thread that reads it into `timings`.
 
-    def __init__(self, path: Path, senders: frozenset[int]) -> None:
-        self.path, self.senders = path, senders
+    `senders`: the uids whose lines count (HAProxy's user, root). `group`: HAProxy's group,
+    which may send to the socket besides its owner; None where HAProxy runs as the daemon's
+    own user (or as root), and the owner alone may."""
+
+    def __init__(self, path: Path, senders: frozenset[int], group: int | None = None) -> None:
+        self.path, self.senders, self.group = path, senders, group
         self.timings = Timings()
         self._sock: socket.socket | None = None
 
@@ -136,16 +162,34 @@ class RequestLog:
             return
         self.path.unlink(missing_ok=True)  # a previous daemon's
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        old = os.umask(0o111)  # HAProxy's user must write to it; the senders' check keeps others out
         try:
-            sock.bind(str(self.path))
-        finally:
-            os.umask(old)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            # Sending to a unix socket needs write permission on its file. The senders' check
+            # alone refuses a stranger's lines only once they are read: meanwhile they fill
+            # the socket's queue, and HAProxy, which never waits for room, loses its own.
+            old = os.umask(0o177)  # 0600 from the moment it exists, never a moment wider
+            try:
+                sock.bind(str(self.path))
+            finally:
+                os.umask(old)
+            if self.group is not None:
+                os.chown(self.path, -1, self.group)  # the daemon is root, or in that group
+                os.chmod(self.path, 0o660)
+        except OSError:
+            sock.close()
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            raise
         self._sock = sock
         threading.Thread(target=self._serve, args=(sock,), name="request-log", daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
+        # What remains: Linux queues at most net.unix.max_dgram_qlen datagrams (10 unless
+        # raised) on a unix datagram socket, whatever SO_RCVBUF says (measured: a larger
+        # buffer queues no more lines), and HAProxy drops a line it cannot send at once. So
+        # this loop does nothing else (a line from another sender is dropped undecoded), and a
+        # burst of more answers than that ending while the thread waits for the GIL loses
+        # some; root, and users in HAProxy's group, can still crowd the queue.
         while True:
             try:
                 data, ancillary, _, _ = sock.recvmsg(_MAX_DATAGRAM, socket.CMSG_SPACE(_CREDENTIALS))

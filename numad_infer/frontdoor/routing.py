@@ -30,6 +30,7 @@ from numad_infer.frontdoor import hold
 BACKEND = "instances"  # the backend of the model whose key is "" (the single `[model]` form's)
 _BACKEND_PREFIX = "model-"
 MODELS_PATH = "/v1/models"
+BODY_TIMEOUT = "30s"  # how long a request's body may take to arrive whole, after its headers
 
 
 Served = tuple[ServedModel, ...]
@@ -102,8 +103,10 @@ def route(served: Served, buffer: int) -> list[str]:
              # OpenAI's "retrieve model": one entry, by name or alias.
              *(f"    http-request return status 200 content-type application/json string '{_compact(entry)}' "
                f"if {{ path {MODELS_PATH}/{entry['id']} }} METH_GET" for entry in _entries(served)),
-             # The whole body (up to tune.bufsize) is read before the rules below run.
-             "    option http-buffer-request",
+             # The whole body (up to tune.bufsize) is read before the rules below run. Not
+             # `option http-buffer-request`: in a frontend it waits only the frontend's
+             # `timeout http-request`, which bounds the headers alone (haproxy_config.py).
+             f"    http-request wait-for-body time {BODY_TIMEOUT}",
              "    http-request set-var(txn.model) req.body,json_query('$.model')",
              "    http-request set-var(txn.body_read) req.body_len",
              f"    acl served_model var(txn.model) -m str {every}",

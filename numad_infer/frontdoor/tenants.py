@@ -80,13 +80,17 @@ def _body(status: int, kind: str, message: str) -> str:
     return text
 
 
-def _answer(status: int, kind: str, message: str, condition: str, header: str = "") -> str:
-    """`header`: `NAME VALUE`, sent with the answer."""
-    extra = f" hdr {header}" if header else ""
+def _answer(status: int, kind: str, message: str, condition: str, *headers: str) -> str:
+    """`headers`: each `NAME VALUE`, sent with the answer."""
+    extra = "".join(f" hdr {header}" for header in headers)
     return (f"    http-request return status {status} content-type application/json "
             f"string '{_body(status, kind, message)}'{extra} if {condition}")
 
 
+# The one form a key is read from: exactly one Authorization header, `Bearer KEY` (the
+# scheme in any case, one space, the key a token68 as config/tenants.py requires); a second
+# header, another scheme or words after the key are a 401, never a guess at which counts.
+_BEARER = r"^bearer [A-Za-z0-9._~+/-]+=*$"
 _UNKNOWN = ("this front door needs an API key: send Authorization: Bearer KEY with the key your operator gave you "
             "(a missing, unknown or revoked key is refused)")
 
@@ -100,9 +104,10 @@ def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key:
         return []
     lines = [f"    http-request set-var({ARRIVED}) date(0,ms)",
              f"    http-request set-var({VARIABLE}) req.fhdr(authorization),word(2,' '),map({keys}) "
-             "if { req.fhdr(authorization) -m beg -i \"bearer \" }",
+             f"if {{ req.fhdr_cnt(authorization) eq 1 }} {{ req.fhdr(authorization) -m reg -i '{_BEARER}' }}",
+             # The connection closes with the 401: a client without a key holds no kept-alive one.
              _answer(401, "invalid_request_error", _UNKNOWN, f"!{{ var({VARIABLE}) -m found }}",
-                     "WWW-Authenticate Bearer"),
+                     "WWW-Authenticate Bearer", "Connection close"),
              f"    http-request track-sc0 var({VARIABLE}) table {TABLE}"]
     for tenant in tenants:
         me = f"{{ var({VARIABLE}) -m str {tenant.name} }}"

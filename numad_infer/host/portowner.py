@@ -6,6 +6,11 @@ and keys go. While an instance restarts or loads its model, any local user can l
 that port first. So before either, every socket that listens where a client of the port
 connects must be the instance's: its inode, from /proc/net/tcp and tcp6, among the file
 descriptors of the instance's process or of its children.
+
+The connections such a listener took are told the same way, by the listener and not by
+the port alone (`open_connections`: a retiring instance's requests; `clients_gone`: the
+front door's clients that left): the local address one of its sockets takes connections
+at, and the user who listens or accepts there.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -72,25 +77,79 @@ def port_owner(proc: Path, host: str, port: int, pid: int) -> PortOwner:
 _ESTABLISHED = "01"  # TCP_ESTABLISHED
 
 
-def open_connections(proc: Path, port: int) -> int:
-    """Connections clients hold open to local `port` (requests in flight, kept-alive ones):
-    once the instance's port is known to be its own, these are all the instance's."""
-    return sum(1 for fields in _sockets(proc) if fields[3] == _ESTABLISHED and _port(fields[1]) == port)
+def open_connections(proc: Path, port: int, pid: int) -> int:
+    """Connections clients hold open to the instance of process `pid` on its `port`
+    (requests in flight, kept-alive ones).
+
+    Only those its own listening socket accepted count. Any local user may listen on
+    another local address at the same port (127.0.0.2:PORT where the instance holds
+    127.0.0.1:PORT) and connect to it: by port alone, those connections would hold a
+    retiring instance up to its drain's timeout. A connection's uid is its listener's
+    while it waits to be accepted (the kernel copies it), then the accepting process's
+    (accept() makes it the caller's): an instance listens and accepts as its own user, the
+    process's (under systemd a DynamicUser of its own). So a connection counts when a
+    socket of that user listening on the port takes connections at its local address, and
+    the connection is that user's too. A process gone has none open."""
+    try:
+        uid = _real_uid(proc, pid)
+    except (OSError, ValueError):
+        return 0
+    rows = list(_sockets(proc))
+    listeners = [address for address, owner in _listen_rows(rows, port) if owner == uid]
+    return sum(1 for fields in rows if fields[3] == _ESTABLISHED and int(fields[7]) == uid
+               and _accepted_at(fields, port, listeners))
 
 
 _CLOSE_WAIT = "08"  # TCP_CLOSE_WAIT: the peer sent its FIN, the local end is still open
 
 
-def clients_gone(proc: Path, port: int) -> set[tuple[IPAddress, int]]:
-    """The clients (address, port) that closed their connection to local `port` while the
-    local end is still open: for the front door's port, requests HAProxy has not yet seen
-    abandoned (frontdoor/abandoned.py). An IPv4 client of an IPv6 socket as IPv4."""
+def clients_gone(proc: Path, listen_hosts: Iterable[str], port: int,
+                 acceptors: Iterable[int]) -> set[tuple[IPAddress, int]]:
+    """The clients (address, port) that closed a connection the sockets listening on
+    `port` at `listen_hosts` took, while the local end is still open: for the front door's
+    addresses (its own and its loopback twin), port and HAProxy's users (`acceptors`),
+    requests HAProxy has not yet seen abandoned (frontdoor/abandoned.py). An IPv4 client
+    of an IPv6 socket as IPv4.
+
+    Not every half-closed connection to the port: any local user may listen on another
+    local address at the same port (127.0.0.2:PORT beside a front door on 127.0.0.1),
+    connect to it from a client's address and port (read in /proc/net/tcp), and close that
+    end; the socket left in CLOSE_WAIT would name the client, whose request the watch
+    would end. So a connection counts only when its local address is one a front door
+    listener takes connections at, and its uid is that listener's (not accepted yet: the
+    kernel copies the listener's) or one of `acceptors` (accept() gives it the caller's;
+    the daemon, or systemd, creates the listener, HAProxy accepts on it)."""
+    hosts = {ipaddress.ip_address(host) for host in listen_hosts}
+    acceptors = set(acceptors)
+    rows = list(_sockets(proc))
+    listeners = [(address, uid) for address, uid in _listen_rows(rows, port) if address in hosts]
     gone = set()
-    for fields in _sockets(proc):
-        if fields[3] == _CLOSE_WAIT and _port(fields[1]) == port:
+    for fields in rows:
+        if fields[3] != _CLOSE_WAIT:
+            continue
+        uid = int(fields[7])
+        by = [address for address, owner in listeners if uid == owner or uid in acceptors]
+        if _accepted_at(fields, port, by):
             host, _, client_port = fields[2].partition(":")
             gone.add((unmapped(_address(host)), int(client_port, 16)))
     return gone
+
+
+def _listen_rows(rows: list[list[str]], port: int) -> list[tuple[IPAddress, int]]:
+    """(address, uid) of each TCP socket listening on `port`."""
+    return [(_address(fields[1].partition(":")[0]), int(fields[7])) for fields in rows
+            if fields[3] == _LISTEN and _port(fields[1]) == port]
+
+
+def _accepted_at(fields: list[str], port: int, listeners: list[IPAddress]) -> bool:
+    """Is the connection of this row on `port`, at a local address one of the sockets
+    listening at `listeners` takes connections at? A wildcard takes its family's: an IPv4
+    client of an IPv6 socket is ::ffff:a.b.c.d there, an IPv6 listener's."""
+    if _port(fields[1]) != port:
+        return False
+    local = _address(fields[1].partition(":")[0])
+    return any(address == local or (address.is_unspecified and address.version == local.version)
+               for address in listeners)
 
 
 def _sockets(proc: Path) -> Iterator[list[str]]:

@@ -155,9 +155,10 @@ class ProcReader:
         """Is the socket listening on the instance's port the one of its process `pid`?"""
         return port_owner(self.proc, host, port, pid)
 
-    def open_connections(self, port: int) -> int:
-        """Client connections open to the local `port` (an instance's requests in flight)."""
-        return open_connections(self.proc, port)
+    def open_connections(self, port: int, pid: int) -> int:
+        """Client connections open to the instance of process `pid` on its `port` (its
+        requests in flight): only those its own listening socket accepted."""
+        return open_connections(self.proc, port, pid)
 
     def running_commands(self, name: str) -> list[int]:
         pids = []

@@ -51,6 +51,9 @@ class SnapshotCollector(Collector):
 # daemon's `instance` would be renamed `exported_instance` on every scrape. `model`: the
 # name clients send ([[models]] name; model.name with a single [model], "" without one).
 _LABELS = ["server", "node", "model"]
+# numa_infer_tenant_requests' `code` for a request whose client left before the answer's
+# end: no HTTP status, so that an expression over 5xx leaves out users who gave up.
+CLIENT_LEFT = "client_left"
 
 # Per-instance gauges: (name, help, the value, None when the instance has none).
 _GAUGES: tuple[tuple[str, str, Callable[[InstanceStatus], float | None]], ...] = (
@@ -182,7 +185,8 @@ def _tenant_metrics(tenants: tuple[TenantStatus, ...]) -> Iterator[Metric]:
     configuration, never from a request."""
     answers = CounterMetricFamily("numa_infer_tenant_requests",
                                   "The tenant's requests answered by the front door since the daemon started, by HTTP "
-                                  "status (its own 429 and 403 included)", labels=["tenant", "code"])
+                                  f"status (its own 429 and 403 included); code=\"{CLIENT_LEFT}\": its client left "
+                                  "before the answer's end", labels=["tenant", "code"])
     in_flight = GaugeMetricFamily("numa_infer_tenant_requests_in_flight",
                                   "The tenant's requests answered or queued now (what max_in_flight holds)",
                                   labels=["tenant"])
@@ -204,7 +208,9 @@ def _tenant_metrics(tenants: tuple[TenantStatus, ...]) -> Iterator[Metric]:
     for tenant in tenants:
         for code, count in sorted(tenant.answers.items()):
             answers.add_metric([tenant.name, code], count)
-        if tenant.answers:  # as the answers: a tenant that sent nothing has no series yet
+        if tenant.left:  # a code of its own, not the 502 HAProxy logs for a stream the daemon ended
+            answers.add_metric([tenant.name, CLIENT_LEFT], tenant.left)
+        if tenant.answers or tenant.left:  # as the answers: a tenant that sent nothing has no series yet
             tokens.add_metric([tenant.name, "prompt"], tenant.prompt_tokens)
             tokens.add_metric([tenant.name, "completion"], tenant.completion_tokens)
             counted.add_metric([tenant.name], tenant.counted_answers)

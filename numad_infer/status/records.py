@@ -184,6 +184,9 @@ class TenantStatus:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     counted_answers: int = 0
+    # Since the daemon started, requests whose client left before the answer's end: not in
+    # `answers` (HAProxy logs the 502 it never sent for one the daemon ended).
+    left: int = 0
 
 
 @dataclass(frozen=True)

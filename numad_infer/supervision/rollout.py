@@ -126,7 +126,10 @@ class Rollout:
     def retire(self, proc: ProcReader, now: float) -> None:
         """Stop the instances no longer planned whose clients are gone, or whose time is up."""
         for name, leaving in list(self.retiring.items()):
-            open_now = proc.open_connections(leaving.runtime.instance.port)
+            # By its process: only connections its own listener accepted count (a local
+            # user's on the same port at another address would hold it up to the timeout).
+            pid = leaving.runtime.pid
+            open_now = 0 if pid is None else proc.open_connections(leaving.runtime.instance.port, pid)
             if open_now and now - leaving.since < leaving.timeout_s:
                 continue
             if open_now:

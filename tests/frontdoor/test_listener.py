@@ -327,7 +327,7 @@ def test_the_handout_gives_the_socket_to_haproxys_user_only(tmp_path: Path) -> N
     handout = Handout(listener, path, frozenset({0}), None)
     handout.start()
     try:
-        assert oct(path.stat().st_mode & 0o777) == "0o660"
+        assert oct(path.stat().st_mode & 0o777) == "0o600"  # no front door group: its owner alone
         fds = receive(str(path))
         assert fds is not None and fds.keys() == listener.fds.keys()
         assert os.fstat(fds[FD_VARIABLE]).st_ino == os.fstat(listener.fd).st_ino  # the same socket

@@ -11,7 +11,10 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import socket
+import stat
+import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,10 +22,12 @@ from pathlib import Path
 
 import pytest
 
+from numad_infer.backends.process import ProcessBackend
+from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy_config import server_name
 from numad_infer.frontdoor.request_log import RequestLog, Timings
 from numad_infer.util.histogram import TIME_TO_FIRST_TOKEN_BOUNDS, Histogram, Recorder
-from tests.daemon_harness import wait_for
+from tests.daemon_harness import run_dir, wait_for
 from tests.frontdoor.harness import Door, as_root, with_haproxy
 
 FIRST_TOKEN_S, REST_S = 0.6, 0.4
@@ -191,3 +196,105 @@ def test_a_tenants_tokens_are_added_up_where_haproxy_read_them() -> None:
     assert (used["team-a"].prompt_tokens, used["team-a"].completion_tokens, used["team-a"].counted_answers) == (120, 30, 1)
     assert used["team-a"].answers == {"200": 3, "429": 1}
     assert (used["team-b"].prompt_tokens, used["team-b"].completion_tokens, used["team-b"].counted_answers) == (5, 2, 1)
+
+
+@pytest.mark.parametrize("line, status", [
+    ("infer-0 502/KD - 1200 team-a - -", None),  # at an instance, ended by the daemon's watch: the 502 never sent
+    ("<NOSRV> 503/KQ - 800 team-a - -", None),  # ended in the queue
+    ("infer-0 200/CD 40 900 team-a - -", None),  # a stream the client cut
+    ("<NOSRV> -1/CR - 5 team-a - -", None),  # gone before its request was whole
+    ("infer-1 502/SH - 12 team-a - -", "502"),  # the instance died: a failure, as before
+    ("<NOSRV> 408/cR - 10000 team-a - -", "408"),  # a client too slow to send its request is answered
+    ("infer-0 200/-- 40 600 team-a 12 3", "200"),
+    ("infer-1 502 - 12 team-a - -", "502"),  # a HAProxy started before the ending was logged: not known
+    ("infer-1 502 - 12 team-a", "502"),
+])
+def test_a_request_whose_client_left_is_counted_as_left_not_by_the_status_haproxy_logged(
+        line: str, status: str | None) -> None:
+    timings = Timings()
+    timings.record(line)
+    used = timings.tenants()["team-a"]
+    assert used.answers == ({} if status is None else {status: 1})
+    assert used.left == (1 if status is None else 0)
+
+
+def test_the_ending_changes_nothing_else_in_a_line() -> None:
+    timings = Timings()
+    assert timings.record("infer-0 200/-- 41 613")  # without tenants
+    assert timings.record("infer-0 200/CD 40 900 team-a - -")  # its client had its first token
+    assert not timings.record("infer-0 502/KD - 1200 team-a - -")
+    assert timings.record("infer-0 200/-- 40 600 team-a 12 3")
+    used = timings.tenants()["team-a"]
+    assert (used.answers, used.left, used.prompt_tokens, used.counted_answers) == ({"200": 1}, 2, 12, 1)
+    assert used.time_to_first_token.count == 2 and timings.snapshot()["infer-0"][0].count == 3
+
+
+SETPRIV = shutil.which("setpriv")
+# Sends one line to the socket in argv[1]; says whether the kernel let it.
+_SEND = ("import socket, sys\n"
+         "s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+         "try:\n    s.sendto(sys.argv[2].encode(), sys.argv[1])\n"
+         "except PermissionError:\n    print('refused')\nelse:\n    print('sent')\n")
+
+
+def _send_as(uid: int, gid: int, path: Path, line: str) -> str:
+    assert SETPRIV is not None
+    done = subprocess.run([SETPRIV, f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "/usr/bin/python3", "-c",
+                           _SEND, str(path), line], capture_output=True, text=True, cwd="/", timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sending as another user needs root")
+@pytest.mark.skipif(SETPRIV is None or not os.access("/usr/bin/python3", os.X_OK),
+                    reason="setpriv (util-linux) or /usr/bin/python3 missing")
+def test_only_haproxy_and_root_may_send_to_the_request_log(tmp_path: Path) -> None:
+    directory = run_dir(tmp_path)  # searchable by others, as the daemon's run directory is
+    runner = ProcessBackend(directory / "logs").frontdoor_runner(directory)
+    log = Frontdoor(runner).requests  # as the daemon makes it
+    gid = runner.haproxy_gid
+    stranger = next(i for i in (65534, 54321) if i not in runner.haproxy_uids and i != gid)
+    # The control: a socket anyone may write to, beside it, takes the stranger's line, so a
+    # refusal below is the socket's own mode, not the directory's.
+    beside = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    old = os.umask(0)
+    try:
+        beside.bind(str(directory / "open.sock"))
+    finally:
+        os.umask(old)
+    try:
+        assert _send_as(stranger, stranger, directory / "open.sock", "x") == "sent"
+        log.start()
+        assert _send_as(stranger, stranger, log.path, "infer-9 200/-- 10 20") == "refused"  # EACCES
+        info = log.path.stat()
+        assert stat.S_ISSOCK(info.st_mode) and info.st_uid == 0
+        assert stat.S_IMODE(info.st_mode) == (0o660 if gid is not None else 0o600)
+        if gid is not None:
+            assert info.st_gid == gid
+        # HAProxy's own user still may, and its lines count.
+        haproxy = next((u for u in runner.haproxy_uids if u != 0), None)
+        if haproxy is not None and gid is not None:
+            assert _send_as(haproxy, gid, log.path, "infer-7 200/-- 10 20") == "sent"
+            wait_for(lambda: "infer-7" in log.timings.snapshot(), "HAProxy's user's line")
+        assert "infer-9" not in log.timings.snapshot()
+    finally:
+        log.close()
+        beside.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_the_request_log_is_its_owners_alone_or_haproxys_groups_too(tmp_path: Path) -> None:
+    """Where HAProxy runs as the daemon's user (no group given) 0600 is enough; with its
+    group, that group may write too. Never anyone else, not even for a moment: the file is
+    made under a umask that leaves only its owner."""
+    alone = RequestLog(tmp_path / "alone.sock", frozenset({os.geteuid()}))
+    grouped = RequestLog(tmp_path / "grouped.sock", frozenset({os.geteuid()}), os.getegid())
+    try:
+        for log, mode in ((alone, 0o600), (grouped, 0o660)):
+            log.start()
+            info = log.path.stat()
+            assert stat.S_IMODE(info.st_mode) == mode, oct(info.st_mode)
+            assert info.st_gid == os.getegid()
+    finally:
+        alone.close()
+        grouped.close()

@@ -59,7 +59,7 @@ def test_one_model_in_either_form_reads_no_model_from_the_body(tmp_path: Path) -
     single = _render(tmp_path / "a", '[model]\npath = "/m.gguf"\nname = "alpha"\n')
     assert f"    default_backend {BACKEND}\n" in single and "txn.model" not in single
     one = _render(tmp_path / "b", '[[models]]\nname = "alpha"\npath = "/a.gguf"\n')
-    assert "    default_backend model-alpha\n" in one and "txn.model" not in one and "/v1/models" not in one
+    assert "    default_backend model-alpha\n" in one and "txn.model" not in one and "{ path /v1/models" not in one
     # Without affinity on the body, nothing reads it, and HAProxy keeps its own buffer size.
     plain = _render(tmp_path / "c", '[model]\npath = "/m.gguf"\nname = "alpha"\n[frontend]\naffinity = "none"\n')
     assert "json_query" not in plain and "bufsize" not in plain
