@@ -34,6 +34,17 @@ def completion(port: int, key: str | None, max_tokens: int = 4) -> tuple[int, di
         return exc.code, json.loads(exc.read())
 
 
+def call(port: int, method: str, path: str, key: str, body: dict | None = None) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method, data=data,
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 def streamed(port: int, key: str, max_tokens: int = 4) -> tuple[int, dict]:
     """A streamed completion: its status and its last event's `timings` (llama-server's own
     counts, which it sends in every stream's last event)."""
@@ -85,6 +96,14 @@ def test_tenant_keys_gate_the_front_door_rotate_by_reload_and_appear_nowhere(dae
     assert completion(door, INSTANCE_KEY)[0] == 401  # the instances' key is no tenant's
     status, answer = completion(door, KEY_A)
     assert status == 200 and answer["usage"]["completion_tokens"] == 4, answer
+    # A tenant's key reaches the inference API only: llama-server's management API answers
+    # no one through the front door (it would with the instances' key swapped in).
+    for method, path, body in (("GET", "/slots", None), ("GET", "/metrics", None), ("GET", "/props", None),
+                               ("POST", "/slots/0?action=erase", {}), ("POST", "/props", {}),
+                               ("POST", "/slots/0?action=save", {"filename": "x.bin"}), ("GET", "/lora-adapters", None)):
+        assert call(door, method, path, KEY_A, body)[0] == 404, (method, path)
+    assert call(door, "POST", "/tokenize", KEY_A, {"content": "hello"})[0] == 200
+    assert call(door, "POST", "/completion", KEY_A, {"prompt": "hello", "n_predict": 2})[0] == 200
     # The instances keep requiring their own key, for clients that reach them directly.
     port = run.instance(state, "infer@0")["port"]
     assert completion(port, KEY_A)[0] == 401
