@@ -217,6 +217,7 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
              *api_paths.rules(routed(models)),
              *tenants.gate(config.tenants, quoted(paths.keys[0]), quoted(paths.keys[1]),
                            bool(config.server.api_key_file), front.batch_delay_s),
+             *tenants.model_lists(config.tenants, models),
              *pick]
     for model, (_, socket) in zip(models, holds, strict=True):
         lines += ["", *_backend(config, engine, model, _instances_of(plan, model), socket)]
@@ -252,6 +253,7 @@ def _backend(config: Config, engine: Engine, model: ServedModel, instances: list
              "    option http-buffer-request",
              *hold.retry_rules(),
              _queue_full(backend, front, hold.ARRIVING),
+             *tenants.counted(config.tenants),
              # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
              *hold.hold_rules(front, _BUSY.body(),
                               tenants.IS_BATCH if batch_wait.applies(front, config.tenants) else None),

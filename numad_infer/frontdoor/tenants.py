@@ -44,6 +44,7 @@ from pathlib import Path
 
 from numad_infer.config.models import ServedModel
 from numad_infer.config.tenants import Priority, TenantEntry, TenantKey
+from numad_infer.frontdoor import routing
 
 KEYS_NAME = "tenant-keys.map"
 UPSTREAM_NAME = "upstream-key.map"
@@ -121,7 +122,6 @@ def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key:
             lines.append(_answer(429, "rate_limit_exceeded",
                                  f"tenant {tenant.name} sent {rpm} request(s) in the last minute, its limit; retry "
                                  "later", f"{me} {{ sc0_gpc0_rate ge {rpm} }}", f"Retry-After {max(1, -(-60 // rpm))}"))
-    lines.append("    http-request sc-inc-gpc0(0)")  # let through: counted against its rate
     # In the backend's queue as if it came batch_delay later: no class, so never starved. A
     # batch tenant's requests, and any request that asks for it (a nightly job of an
     # interactive tenant): a header lowers a request's class, never raises it.
@@ -155,14 +155,47 @@ def table(tenants: Sequence[TenantEntry]) -> list[str]:
             f"    stick-table type string len 64 size {len(tenants)} store gpc0,gpc0_rate(60s)"]
 
 
+def _may_use(tenant: TenantEntry, model: ServedModel) -> bool:
+    return tenant.models is None or bool(set(tenant.models) & set(model.ids))
+
+
 def model_rule(tenants: Sequence[TenantEntry], model: ServedModel) -> list[str]:
     """A model's backend's first rule: 403 for the tenants that may not use it."""
-    refused = [t.name for t in tenants if t.models is not None and not set(t.models) & set(model.ids)]
+    refused = [t.name for t in tenants if not _may_use(t, model)]
     if not refused:
         return []
     who = f"{{ var({VARIABLE}) -m str {' '.join(refused)} }}"
     return [_answer(403, "permission_error", f"this key may not use model {model.name or 'served here'}; the "
                     "operator lists the models each tenant may use", who)]
+
+
+def counted(tenants: Sequence[TenantEntry]) -> list[str]:
+    """A request let through counts against its tenant's requests_per_minute from here: in
+    its model's backend, after the 403 of a model it may not use and the 503 of a full
+    queue, so a refused request never costs its tenant a later one (the frontend's 404 of
+    an unknown model, and its 401 and 429, come before too). The tenant's entry is tracked
+    in the frontend; a request let go after a hold enters the backend again from the hold
+    frontend, where nothing is tracked, and is not counted twice."""
+    return ["    http-request sc-inc-gpc0(0)"] if tenants else []
+
+
+def model_lists(tenants: Sequence[TenantEntry], served: tuple[ServedModel, ...]) -> list[str]:
+    """`GET /v1/models` as a tenant limited to some models sees it: those models only, and
+    `/v1/models/ID` of another is a 404 as for a model not served, so the list and a request
+    agree. Before the answers for everyone (routing.route) and, with one model, before the
+    instance's own list."""
+    lines = []
+    for tenant in tenants:
+        mine = tuple(s for s in served if _may_use(tenant, s))
+        if len(mine) == len(served):
+            continue
+        me = f"{{ var({VARIABLE}) -m str {tenant.name} }}"
+        lines.append(f"    http-request return status 200 content-type application/json string "
+                     f"'{routing.models_list(mine)}' if {{ path {routing.MODELS_PATH} }} METH_GET {me}")
+        hidden = " ".join(f"{routing.MODELS_PATH}/{ident}" for s in served if s not in mine for ident in s.ids)
+        lines.append(f"    http-request return status 404 content-type application/json string "
+                     f"'{routing.not_found(mine)}' if {{ path {hidden} }} {me}")
+    return lines
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,37 @@ def test_a_model_the_tenant_may_not_use_gets_a_json_403(door_with) -> None:
     assert post(door.port, KEY_A, model="alpha").status == 200  # team-a may use every model
 
 
+def _get(port: int, path: str, key: str) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@with_haproxy
+def test_a_refused_request_does_not_count_against_requests_per_minute(door_with) -> None:
+    # The fixture's readiness probe is team-a's; team-b's minute starts here.
+    door = door_with(b='models = ["beta"]\nrequests_per_minute = 3\n')
+    assert [post(door.port, KEY_B, model="alpha").status for _ in range(3)] == [403] * 3
+    assert [post(door.port, KEY_B, model="gamma").status for _ in range(2)] == [404] * 2  # not served
+    assert [post(door.port, KEY_B, model="beta").status for _ in range(4)] == [200, 200, 200, 429]
+
+
+@with_haproxy
+def test_the_model_list_shows_a_tenant_only_the_models_it_may_use(door_with) -> None:
+    door = door_with(b='models = ["beta"]\n')
+    status, doc = _get(door.port, "/v1/models", KEY_B)
+    assert status == 200 and [m["id"] for m in doc["data"]] == ["beta"], doc
+    status, doc = _get(door.port, "/v1/models/alpha", KEY_B)
+    assert status == 404 and doc["error"]["code"] == "model_not_found", doc
+    assert _get(door.port, "/v1/models/beta", KEY_B)[0] == 200
+    status, doc = _get(door.port, "/v1/models", KEY_A)  # team-a may use every model
+    assert status == 200 and [m["id"] for m in doc["data"]] == ["alpha", "beta"], doc
+    assert _get(door.port, "/v1/models/alpha", KEY_A)[0] == 200
+
+
 def _at_once(port: int, key: str, count: int) -> list[Reply]:
     replies: list[Reply] = []
     threads = [threading.Thread(target=lambda: replies.append(post(port, key, content=SLOW))) for _ in range(count)]
