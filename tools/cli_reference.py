@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Regenerate the man page's SYNOPSIS (packaging/man/numa-infer.8) and the bash completion
-(packaging/completion/numa-infer.bash) from the command line's parser; `--check` only says
-whether they are up to date (exit 1 when not). tests/test_docs.py runs the check."""
+(packaging/completion/numa-infer.bash) from the command line's parser, and the man page's
+paragraph on routing and queueing from docs/frontdoor.md's (one text, so the two cannot
+disagree); `--check` only says whether they are up to date (exit 1 when not).
+tests/test_docs.py runs the check."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -18,12 +21,33 @@ from numad_infer.config.reference import replace_between  # noqa: E402
 
 MAN = ROOT / "packaging/man/numa-infer.8"
 COMPLETION = ROOT / "packaging/completion/numa-infer.bash"
+FRONTDOOR_DOC = ROOT / "docs/frontdoor.md"
+DOC_BEGIN, DOC_END = "<!-- routing: ", "<!-- end of routing -->"
+MAN_ROUTING_BEGIN = '.\\" routing: copied from docs/frontdoor.md by tools/cli_reference.py; do not edit'
+MAN_ROUTING_END = '.\\" end of routing'
+
+
+def _roff(markdown: str) -> str:
+    """The paragraph's Markdown as man page text: `code` in bold, one sentence a line (as
+    roff wants), backslashes and hyphens escaped."""
+    text = " ".join(markdown.split()).replace("\\", "\\e").replace("-", "\\-")
+    text = re.sub(r"`([^`]+)`", lambda m: "\\fB" + m.group(1) + "\\fR", text)
+    lines = re.split(r"(?<=[.;:]) (?=[A-Z(`\\])", text)
+    return "\n".join("\\&" + line if line.startswith((".", "'")) else line for line in lines)
+
+
+def routing_paragraph() -> str:
+    doc = FRONTDOOR_DOC.read_text()
+    start = doc.index(DOC_BEGIN)
+    body = doc[doc.index("\n", start) + 1:doc.index(DOC_END)]
+    return f"{MAN_ROUTING_BEGIN}\n{_roff(body)}\n{MAN_ROUTING_END}"
 
 
 def rendered() -> dict[Path, str]:
     parser = build_parser()
     man = MAN.read_text()
-    return {MAN: replace_between(man, reference.MAN_BEGIN, reference.MAN_END, reference.man_synopsis(parser)),
+    man = replace_between(man, reference.MAN_BEGIN, reference.MAN_END, reference.man_synopsis(parser))
+    return {MAN: replace_between(man, MAN_ROUTING_BEGIN, MAN_ROUTING_END, routing_paragraph()),
             COMPLETION: reference.bash_completion(parser)}
 
 
