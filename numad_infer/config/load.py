@@ -15,14 +15,15 @@ import difflib
 import os
 import re
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
 from numad_infer.config.defaults import DEFAULT_CONFIG_PATH
 from numad_infer.config.models import check_models
+from numad_infer.config.reference import heading, table_of
 from numad_infer.config.schema import Config
 from numad_infer.errors import ConfigError
 
@@ -38,48 +39,21 @@ class ConfigProblems(ConfigError):
         self.args = ("\n".join(str(p) for p in problems),)
 
 
-def _table_of(annotation: Any) -> tuple[type[BaseModel] | None, bool]:
-    """The table (model class) a field holds, through `| None` and `list[...]`, and whether
-    it is an array of tables (`[[models]]`); (None, False) for a plain value."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation, False
-    for arg in get_args(annotation):
-        model, listed = _table_of(arg)
-        if model is not None:
-            return model, listed or get_origin(annotation) is list
-    return None, False
-
-
 def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
-    """The table at `loc` (`("models", 1)` is the second `[[models]]` table's ModelEntry)."""
-    model: type[BaseModel] | None = Config
-    listed = False
-    for part in loc:
-        if isinstance(part, int) and listed:
-            listed = False
-        elif model is not None and not listed and isinstance(part, str) and part in model.model_fields:
-            model, listed = _table_of(model.model_fields[part].annotation)
-        else:
-            return None
-    return None if listed else model
-
-
-def _tables(model: type[BaseModel] = Config, prefix: str = "") -> Iterator[tuple[str, str, type[BaseModel]]]:
-    """Every table of the schema: its dotted name, its header (`[server]`, `[[models]]`) and its class."""
-    for name, field in model.model_fields.items():
-        table, listed = _table_of(field.annotation)
-        if table is not None:
-            dotted = prefix + name
-            yield dotted, f"[[{dotted}]]" if listed else f"[{dotted}]", table
-            yield from _tables(table, dotted + ".")
+    """The table at `loc`: `()` is the file's top, `("server",)` its [server] table and
+    `("models", 1)` its second [[models]] table (each read from the schema: reference.table_of)."""
+    if not loc:
+        return Config
+    if not isinstance(loc[0], str) or loc[0] not in Config.model_fields:
+        return None
+    model, array = table_of(loc[0])
+    rest = loc[1:]
+    return model if (not rest and not array) or (array and len(rest) == 1 and isinstance(rest[0], int)) else None
 
 
 def _header(loc: tuple[Any, ...]) -> str:
     """The header of the table at `loc`, as the file writes it."""
-    names = [p for p in loc if isinstance(p, str)]
-    if not names:
-        return "the top of the file"
-    return f"[[{'.'.join(names)}]]" if isinstance(loc[-1], int) else f"[{'.'.join(names)}]"
+    return heading(loc[0]) if loc else "the top of the file"
 
 
 def _unknown_key(loc: tuple[Any, ...], raw: Mapping[str, Any]) -> str:
@@ -88,14 +62,14 @@ def _unknown_key(loc: tuple[Any, ...], raw: Mapping[str, Any]) -> str:
     name, model = str(loc[-1]), _model_at(loc[:-1])
     # One model form or the other: the file's own, when it uses one.
     skip = {"models"} if "model" in raw and "models" not in raw else {"model"} if "models" in raw else set()
-    homes = [header for dotted, header, table in _tables()
-             if table is not model and name in table.model_fields and dotted not in skip]
+    homes = [heading(section) for section in Config.model_fields
+             if section not in skip and (table := table_of(section)[0]) is not model and name in table.model_fields]
     if homes:
         return f"unknown key; it belongs in {' or '.join(homes)}: move it there"
     allowed = list(model.model_fields) if model is not None else []
     close = difflib.get_close_matches(name, allowed, n=1)
     hint = f'; did you mean "{close[0]}"?' if close else ""
-    return f"unknown key{hint} (allowed here: {', '.join(allowed)})"
+    return f"unknown key{hint} (allowed here: {', '.join(allowed)})" if allowed else f"unknown key{hint}"
 
 
 def _missing(loc: tuple[Any, ...]) -> str:
@@ -104,7 +78,8 @@ def _missing(loc: tuple[Any, ...]) -> str:
     extra = field.json_schema_extra if field is not None else None
     kind = extra.get("kind") if isinstance(extra, dict) else None
     value = f"<{kind}>" if isinstance(kind, str) else "..."
-    return f"is required; add {loc[-1]} = {value} to {_header(loc[:-1])}"
+    table = "that " + _header(loc[:-1]) + " table" if loc[:-1] and isinstance(loc[-2], int) else _header(loc[:-1])
+    return f"is required; add {loc[-1]} = {value} to {table}"
 
 
 def _toml_type(value: Any) -> str:
@@ -125,14 +100,13 @@ def _plain(value: Any) -> bool:
 
 def _wrong_form(loc: tuple[Any, ...], kind: str, value: Any) -> str | None:
     """`[models]` written for `[[models]]` (or `[[server]]` for `[server]`): the fix, or None."""
-    parent = _model_at(loc[:-1]) if loc and isinstance(loc[-1], str) else None
-    field = parent.model_fields.get(loc[-1]) if parent is not None else None
-    table, listed = _table_of(field.annotation) if field is not None else (None, False)
-    name = ".".join(p for p in loc if isinstance(p, str))
-    if table is not None and listed and kind == "list_type" and isinstance(value, dict):
+    if len(loc) != 1 or loc[0] not in Config.model_fields:
+        return None
+    name, array = loc[0], table_of(loc[0])[1]
+    if array and kind == "list_type" and isinstance(value, dict):
         return (f"is a single [{name}] table; write [[{name}]] (an array of tables), one [[{name}]] table for each "
-                f"{name.rsplit('.', 1)[-1].removesuffix('s')}, not [{name}]")
-    if table is not None and not listed and kind in ("model_type", "dict_type") and isinstance(value, list):
+                f"{name.removesuffix('s')}, not [{name}]")
+    if not array and kind in ("model_type", "dict_type") and isinstance(value, list):
         return f"is an array of tables [[{name}]]; write one [{name}] table, not [[{name}]]"
     return None
 
@@ -159,14 +133,13 @@ def _error_to_config_error(source: str, raw: dict[str, Any], error: Mapping[str,
         return ConfigError(source, key, _unknown_key(loc, raw))
     if kind == "missing":
         return ConfigError(source, key, _missing(loc))
-    if _UNSHOWN_KEYS.match(key):
-        # An argument list may hold a secret (an API key typed into it): name the key, never the value.
-        return ConfigError(source, key, error["msg"].removeprefix("Value error, "))
     value = error.get("input")
     form = _wrong_form(loc, kind, value)
     if form is not None:
         return ConfigError(source, key, form)
-    shown = _plain(value)  # a table or a date is named by its type, never shown as Python writes it
+    # A table or a date is named by its type, never shown as Python writes it; an argument list
+    # may hold a secret (an API key typed into it): the key is named, never the value.
+    shown = _plain(value) and not _UNSHOWN_KEYS.match(key)
     ctx = error.get("ctx") or {}
     bounds = {"less_than_equal": "at most {le}", "greater_than_equal": "at least {ge}",
               "less_than": "less than {lt}", "greater_than": "greater than {gt}"}
@@ -177,7 +150,7 @@ def _error_to_config_error(source: str, raw: dict[str, Any], error: Mapping[str,
     if kind in ("literal_error", "enum"):
         return ConfigError(source, key, f"must be one of {ctx['expected']}", value, shown)
     message = error["msg"].removeprefix("Value error, ")
-    if not shown:
+    if not _plain(value):
         message = f"is {_toml_type(value)}: {message}"
     return ConfigError(source, key, message, value, shown)
 
@@ -201,15 +174,17 @@ def _declared_twice(text: str, detail: str, source: str) -> ConfigError | None:
     if not earlier:
         return None
     line, form = earlier[0]
-    field = Config.model_fields.get(name)
-    _, listed = _table_of(field.annotation) if field is not None else (None, form == "[[")
+    listed = table_of(name)[1] if name in Config.model_fields else form == "[["
     one, many = f"[{name}]", f"[[{name}]]"
-    where = f"{here[1]}{name}{here[1].replace('[', ']')} at line {at[1]} beside {form}{name}{form.replace('[', ']')} " \
-            f"at line {line}"
+    this, that = (f"{bracket}{name}{bracket.replace('[', ']')}" for bracket in (here[1], form))
+    where = (f"{this} at line {line} and again at line {at[1]}" if this == that
+             else f"{this} at line {at[1]} beside {that} at line {line}")
     if listed:
         fix = f"write {many} for each {name.removesuffix('s')}, no {one}"
+    elif form == here[1] == "[":
+        fix = f"merge the two into one {one} table"
     else:
-        fix = f"write one {one} table with all its keys, no {many} and no second {one}"
+        fix = f"write one {one} table, no {many}"
     return ConfigError(source, name, f"{where}; {fix}")
 
 

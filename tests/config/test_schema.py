@@ -21,7 +21,7 @@ BASE = '[model]\npath = "/m.gguf"\n'
         (BASE + "[placement]\nreserve_cpu = \"0\"\n",
          '/etc/numa-infer.toml: placement.reserve_cpu: unknown key; did you mean "reserve_cpus"?'),
         ("[modle]\npath = \"/m\"\n", '/etc/numa-infer.toml: modle: unknown key; did you mean "model"?'),
-        (BASE + "[placement]\nsmt = \"yes\"\n", '/etc/numa-infer.toml: placement.smt = "yes": must be true or false, not str'),
+        (BASE + "[placement]\nsmt = \"yes\"\n", '/etc/numa-infer.toml: placement.smt = "yes": must be true or false, not a string'),
         (BASE + "[server]\nbase_port = \"8080\"\n", '/etc/numa-infer.toml: server.base_port = "8080": must be a whole number'),
         (BASE + "[server]\nbase_port = 70000\n", "/etc/numa-infer.toml: server.base_port = 70000: must be at most 65535"),
         (BASE + "[placement]\nnodes = \"some\"\n", '/etc/numa-infer.toml: placement.nodes = "some": must be "all" or a list'),
