@@ -136,6 +136,9 @@ def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key:
               f"    http-request set-header {PRIORITY_HEADER} {Priority.BATCH.value} if {IS_BATCH}"]
     lines.append(f"    http-request set-header Authorization %[str({_UPSTREAM_ENTRY}),map({upstream})]" if instance_key
                  else "    http-request del-header Authorization")
+    # llama-server also takes a key from X-Api-Key (Anthropic's header): a tenant's key sent
+    # there too would reach the instances, which never see one.
+    lines.append("    http-request del-header X-Api-Key")
     return lines
 
 

@@ -70,7 +70,8 @@ class Echo(BaseHTTPRequestHandler):
             self.wfile.write(b"data: [DONE]\n\n")
             self.close_connection = True
             return
-        self._answer({"authorization": self.headers.get("Authorization"), "port": self.server.server_port,
+        self._answer({"authorization": self.headers.get("Authorization"), "x_api_key": self.headers.get("X-Api-Key"),
+                      "port": self.server.server_port,
                       "usage": usage})
 
 

@@ -65,6 +65,9 @@ def test_a_tenant_reaches_the_inference_api_and_nothing_else(door_with, keys_dir
     for path in [*api_paths.FORWARDED, "/v1/chat/completions?x=1"]:
         status, doc, _ = raw(door.port, request("POST", path), close_wait_s=0)
         assert status == 200 and doc["authorization"] == f"Bearer {INSTANCE_KEY}", (path, status, doc)
+    # The tenant's key sent again as X-Api-Key (which llama-server reads too) stays at the door.
+    status, doc, _ = raw(door.port, request("POST", "/v1/messages", more=f"X-Api-Key: {KEY_A}\r\n"), close_wait_s=0)
+    assert status == 200 and doc["x_api_key"] is None, doc
 
 
 @with_haproxy
