@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Protocol
 
 from numad_infer.config.values import parse_listen
-from numad_infer.frontdoor.abandoned import Session, left_by_client, parse_sessions
+from numad_infer.frontdoor.abandoned import Peer, Session, left_by_client, local_address, parse_sessions
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.haproxy_config import FRONTEND
-from numad_infer.host.portowner import clients_gone
+from numad_infer.host.portowner import gone_at
 from numad_infer.util.addresses import loopback_twin
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class AbandonWatch:
         # connections its own listeners took count, accepted by HAProxy (as its user), never
         # another local user's on the same port at another address (portowner.clients_gone).
         twin = loopback_twin(host)
-        gone = clients_gone(self.proc, [host] if twin is None else [host, twin], port, self.door.runner.haproxy_uids)
+        gone = gone_at(self.proc, [host] if twin is None else [host, twin], port, self.door.runner.haproxy_uids)
         if not gone:
             return []
         try:
@@ -107,8 +107,8 @@ class AbandonWatch:
             return []
         # The queued first: ending a request at an instance frees its slot, and HAProxy would
         # hand that slot at once to a queued request whose client has left too.
-        left = sorted(left_by_client(sessions, FRONTEND, gone), key=lambda s: not s.queued)
-        ended = [s for s in left if self._shut(s)]
+        left = sorted(left_by_client(sessions, FRONTEND, set(gone)), key=lambda s: not s.queued)
+        ended = [s for s in left if self._connected_to(s, gone[s.client]) and self._shut(s)]
         if ended:
             with self._lock:
                 self._ended.update(s.backend for s in ended)
@@ -116,6 +116,18 @@ class AbandonWatch:
                      ", ".join(f"{s.backend}/{s.server} (queued)" if s.queued else f"{s.backend}/{s.server}"
                                f" (after {s.age})" for s in ended))
         return ended
+
+    def _connected_to(self, session: Session, locals_gone: set[Peer]) -> bool:
+        """Did the stream's client connect to one of these local addresses? `show sess`
+        names a stream's client only: on a wildcard front door, a client with a key could
+        connect at another local address from the address and port of someone else's
+        request, and close. The kernel's tuple is whole only with the local address."""
+        try:
+            local = local_address(self.door.api.command(f"show sess {session.id}"))
+        except HaproxyError as exc:
+            log.debug("cannot read the stream %s: %s", session.id, exc)
+            return False
+        return local in locals_gone
 
     def _shut(self, session: Session) -> bool:
         try:

@@ -75,6 +75,18 @@ def left_by_client(sessions: Iterable[Session], frontend: str, gone: set[Peer]) 
     return [s for s in sessions if s.frontend == frontend and s.client in gone]
 
 
+# `show sess ID`'s line for the client's side: "  frontend=openai (id=2 mode=http), listener=?
+# (id=1) addr=127.0.0.1:8000", the local address the client connected to.
+_FRONT_ADDRESS = re.compile(r"^\s*frontend=\S+ .*?\baddr=(\S+)", re.MULTILINE)
+
+
+def local_address(detail: str) -> Peer | None:
+    """The local address and port of the stream `show sess ID` describes (None: not said,
+    or the stream is gone)."""
+    match = _FRONT_ADDRESS.search(detail)
+    return _peer(match.group(1)) if match else None
+
+
 def _peer(text: str) -> Peer | None:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or host.startswith("unix"):

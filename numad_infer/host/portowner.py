@@ -103,8 +103,15 @@ def open_connections(proc: Path, port: int, pid: int) -> int:
 _CLOSE_WAIT = "08"  # TCP_CLOSE_WAIT: the peer sent its FIN, the local end is still open
 
 
-def clients_gone(proc: Path, listen_hosts: Iterable[str], port: int,
-                 acceptors: Iterable[int]) -> set[tuple[IPAddress, int]]:
+Peer = tuple[IPAddress, int]
+
+
+def clients_gone(proc: Path, listen_hosts: Iterable[str], port: int, acceptors: Iterable[int]) -> set[Peer]:
+    """The clients of `gone_at`, wherever they connected to."""
+    return set(gone_at(proc, listen_hosts, port, acceptors))
+
+
+def gone_at(proc: Path, listen_hosts: Iterable[str], port: int, acceptors: Iterable[int]) -> dict[Peer, set[Peer]]:
     """The clients (address, port) that closed a connection the sockets listening on
     `port` at `listen_hosts` took, while the local end is still open: for the front door's
     addresses (its own and its loopback twin), port and HAProxy's users (`acceptors`),
@@ -118,12 +125,16 @@ def clients_gone(proc: Path, listen_hosts: Iterable[str], port: int,
     would end. So a connection counts only when its local address is one a front door
     listener takes connections at, and its uid is that listener's (not accepted yet: the
     kernel copies the listener's) or one of `acceptors` (accept() gives it the caller's;
-    the daemon, or systemd, creates the listener, HAProxy accepts on it)."""
+    the daemon, or systemd, creates the listener, HAProxy accepts on it).
+
+    Each client with the local address and port it had connected to: on a wildcard
+    listener, one client address and port may hold connections to two local addresses
+    (the watch tells them apart by the stream's own, abandon_watch.py)."""
     hosts = {ipaddress.ip_address(host) for host in listen_hosts}
     acceptors = set(acceptors)
     rows = list(_sockets(proc))
     listeners = [(address, uid) for address, uid in _listen_rows(rows, port) if address in hosts]
-    gone = set()
+    gone: dict[Peer, set[Peer]] = {}
     for fields in rows:
         if fields[3] != _CLOSE_WAIT:
             continue
@@ -131,7 +142,8 @@ def clients_gone(proc: Path, listen_hosts: Iterable[str], port: int,
         by = [address for address, owner in listeners if uid == owner or uid in acceptors]
         if _accepted_at(fields, port, by):
             host, _, client_port = fields[2].partition(":")
-            gone.add((unmapped(_address(host)), int(client_port, 16)))
+            local = (unmapped(_address(fields[1].partition(":")[0])), port)
+            gone.setdefault((unmapped(_address(host)), int(client_port, 16)), set()).add(local)
     return gone
 
 

@@ -135,12 +135,20 @@ def test_a_wildcard_front_door_accepts_at_every_address_of_its_family_but_as_its
 class _Api:
     """HAProxy's runtime API as the watch uses it: `show sess` answers SHOW_SESS."""
 
-    def __init__(self) -> None:
+    def __init__(self, local: str = "127.0.0.1:18123") -> None:
         self.sent: list[str] = []
+        self.local = local  # where each stream's client connected to, as `show sess ID` says
 
     def command(self, line: str) -> str:
         self.sent.append(line)
-        return SHOW_SESS if line == "show sess" else ""
+        if line == "show sess":
+            return SHOW_SESS
+        if line.startswith("show sess "):  # HAProxy 2.6's detail of one stream, its client side
+            return (f"{line[10:]}: [06/Dec/2026:18:13:56.316043] id=0 proto=tcpv4 source=127.0.0.1:55584\n"
+                    "  flags=0xc4a, conn_retries=0, conn_exp=<NEVER> conn_et=0x000 srv_conn=0x1, pend_pos=(nil)\n"
+                    f"  frontend=openai (id=2 mode=http), listener=? (id=1) addr={self.local}\n"
+                    "  backend=model (id=3 mode=http) addr=127.0.0.1:59248\n")
+        return ""
 
 
 class _Runner:
@@ -170,9 +178,26 @@ def test_the_watch_ends_the_queued_first_and_asks_nothing_while_no_client_left(t
     # HAProxy would otherwise hand straight to it.
     watch = AbandonWatch(door, proc=_proc_with(tmp_path, 55584, 55590))
     assert [s.id for s in watch.poll()] == ["0x55dd2ec99900", "0x55dd2ec98800"]
-    assert door.api.sent == ["show sess", "shutdown session 0x55dd2ec99900", "shutdown session 0x55dd2ec98800"]
+    assert door.api.sent == ["show sess", "show sess 0x55dd2ec99900", "shutdown session 0x55dd2ec99900",
+                             "show sess 0x55dd2ec98800", "shutdown session 0x55dd2ec98800"]
     assert watch.ended == {"model": 2}
     assert AbandonWatch(_FakeDoor(""), proc=tmp_path).poll() == []  # no front door
+
+
+def test_a_stream_whose_client_connected_to_another_local_address_is_not_ended(tmp_path: Path) -> None:
+    # A wildcard front door: a client with a key connects at 127.0.0.2 from the address and
+    # port of someone's running request (at 127.0.0.1), then closes. `show sess` names
+    # clients only; the stream's own local address tells the two connections apart.
+    door = _FakeDoor("0.0.0.0:18123")
+    door.api.local = "127.0.0.2:18123"
+    proc = _proc_with(tmp_path, 55590)
+    table = (proc / "net" / "tcp").read_text()  # the listener on 0.0.0.0, the client gone at 127.0.0.1
+    (proc / "net" / "tcp").write_text(table.replace(" 0: 0100007F:46CB 00000000:0000 0A", " 0: 00000000:46CB 00000000:0000 0A"))
+    watch = AbandonWatch(door, proc=proc)
+    assert watch.poll() == [] and watch.ended == {}
+    assert not any(line.startswith("shutdown") for line in door.api.sent)
+    door.api.local = "127.0.0.1:18123"  # the stream whose client did leave
+    assert [s.id for s in watch.poll()] == ["0x55dd2ec99900"]
 
 
 def test_the_watch_ends_nothing_for_another_users_half_closed_connections(tmp_path: Path) -> None:
