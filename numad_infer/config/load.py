@@ -209,13 +209,26 @@ def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
     return config
 
 
+# Where an example lies: the .deb's, then a source tree's (a clone, an editable install).
+_EXAMPLES = (Path("/usr/share/doc/numa-infer/examples/numa-infer.toml"),
+             Path(__file__).resolve().parents[2] / "etc" / "numa-infer.toml")
+
+
+def _example_hint() -> str:
+    """Name an example this install has, never one it lacks."""
+    found = next((path for path in _EXAMPLES if path.is_file()), None)
+    if found is not None:
+        return f"copy {found} there and set its model path"
+    return ("write one: a [model] table with path = \"/path/to/model.gguf\" is enough; numa-infer.toml(5) lists "
+            "every key")
+
+
 def load_config(path: str | os.PathLike[str] = DEFAULT_CONFIG_PATH) -> Config:
     source = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(source, None, "file not found; copy /usr/share/doc/numa-infer/examples/numa-infer.toml "
-                          "or pass --config") from None
+        raise ConfigError(source, None, f"file not found; {_example_hint()}, or pass --config") from None
     except PermissionError:
         raise ConfigError(source, None, f"permission denied to uid {os.geteuid()}; make it readable by that user "
                           "(chmod a+r, or the ConfigMap's defaultMode) or pass --config") from None

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from numad_infer.config import example
+from numad_infer.config import example, load
 from numad_infer.config.load import load_config, parse_config
 from numad_infer.config.reference import keys, tables
 from numad_infer.config.schema import Config
@@ -220,11 +220,20 @@ def test_a_required_key_without_a_shipped_value_stops_the_generator() -> None:
             example.example_toml()
 
 
-def test_the_file_a_missing_config_points_to_is_the_one_the_package_installs() -> None:
+def test_the_file_a_missing_config_points_to_exists_here(tmp_path: Path) -> None:
+    # A source tree (this one) has no /usr/share/doc/numa-infer: the hint names its own copy.
     with pytest.raises(ConfigError) as missing:
         load_config(ROOT / "no-such-dir" / "numa-infer.toml")
     named = re.search(r"copy (\S+)", str(missing.value))
-    assert named is not None and named[1] == "/usr/share/doc/numa-infer/examples/numa-infer.toml"
+    assert named is not None and Path(named[1]).is_file(), missing.value
+    # The package's copy first, where it is installed; and none at all where neither exists.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(load, "_EXAMPLES", (tmp_path / "installed.toml", tmp_path / "tree.toml"))
+        (tmp_path / "installed.toml").write_text("")
+        assert f"copy {tmp_path / 'installed.toml'} there" in load._example_hint()
+        (tmp_path / "installed.toml").unlink()
+        assert "copy" not in load._example_hint() and "numa-infer.toml(5)" in load._example_hint()
+    assert load._EXAMPLES[0] == Path("/usr/share/doc/numa-infer/examples/numa-infer.toml")
     # dh_installexamples puts each file debian/numa-infer.examples lists there; dh_install the conffile.
     assert example.PATH in (ROOT / "debian/numa-infer.examples").read_text().split()
     assert f"{example.PATH} etc/" in (ROOT / "debian/numa-infer.install").read_text().splitlines()
