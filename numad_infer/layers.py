@@ -77,6 +77,7 @@ MODULES: dict[str, tuple[str, str]] = {
                               " or FIFO"),
     "util/peer": (EDGE, "one call to a peer over a socket (an HTTP GET, a line command): one deadline for all of"
                         " it, a cap on the answer"),
+    "util/runlock": (EDGE, "one daemon per state file: an exclusive flock on `<state file>.lock`, close-on-exec"),
     "util/fsroot": (EDGE, "files read inside a filesystem root (/ or --fsroot): links only within it, regular files"
                           " only, bounded"),
     # -- config ------------------------------------------------------------------------------------

@@ -26,11 +26,14 @@ from numad_infer.cli.present import (
     format_topology,
 )
 from numad_infer.cli.wiring import load_all, make_backend
+from numad_infer.errors import NumaInferError
 from numad_infer.status.statefile import read_status
 from numad_infer.util.printable import EscapingFormatter, printable
 
 if TYPE_CHECKING:
+    from numad_infer.host.identity import BackendKind
     from numad_infer.plan.memory_fit import InstanceMemory
+    from numad_infer.util.runlock import RunLock
     from numad_infer.validate.loaded import Loaded
 
 # The config schema (pydantic), planner and renderer are imported by the commands that
@@ -96,29 +99,75 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from numad_infer.systemd.unitdir import plan_write
+    from numad_infer.host.identity import backend_kind
 
     loaded = load_all(args)
     print(printable(f"{args.config}: valid for this machine"))
     print(format_engine(loaded.config, loaded.engine))
     print(format_plan(loaded.plan, loaded.warnings))
     print("\n".join(format_memory(_needs(loaded), loaded.fits())))
-    pending = plan_write(Path(loaded.config.systemd.unit_dir), loaded.units)
-    if pending.changed:
-        print(printable(f"units in {loaded.config.systemd.unit_dir} differ from this plan: "
-                        f"{len(pending.written)} to write, {len(pending.removed)} to remove"))
+    pending = pending_line(loaded, backend_kind(args.backend))
+    if pending:
+        print(printable(pending))
     return 0
+
+
+def pending_line(loaded: Loaded, kind: BackendKind) -> str:
+    """What the backend `check` was asked about will do with this plan: under systemd, the
+    unit files that differ from it (empty: none); under the process backend, the processes
+    `numa-infer run` starts (it writes no unit files)."""
+    from numad_infer.host.identity import BackendKind
+    from numad_infer.systemd.unitdir import plan_write
+
+    if kind == BackendKind.PROCESS:
+        names = [i.name for i in loaded.plan.instances]
+        door = " and HAProxy (the front door)" if loaded.haproxy_cfg is not None else ""
+        return (f"process backend: `numa-infer run` starts {len(names)} server process(es) ({', '.join(names)})"
+                f"{door} as its own children; processes: {len(names)} to start")
+    pending = plan_write(Path(loaded.config.systemd.unit_dir), loaded.units)
+    if not pending.changed:
+        return ""
+    return (f"units in {loaded.config.systemd.unit_dir} differ from this plan: "
+            f"{len(pending.written)} to write, {len(pending.removed)} to remove")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from numad_infer.daemon.loop import Daemon
     from numad_infer.systemd.notify import Notifier
 
-    notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
     state_file = Path(args.state_file)
+    # Before anything is bound, created or removed: a second daemon on this state file
+    # would take over the first one's sockets and files (requests.sock, haproxy.cfg).
+    try:
+        lock = _run_lock(state_file)
+    except NumaInferError as exc:
+        print(printable(f"numa-infer: {exc}"), file=sys.stderr)
+        return 1
+    notifier = Notifier()  # takes NOTIFY_SOCKET out of the environment before any child starts
     backend = make_backend(args.backend, state_file, args.instance_logs, notifier)
     daemon = Daemon(args.config, args.fsroot, backend, state_file, notifier)
-    return daemon.run()
+    try:
+        return daemon.run()
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _run_lock(state_file: Path) -> RunLock | None:
+    """The lock beside the state file (util/runlock.py), or None where its directory cannot
+    be made or written: the daemon then refuses to start, saying why (check_state_dir)."""
+    from numad_infer.status.statefile import check_state_dir
+    from numad_infer.util.runlock import RunLock, lock_path
+
+    try:
+        check_state_dir(state_file)  # made if missing, as the daemon does: the lock lives there
+    except NumaInferError:
+        return None
+    path = lock_path(state_file)
+    try:
+        return RunLock.take(path)
+    except OSError as exc:
+        raise NumaInferError(f"cannot lock {path}: {exc.strerror}") from None
 
 
 def cmd_status(args: argparse.Namespace) -> int:

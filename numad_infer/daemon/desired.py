@@ -18,7 +18,7 @@ from numad_infer.errors import NumaInferError
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy_config import Paths
 from numad_infer.host.identity import BackendKind
-from numad_infer.plan.model import Placed
+from numad_infer.plan.model import Placed, PlanDiff
 from numad_infer.status import metrics
 from numad_infer.status.records import ReloadResult
 from numad_infer.status.statefile import read_status
@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 # refuses a GGUF file shorter than its tensor table).
 SETTLE_S = 5.0
 ARTIFACTS_CHANGED = "model or engine changed"
+ARTIFACTS_CHECK = "model or engine check"
+# The files are the applied ones again (a bad file moved over the model, then the original
+# moved back): what refused the one in between is re-validated, and cleared when it passes.
+ARTIFACTS_RESTORED = "model or engine back as loaded"
 
 
 class Validation(Protocol):
@@ -76,7 +80,7 @@ class PlanState:
         self.last_reload: ReloadResult | None = None
         self.warnings: tuple[str, ...] = ()
         self._changed: tuple[str, float] | None = None  # artifacts seen changed, and since when
-        self._refused = ""  # artifacts the pipeline refused: tried again only when they change
+        self._refused: str | None = None  # artifacts the pipeline refused: tried again only when they change
         self._failing: dict[str, str] = {}  # re-plan steps that raised at the last pass, and what
 
     @property
@@ -118,9 +122,9 @@ class PlanState:
             log.error("%s failed, still running the previous configuration: cannot apply the plan: %s", why, exc)
             self.last_reload = ReloadResult(time.time(), False, why, f"cannot apply the plan: {exc}")
             return False
-        refused = None
+        refused, door = None, False
         try:
-            self.frontdoor.apply(loaded.config, loaded.plan, loaded.served, loaded.haproxy_cfg)
+            door = self.frontdoor.apply(loaded.config, loaded.plan, loaded.served, loaded.haproxy_cfg)
         except NumaInferError as exc:
             self.frontdoor.error = refused = str(exc)
             log.error("front door: %s", exc)
@@ -128,8 +132,8 @@ class PlanState:
         self.warnings = loaded.warnings
         for warning in self.warnings:
             log.warning("%s", warning)
-        log.info("%s: %d instance(s): added %s, changed %s, removed %s, unchanged %s", why, len(loaded.plan.instances),
-                 _names(result.added), _names(result.changed), _names(result.removed), _names(result.unchanged))
+        log.info("%s: %d instance(s): %s", why, len(loaded.plan.instances),
+                 change_summary(result, door and why != "start"))  # at the start HAProxy starts: no news
         # A front door that refused the plan is said as the reload's failure: the instances run
         # the new plan, but clients still reach the old one's front door (or none).
         self.last_reload = ReloadResult(time.time(), refused is None, why,
@@ -170,7 +174,7 @@ class PlanState:
         """A pass's re-plan: the machine (check_machine), then the model and engine files
         (check_artifacts). Whatever goes wrong in one is a refused re-plan, reported as a
         refused reload is, and the running instances stay as they are."""
-        steps = (("machine check", self.check_machine), ("model or engine check", lambda: self.check_artifacts(now)))
+        steps = (("machine check", self.check_machine), (ARTIFACTS_CHECK, lambda: self.check_artifacts(now)))
         for why, step in steps:
             try:
                 step()
@@ -192,9 +196,12 @@ class PlanState:
         seen = self.validation.artifacts(self.loaded.served, self.loaded.engine)
         if seen == self.loaded.artifacts:
             self._changed = None
+            if self._artifacts_refused() and seen != self._refused:
+                self._revalidate(seen)
             return
         if self._changed is None or self._changed[0] != seen:
             if self._changed is None:
+                self._refused = None  # a new change: even a file refused before is judged again
                 log.info("the model file or the engine changed (%s): rolling it out once it holds still for %gs",
                          seen, SETTLE_S)
             self._changed = (seen, now)
@@ -208,6 +215,23 @@ class PlanState:
             return
         self._changed = None
         self.apply(loaded, ARTIFACTS_CHANGED)
+        self.generation += 1
+
+    def _artifacts_refused(self) -> bool:
+        """The error status shows is one the model or engine files caused (refused, or
+        unreadable): the applied files being back does not by itself say it is over."""
+        last = self.last_reload
+        return last is not None and not last.ok and last.why in (ARTIFACTS_CHANGED, ARTIFACTS_CHECK)
+
+    def _revalidate(self, seen: str) -> None:
+        """The files are the applied ones again: the pipeline judges them once more, and
+        where it passes, the error is cleared (nothing restarts: they are what runs)."""
+        loaded = self._load(ARTIFACTS_CHANGED, "the model file or the engine is back as loaded but still refused")
+        if loaded is None:
+            self._refused = seen  # said once, not at every pass
+            return
+        log.info("the model file or the engine is back as the instances loaded it (%s): the error is cleared", seen)
+        self.apply(loaded, ARTIFACTS_RESTORED)
         self.generation += 1
 
     def check_machine(self) -> None:
@@ -240,6 +264,19 @@ class PlanState:
 
 def _error_text(exc: Exception) -> str:
     return str(exc) if isinstance(exc, NumaInferError) else f"internal error: {type(exc).__name__}: {exc}"
+
+
+def change_summary(result: PlanDiff, frontdoor_reloaded: bool) -> str:
+    """What an apply changed, for the log: the instances added, changed and removed; and when
+    none was but HAProxy was reloaded (tenants, their keys or the routing changed), that,
+    rather than `added none, changed none, removed none` as if nothing had happened."""
+    door = "front door: tenants, keys or routing changed, HAProxy reloaded"
+    if not (result.added or result.changed or result.removed):
+        kept = f"no instance changed (unchanged {_names(result.unchanged)})"
+        return f"{kept}; {door}" if frontdoor_reloaded else kept
+    text = (f"added {_names(result.added)}, changed {_names(result.changed)}, removed {_names(result.removed)}, "
+            f"unchanged {_names(result.unchanged)}")
+    return f"{text}; {door}" if frontdoor_reloaded else text
 
 
 def _names(names: tuple[str, ...]) -> str:

@@ -104,12 +104,12 @@ class HostReader:
     def swap_total_bytes(self) -> int:
         return (self.meminfo_kb(self._text(self.proc / "meminfo"), "SwapTotal") or 0) * 1024
 
-    def node_memory(self, node: int, instance_bytes: int) -> NodeMemory | None:
+    def node_memory(self, node: int, instance_bytes: int, holders: tuple[str, ...] = ()) -> NodeMemory | None:
         text = self._text(self.sys / f"devices/system/node/node{node}/meminfo")
         free = self.meminfo_kb(text, "MemFree")
         if free is None:
             return None
-        return NodeMemory(free * 1024, (self.meminfo_kb(text, "FilePages") or 0) * 1024, instance_bytes)
+        return NodeMemory(free * 1024, (self.meminfo_kb(text, "FilePages") or 0) * 1024, instance_bytes, holders)
 
     def irqs(self) -> tuple[Irq, ...]:
         counts: dict[int, int] = {}

@@ -40,14 +40,9 @@ def read_facts(loaded: Loaded, fsroot: str | os.PathLike[str], status: Status | 
     # This command, the daemon and its instances are what the CPUs are for, not neighbours.
     ours = frozenset({os.getpid(), *((status.daemon.pid,) if status and status.daemon.pid else ()),
                       *(i.pid for i in (status.instances if status else ()) if i.pid)})
-    held: dict[int, int] = {}
-    if status is not None and Path(fsroot) == Path("/"):
-        procs = ProcReader("/")
-        for inst in status.instances:
-            usage = procs.numa_maps(inst.pid) if inst.pid else None
-            for node, nbytes in (usage.anon.items() if usage else ()):
-                held[node] = held.get(node, 0) + nbytes
-    nodes = {n: mem for n in plan.need_bytes if (mem := reader.node_memory(n, held.get(n, 0))) is not None}
+    held = _held(status, fsroot)
+    nodes = {n: mem for n in plan.need_bytes
+             if (mem := reader.node_memory(n, *held.get(n, (0, ())))) is not None}
     facts = HostFacts(
         numa_balancing=reader.sysctl("kernel.numa_balancing"),
         thp_enabled=reader.thp("enabled"),
@@ -68,6 +63,20 @@ def read_facts(loaded: Loaded, fsroot: str | os.PathLike[str], status: Status | 
         nodes_per_package=reader.nodes_per_package({n.id: n.cpus for n in loaded.topology.nodes if n.cpus}),
     )
     return facts, plan
+
+
+def _held(status: Status | None, fsroot: str | os.PathLike[str]) -> dict[int, tuple[int, tuple[str, ...]]]:
+    """Per node, the anonymous memory the running instances hold there, and which do."""
+    held: dict[int, tuple[int, tuple[str, ...]]] = {}
+    if status is None or Path(fsroot) != Path("/"):
+        return held
+    procs = ProcReader("/")
+    for inst in status.instances:
+        usage = procs.numa_maps(inst.pid) if inst.pid else None
+        for node, nbytes in (usage.anon.items() if usage else ()):
+            total, names = held.get(node, (0, ()))
+            held[node] = (total + nbytes, names if not nbytes or inst.name in names else (*names, inst.name))
+    return held
 
 
 def checkup(loaded: Loaded, fsroot: str | os.PathLike[str], status: Status | None, sample_s: float,

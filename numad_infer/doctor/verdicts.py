@@ -67,6 +67,7 @@ class NodeMemory:
     free_bytes: int
     file_bytes: int  # page cache on the node: the kernel can drop it to make room
     instance_bytes: int  # anonymous memory running instances already hold there (theirs to reuse)
+    holders: tuple[str, ...] = ()  # the instances holding it, by name
 
 
 @dataclass(frozen=True)
@@ -228,7 +229,7 @@ def check_node_memory(f: HostFacts, plan: Needs) -> list[Check]:
             continue
         usable = mem.free_bytes + mem.instance_bytes
         seen = f"{_gib(mem.free_bytes)} free, {_gib(mem.file_bytes)} page cache" + (
-            f", {_gib(mem.instance_bytes)} held by its instance" if mem.instance_bytes else "")
+            f", {_gib(mem.instance_bytes)} held by {_holders(mem.holders)}" if mem.instance_bytes else "")
         wanted = f">= {_gib(need)} for {plan.model_path}'s instances" + (
             f"; per instance {plan.per_instance}" if plan.per_instance else "")
         if usable >= need:
@@ -243,6 +244,13 @@ def check_node_memory(f: HostFacts, plan: Needs) -> list[Check]:
                                 "free memory on the node (stop what uses it), use a smaller quantisation or "
                                 f"{plan.context_keys}, or plan fewer instances on it (numa-infer plan)"))
     return checks
+
+
+def _holders(names: tuple[str, ...]) -> str:
+    """Who holds a node's memory, by name: `infer@0`, `infer@0 and infer@1`."""
+    if not names:
+        return "the running instances"
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def check_irqs(f: HostFacts, plan: Needs) -> Check:

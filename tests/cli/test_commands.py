@@ -78,14 +78,32 @@ def test_plan_render_check_happy_path(tmp_path: Path, fs: Path, model: Path) -> 
             "28 MiB of 230.4 GiB (256.0 GiB less 10%); with use, prompt caches up to 8.0 GiB more\n"
             "node 1: 1 instance(s) need 28 MiB of 230.4 GiB (256.0 GiB less 10%); with use, prompt caches up to 8.0 GiB "
             "more") in text
-    out = run("--config", str(config), "--fsroot", str(fs), "check", check=True).stdout
-    assert "valid for this machine" in out and "3 to write" not in out and "4 to write" in out
+    out = run("--config", str(config), "--fsroot", str(fs), "check", "--backend", "process", check=True).stdout
+    assert "valid for this machine" in out and "processes: 2 to start" in out
+    # Under systemd, the unit files that differ (a host here may not run the engine as
+    # systemd's DynamicUser: the plan loaded for the process backend, judged for systemd).
+    from numad_infer.cli.commands import pending_line
+    from numad_infer.host.identity import BackendKind
+    from numad_infer.validate.pipeline import load
+    loaded = load(str(config), BackendKind.PROCESS, str(fs))
+    line = pending_line(loaded, BackendKind.SYSTEMD)
+    assert f"units in {tmp_path / 'units'} differ from this plan" in line and "4 to write" in line, line
     assert "node 1: 1 instance(s) need 28 MiB of 230.4 GiB" in out
     # Which engine and binary every instance runs, and that it is the default.
     assert f"engine: llama-server (the default; server.engine), every instance runs {llama_server_binary()} " \
            "(server.llama_server)" in out
     assert "wrote" in run("--config", str(config), "--fsroot", str(fs), "render", check=True).stdout
     assert "up to date (4 files)" in run("--config", str(config), "--fsroot", str(fs), "render", check=True).stdout
+
+
+def test_check_under_the_process_backend_says_what_starts_never_units(tmp_path: Path, fs: Path, model: Path) -> None:
+    """Before: `check --backend process` said "units in /run/systemd/system differ from this
+    plan: 4 to write", which that backend never writes."""
+    config = write_config(tmp_path, model, '[frontend]\nlisten = "127.0.0.1:9000"\n')
+    out = run("--config", str(config), "--fsroot", str(fs), "check", "--backend", "process", check=True).stdout
+    assert "unit" not in out.lower() and "systemd" not in out.lower(), out
+    assert "processes: 2 to start" in out and "(infer@0, infer@1) and HAProxy" in out
+    assert not (tmp_path / "units").exists()
 
 
 @pytest.mark.parametrize("extra, fragment", [

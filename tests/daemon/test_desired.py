@@ -182,3 +182,94 @@ def test_the_daemon_holds_one_applied_value_and_a_reload_moves_it_everywhere_at_
     plan.reload()
     assert plan.last_reload is not None and not plan.last_reload.ok
     assert plan.loaded is reconciler.loaded is reloaded
+
+
+def _config_ok(running: Running) -> float:
+    from numad_infer.status.metrics import SnapshotCollector
+    assert running.daemon.latest is not None
+    snapshot = running.daemon.latest
+    (family,) = [m for m in SnapshotCollector(lambda: snapshot).collect() if m.name == "numa_infer_config_ok"]
+    return float(family.samples[0].value)
+
+
+@pytest.mark.parametrize("broken", ["refused", "unreadable"])
+def test_the_original_model_moved_back_clears_the_error_the_bad_one_left(running: Running, broken: str) -> None:
+    """A non-GGUF file moved over the model (refused), then the original moved back (the
+    same inode, size and time: the identity the instances loaded). Before: status said
+    `config error ... is not a GGUF model file` and numa_infer_config_ok stayed 0 until a
+    reload; the daemon saw the applied identity, "unchanged", and never judged it again."""
+    applied = running.loaded.artifacts
+    not_gguf = ConfigError("/etc/numa-infer.toml", "model.path", "is not a GGUF model file (llama.cpp loads only GGUF)",
+                           "/m.gguf", True)
+    if broken == "refused":
+        running.current = lambda: "model /m.gguf: 9:9:9:9"  # the bad file, moved into place
+        running.load_error = not_gguf
+        running.daemon.monitor_pass(10.0)
+        running.daemon.monitor_pass(10.0 + desired.SETTLE_S)
+        assert running.status_error(20.0) == ("model or engine changed", str(not_gguf))
+    else:  # the model moved away for a while: reading its identity fails
+        def gone() -> str:
+            raise ConfigError("/etc/numa-infer.toml", "model.path", "file not found", "/m.gguf", True)
+        running.current = gone
+        running.daemon.monitor_pass(10.0)
+        running.daemon.monitor_pass(10.0 + desired.SETTLE_S)
+        assert running.status_error(20.0)[0] == "model or engine check"
+    assert "config error, running previous plan" in running.daemon.status_line()
+    assert _config_ok(running) == 0.0
+    running.assert_still_running_the_old_plan()
+    # The original moved back: the next pass judges it again and clears the error.
+    running.current = lambda: applied
+    running.load_error = None
+    generation = running.daemon.plan.generation
+    running.daemon.monitor_pass(30.0)
+    last = running.daemon.snapshot(30.0).daemon.last_reload
+    assert last is not None and last.ok and last.error is None
+    assert "config error" not in running.daemon.status_line()
+    assert _config_ok(running) == 1.0
+    assert running.daemon.plan.generation == generation + 1
+    assert set(running.daemon.reconciler.runtimes) == {"infer@0", "infer@1", "infer@2"}
+    assert last.changed == () and last.added == () and last.removed == ()  # nothing restarted
+    loads = list(running.loads)
+    running.daemon.monitor_pass(40.0)  # and it is not judged again at every pass
+    assert running.loads == loads
+
+
+def test_the_original_back_but_still_refused_is_judged_once(running: Running) -> None:
+    applied = running.loaded.artifacts
+    running.current = lambda: "model /m.gguf: 9:9:9:9"
+    running.load_error = ConfigError("/etc/numa-infer.toml", "model.path", "is not a GGUF model file", "/m.gguf", True)
+    running.daemon.monitor_pass(10.0)
+    running.daemon.monitor_pass(10.0 + desired.SETTLE_S)
+    running.current = lambda: applied  # back, but the configuration itself no longer loads
+    running.daemon.monitor_pass(20.0)
+    running.daemon.monitor_pass(30.0)
+    assert running.loads == ["load", "load"]
+    assert running.status_error(30.0)[1] is not None
+    running.assert_still_running_the_old_plan()
+
+
+def test_a_reload_that_changed_only_tenants_or_keys_says_so(
+        running: Running, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: `reload: 3 instance(s): added none, changed none, removed none, ...` when a
+    tenant's key was rotated and HAProxy reloaded: as if the reload had done nothing."""
+    monkeypatch.setattr(running.daemon.frontdoor, "apply", lambda *args: True)  # HAProxy reloaded
+    with caplog.at_level(logging.INFO):
+        assert running.daemon.plan.apply(running.loaded, "reload")
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reload: ")]
+    assert line == ("reload: 3 instance(s): no instance changed (unchanged infer@0, infer@1, infer@2); "
+                    "front door: tenants, keys or routing changed, HAProxy reloaded")
+    assert "added none" not in line
+    monkeypatch.setattr(running.daemon.frontdoor, "apply", lambda *args: False)  # nothing at all changed
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert running.daemon.plan.apply(running.loaded, "reload")
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("reload: ")]
+    assert line == "reload: 3 instance(s): no instance changed (unchanged infer@0, infer@1, infer@2)"
+
+
+def test_the_change_summary_names_instances_and_the_front_door() -> None:
+    from numad_infer.plan.model import PlanDiff
+    diff = PlanDiff(("infer@2",), ("infer@0",), (), ("infer@1",))
+    assert desired.change_summary(diff, False) == "added infer@2, changed infer@0, removed none, unchanged infer@1"
+    assert desired.change_summary(diff, True).endswith("; front door: tenants, keys or routing changed, HAProxy "
+                                                       "reloaded")

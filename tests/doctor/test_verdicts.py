@@ -336,3 +336,37 @@ def test_a_running_instance_is_no_neighbour_and_its_memory_counts_as_its_own(tmp
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_the_memory_running_instances_hold_on_a_node_names_each_of_them(tmp_path: Path) -> None:
+    """Before: "64.0 MiB held by its instance", for a node whose memory two instances hold.
+    Now each is named; this host's own /proc: two processes standing in for two instances."""
+    import dataclasses
+
+    from numad_infer.doctor.pipeline import read_facts
+    from numad_infer.doctor.verdicts import NodeMemory, check_node_memory
+    from numad_infer.lifecycle.states import State
+    from numad_infer.status.records import DaemonState, DaemonStatus, InstanceStatus, Status
+
+    config, _ = setup(tmp_path)
+    loaded = load(str(config), BackendKind.PROCESS, "/")
+    code = "b = bytearray(16 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint(flush=True)\nimport time; time.sleep(60)"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) for _ in range(2)]
+    try:
+        for proc in procs:
+            assert proc.stdout is not None and proc.stdout.readline() == b"\n"
+        first = InstanceStatus.planned(loaded.plan.instances[0], procs[0].pid, State.HEALTHY)
+        status = Status(DaemonStatus(DaemonState.RUNNING, str(config), pid=None),
+                        (first, dataclasses.replace(first, name="infer@9", pid=procs[1].pid)))
+        facts, plan = read_facts(loaded, "/", status, 0.1)
+        node = loaded.plan.instances[0].mems[0]
+        assert facts.nodes[node].holders == ("infer@0", "infer@9")
+        (check,) = [c for c in check_node_memory(facts, plan) if c.name == f"memory on node {node}"]
+        assert "held by infer@0 and infer@9" in check.seen and "its instance" not in check.seen
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    one = dataclasses.replace(facts, nodes={node: NodeMemory(1 << 40, 0, 1 << 30, ("infer@3",))})
+    (check,) = [c for c in check_node_memory(one, plan) if c.name == f"memory on node {node}"]
+    assert check.seen.endswith(", 1.0 GiB held by infer@3")
