@@ -211,6 +211,7 @@ MODULES: dict[str, tuple[str, str]] = {
     # -- status ------------------------------------------------------------------------------------
     "status/__init__": (CORE, PACKAGE_INIT),
     "status/records": (CORE, "the typed status the daemon publishes and `status`/metrics read"),
+    "status/verdicts": (CORE, "the status line, made from the status with the verdicts the tables use"),
     "status/metrics": (EDGE, "the Prometheus endpoint"),
     "status/httpserver": (EDGE, "the metrics endpoint's HTTP server: one thread, connections capped, deadlines"),
     "status/statefile": (EDGE, "the state file the daemon writes and the commands read"),

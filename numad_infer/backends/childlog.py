@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import stat
 import subprocess
 import threading
 from collections.abc import Callable
@@ -39,6 +41,11 @@ MAX_LINE = 16384
 STDOUT_FD = 1
 LOG_MAX_BYTES = 8 << 20  # NAME.log and NAME.log.1 each: 16 MiB a child, at most
 _CHUNK = 65536  # read from a child's pipe at once (its whole buffer)
+_TAIL = 65536  # of a log, what `last_error_line` reads: its end
+# A line that says something went wrong, as servers word it ("couldn't bind HTTP server socket").
+_ERROR = re.compile(r"\b(error|errors|fail|failed|failure|fatal|couldn't|could not|cannot|can't|unable|"
+                    r"exception|abort|aborted|denied|in use)\b", re.IGNORECASE)
+_SHOWN = 300  # characters of such a line shown in status
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +127,33 @@ def append_rotated(path: Path, data: bytes, max_bytes: int) -> None:
         finally:
             if fd >= 0:
                 os.close(fd)
+
+
+def last_error_line(path: Path) -> str | None:
+    """The last line of the log at `path` (its last `_TAIL` bytes, NAME.log.1's when NAME.log
+    is empty after a rotation) that reads as an error, escaped (`printable`): a child's words
+    are anyone's. None when there is none, or no log to read."""
+    for candidate in (path, path.with_name(path.name + ".1")):
+        try:  # never through a link, never waiting on a FIFO planted in its place
+            fd = os.open(candidate, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            info = os.fstat(fd)
+            tail = os.pread(fd, _TAIL, max(info.st_size - _TAIL, 0)) if stat.S_ISREG(info.st_mode) else b""
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        if tail.strip():
+            break
+    else:
+        return None
+    for line in reversed(tail.decode("utf-8", "replace").splitlines()):
+        if _ERROR.search(line):
+            text = printable(line.strip())
+            return text if len(text) <= _SHOWN else text[:_SHOWN] + "..."
+    return None
 
 
 def forward(pipe: BinaryIO, name: str, fd: int = STDOUT_FD) -> None:

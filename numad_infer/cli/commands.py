@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -179,27 +178,6 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not running:
         return 3
     return 0 if status.healthy else 1
-
-
-def cmd_health(args: argparse.Namespace) -> int:
-    """For liveness and readiness probes (a container's HEALTHCHECK, Kubernetes): one line,
-    exit 0 yes, 1 no, 3 no daemon. Reads only the state file: cheap and never blocks."""
-    status = running_daemon(Path(args.state_file))
-    if status is None:
-        print("not live: the daemon is not running")
-        return 3
-    live = status.live(time.time())
-    if args.ready:
-        ok = live and status.ready
-        from numad_infer.status.records import in_rotation
-
-        serving = sum(in_rotation(i.rotation) for i in status.instances)
-        print(f"{'ready' if ok else 'not ready'}: {serving}/{len(status.instances)} instance(s) in rotation"
-              + ("" if live else "; the daemon's loop is not turning"))
-        return 0 if ok else 1
-    age = time.time() - (status.daemon.updated_at or 0)
-    print(f"{'live' if live else 'not live'}: last pass {age:.0f}s ago")
-    return 0 if live else 1
 
 
 def cmd_tune(args: argparse.Namespace) -> int:

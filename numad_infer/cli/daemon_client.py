@@ -14,13 +14,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from numad_infer.cli.present import join_names
+from numad_infer.cli.present import join_names, rotation_words
 from numad_infer.errors import NumaInferError
 from numad_infer.status.statefile import read_status
 from numad_infer.util.printable import printable
 
 if TYPE_CHECKING:
-    from numad_infer.status.records import Status
+    from numad_infer.status.records import ReloadResult, Status
 
 
 def _alive(pid: int | None) -> bool:
@@ -35,6 +35,25 @@ def running_daemon(path: Path) -> Status | None:
     if status is None or not status.daemon.state.live or not _alive(status.daemon.pid):
         return None
     return status
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    """For liveness and readiness probes (a container's HEALTHCHECK, Kubernetes): one line,
+    exit 0 yes, 1 no, 3 no daemon; the code always the line's first word. Reads only the
+    state file: cheap and never blocks. Ready is `Status.ready`: what /healthz answers."""
+    status = running_daemon(Path(args.state_file))
+    if status is None:
+        print("not live: the daemon is not running")
+        return 3
+    live = status.live(time.time())
+    if args.ready:
+        ok = live and status.ready
+        print(printable(f"{'ready' if ok else 'not ready'}: {rotation_words(status)}"
+                        + ("" if live else "; the daemon's loop is not turning")))
+        return 0 if ok else 1
+    age = time.time() - (status.daemon.updated_at or 0)
+    print(f"{'live' if live else 'not live'}: last pass {age:.0f}s ago")
+    return 0 if live else 1
 
 
 class _NotSignalled(NumaInferError):
@@ -83,8 +102,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
         if now is not None and now.daemon.pid == pid and now.daemon.generation > before:
             result = now.daemon.last_reload
             if result is not None and result.ok:
-                print(printable(f"reloaded: added {join_names(result.added)}, changed {join_names(result.changed)}, "
-                                f"removed {join_names(result.removed)}"))
+                print(printable(f"reloaded: {_what_changed(result)}"))
                 return 0
             error = result.error if result is not None else "unknown"
             # The daemon's error names files and may quote what an engine or HAProxy answered.
@@ -93,6 +111,17 @@ def cmd_reload(args: argparse.Namespace) -> int:
             return 1
     print(f"numa-infer: the daemon did not finish reloading within {args.timeout:g}s", file=sys.stderr)
     return 1
+
+
+def _what_changed(result: ReloadResult) -> str:
+    """`added a, changed b, removed none`; a reload that changed only the front door (a
+    tenant added, a key rotated) says that, not `added none, changed none, removed none`."""
+    door = "front door: tenants, keys or routing changed, HAProxy reloaded"
+    if not (result.added or result.changed or result.removed):
+        return f"no instance changed; {door}" if result.frontdoor_reloaded else "nothing changed"
+    text = (f"added {join_names(result.added)}, changed {join_names(result.changed)}, "
+            f"removed {join_names(result.removed)}")
+    return f"{text}; {door}" if result.frontdoor_reloaded else text
 
 
 def cmd_restart(args: argparse.Namespace) -> int:

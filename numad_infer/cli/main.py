@@ -12,7 +12,6 @@ from numad_infer import __version__
 from numad_infer.cli.commands import (
     cmd_check,
     cmd_doctor,
-    cmd_health,
     cmd_plan,
     cmd_render,
     cmd_run,
@@ -21,11 +20,11 @@ from numad_infer.cli.commands import (
     cmd_tune,
     setup_logging,
 )
-from numad_infer.cli.daemon_client import cmd_reload, cmd_restart
+from numad_infer.cli.daemon_client import cmd_health, cmd_reload, cmd_restart
 from numad_infer.config.defaults import DEFAULT_CONFIG_PATH, DEFAULT_STATE_FILE
 from numad_infer.errors import NumaInferError
 from numad_infer.systemd.unitnames import DAEMON_UNIT
-from numad_infer.util.printable import printable
+from numad_infer.util.printable import printable_lines
 
 if TYPE_CHECKING:
     _Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -158,15 +157,32 @@ def main(argv: list[str] | None = None) -> int:
     args.state_file = getattr(args, "state_file", os.environ.get("NUMA_INFER_STATE_FILE", DEFAULT_STATE_FILE))
     args.backend = getattr(args, "backend", "auto")
     setup_logging(args)
+    code: int | None = None
     try:
-        code: int = args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a reader gone early is seen while the code is known
         return code
     except NumaInferError as exc:
         # An error may name a file of a tree under --fsroot or quote what a program printed.
-        print(printable(f"numa-infer: {exc}"), file=sys.stderr)
+        # Several problems of one file (config.load.ConfigProblems): one line each.
+        problems = getattr(exc, "problems", None) or (exc,)
+        print(printable_lines(f"numa-infer: {p}" for p in problems), file=sys.stderr)
         return 1
     except BrokenPipeError:
-        return 0
+        # The reader left (`numa-infer status | head -1`): the code of what was being printed
+        # (3: daemon down reads as such), or, cut short before it was known, SIGPIPE's 141.
+        _drop_stdout()
+        return 141 if code is None else code
+
+
+def _drop_stdout() -> None:
+    """What is still buffered for a reader that left goes nowhere, not into an error at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real descriptor (a test's stream): nothing to drop
+        pass
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from numad_infer.status.records import prompt_cache_share
+from numad_infer.lifecycle.states import State
+from numad_infer.status.records import in_rotation, prompt_cache_share
 from numad_infer.util.cpuset import format_list
 from numad_infer.util.printable import printable, printable_lines
 from numad_infer.util.tables import format_table
@@ -108,7 +109,7 @@ def format_status(status: Status) -> str:
     d = status.daemon
     lines = [f"numa-infer: {d.state.value}" + (f" (pid {d.pid}, backend {d.backend})" if d.pid else "")
              + f", config {d.config}"]
-    if d.status:
+    if d.status:  # made from the rest of the status as the state file was written (statefile.py)
         lines.append(f"status: {d.status}")
     reload = d.last_reload
     if reload is not None:
@@ -120,6 +121,8 @@ def format_status(status: Status) -> str:
             lines.append(f"last {reload.why}: {when} FAILED: {reload.error}")
     if d.allowed:
         lines.append(f"allowed: {d.allowed}")
+    if d.metrics_error:
+        lines.append(f"metrics: {d.metrics_error}")
     lines += [f"warning: {w}" for w in d.warnings]
     front = status.frontdoor
     if front is not None:
@@ -129,7 +132,8 @@ def format_status(status: Status) -> str:
                          + (f", {left} stopped as their client left" if left else "")
                          + ("; reloading (still routing by the previous plan)" if front.reloading else ""))
         else:
-            lines.append(f"front door: http://{front.listen} DOWN" + (f": {front.error}" if front.error else ""))
+            where = f"http://{front.listen} " if front.listen else ""
+            lines.append(f"front door: {where}DOWN" + (f": {front.error}" if front.error else ""))
         lines += [_tenant_line(t) for t in front.tenants]
     # The engine's own columns only where an instance has them (llama-server).
     engine = any(i.slots is not None for i in status.instances)
@@ -147,6 +151,8 @@ def format_status(status: Status) -> str:
                 lines.append(f"  {i.name}: {label} {when} [{event.kind}] {event.detail}")
         if i.error:
             lines.append(f"  {i.name}: error: {i.error}")
+        if i.log_error:
+            lines.append(f"  {i.name}: {i.state.value}: its log says: {i.log_error}")
         if i.restart_cover:
             lines.append(f"  {i.name}: last restart: {i.restart_cover}")
         if i.unit_state:
@@ -213,6 +219,20 @@ def _count(n: int) -> str:
 
 def _dash(value: object) -> str:
     return "-" if value is None else str(value)
+
+
+def rotation_words(status: Status) -> str:
+    """What `health --ready` says its verdict (Status.ready) stands on: the servers the front
+    door has in rotation (a surge's copy included) and why none, or without a front door
+    the healthy instances."""
+    front, count = status.frontdoor, len(status.instances)
+    if front is None:
+        healthy = sum(i.state == State.HEALTHY for i in status.instances)
+        return f"{healthy}/{count} instance(s) healthy (no front door)"
+    text = f"{sum(in_rotation(i.rotation) for i in status.instances)}/{count} instance(s) in rotation"
+    copies = sum(in_rotation(i.copy_rotation) for i in status.instances)
+    text += f", {copies} surge cop{'y' if copies == 1 else 'ies'}" if copies else ""
+    return text if front.up else text + "; front door down" + (f": {front.error}" if front.error else "")
 
 
 def join_names(names: Sequence[str]) -> str:

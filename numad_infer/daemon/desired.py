@@ -138,7 +138,8 @@ class PlanState:
         # the new plan, but clients still reach the old one's front door (or none).
         self.last_reload = ReloadResult(time.time(), refused is None, why,
                                         None if refused is None else f"the front door refused the plan: {refused}",
-                                        result.added, result.changed, result.removed, result.unchanged)
+                                        result.added, result.changed, result.removed, result.unchanged,
+                                        door and why != "start")
         return True
 
     def read_holds(self) -> None:

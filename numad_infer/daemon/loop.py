@@ -58,8 +58,7 @@ class Daemon:
         self.metrics = metrics.Endpoint(lambda: self.latest)
         self.plan = PlanState(config_path, SysfsReader(fsroot), backend, self.reconciler, self.frontdoor, self.metrics,
                               state_file, validation)
-        # what `numa-infer tune` measured
-        self.tuned = bandwidth_file.Results(state_file.parent / bandwidth_file.RESULTS_NAME)
+        self.tuned = bandwidth_file.Results(state_file.parent / bandwidth_file.RESULTS_NAME)  # what tune measured
         self.started_at = time.time()
         self.state = DaemonState.STARTING
         self.pass_duration_s: float | None = None
@@ -100,7 +99,8 @@ class Daemon:
         self.notifier.ready(self.status_line())
 
     def status_line(self) -> str:
-        return publish.status_line(list(self.reconciler.runtimes.values()), self.plan.last_reload)
+        plan = self.plan
+        return publish.status_line([*self.reconciler.runtimes.values()], plan.last_reload, self.frontdoor, plan.loaded)
 
     def snapshot(self, now: float) -> Status:
         config = self.plan.config

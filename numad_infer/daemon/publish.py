@@ -5,21 +5,27 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 
+from numad_infer.backends.childlog import ChildOutput, InstanceLogs, last_error_line
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import BackendStat
 from numad_infer.frontdoor.haproxy_config import server_name
 from numad_infer.frontdoor.spare import spare_stat
 from numad_infer.lifecycle.states import State
 from numad_infer.status.records import (
+    DaemonState,
+    DaemonStatus,
     FrontdoorStatus,
     InstanceStatus,
     MemoryStatus,
     ModelStatus,
     ReloadResult,
+    Status,
     TenantStatus,
     group_models,
 )
+from numad_infer.status.verdicts import summary_line
 from numad_infer.supervision.health import KeyCheck
 from numad_infer.supervision.instance import Runtime
 from numad_infer.topology.cgroup_limits import left_out
@@ -28,28 +34,26 @@ from numad_infer.util.cpuset import format_list
 from numad_infer.validate.loaded import Loaded
 
 
-def status_line(runtimes: list[Runtime], last_reload: ReloadResult | None) -> str:
+def status_line(runtimes: list[Runtime], last_reload: ReloadResult | None, frontdoor: Frontdoor | None = None,
+                loaded: Loaded | None = None) -> str:
     """One line: `2/2 instances healthy (1 starting, 1 drifting); config error ...`; with
-    several models also `; 1/2 models serving (beta not)`."""
-    healthy = sum(rt.supervision.state == State.HEALTHY for rt in runtimes)
-    text = f"{healthy}/{len(runtimes)} instances healthy"
-    by_state: dict[str, int] = {}
-    for rt in runtimes:
-        if rt.supervision.state != State.HEALTHY:
-            by_state[rt.supervision.state.value] = by_state.get(rt.supervision.state.value, 0) + 1
-    drifting = sum(rt.drifting for rt in runtimes)
-    extras = [f"{n} {s}" for s, n in sorted(by_state.items())] + ([f"{drifting} drifting"] if drifting else [])
-    if extras:
-        text += " (" + ", ".join(extras) + ")"
-    models = list(dict.fromkeys(rt.instance.model for rt in runtimes if rt.instance.model))
-    if len(models) > 1:  # a model with no healthy instance answers nothing, whatever the others do
-        down = [m for m in models if not any(rt.instance.model == m and rt.supervision.state == State.HEALTHY
-                                             for rt in runtimes)]
-        text += f"; {len(models) - len(down)}/{len(models)} models serving" + (f" ({', '.join(down)} not)" if down
-                                                                               else "")
-    if last_reload is not None and not last_reload.ok:
-        text += f"; config error, running previous plan: {last_reload.error}"
-    return text
+    several models also `; 1/2 models serving (beta not)`. The published Status makes its
+    own from itself (verdicts.summary_line); this is the same line for STATUS=, from the
+    runtimes, and follows the front door where it is given one."""
+    fd = frontdoor if frontdoor is not None and front_door(frontdoor) else None
+    found = tuple(InstanceStatus.planned(rt.instance, rt.pid, rt.supervision.state, drifting=rt.drifting,
+                                         rotation=None if fd is None else _rotation(rt, fd),
+                                         copy_rotation=None if fd is None else _copy_rotation(rt, fd))
+                  for rt in runtimes)
+    daemon = DaemonStatus(DaemonState.RUNNING, "", last_reload=last_reload)
+    served = () if frontdoor is None else models(found, frontdoor, loaded)
+    return summary_line(Status(daemon, found, None if fd is None else frontdoor_status(fd, {}), served))
+
+
+def front_door(fd: Frontdoor) -> bool:
+    """A front door was asked for: running, or refused (`fd.error`, e.g. its port in use at
+    start): then it serves nothing, and no model is served through it."""
+    return bool(fd.listen or fd.error)
 
 
 def instances(runtimes: list[Runtime], now: float, frontdoor: Frontdoor, loaded: Loaded | None,
@@ -86,8 +90,8 @@ def models(instances: tuple[InstanceStatus, ...], frontdoor: Frontdoor,
         elif stats is not None:
             mine = [i for i in instances if i.model == key]
             load[key] = (sum(i.queued or 0 for i in mine), sum(i.in_flight or 0 for i in mine))
-    return group_models(served, instances, bool(frontdoor.listen), load,
-                        loaded.config.frontend.queue_timeout_s if frontdoor.listen else None)
+    behind = loaded.config.frontend.enabled and front_door(frontdoor)
+    return group_models(served, instances, behind, load, loaded.config.frontend.queue_timeout_s if behind else None)
 
 
 def allowed_line(loaded: Loaded | None) -> str | None:
@@ -102,7 +106,8 @@ def frontdoor_status(fd: Frontdoor, abandoned: Mapping[str, int]) -> FrontdoorSt
     """`abandoned`: requests the daemon ended because their client left, by backend
     (frontdoor/abandon_watch.py), shown by model."""
     if not fd.listen:
-        return None
+        # Asked for and never started (its port taken at start): down, and why.
+        return FrontdoorStatus("", False, error=fd.error) if fd.error else None
     stats = fd.stats
     models = {backend: model for model, backend in fd.backends.items()}
     return FrontdoorStatus(fd.listen, stats is not None, None if stats is None else stats.queued,
@@ -144,6 +149,26 @@ def _copy_rotation(rt: Runtime, frontdoor: Frontdoor) -> str | None:
     return None if spare is None else spare.status
 
 
+def _rotation(rt: Runtime, frontdoor: Frontdoor) -> str | None:
+    stat = None if frontdoor.stats is None else frontdoor.stats.servers.get(server_name(rt.instance.name))
+    return None if stat is None else stat.status
+
+
+# Where an instance's own words of why it failed can be read: not while it runs well.
+_FAILING = (State.FAILED, State.BACKOFF, State.EXITED, State.UNHEALTHY)
+
+
+def _log_error(rt: Runtime, frontdoor: Frontdoor) -> str | None:
+    """The last error-looking line of the instance's log while it fails, where the daemon
+    writes its log to a file (the process backend's `--instance-logs file`)."""
+    output = getattr(frontdoor.runner, "output", None)  # the process backend's runner has one
+    if rt.supervision.state not in _FAILING or not isinstance(output, ChildOutput):
+        return None
+    if output.mode is not InstanceLogs.FILE:
+        return None
+    return last_error_line(Path(output.log_dir) / f"{rt.instance.name}.log")
+
+
 def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int | None,
                      efficiency: float | None) -> InstanceStatus:
     """`slots`: requests an instance works on at once, where its engine reports them."""
@@ -175,7 +200,7 @@ def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int |
         decode_tokens_per_s=None if rt.decode_tokens_per_s is None else round(rt.decode_tokens_per_s, 1),
         decode_efficiency=None if efficiency is None else round(efficiency, 4),
         restart_cover=rt.cover,
-        copy_rotation=_copy_rotation(rt, frontdoor),
+        copy_rotation=_copy_rotation(rt, frontdoor), log_error=_log_error(rt, frontdoor),
         time_to_first_token=None if timings is None else timings[0],
         request_duration=None if timings is None else timings[1])
     # Never a CPU the instance cannot run on: its cgroup may have been narrowed under it.

@@ -197,7 +197,8 @@ class Supervision:
             return RestartDecision.FAIL
         if now < self.next_restart_at:
             # UNHEALTHY / EXITED -> BACKOFF
-            self.change_state(State.BACKOFF, f"next restart at {self.next_restart_at:g}")
+            # A wait, not a moment on the monotonic clock (seconds since boot, meaningless in a log).
+            self.change_state(State.BACKOFF, f"next restart in {self.next_restart_at - now:.1f} s")
             return RestartDecision.WAIT
         return RestartDecision.RESTART
 

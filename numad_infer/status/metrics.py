@@ -21,7 +21,7 @@ from numad_infer.config.values import parse_listen
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import State
 from numad_infer.status.httpserver import BoundedHTTPServer
-from numad_infer.status.records import InstanceStatus, Status, TenantStatus, in_rotation
+from numad_infer.status.records import METRICS_REFUSED, InstanceStatus, Status, TenantStatus, in_rotation
 
 if TYPE_CHECKING:
     from wsgiref.types import StartResponse, WSGIEnvironment
@@ -156,7 +156,8 @@ def _model_metrics(snap: Status) -> Iterator[Metric]:
     --total-queued-requests-metric, --total-running-requests-metric and
     --kv-cache-usage-percentage-metric name them, with `{model=NAME}`: docs/kubernetes.md)."""
     healthy = GaugeMetricFamily("numa_infer_model_healthy",
-                                "1 while at least one of the model's instances is in rotation", labels=["model"])
+                                "1 while the model is served: one of its servers in rotation at the front door (a "
+                                "surge's copy included; without one, an instance healthy)", labels=["model"])
     queued = GaugeMetricFamily("numa_infer_model_requests_queued",
                                "Requests for the model waiting at the front door for one of its instances",
                                labels=["model"])
@@ -269,7 +270,7 @@ def _daemon_metrics(snap: Status) -> Iterator[Metric]:
         floor.add_metric([], snap.daemon.min_local_fraction)
         yield floor
     ok = GaugeMetricFamily("numa_infer_config_ok", "0 while the last reload was refused (old plan still running)")
-    ok.add_metric([], 0.0 if snap.daemon.last_reload is not None and not snap.daemon.last_reload.ok else 1.0)
+    ok.add_metric([], 1.0 if snap.daemon.config_ok else 0.0)
     yield ok
 
 
@@ -294,24 +295,32 @@ def serve(listen: str, snapshot: Callable[[], Status | None]) -> BoundedHTTPServ
 
 
 class Endpoint:
-    """The metrics HTTP server, (re)started when `[metrics] listen` changes."""
+    """The metrics HTTP server, (re)started when `[metrics] listen` changes, and tried again
+    at each apply while it could not listen."""
 
     def __init__(self, snapshot: Callable[[], Status | None]) -> None:
         self.snapshot = snapshot
-        self.listen = ""
+        self.address = ""  # what it was asked to listen on
+        self.error = ""  # why it could not: `cannot listen on ADDR: why`
         self._server: BoundedHTTPServer | None = None
 
+    @property
+    def listen(self) -> str:
+        """Published as the daemon's `metrics`: the address served, or why it is not
+        (records.METRICS_REFUSED...), which `status` shows and counts as degraded."""
+        return self.error or (self.address if self._server is not None else "")
+
     def listen_on(self, listen: str) -> None:
-        if listen == self.listen:
+        if listen == self.address and not self.error:
             return
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        self.listen = ""
+        self.address, self.error = listen, ""
         if listen:
             try:
                 self._server = serve(listen, self.snapshot)
-                self.listen = listen
             except OSError as exc:
+                self.error = f"{METRICS_REFUSED}{listen}: {exc.strerror or exc}"
                 log.error("metrics.listen = %s: cannot listen: %s", listen, exc.strerror)

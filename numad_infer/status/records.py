@@ -11,6 +11,7 @@ a file of another schema is refused with one line, never a traceback.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ if TYPE_CHECKING:  # the planner needs pydantic (the config): `status` must star
     from numad_infer.plan.model import Instance
 
 SCHEMA = 2
+# How `DaemonStatus.metrics` begins when the endpoint could not listen (status/metrics.py).
+METRICS_REFUSED = "cannot listen on "
 
 
 class StatusError(NumaInferError):
@@ -59,6 +62,9 @@ class ReloadResult:
     changed: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     unchanged: tuple[str, ...] = ()
+    # HAProxy was reloaded by it (tenants, their keys or the routing changed), with or
+    # without an instance changing: `reload` says so rather than "added none, changed none".
+    frontdoor_reloaded: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,9 @@ class InstanceStatus:
     # HAProxy's word for the server of its surge's copy while one is under way (None: none):
     # a model whose instance restarts behind a copy in rotation is served.
     copy_rotation: str | None = None
+    # The last error-looking line of its log while it fails or is not running (the process
+    # backend's log file, childlog.last_error_line): what the program itself said, escaped.
+    log_error: str | None = None
     # KV cache (llama-server's /slots): tokens its busy slots hold, and the cells of all its slots.
     kv_cache_tokens: int | None = None
     kv_cache_size: int | None = None
@@ -161,7 +170,7 @@ class ModelStatus:
     name: str  # what clients send ("" with a single [model] that has no model.name)
     aliases: tuple[str, ...] = ()
     instances: tuple[str, ...] = ()
-    healthy: bool = False  # at least one of its instances in rotation (`model_health`)
+    healthy: bool = False  # served: `serving`, through `model_health`
     problem: str | None = None  # why not, when not
     # The front door's queue and requests in its instances, for this model (None without one).
     queued: int | None = None
@@ -222,19 +231,43 @@ class DaemonStatus:
     last_reload: ReloadResult | None = None
     last_restart: RestartResult | None = None
     warnings: tuple[str, ...] = ()
-    status: str | None = None  # the one line also sent as STATUS= to systemd
+    # The one line also sent as STATUS= to systemd; made from the rest of the status
+    # (status/verdicts.summary_line) where it is written and shown, so it never disagrees
+    # with the tables.
+    status: str | None = None
     pass_duration_s: float | None = None
     pass_started_at: float | None = None  # wall clock: the last published pass saw the fleet as of then
-    metrics: str | None = None
+    metrics: str | None = None  # the metrics endpoint's address, or why it has none: METRICS_REFUSED...
     # What the instances' cgroup lets them use, and what of the machine that leaves out.
     allowed: str | None = None
     min_local_fraction: float | None = None  # monitor.min_local_fraction: below it is memory drift
+
+    @property
+    def metrics_error(self) -> str | None:
+        """Why `[metrics] listen` is not served (`cannot listen on ADDR: why`), or None."""
+        return self.metrics if self.metrics is not None and self.metrics.startswith(METRICS_REFUSED) else None
+
+    @property
+    def config_ok(self) -> bool:
+        """The last start, reload or re-plan was applied (numa_infer_config_ok)."""
+        return self.last_reload is None or self.last_reload.ok
 
 
 def in_rotation(rotation: str | None) -> bool:
     """HAProxy sends a server requests while it is UP, also "UP 1/2" (one failed check of
     the `fall` it takes to go DOWN); "DOWN 1/2" is on its way up, not there yet."""
     return rotation is not None and rotation.split(" ")[0] == "UP"
+
+
+def serving(instances: Iterable[InstanceStatus], frontdoor: bool) -> bool:
+    """Is the model of `instances` served? Behind a front door exactly while it has a server
+    of the model in rotation (up, not drained, not in maintenance; the spare server of a
+    surge included): what its /healthz answers from. Without one, while one of them is
+    healthy. The one verdict: the models' health (`model_health`), the status line,
+    `health --ready` and the metrics all come from it."""
+    if not frontdoor:
+        return any(i.state == State.HEALTHY for i in instances)
+    return any(in_rotation(i.rotation) or in_rotation(i.copy_rotation) for i in instances)
 
 
 def prompt_cache_share(instances: tuple[InstanceStatus, ...]) -> float | None:
@@ -268,9 +301,12 @@ class Status:
 
     @property
     def healthy(self) -> bool:
-        """Every instance healthy and undrifted, and the front door (if any) up: `status` exits 0."""
+        """Every instance healthy and undrifted, every model served, the front door (if any)
+        up, the configuration applied and the metrics served: `status` exits 0, else what
+        it printed says what is not."""
         instances_ok = bool(self.instances) and all(i.state == State.HEALTHY and not i.drifting for i in self.instances)
-        return instances_ok and (self.frontdoor is None or self.frontdoor.up)
+        return (instances_ok and (self.frontdoor is None or self.frontdoor.up) and all(m.healthy for m in self.models)
+                and self.daemon.config_ok and self.daemon.metrics_error is None)
 
     def live(self, now: float) -> bool:
         """The daemon's loop is turning: it published within three monitoring intervals
@@ -282,14 +318,10 @@ class Status:
 
     @property
     def ready(self) -> bool:
-        """Requests can be served: at least one healthy instance in rotation behind the
-        front door (with no front door, at least one healthy instance)."""
-        healthy = [i for i in self.instances if i.state == State.HEALTHY]
-        if self.frontdoor is None:
-            return bool(healthy)
-        # A copy in rotation while its instance restarts serves too (supervision/surge.py).
-        return self.frontdoor.up and (any(in_rotation(i.rotation) for i in healthy)
-                                      or any(in_rotation(i.copy_rotation) for i in self.instances))
+        """Requests can be served: a server in rotation behind the front door, a surge's copy
+        included (with no front door, a healthy instance): `serving`, over every model."""
+        front = self.frontdoor
+        return (front is None or front.up) and serving(self.instances, front is not None)
 
     def to_json(self) -> dict[str, Any]:
         return {"schema": SCHEMA, **_plain(asdict(self))}
@@ -313,10 +345,7 @@ def model_health(instances: tuple[InstanceStatus, ...], frontdoor: bool,
     there is no front door); otherwise what is wrong, as counts of its instances' states,
     and, behind the front door (`hold_s`: frontend.queue_timeout_s), what its requests do
     meanwhile: they wait for an instance (frontdoor/hold.py)."""
-    healthy = [i for i in instances if i.state == State.HEALTHY]
-    answering = (any(in_rotation(i.rotation) for i in healthy) or any(in_rotation(i.copy_rotation) for i in instances)
-                 if frontdoor else bool(healthy))
-    if answering:
+    if serving(instances, frontdoor):
         return True, None
     if not instances:
         return False, "no instance planned"

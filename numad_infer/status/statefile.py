@@ -9,10 +9,12 @@ import errno
 import json
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from numad_infer.errors import NumaInferError
 from numad_infer.status.records import Status, StatusError
+from numad_infer.status.verdicts import summary_line
 from numad_infer.systemd.unitdir import check_private_dir
 from numad_infer.util.atomicfile import NotRegularFile, read_regular, write_atomic
 
@@ -40,6 +42,10 @@ def _unusable(where: Path, exc: OSError) -> NumaInferError:
 
 
 def write_status(path: Path, status: Status) -> None:
+    """A daemon's status line (`daemon.status` set) is written as made from the rest of the
+    status: what `status` and `--json` read agrees with its tables and `health`."""
+    if status.daemon.status is not None:
+        status = replace(status, daemon=replace(status.daemon, status=summary_line(status)))
     # Rewritten every pass on /run (tmpfs): atomic for readers, no fsync needed.
     write_atomic(path, json.dumps(status.to_json(), indent=1, sort_keys=True), durable=False)
 

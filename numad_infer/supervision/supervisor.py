@@ -100,7 +100,7 @@ class Supervisor:
             return
         sup = rt.supervision
         if pid is None:
-            if sup.state != State.RESTARTING:
+            if sup.state not in (State.RESTARTING, State.HELD, State.STOPPED):  # not stopped on purpose
                 rt.record_drift(EventKind.EXIT, f"main process {rt.pid} is gone", self.wall())
             sup.on_exit()
         else:

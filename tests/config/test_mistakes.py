@@ -172,3 +172,14 @@ def test_the_cli_prints_the_same_line_and_fails(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stdout + proc.stderr
     assert proc.stderr.strip() == f"numa-infer: {expected}"
     assert "model.llama_server: unknown key; it belongs in [server]: move it there" in proc.stderr
+
+
+def test_the_cli_prints_every_problem_on_its_own_line(tmp_path: Path) -> None:
+    config = tmp_path / "numa-infer.toml"
+    config.write_text('[[models]]\nname = "a"\npth = "/a.gguf"\ncontxt_size = 4096\n')
+    proc = subprocess.run([sys.executable, "-m", "numad_infer", "check", "--config", str(config)],
+                          capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and "\\n" not in proc.stderr
+    assert len(lines) == 3 and all(line.startswith(f"numa-infer: {config}: models[0].") for line in lines), lines
+    assert any("pth" in line and '"path"' in line for line in lines), lines
