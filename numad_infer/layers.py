@@ -130,6 +130,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "host/procfs": (EDGE, "/proc reader rooted at a directory"),
     # -- model -------------------------------------------------------------------------------------
     "model/__init__": (CORE, PACKAGE_INIT),
+    "model/identity": (CORE, "which file a path named when it was read (device, inode, size, times): the one "
+                             "identity the roll-out's artifact id and the kept prompt caches compare"),
     "model/ggml": (CORE, "ggml's data types: bytes per block by type id, the KV cache's type names"),
     "model/memory": (CORE, "what one instance holds once loaded: weights, KV cache (from the header's "
                            "dimensions), the engine's measured overhead"),
@@ -208,6 +210,8 @@ MODULES: dict[str, tuple[str, str]] = {
     "lifecycle/__init__": (CORE, PACKAGE_INIT),
     "lifecycle/drift": (CORE, "expected vs observed -> drift verdicts"),
     "lifecycle/states": (CORE, "the one lifecycle state machine of an instance"),
+    "lifecycle/surge": (CORE, "a surge's rules: surge or hold for a restart (`choose`), its phases and the moves "
+                              "between them"),
     # -- status ------------------------------------------------------------------------------------
     "status/__init__": (CORE, PACKAGE_INIT),
     "status/records": (CORE, "the typed status the daemon publishes and `status`/metrics read"),

@@ -50,6 +50,9 @@ class RecordingBackend:
 
     name: str = "recording"
     instance_cgroups: bool = False
+    slots_dir: Path | None = None  # no kept prompt caches
+    surge_refusal: str | None = "this backend starts no copies"  # a restart holds
+    copy_cgroup: str | None = None
     calls: list[tuple[str, str]] = field(default_factory=list)
     running: dict[str, int] = field(default_factory=dict)
     next_pid: int = 100

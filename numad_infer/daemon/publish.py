@@ -82,7 +82,7 @@ def models(instances: tuple[InstanceStatus, ...], frontdoor: Frontdoor,
     stats = frontdoor.stats if frontdoor.listen else None
     # One backend per model at the front door, by the model's key (frontdoor/control.py's
     # model_stats); until it has been read, the instances' own counts.
-    per_model: dict[str, BackendStat] = getattr(frontdoor, "model_stats", {}) if stats is not None else {}
+    per_model: dict[str, BackendStat] = frontdoor.model_stats if stats is not None else {}
     for key, _, _ in served:
         stat = per_model.get(key)
         if stat is not None:

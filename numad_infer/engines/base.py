@@ -60,6 +60,21 @@ class KvCacheUse:
     size: int
 
 
+@dataclass(frozen=True)
+class PromptCache:
+    """An instance's prompt cache bound, decided once (`Engine.prompt_cache`)."""
+
+    bytes: int | None  # what it may grow to; None: no limit, 0: off
+    # The planner's bound (Instance.prompt_cache_mib), in MiB: the launch passes it in the
+    # engine's `prompt_cache_flags`. None where the operator's arguments or the engine's
+    # own default hold.
+    planned_mib: int | None = None
+
+    def launch_args(self, flags: Sequence[str]) -> list[str]:
+        """What the launch adds to the engine's argv (after the operator's extra_args)."""
+        return [flags[-1], str(self.planned_mib)] if flags and self.planned_mib is not None else []
+
+
 class HostAccess(Protocol):
     """The host as an engine's check sees it (host_check.InstanceHost): files, and programs
     run with no more privilege than the instances get."""
@@ -137,6 +152,23 @@ class Engine(ABC):
         them): by default one slot of `model.context_size` tokens, llama.cpp's f16 cache."""
         size, f16 = view.model.context_size, CACHE_TYPES[DEFAULT_CACHE_TYPE]
         return EngineContext(size, size, f16, f16)
+
+    def prompt_cache(self, view: ModelView, planned_mib: int | None = None) -> PromptCache:
+        """The one decision of an instance's prompt cache bound: the operator's (one of
+        `prompt_cache_flags` in its extra_args), else the planner's (`planned_mib`:
+        Instance.prompt_cache_mib, sized to its nodes by plan/memory_fit.py), else what the
+        engine's own arguments and defaults give (`own_prompt_cache`). Without
+        `planned_mib`: the bound before planning, which the memory estimate counts."""
+        extra = view.server.extra_args
+        operator = last_option(extra, *self.prompt_cache_flags) if self.prompt_cache_flags else None
+        if operator is None and planned_mib is not None and self.prompt_cache_flags:
+            return PromptCache(planned_mib << 20, planned_mib)
+        return PromptCache(self.own_prompt_cache(extra))
+
+    def own_prompt_cache(self, extra_args: Sequence[str]) -> int | None:
+        """The prompt cache's bound in bytes that `extra_args` (or, without them, the engine's
+        default) give it, no planner's bound counted; None: no limit. 0: it keeps none."""
+        return 0
 
     def key_environment(self, key: str) -> dict[str, str]:
         """The API key as the process backend hands it over: in the server's environment,

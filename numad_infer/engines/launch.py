@@ -42,10 +42,9 @@ def instance_environment(instance: Instance) -> dict[str, str]:
 
 def launch_of(engine: Engine, model: ServedModel, instance: Instance) -> Launch:
     """One instance's launch: its model's view gives the engine its file, context and slots."""
-    # The prompt cache's bound as the planner sized it (none where it did not): after the
-    # engine's arguments, where the operator's extra_args named no bound of their own.
-    cache = [engine.prompt_cache_flags[-1], str(instance.prompt_cache_mib)] \
-        if engine.prompt_cache_flags and instance.prompt_cache_mib is not None else []
+    # The prompt cache's bound as the planner sized it (none where it did not, or where the
+    # operator's extra_args named one of their own): after the engine's arguments.
+    cache = engine.prompt_cache(model.view, instance.prompt_cache_mib).launch_args(engine.prompt_cache_flags)
     return Launch(tuple(engine.argv(model.view, instance) + cache),
                   tuple(engine.argv(model.view, instance, key_from_credential=True) + cache),
                   tuple(instance_environment(instance).items()))

@@ -3,6 +3,7 @@ per instance (it serialises on its model lock)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from numad_infer.engines.base import KEY_CREDENTIAL, Engine, HostAccess, last_option, positive
@@ -34,7 +35,7 @@ _FROM_CREDENTIAL = ("import os, runpy; "
 OVERHEAD = Overhead(runtime=80 << 20, per_embedding=48, per_vocab=8, per_context=24, kept_logits=4, tokenizer=160)
 
 
-def _prompt_cache(extra: list[str]) -> int:
+def _prompt_cache(extra: Sequence[str]) -> int:
     """Its cache of evaluated prompts: off unless `--cache true`; in memory (LlamaRAMCache)
     up to --cache_size bytes (2 GiB unless set) with `--cache_type ram`, its default. A
     disk cache holds its states in files, not in the process."""
@@ -113,7 +114,10 @@ class LlamaCppPython(Engine):
         tokens = positive(last_option(extra, "--n_ctx"), view.model.context_size)
         return EngineContext(tokens, tokens, _cache_type(last_option(extra, "--type_k")),
                              _cache_type(last_option(extra, "--type_v")),
-                             positive(last_option(extra, "--n_ubatch"), 512), _prompt_cache(extra))
+                             positive(last_option(extra, "--n_ubatch"), 512), self.prompt_cache(view).bytes)
+
+    def own_prompt_cache(self, extra_args: Sequence[str]) -> int | None:
+        return _prompt_cache(extra_args)
 
     def cpu(self, config: Config, host: HostAccess) -> EngineCpuReport:
         python = config.server.python

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from numad_infer.engines.base import (
@@ -117,12 +118,11 @@ class LlamaServer(Engine):
             *view.server.extra_args,
         ]
 
-    @staticmethod
-    def _keeps_prompts(view: ModelView, instance: Instance) -> bool:
+    def _keeps_prompts(self, view: ModelView, instance: Instance) -> bool:
         """Whether numa-infer turns llama-server's slot pick by similarity off (`-sps 0`; an
         operator's extra_args, given after, can set it again): where the instance has one
-        slot and keeps a prompt cache (--cache-ram not 0: the operator's, else the plan's
-        bound, else the server's default).
+        slot and keeps a prompt cache (its bound, `Engine.prompt_cache`, not 0: the
+        operator's --cache-ram, else the plan's bound, else the server's default).
 
         Why: with the pick on, a request takes the slot that shares the most of its prompt,
         and the server looks in its prompt cache only when that would drop at least half
@@ -141,10 +141,7 @@ class LlamaServer(Engine):
         With one slot every request takes that slot anyway."""
         if view.server.parallel != 1:
             return False
-        operator = last_option(view.server.extra_args, "-cram", "--cache-ram")
-        if operator is not None:
-            return _prompt_cache(operator) != 0
-        return instance.prompt_cache_mib != 0
+        return self.prompt_cache(view, instance.prompt_cache_mib).bytes != 0
 
     def slots(self, view: ModelView) -> int:
         return view.server.parallel
@@ -163,7 +160,10 @@ class LlamaServer(Engine):
                              CACHE_TYPES.get(k.lower(), CACHE_TYPES["f32"]),
                              CACHE_TYPES.get(v.lower(), CACHE_TYPES["f32"]),
                              positive(last_option(extra, "-ub", "--ubatch-size"), 512),
-                             _prompt_cache(last_option(extra, "-cram", "--cache-ram")))
+                             self.prompt_cache(view).bytes)
+
+    def own_prompt_cache(self, extra_args: Sequence[str]) -> int | None:
+        return _prompt_cache(last_option(extra_args, *self.prompt_cache_flags))
 
     def credential_environment(self) -> dict[str, str]:
         # It reads the key from the file this variable names: the credential itself.

@@ -1,5 +1,6 @@
 """The model file as the planner needs it: present, readable, GGUF, whole, and how big;
-and which file it is (`artifact_id`), so that a replaced model is rolled out.
+and which file it is (model/identity.py's `FileIdentity`, one for the roll-out and the kept
+prompt caches), so that a replaced model is rolled out.
 
 `read_model` opens the file once and takes everything from that descriptor: what it is
 (fstat), its size, its header. Checking a path and then opening it again would read
@@ -17,6 +18,7 @@ from typing import BinaryIO
 from numad_infer.errors import ConfigError
 from numad_infer.host.identity import RunAs, unreadable_reason
 from numad_infer.model.gguf import GgufError, GgufHeader, open_model, parse_header
+from numad_infer.model.identity import FileIdentity
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,11 @@ class ModelFile:
 
     size: int  # bytes, from fstat
     header: GgufHeader
-    artifact_id: str  # which file was read (see artifact_id)
+    identity: FileIdentity  # which file was read, from the same fstat
+
+    @property
+    def artifact_id(self) -> str:
+        return self.identity.artifact_id
 
 
 def read_model(path: str, source: str, runs_as: RunAs | None = None,
@@ -61,7 +67,7 @@ def read_model(path: str, source: str, runs_as: RunAs | None = None,
         raise ConfigError(source, "model.path", f"is {header.file_bytes} bytes, {missing} fewer than its tensor table "
                           "says: still being written, or cut short; let the copy finish (or copy it beside the model "
                           "and `mv` it into place, which is atomic)", path, True)
-    return ModelFile(info.st_size, header, _identity(path, info))
+    return ModelFile(info.st_size, header, FileIdentity.of(path, info))
 
 
 def _cannot_open(path: str, source: str, exc: OSError) -> ConfigError:
@@ -86,14 +92,20 @@ def _cannot_open(path: str, source: str, exc: OSError) -> ConfigError:
 
 
 def artifact_id(path: str) -> str:
-    """Which file is at `path` now: device, inode, size and modification time. Another file
-    moved into place, or the same one written over, gives another id."""
+    """Which file is at `path` now (FileIdentity.artifact_id): another file moved into place,
+    or the same one written over, gives another id."""
     try:
         info = os.stat(path)
     except OSError as exc:
         return f"{path}: {exc.strerror}"
-    return _identity(path, info)
+    return FileIdentity.of(path, info).artifact_id
 
 
-def _identity(path: str, info: os.stat_result) -> str:
-    return f"{path}: {info.st_dev}:{info.st_ino}:{info.st_size}:{info.st_mtime_ns}"
+def file_identity(path: str) -> FileIdentity | None:
+    """Which file `path` resolves to now, named by its real path; None when it cannot be
+    read (a prompt cache computed with it is then invalid: supervision/slot_keeper.py)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return FileIdentity.of(os.path.realpath(path), info)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from numad_infer.model.identity import FileIdentity
+
 # llama.cpp's sequence state file (src/llama-context.cpp, state_seq_save_file): the magic
 # LLAMA_STATE_SEQ_MAGIC ("ggsq"), LLAMA_STATE_SEQ_VERSION, a count of 32-bit tokens, the
 # tokens, then the KV cells. llama-server's tokens (tools/server/server-common.cpp,
@@ -27,19 +29,6 @@ PACKED_VERSION = 1
 # tokens of an 8B model at f16 is about 1 GiB; more than this is disk the state directory
 # may not have, and a restore that reads it takes longer than the recompute it saves.
 MAX_KEPT_BYTES = 4 << 30
-
-
-@dataclass(frozen=True)
-class ModelFile:
-    """The model file a cache was computed with: another one makes every saved file invalid."""
-
-    path: str
-    size: int
-    mtime_ns: int
-    # A file replaced (mv) has another inode; one rewritten in place, even keeping its
-    # modification time, another change time.
-    inode: int = 0
-    ctime_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,9 +50,10 @@ class SavedSlot:
 
 @dataclass(frozen=True)
 class Kept:
-    """What one instance saved before its restart, and with which model file."""
+    """What one instance saved before its restart, and with which model file (another one
+    makes every saved file invalid)."""
 
-    model: ModelFile
+    model: FileIdentity
     slots: tuple[SavedSlot, ...]
 
     @property
@@ -92,7 +82,7 @@ def within_bound(saved: list[SavedSlot], cap: int = MAX_KEPT_BYTES) -> tuple[lis
     return kept, []
 
 
-def restorable(kept: Kept | None, model: ModelFile | None) -> tuple[SavedSlot, ...]:
+def restorable(kept: Kept | None, model: FileIdentity | None) -> tuple[SavedSlot, ...]:
     """The saved slots a new process may take back: none for another model file (or one
     that cannot be read: its cache is invalid)."""
     if kept is None or model is None or kept.model != model:

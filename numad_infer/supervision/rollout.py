@@ -11,10 +11,10 @@ from numad_infer.backends.base import Backend
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import IN_TRANSITION, State, Supervision
+from numad_infer.lifecycle.surge import Phase
 from numad_infer.plan.model import Instance, PlanDiff, diff_plans
 from numad_infer.supervision.instance import PromptTally, Runtime
 from numad_infer.supervision.supervisor import Supervisor, isolated
-from numad_infer.supervision.surge import Phase
 from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)

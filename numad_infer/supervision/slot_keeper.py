@@ -20,9 +20,10 @@ from pathlib import Path
 
 from numad_infer.engines import slot_cache
 from numad_infer.engines.slot_names import file_name, slot_directory
+from numad_infer.model.file import file_identity
+from numad_infer.model.identity import FileIdentity
 from numad_infer.supervision.kept_slots import (
     Kept,
-    ModelFile,
     SavedSlot,
     SlotUse,
     restorable,
@@ -39,14 +40,6 @@ log = logging.getLogger(__name__)
 MAX_PROMPT_TOKENS = 1 << 20
 
 
-def model_file(path: str) -> ModelFile | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return ModelFile(os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-
-
 class SlotKeeper:
     """`root`: STATE_DIR/slots; `owner`: (uid, gid) of the servers' user, who writes the
     files (None: the daemon's own user, as under the process backend run unprivileged)."""
@@ -54,7 +47,7 @@ class SlotKeeper:
     def __init__(self, root: Path, host: str, owner: tuple[int, int] | None = None) -> None:
         self.root, self.host, self.owner = root, host, owner
         self.kept: dict[str, Kept] = {}
-        self.loaded_with: dict[str, ModelFile | None] = {}  # the model file each current process loaded
+        self.loaded_with: dict[str, FileIdentity | None] = {}  # the model file each current process loaded
         self.swept = False  # the files a previous daemon left: removed at the first apply
 
     def directory(self, name: str) -> Path:
@@ -64,21 +57,21 @@ class SlotKeeper:
     def after_start(self, name: str, port: int, key: str | None, model_path: str, timeout_s: float) -> int:
         """The new process is up (its first good probe), not yet in rotation: note the model
         file it loaded, and restore what was saved before its restart."""
-        model = self.loaded_with[name] = model_file(model_path)
+        model = self.loaded_with[name] = file_identity(model_path)
         return self.restore(name, port, key, model, timeout_s)
 
     def before_restart(self, name: str, port: int, key: str | None, model_path: str, timeout_s: float) -> None:
         """Drained, about to restart: save its slots, tied to the model file the process
         loaded; nothing when that file changed since (a roll-out onto a new file)."""
         model = self.loaded_with.get(name)
-        if model is None or model_file(model_path) != model:
+        if model is None or file_identity(model_path) != model:
             log.info("%s: its model file changed since it loaded it: restarting cold", name)
             self.forget(name)
             return
         self.save(name, port, key, model, timeout_s)
 
     # -- before the restart --------------------------------------------------------------------------
-    def save(self, name: str, port: int, key: str | None, model: ModelFile | None, timeout_s: float) -> Kept | None:
+    def save(self, name: str, port: int, key: str | None, model: FileIdentity | None, timeout_s: float) -> Kept | None:
         """Save what the instance's slots hold; None when nothing was (none held anything, no
         model file to tie them to, the engine refused). Replaces what an earlier save kept."""
         self.forget(name)
@@ -118,7 +111,7 @@ class SlotKeeper:
         return self.kept[name]
 
     # -- after it, before traffic ----------------------------------------------------------------------
-    def restore(self, name: str, port: int, key: str | None, model: ModelFile | None, timeout_s: float) -> int:
+    def restore(self, name: str, port: int, key: str | None, model: FileIdentity | None, timeout_s: float) -> int:
         """Restore what `save` kept, each slot checked by a probe; the tokens found cached in
         the slots that count. A failure is logged, its slot erased: served cold."""
         kept = self.kept.pop(name, None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 from numad_infer.backends.base import Backend, Observation
@@ -60,8 +59,7 @@ class Supervisor:
         self.surges = Surges(backend, frontdoor, proc, probe) if frontdoor is not None else None
         # Prompt caches kept across the restarts made here, where the backend gives the
         # engine a directory for them (slot_keeper.py); with the applied key and model files.
-        slots_dir = getattr(backend, "slots_dir", None)
-        self.keeper = SlotKeeper(slots_dir, "127.0.0.1") if isinstance(slots_dir, Path) else None
+        self.keeper = SlotKeeper(backend.slots_dir, "127.0.0.1") if backend.slots_dir is not None else None
 
     def step(self, loaded: Loaded, rt: Runtime, seen: Observation, held_by: str | None, probed: ProbeResult | None,
              now: float) -> bool:

@@ -26,6 +26,10 @@ goes at once). A repair of the instance meanwhile (it crashed) is not absorbed: 
 as any repair, and the copy covers it; the planned restart is then already made.
 Each pass, a spare with no surge under way for its model is kept out of rotation (a
 daemon restarted mid-surge, a state file that HAProxy read back).
+
+The rules are pure, in lifecycle/surge.py: the choice (`choose`) and a surge's phases with
+the moves between them (`Surge.change_phase`); this module carries them out against the
+backend and the front door.
 """
 
 from __future__ import annotations
@@ -33,8 +37,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import replace
 
 from numad_infer.backends.base import Backend
 from numad_infer.frontdoor.control import Frontdoor
@@ -42,33 +45,15 @@ from numad_infer.frontdoor.haproxy import AdminState, BackendStat
 from numad_infer.frontdoor.haproxy_config import server_name
 from numad_infer.frontdoor.spare import point_spare, spare_stat, spare_state
 from numad_infer.host.procfs import ProcReader
-from numad_infer.lifecycle.states import State
-from numad_infer.plan.model import Instance
+from numad_infer.lifecycle.states import State, TransitionError
+from numad_infer.lifecycle.surge import Cover, CoverKind, Phase, Surge, choose
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.instance import Runtime
 from numad_infer.validate.loaded import Loaded
 
 log = logging.getLogger(__name__)
 
-# Room kept free beside the copy: the estimate is the planner's, and a node filled to the
-# last page swaps or meets the OOM killer (its kernel and other processes take memory too).
-MARGIN_BYTES = 512 << 20
 COPY_SUFFIX = "-surge"
-
-
-class CoverKind(str, Enum):
-    SURGE = "surge"
-    HOLD = "hold"
-
-
-@dataclass(frozen=True)
-class Cover:
-    """How one restart keeps its model served, and why that way, as the journal and status say it."""
-    kind: CoverKind
-    why: str
-
-    def describe(self) -> str:
-        return f"{self.kind.value}: {self.why}"
 
 
 def others_in_rotation(stat: BackendStat | None, server: str) -> int | None:
@@ -78,53 +63,6 @@ def others_in_rotation(stat: BackendStat | None, server: str) -> int | None:
         return None
     return sum(1 for name, s in stat.servers.items()
                if name != server and s.in_rotation)
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 1 << 30 else f"{n >> 20} MiB"  # a small model's need is not "0.0 GiB"
-
-
-def choose(counted: bool, refusal: str | None, need: int, room: int | None, nodes: str, wanted: bool = True) -> Cover:
-    """Surge or hold for a restart of a model's only instance in rotation. Pure.
-    `counted`: a repair; `refusal`: why the backend starts no copy; `need`: what one
-    instance holds (the planner's estimate); `room`: what its nodes can give now (None:
-    unknown); `wanted`: frontend.surge."""
-    if not wanted:
-        return Cover(CoverKind.HOLD, "frontend.surge = false")
-    if counted:
-        return Cover(CoverKind.HOLD, "a repair: the instance is not serving, a copy on the same definition would not "
-                                     "either")
-    if refusal is not None:
-        return Cover(CoverKind.HOLD, refusal)
-    if room is None:
-        return Cover(CoverKind.HOLD, f"the free memory of node(s) {nodes} cannot be read: no second copy is tried")
-    if room < need + MARGIN_BYTES:
-        return Cover(CoverKind.HOLD, f"a second copy does not fit: it needs {_gib(need)} and a margin of "
-                                     f"{_gib(MARGIN_BYTES)}, {_gib(room)} is free for it on node(s) {nodes} "
-                                     "(within any cgroup memory limit)")
-    return Cover(CoverKind.SURGE, f"a second copy fits ({_gib(need)} of the {_gib(room)} free on node(s) {nodes}): "
-                                  "it serves while the instance restarts")
-
-
-class Phase(str, Enum):
-    STARTING = "starting"  # the copy's process runs; its own probe has not passed yet
-    JOINING = "joining"  # the spare server points at it; HAProxy's check has not marked it UP yet
-    SERVING = "serving"  # in rotation: the instance drains and restarts behind it
-    LEAVING = "leaving"  # the instance is back: the copy drains out of rotation, then stops
-
-
-@dataclass
-class Surge:
-    instance: str
-    copy: Instance
-    reason: str  # the restart's, as the journal says it
-    phase: Phase
-    since: float  # when this phase began
-    said: str  # the choice in words (Cover.describe), which status shows with the phase
-    pid: int | None = None  # the instance's process when the surge began: restarted once, not twice
-
-    def to(self, phase: Phase, now: float) -> None:
-        self.phase, self.since = phase, now
 
 
 def free_port(host: str) -> int:
@@ -172,9 +110,8 @@ class Surges:
     def cover(self, loaded: Loaded, rt: Runtime, counted: bool) -> Cover:
         inst = rt.instance
         nodes = ",".join(str(n) for n in inst.mems)
-        refusal = getattr(self.backend, "surge_refusal", "this backend starts no copies")
-        room = self.proc.memory_room(inst.mems, getattr(self.backend, "copy_cgroup", None))
-        return choose(counted, refusal, loaded.memory_of(inst.model).bytes, room, nodes,
+        room = self.proc.memory_room(inst.mems, self.backend.copy_cgroup)
+        return choose(counted, self.backend.surge_refusal, loaded.memory_of(inst.model).bytes, room, nodes,
                       loaded.config.frontend.surge)
 
     def begin(self, loaded: Loaded, rt: Runtime, now: float, reason: str, said: str) -> bool:
@@ -201,28 +138,36 @@ class Surges:
         go: list[tuple[str, str]] = []
         for name, surge in list(self.active.items()):
             rt = runtimes.get(name)
-            if rt is None:
-                self._end(None, surge, "its instance is no longer planned")
-            elif rt.supervision.state == State.HELD or (rt.supervision.drain is not None
-                                                        and rt.supervision.drain.hold_by is not None):
-                self._end(rt, surge, "its instance is held: the copy would disturb what the holder measures")
-            elif not self.frontdoor.listen:
-                if surge.phase in (Phase.STARTING, Phase.JOINING) and rt.pid == surge.pid:
-                    go.append((name, surge.reason))  # no front door to cover: the restart goes now
-                self._end(rt, surge, "the front door is off")
-            elif surge.phase == Phase.STARTING:
-                self._starting(loaded, rt, surge, now)
-            elif surge.phase == Phase.JOINING:
-                if self._joining(loaded, rt, surge, now):
+            try:
+                if self._step_one(loaded, rt, surge, now):
                     go.append((name, surge.reason))
-            elif surge.phase == Phase.SERVING:
-                self._serving(loaded, rt, surge, now)
-            else:
-                self._leaving(loaded, rt, surge, now)
+            except TransitionError as exc:  # a bug: logged for this surge, the others go on
+                log.error("%s", exc)
             if rt is not None and name in self.active:
                 _show(rt, surge)
         self._sweep_spares()
         return go
+
+    def _step_one(self, loaded: Loaded, rt: Runtime | None, surge: Surge, now: float) -> bool:
+        """One surge one step on; True: its instance's restart may go now."""
+        if rt is None:
+            self._end(None, surge, "its instance is no longer planned")
+        elif rt.supervision.state == State.HELD or (rt.supervision.drain is not None
+                                                    and rt.supervision.drain.hold_by is not None):
+            self._end(rt, surge, "its instance is held: the copy would disturb what the holder measures")
+        elif not self.frontdoor.listen:
+            go = surge.phase in (Phase.STARTING, Phase.JOINING) and rt.pid == surge.pid
+            self._end(rt, surge, "the front door is off")
+            return go  # no front door to cover: the restart goes now
+        elif surge.phase == Phase.STARTING:
+            self._starting(loaded, rt, surge, now)
+        elif surge.phase == Phase.JOINING:
+            return self._joining(loaded, rt, surge, now)
+        elif surge.phase == Phase.SERVING:
+            self._serving(loaded, rt, surge, now)
+        else:
+            self._leaving(loaded, rt, surge, now)
+        return False
 
     def _sweep_spares(self) -> None:
         """Out of rotation, every spare whose model has no surge under way: one left READY
@@ -254,7 +199,7 @@ class Surges:
             result = self.probe(cfg.server.host, surge.copy.port, cfg.monitor.probe_timeout_s,
                                 loaded.engine.liveness_path) if owner.ours else ProbeResult(False, 0.0, owner.detail)
         if result.ok and point_spare(self.frontdoor, rt.instance.model, cfg.server.host, surge.copy.port):
-            surge.to(Phase.JOINING, now)
+            surge.change_phase(Phase.JOINING, now, "its probe passed, the spare points at it")  # STARTING -> JOINING
         elif now - surge.since > cfg.monitor.startup_grace_s:  # whatever held it: never a surge without end
             why = result.error if not result.ok else "the front door did not take its spare server"
             self._fail(rt, surge, f"its copy was not healthy within monitor.startup_grace_s = "
@@ -265,7 +210,7 @@ class Surges:
         spare = spare_stat(self.frontdoor, rt.instance.model)
         # UP with a check that passed: a server leaving maintenance is UP before its first one.
         if spare is not None and spare.in_rotation and spare.check not in ("", "INI"):
-            surge.to(Phase.SERVING, now)
+            surge.change_phase(Phase.SERVING, now, "HAProxy's check marked it UP")  # JOINING -> SERVING
             if rt.pid != surge.pid or rt.supervision.state != State.HEALTHY:
                 # Repaired (or being repaired) meanwhile, on the applied definition: the copy covers that.
                 log.info("%s: surge: %s is in rotation while the instance is repaired", rt.instance.name,
@@ -294,7 +239,7 @@ class Surges:
             rt.cover = f"{surge.said} (its copy exited while the instance restarted: held)"
         elif back:
             spare_state(self.frontdoor, rt.instance.model, AdminState.DRAIN)
-            surge.to(Phase.LEAVING, now)
+            surge.change_phase(Phase.LEAVING, now, "the instance serves again")  # SERVING -> LEAVING
             log.info("%s: surge: the instance serves again: %s drains, then stops", rt.instance.name,
                      surge.copy.name)
         else:

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine
-from numad_infer.engines.base import last_option
 from numad_infer.engines.launch import Launch
 from numad_infer.engines.slot_names import gives_slot_path
 from numad_infer.frontdoor.haproxy_config import CheckedConfig
@@ -127,8 +126,7 @@ def instance_memory(served: ServedModel, engine: Engine, memory: MemoryEstimate)
     args = served.key_for("server.extra_args", fix=True)
     grows_fix = f"{args} = [..., {engine.prompt_cache_args}]" if engine.prompt_cache_args else ""
     # Unbounded by the operator, a cache the engine keeps by default is sized per instance by the planner.
-    sized = bool(engine.prompt_cache_flags) and last_option(served.view.server.extra_args,
-                                                            *engine.prompt_cache_flags) is None
+    sized = engine.prompt_cache(served.view, 0).planned_mib is not None  # the one decision (engines/base.py)
     detail = (memory.describe().removesuffix(memory.describe_growth()) + ", and a prompt cache sized to its node "
               "(per instance)") if sized else memory.describe()
     return InstanceMemory(model.name or os.path.basename(model.path), memory.total, detail, shrink,

@@ -7,7 +7,7 @@ import pytest
 
 from numad_infer.config.load import parse_config
 from numad_infer.engines import get
-from numad_infer.engines.base import last_option
+from numad_infer.engines.base import PromptCache, last_option
 from numad_infer.model.ggml import CACHE_TYPES
 from numad_infer.model.memory import EngineContext
 
@@ -72,3 +72,42 @@ def test_last_option_takes_the_last_in_either_spelling() -> None:
     assert last_option(["--ctx-size=2"], "-c", "--ctx-size") == "2"
     assert last_option(["-c"], "-c") is None  # no value after it
     assert last_option(["--other", "x"], "-c") is None
+
+
+@pytest.mark.parametrize("engine, server, planned, expected, passed", [
+    # Neither the operator nor the planner bound it: the engine's default, nothing passed.
+    ("llama-server", "", None, PromptCache(CRAM), []),
+    # The planner's bound (Instance.prompt_cache_mib), 0 (off) too: the launch passes it.
+    ("llama-server", "", 512, PromptCache(512 << 20, 512), ["--cache-ram", "512"]),
+    ("llama-server", "", 0, PromptCache(0, 0), ["--cache-ram", "0"]),
+    # The operator's own bound wins over the planner's, and the launch adds none.
+    ("llama-server", 'extra_args = ["-cram", "64"]\n', 512, PromptCache(64 << 20), []),
+    ("llama-server", 'extra_args = ["--cache-ram=-1"]\n', None, PromptCache(None), []),
+    # An engine with no bound to pass (no prompt_cache_flags): its own arguments only.
+    ("llama-cpp-python", "", 512, PromptCache(0), []),
+    ("llama-cpp-python", 'extra_args = ["--cache", "true"]\n', 512, PromptCache(2 << 30), []),
+])
+def test_the_prompt_cache_bound_is_decided_once_operator_then_plan_then_engine(
+        engine: str, server: str, planned: int | None, expected: PromptCache, passed: list[str]) -> None:
+    chosen = get(engine)
+    cfg = config(engine, server)
+    cache = chosen.prompt_cache(cfg, planned)
+    assert cache == expected
+    assert cache.launch_args(chosen.prompt_cache_flags) == passed
+    # What the memory estimate counts is the same decision before planning.
+    assert chosen.context(cfg).prompt_cache == chosen.prompt_cache(cfg).bytes
+
+
+def test_the_launch_passes_the_bound_the_engine_decided(tmp_path) -> None:
+    from dataclasses import replace
+
+    from numad_infer.config.models import served_models
+    from numad_infer.engines.launch import launch_of
+    from tests.frontdoor.harness import plan_for
+
+    cfg = config("llama-server")
+    instance = replace(plan_for(tmp_path, cfg).instances[0], prompt_cache_mib=300)
+    launch = launch_of(get("llama-server"), served_models(cfg)[0], instance)
+    assert launch.argv[-2:] == ("--cache-ram", "300") and launch.unit_argv[-2:] == ("--cache-ram", "300")
+    own = config("llama-server", 'extra_args = ["-cram", "64"]\n')
+    assert "--cache-ram" not in launch_of(get("llama-server"), served_models(own)[0], instance).argv

@@ -14,7 +14,8 @@ import pytest
 
 from numad_infer.errors import ConfigError
 from numad_infer.model import file
-from numad_infer.model.file import artifact_id, read_model
+from numad_infer.model.file import artifact_id, file_identity, read_model
+from numad_infer.model.identity import FileIdentity
 from numad_infer.model.gguf import read_header
 from tests.daemon_harness import generated_model
 from tests.model import raw
@@ -51,6 +52,23 @@ def test_the_artifact_id_changes_when_another_file_is_moved_in_or_the_file_is_re
     model.write_bytes(data)  # rewritten in place (same inode, a new modification time)
     os.utime(model, ns=(model.stat().st_atime_ns, model.stat().st_mtime_ns + 1_000_000))
     assert artifact_id(str(model)) != moved
+
+
+def test_one_identity_serves_the_roll_out_and_the_kept_prompt_caches(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"x" * 10)
+    link = tmp_path / "link.gguf"
+    link.symlink_to(path)
+    info = os.stat(path)
+    # The roll-out's id: path as named, device, inode, size, modification time (as it always read).
+    assert artifact_id(str(path)) == f"{path}: {info.st_dev}:{info.st_ino}:10:{info.st_mtime_ns}"
+    assert artifact_id(str(path)) == FileIdentity.of(str(path), info).artifact_id
+    # The caches': the same type, named by its real path, its change time counted too.
+    seen = file_identity(str(link))
+    assert seen == FileIdentity(str(path), 10, info.st_mtime_ns, info.st_ino, info.st_ctime_ns, info.st_dev)
+    rewritten = FileIdentity(str(path), 10, info.st_mtime_ns, info.st_ino, info.st_ctime_ns + 1, info.st_dev)
+    assert rewritten != seen and rewritten.artifact_id == seen.artifact_id  # a cache dropped, no roll-out
+    assert file_identity(str(tmp_path / "gone.gguf")) is None
 
 
 def _in_thread(call, timeout_s: float = 10.0):

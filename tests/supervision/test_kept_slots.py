@@ -16,7 +16,6 @@ import pytest
 from numad_infer.supervision.kept_slots import (
     MAX_KEPT_BYTES,
     Kept,
-    ModelFile,
     SavedSlot,
     SlotUse,
     restorable,
@@ -25,11 +24,13 @@ from numad_infer.supervision.kept_slots import (
     to_save,
     within_bound,
 )
+from numad_infer.model.identity import FileIdentity
 from numad_infer.engines.slot_cache import make_slot_directory
 from numad_infer.engines.slot_names import file_name
-from numad_infer.supervision.slot_keeper import SlotKeeper, model_file
+from numad_infer.model.file import file_identity
+from numad_infer.supervision.slot_keeper import SlotKeeper
 
-MODEL = ModelFile("/m/a.gguf", 100, 1)
+MODEL = FileIdentity("/m/a.gguf", 100, 1)
 
 
 def test_the_slots_saved_are_those_holding_a_prompt_and_not_processing_largest_first() -> None:
@@ -49,8 +50,8 @@ def test_saved_files_past_the_bound_are_erased(sizes: tuple[int, ...], cap: int,
 def test_a_saved_cache_is_never_restored_for_another_model_file() -> None:
     kept = Kept(MODEL, (SavedSlot(0, "a", 5, 10),))
     assert restorable(kept, MODEL) == kept.slots
-    assert restorable(kept, ModelFile("/m/a.gguf", 100, 2)) == ()  # rewritten in place
-    assert restorable(kept, ModelFile("/m/b.gguf", 100, 1)) == ()
+    assert restorable(kept, FileIdentity("/m/a.gguf", 100, 2)) == ()  # rewritten in place
+    assert restorable(kept, FileIdentity("/m/b.gguf", 100, 1)) == ()
     assert restorable(kept, None) == () and restorable(None, MODEL) == ()
 
 
@@ -138,7 +139,7 @@ def server(tmp_path: Path):
 def test_a_restart_with_save_and_restore_finds_the_conversation_cached_on_its_first_turn(server) -> None:
     keeper, srv = server
     first = srv.turn(PREFIX + "Q: what is a NUMA node?\nA:")
-    model = model_file(str(srv.model))
+    model = file_identity(str(srv.model))
     kept = keeper.save("infer@0", srv.port, None, model, 10.0)
     assert kept is not None and len(kept.slots) == 1 and kept.slots[0].tokens > 300
     saved = keeper.directory("infer@0") / kept.slots[0].filename
@@ -158,7 +159,7 @@ def test_a_restart_with_save_and_restore_finds_the_conversation_cached_on_its_fi
 def test_a_restore_forced_to_fail_is_erased_and_served_cold(server, fault: str) -> None:
     keeper, srv = server
     srv.turn(PREFIX + "Q: what is a NUMA node?\nA:")
-    model = model_file(str(srv.model))
+    model = file_identity(str(srv.model))
     kept = keeper.save("infer@0", srv.port, None, model, 10.0)
     assert kept is not None
     saved = keeper.directory("infer@0") / kept.slots[0].filename
@@ -179,18 +180,18 @@ def test_a_restore_forced_to_fail_is_erased_and_served_cold(server, fault: str) 
 def test_a_cache_saved_with_another_model_file_is_not_restored(server) -> None:
     keeper, srv = server
     srv.turn(PREFIX + "Q: what is a NUMA node?\nA:")
-    model = model_file(str(srv.model))
+    model = file_identity(str(srv.model))
     assert model is not None
     kept = keeper.save("infer@0", srv.port, None, model, 10.0)
     assert kept is not None
-    newer = ModelFile(model.path, model.size, model.mtime_ns + 1)
+    newer = FileIdentity(model.path, model.size, model.mtime_ns + 1)
     assert keeper.restore("infer@0", srv.port, None, newer, 10.0) == 0
     assert not any(keeper.directory("infer@0").iterdir())
 
 
 def test_the_daemons_first_apply_removes_what_a_previous_daemon_left_and_later_ones_keep_what_is_kept(
         tmp_path: Path) -> None:
-    from numad_infer.supervision.kept_slots import Kept, ModelFile, SavedSlot
+    from numad_infer.supervision.kept_slots import Kept, SavedSlot
 
     keeper = SlotKeeper(tmp_path / "slots", "127.0.0.1")
     for name in ("infer@0", "infer@1", "infer@9"):
@@ -202,6 +203,6 @@ def test_the_daemons_first_apply_removes_what_a_previous_daemon_left_and_later_o
     assert not list(keeper.directory("infer@0").iterdir()) and not list(keeper.directory("infer@1").iterdir())
     # Later applies (a reload) leave a save waiting for its restore alone.
     (keeper.directory("infer@0") / file_name("infer@0", 0)).write_bytes(b"ggsq")
-    keeper.kept["infer@0"] = Kept(ModelFile("/m.gguf", 4, 1, 1, 1), (SavedSlot(0, file_name("infer@0", 0), 1, 4),))
+    keeper.kept["infer@0"] = Kept(FileIdentity("/m.gguf", 4, 1, 1, 1), (SavedSlot(0, file_name("infer@0", 0), 1, 4),))
     keeper.forget_all_but({"infer@0", "infer@1"})
     assert [p.name for p in keeper.directory("infer@0").iterdir()] == [file_name("infer@0", 0)]

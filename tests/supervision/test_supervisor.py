@@ -306,9 +306,9 @@ class RecordingKeeper:
     the front door's states when each restore ran (it must run before the instance is READY)."""
 
     def __init__(self, calls: list, front: FakeFrontdoor) -> None:
-        from numad_infer.supervision.kept_slots import ModelFile
+        from numad_infer.model.identity import FileIdentity
         self.calls, self.front, self.host = calls, front, ""
-        self.loaded_with: dict[str, ModelFile | None] = {}
+        self.loaded_with: dict[str, FileIdentity | None] = {}
         self.restored_while: list = []
 
     def save(self, name, port, key, model, timeout_s):

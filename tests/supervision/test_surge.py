@@ -1,7 +1,8 @@
 """Surge or hold for a planned restart of a model's only instance (supervision/surge.py, issue 40).
 
-The rule (`choose`) on a table; then the reconcile loop over a stand-in HAProxy that keeps
-its servers' states as the runtime API would, and a recording backend: a copy starts, joins,
+The rule (`choose`) and the phases' table are tests/lifecycle/test_surge.py's; here the
+reconcile loop over a stand-in HAProxy that keeps its servers' states as the runtime API
+would, and a recording backend: a copy starts, joins,
 serves while the instance restarts, then leaves; a copy that never becomes healthy is
 stopped and the instance keeps serving; a copy that does not fit is not tried. The real
 HAProxy and llama-server run it in tests/e2e/test_frontdoor.py."""
@@ -10,34 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import pytest
-
 from numad_infer.frontdoor.haproxy import AdminState, BackendStat, ServerStat
 from numad_infer.lifecycle.states import State
+from numad_infer.lifecycle.surge import MARGIN_BYTES
 from numad_infer.plan.model import Instance
 from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.reconcile import Reconciler
-from numad_infer.supervision.surge import MARGIN_BYTES, CoverKind, choose
 from tests.fakes import FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
 
 GIB = 1 << 30
-
-
-@pytest.mark.parametrize(("counted", "refusal", "room", "kind", "words"), [
-    (False, None, 8 * GIB, CoverKind.SURGE, "a second copy fits (2.0 GiB of the 8.0 GiB free on node(s) 0)"),
-    (False, None, 2 * GIB + MARGIN_BYTES - 1, CoverKind.HOLD,
-     "a second copy does not fit: it needs 2.0 GiB and a margin of 512 MiB, 2.5 GiB is free for it on node(s) 0 (within any cgroup memory limit)"),
-    (False, None, None, CoverKind.HOLD, "cannot be read"),
-    (False, "the systemd backend starts no second copy", 8 * GIB, CoverKind.HOLD, "systemd backend"),
-    (True, None, 8 * GIB, CoverKind.HOLD, "a repair"),
-    (False, None, 8 * GIB, None, "frontend.surge = false"),
-])
-def test_a_copy_is_tried_only_for_a_planned_restart_that_fits(counted: bool, refusal: str | None, room: int | None,
-                                                              kind: CoverKind | None, words: str) -> None:
-    cover = choose(counted, refusal, 2 * GIB, room, "0", wanted=kind is not None)
-    kind = kind or CoverKind.HOLD
-    assert cover.kind == kind and words in cover.why, cover
 
 
 class Api:
@@ -92,6 +75,7 @@ class SpareDoor:
         return True
 
 
+@dataclass
 class CopyingBackend(RecordingBackend):
     surge_refusal: str | None = None
 
