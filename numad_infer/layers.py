@@ -168,8 +168,8 @@ MODULES: dict[str, tuple[str, str]] = {
                                    "(HAProxy Lua action)"),
     "frontdoor/token_count": (CORE, "an answer's token counts as the engine reported them, for each tenant's usage "
                               "(HAProxy Lua filter)"),
-    "frontdoor/lua": (CORE, "the one Lua file HAProxy loads: the hold's actions, the prefix pick, the batch wait, "
-                      "the token counts"),
+    "frontdoor/lua": (CORE, "the Lua HAProxy runs, the package's .lua files (lua/: the hold, the prefix pick, the "
+                      "batch wait, the token counts) written as they are, and the data file of names and limits"),
     "frontdoor/tenants": (CORE, "tenants at the front door: keys, limits and models as HAProxy rules and key files"),
     "frontdoor/abandoned": (CORE, "requests whose client has left: which of HAProxy's streams to end"),
     "frontdoor/abandon_watch": (EDGE, "twice a second: half-closed client connections (/proc/net/tcp), their streams "

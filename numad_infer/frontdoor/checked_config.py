@@ -30,10 +30,9 @@ from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
 from numad_infer.config.tenants import TenantKey
 from numad_infer.engines import Engine
-from numad_infer.frontdoor import haproxy, tenants
+from numad_infer.frontdoor import haproxy, lua, tenants
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.haproxy_config import CheckedConfig, Paths, paths_in, render_haproxy
-from numad_infer.frontdoor.lua import SCRIPT as LUA
 from numad_infer.plan.model import Plan
 from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE, FRONTDOOR_TWIN_FD_VARIABLE
 from numad_infer.util.addresses import loopback_twin
@@ -57,14 +56,17 @@ def twin_of(host: str) -> str | None:
 
 
 def put_lua(paths: Paths) -> None:
-    """The Lua file haproxy.cfg loads (lua.py), in place before the text is checked there."""
-    try:
-        if paths.lua.read_text(encoding="utf-8") == LUA:
-            return
-    except OSError:
-        pass
-    # Renamed into place, never written through; 0644: HAProxy runs as another user.
-    write_atomic(paths.lua, LUA, durable=False)
+    """The Lua files haproxy.cfg loads and the data they read (lua.py), beside it, in place
+    before the text is checked there: each one that differs."""
+    for name, text in lua.files().items():
+        path = paths.config.with_name(name)
+        try:
+            if path.read_text(encoding="utf-8") == text:
+                continue
+        except OSError:
+            pass
+        # Renamed into place, never written through; 0644: HAProxy runs as another user.
+        write_atomic(path, text, durable=False)
 
 
 def put_key_files(paths: Paths) -> None:

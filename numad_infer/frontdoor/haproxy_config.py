@@ -166,9 +166,9 @@ class CheckedConfig:
 
 
 def write_config(paths: Paths, text: str) -> None:
-    """haproxy.cfg and the file it loads, for a caller that writes it in place (`check`'s
-    scratch copy, tests); the daemon renames a checked candidate into place (control.py)."""
-    paths.lua.write_text(lua.SCRIPT, encoding="utf-8")
+    """haproxy.cfg and its Lua (lua.files) written in place (`check`'s scratch copy, tests; control.py renames)."""
+    for name, lua_text in lua.files().items():
+        paths.config.with_name(name).write_text(lua_text, encoding="utf-8")
     for path in paths.keys:
         if not path.exists():
             path.write_text(tenants.HEADER, encoding="utf-8")
@@ -323,7 +323,7 @@ def _global(config: Config, served: tuple[ServedModel, ...], paths: Paths, maxco
              # Either way the directory around it is HAProxy's, closed to everyone else.
              f"    stats socket {_socket_address(paths.socket)} mode 660 level admin",
              f"    server-state-file {quoted(paths.state)}",
-             f"    lua-load {quoted(paths.lua)}",  # the hold, the prefix pick, the batch wait (lua.py)
+             f"    lua-load {quoted(paths.lua)}",  # it runs the hold, the pick, the batch wait, the tokens (lua.py)
              # Server up/down changes reach the journal (or the process backend's log file).
              "    log stderr format short local0 notice",
              *token_count.global_rules(config.tenants)]
