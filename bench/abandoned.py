@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 
 import psutil
@@ -50,6 +52,8 @@ class _Door:
 
     def __init__(self, listen: str, api: RuntimeAPI) -> None:
         self.listen, self.api = listen, api
+        # HAProxy runs as this user here: the connections it accepts are this user's.
+        self.runner = types.SimpleNamespace(haproxy_uids=frozenset({0, os.getuid()}))
 
 
 def _idle_after(proc: psutil.Process, since: float) -> tuple[float, float]:
@@ -77,9 +81,11 @@ def _case(watch_on: bool, args: argparse.Namespace, tmp: Path, model: Path) -> s
     put_lua(paths)
     paths.state.write_text("1\n")
     text = render_haproxy(config, plan, paths)
-    # One instance only (the plan is for a 2-node stand-in machine): the others' lines out.
+    # One instance only (the plan is for a 2-node stand-in machine): the others' server lines
+    # out (the surge and hold servers stay: the pick's use-server rules name them).
+    others = [f":{i.port}" for i in plan.instances if i is not instance]
     text = "\n".join(line for line in text.splitlines()
-                     if not (line.lstrip().startswith("server ") and f":{instance.port}" not in line)) + "\n"
+                     if not (line.lstrip().startswith("server ") and any(line.endswith(o) for o in others))) + "\n"
     paths.config.write_text(text)
     server = subprocess.Popen([str(llama_server_binary()), "--model", str(model), "--host", "127.0.0.1",
                                "--port", str(instance.port), "--ctx-size", str(1024 * args.parallel),

@@ -38,7 +38,7 @@ The faults:
 
 Besides what the clients saw, the soak watches the daemon's state file (every 0.1 s) and
 reports, per fault kind, the longest gap between two status updates from the strike until
-the heal, against a goal of 2 x monitor.interval_s + monitor.probe_timeout_s: a pass held
+the heal, against a goal of 2 x monitor.interval_s + tuning.probe_timeout_s: a pass held
 by a peer shows there. A fault counts as healed on the first pass that began after it
 was over (for the drip faults: after the peer stopped dripping) and found the fleet whole.
 """
@@ -83,7 +83,7 @@ FAULTS = ("kill-instance", "stop-instance", "affinity-drift", "reload-one", "rel
 # A drip is one byte just before a timeout per receive would fire: only a deadline for the
 # whole call ends it (numad_infer/util/peer.py).
 ADMIN_DRIP_EVERY_S = 0.95 * RuntimeAPI("").timeout_s  # the front door's runtime API deadline: 2 s
-PROBE_TIMEOUT_S = 1.0  # the harness's monitor.probe_timeout_s (read back from its config for the goal)
+PROBE_TIMEOUT_S = 1.0  # the harness's tuning.probe_timeout_s (read back from its config for the goal)
 INSTANCE_DRIP_EVERY_S = 0.9 * PROBE_TIMEOUT_S
 SAMPLE_EVERY_S = 0.1  # how often the watcher reads the state file
 
@@ -570,7 +570,7 @@ def main() -> int:
     time.sleep(1.0)
     left = [pid for pid in [*server_pids, *haproxy] if psutil.pid_exists(pid)
             and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    probe_timeout_s = tomllib.loads(run.config.read_text())["monitor"]["probe_timeout_s"]
+    probe_timeout_s = tomllib.loads(run.config.read_text())["tuning"]["probe_timeout_s"]
     if two:
         for name, tally in tallies.items():
             print(f"\n## model {name}: requests that asked for it")

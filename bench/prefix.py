@@ -150,15 +150,15 @@ def pct(values: list[float], q: float) -> float:
 
 def run_mode(mode: str, args: argparse.Namespace, model: Path, tmp: Path) -> dict[str, object]:
     (tmp / mode).mkdir()
-    # "prefix@3": the prefix affinity with frontend.prefix_wait_s = 3; "prefix~1.5": with
-    # frontend.prefix_balance_factor = 1.5 (sweeps in one run).
+    # "prefix@3": the prefix affinity with tuning.prefix_wait_s = 3; "prefix~1.5": with
+    # tuning.prefix_balance_factor = 1.5 (sweeps in one run).
     head, _, factor = mode.partition("~")
     affinity, _, wait = head.partition("@")
     waits = (f"prefix_wait_s = {float(wait)}\n" if wait else "") + (
         f"prefix_balance_factor = {float(factor)}\n" if factor else "")
     run = DaemonRun(tmp / mode, model, machine=host_machine(), engine="llama-server", interval_s=2.0,
                     context_size=args.context, placement=f"instances_per_node = {args.instances}\n",
-                    frontend=f'listen = "127.0.0.1:{{port}}"\naffinity = "{affinity}"\n{waits}')
+                    frontend=f'listen = "127.0.0.1:{{port}}"\naffinity = "{affinity}"\n', tuning=waits)
     try:
         run.all_healthy(args.instances, timeout=600)
         if args.parallel != 1:  # a reload: the harness starts the daemon with the default

@@ -116,15 +116,17 @@ class Door:
     """HAProxy over stubs for a single model, with `tables` ([[tenants]]) and their keys."""
 
     def __init__(self, tmp: Path, tables: list[str], service_ms: int = 0, parallel: int = 1,
-                 model: Path | None = None, frontend: str = "", stub: str | None = None) -> None:
+                 model: Path | None = None, frontend: str = "", stub: str | None = None,
+                 tuning: str = "") -> None:
         """`model`: real llama-server instances on it instead of stubs; `frontend`: more
-        [frontend] keys; `stub`: another stub's script."""
+        [frontend] keys; `tuning`: [tuning] keys; `stub`: another stub's script."""
         tmp.mkdir()
         self.model, self.parallel = model, parallel
         base = free_port_block(5)
         text = "".join(f'[[tenants]]\nkey_file = "/k/{n}"\n{t}' for n, t in enumerate(tables))
         self.config = parse_config(f'{MODEL}[server]\nbase_port = {base + 1}\nengine = "llama-server"\n'
-                                   f'parallel = {parallel}\n[frontend]\nlisten = "127.0.0.1:{base}"\n{frontend}{text}',
+                                   f'parallel = {parallel}\n[frontend]\nlisten = "127.0.0.1:{base}"\n{frontend}'
+                                   f'[tuning]\n{tuning}{text}',
                                    "/etc/numa-infer.toml")
         self.port = base
         plan = plan_for(tmp / "plan", self.config)
@@ -333,10 +335,10 @@ def isolation(tmp: Path, count: int, service_ms: int, model: Path | None = None,
 def priority(tmp: Path, count: int, service_ms: int, model: Path | None = None, reserve: int = 1) -> None:
     """The instances kept busy by a batch tenant; an interactive tenant's requests among its
     queued ones. The queue wait of each: its latency less the service time (a real engine's:
-    the median of requests sent alone, measured first). `reserve`: frontend.interactive_reserve."""
+    the median of requests sent alone, measured first). `reserve`: tuning.interactive_reserve."""
     tables = ['name = "chat"\n', 'name = "bulk"\npriority = "batch"\n']
     door = Door(tmp / f"priority-{reserve}", tables, service_ms, parallel=2, model=model,
-                frontend=f"interactive_reserve = {reserve}\n")
+                tuning=f"interactive_reserve = {reserve}\n")
     real = model is not None
     if real:
         service_ms = int(pct([once(door.port, prompt(real), key_of("chat"))[0] for _ in range(10)], 0.5) * 1000)
@@ -387,7 +389,7 @@ def main() -> int:
     parser.add_argument("--size", default="small", help="the generated model for --engine llama-server")
     parser.add_argument("--polite", action="store_true", help="the flood waits out each 429's Retry-After")
     parser.add_argument("--reserves", type=lambda v: [int(n) for n in v.split(",")], default=[0, 1],
-                        help="frontend.interactive_reserve values for the priority section, side by side")
+                        help="tuning.interactive_reserve values for the priority section, side by side")
     parser.add_argument("--only", choices=["isolation", "priority"], help="one section of the run")
     parser.add_argument("--flood-limits", type=lambda v: [int(n) for n in v.split(",")], default=[2],
                         help="the flood tenant's max_in_flight values for the isolation section, one after another")

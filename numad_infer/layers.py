@@ -84,9 +84,10 @@ MODULES: dict[str, tuple[str, str]] = {
     "config/__init__": (CORE, PACKAGE_INIT),
     "config/defaults": (CORE, "default paths, apart so `status` need not import the schema"),
     "config/reference": (CORE, "the key reference (the man page) generated from the schema"),
-    "config/example": (CORE, "the shipped etc/numa-infer.toml generated from the schema: every key, its "
+    "config/example": (CORE, "the shipped etc/numa-infer.toml generated from the schema: the everyday keys, its "
                              "description, its default or the listed override and why"),
     "config/frontend": (CORE, "the [frontend] table: the front door's address, queue, timeouts, affinity, limits"),
+    "config/tuning": (CORE, "the [tuning] table: knobs an operator should not need, and where each used to be"),
     "config/tenants": (CORE, "a [[tenants]] table: a front-door client's key file, limits and models"),
     "config/model_tables": (CORE, "one [[models]] table: the model's file, names, placement and engine keys"),
     "config/models": (CORE, "the served models, each with its view of the configuration; checks across tables"),
@@ -160,6 +161,12 @@ MODULES: dict[str, tuple[str, str]] = {
     "frontdoor/affinity": (CORE, "which instance of a model a request goes to: least busy, a stick table, or a "
                                  "hash of the prompt's start within a load bound (a Lua fetch)"),
     "frontdoor/haproxy_config": (CORE, "haproxy.cfg from the plan"),
+    "frontdoor/phases": (CORE, "haproxy.cfg as data: each section's phases in the order a request meets them, "
+                              "the rules each feature gives them, one renderer"),
+    "frontdoor/answers": (CORE, "every answer HAProxy gives itself: JSON bodies, statuses, Retry-After, "
+                               "their lines"),
+    "frontdoor/names": (CORE, "every txn.* variable, stick table and Lua entry point the rules and the Lua "
+                             "share; the Lua's names in its data file"),
     "frontdoor/api_paths": (CORE, "the paths the front door forwards (the inference API); any other is a 404"),
     "frontdoor/client_limits": (CORE, "what a client without a request holds: its headers' wait, a cap per address"),
     "frontdoor/reload_watch": (CORE, "whether HAProxy took the reload asked for (another worker answers)"),

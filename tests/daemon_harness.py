@@ -280,10 +280,12 @@ class DaemonRun:
                  machine: fakesys.FakeMachine | None = None, extra_config: str = "", interval_s: float = 0.5,
                  backoff_s: float = 0.2, frontend: str | None = None, context_size: int = 256,
                  engine: str = "llama-cpp-python", cgroup: Path | None = None, run_args: tuple[str, ...] = (),
-                 seccomp_refuse: tuple[str, ...] = (), models: str = "", python: str | None = None) -> None:
+                 seccomp_refuse: tuple[str, ...] = (), models: str = "", python: str | None = None,
+                 tuning: str = "") -> None:
         """`cgroup`: a cgroup v1 directory (a cpuset) the daemon, and so its servers, start in.
         `python`: the interpreter llama-cpp-python's servers run in (server_python()).
         `run_args`: more options for `numa-infer run`.
+        `tuning`: more [tuning] keys (the harness sets the monitor's there).
         `seccomp_refuse`: system calls a real seccomp filter refuses (EPERM) to the daemon and
         everything it starts, as a container runtime's profile does (tests/seccomp.py)."""
         self.tmp = tmp
@@ -293,6 +295,7 @@ class DaemonRun:
         self.config = tmp / "numa-infer.toml"
         self.base_port = free_port_block(8, also=(500,))
         self.extra_config = extra_config
+        self.tuning = tuning
         self.context_size = context_size
         self.server_extra = ""  # more [server] keys
         self.engine, self.python = engine, python
@@ -336,8 +339,9 @@ class DaemonRun:
         self.config.write_text(
             f"{model}[placement]\n{placement}\n"
             f'[server]\nbase_port = {self.base_port}\n{engine_keys(self.engine, self.python)}{self.server_extra}\n'
-            f"[monitor]\ninterval_s = {self.interval_s}\nprobe_timeout_s = 1.0\nstartup_grace_s = 60\nunhealthy_after = 2\n"
-            f"restart_backoff_s = {self.backoff_s}\nnuma_maps_interval_s = 1\n{monitor}\n"
+            f"[monitor]\ninterval_s = {self.interval_s}\nstartup_grace_s = 60\n{monitor}\n"
+            f"[tuning]\nprobe_timeout_s = 1.0\nunhealthy_after = 2\nrestart_backoff_s = {self.backoff_s}\n"
+            f"numa_maps_interval_s = 1\n{self.tuning}\n"
             f"[frontend]\n{self.frontend}\n{extra or self.extra_config}"
         )
 

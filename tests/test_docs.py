@@ -35,6 +35,13 @@ def test_the_contributing_layout_names_every_module_as_the_layer_map_says() -> N
     assert all(f"`{path.name}`" in readme for path in (ROOT / "numad_infer").glob("*.py"))
 
 
+def test_the_request_path_page_is_what_the_default_golden_renders() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "tools/request_path.py"), "--check"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "(request-path.md)" in (ROOT / "docs/frontdoor.md").read_text()
+
+
 def test_every_key_has_a_description_and_the_limits_are_shown() -> None:
     docs = {d.key: d for d in configref.keys()}
     expected = set()
@@ -70,7 +77,7 @@ def test_what_the_descriptions_say_of_each_engine_is_what_the_engine_says() -> N
              for keys, owner in re.findall(r"((?:`\w+`(?: and )?)+) (?:are |is )?([\w.-]+)'s", owners)}
     assert named == {name: set(e.own_keys) for name, e in builtin.items()}
     for name, engine in builtin.items():
-        assert f"`GET {engine.liveness_path}` for {name}" in docs["monitor.probe_timeout_s"], name
+        assert f"`GET {engine.liveness_path}` for {name}" in docs["tuning.probe_timeout_s"], name
         assert all(docs[f"server.{key}"].startswith(f"{name} only: ") for key in engine.own_keys), name
 
 

@@ -100,8 +100,8 @@ def test_template_names_that_are_options_or_other_units_are_refused(template: st
     from numad_infer.config.load import parse_config
 
     with pytest.raises(ConfigError, match=fragment) as caught:
-        parse_config(f'[model]\npath = "/m.gguf"\n[systemd]\ntemplate = "{template}"\n', "/etc/numa-infer.toml")
-    assert str(caught.value).startswith(f'/etc/numa-infer.toml: systemd.template = "{template}"')
+        parse_config(f'[model]\npath = "/m.gguf"\n[tuning]\nunit_template = "{template}"\n', "/etc/numa-infer.toml")
+    assert str(caught.value).startswith(f'/etc/numa-infer.toml: tuning.unit_template = "{template}"')
 
 
 def test_environment_values_keep_a_dollar_as_it_is() -> None:
@@ -254,8 +254,8 @@ def test_a_template_that_another_package_ships_is_refused(tmp_path: Path) -> Non
     vendor = tmp_path / "lib"
     vendor.mkdir()
     (vendor / "worker@.service").write_text("[Service]\nExecStart=/bin/true\n")
-    config = parse_config('[model]\npath = "/m.gguf"\n[systemd]\ntemplate = "worker"\n', "/etc/numa-infer.toml")
-    with pytest.raises(ConfigError, match=r'systemd.template = "worker": .*worker@.service exists and was not written'):
+    config = parse_config('[model]\npath = "/m.gguf"\n[tuning]\nunit_template = "worker"\n', "/etc/numa-infer.toml")
+    with pytest.raises(ConfigError, match=r'tuning.unit_template = "worker": .*worker@.service exists and was not written'):
         check_unit_names(config, "/etc/numa-infer.toml", dirs=(str(vendor),))
     # One numa-infer rendered itself is its own.
     (vendor / "worker@.service").write_text("# Managed by numa-infer: rewritten by `numa-infer render` and the daemon; "

@@ -70,7 +70,7 @@ def test_a_squatter_on_an_instance_port_gets_no_key_and_is_never_marked_healthy(
     key = private_key(tmp_path / "keys", "k-SQUAT-1")
     # llama-server: the daemon also reads its /metrics with the key.
     config = cfg(f'[placement]\nnodes = [0]\n[server]\nengine = "llama-server"\nbase_port = {port}\n'
-                 f'api_key_file = "{key}"\n[monitor]\nstartup_grace_s = 0\nunhealthy_after = 100\n')
+                 f'api_key_file = "{key}"\n[monitor]\nstartup_grace_s = 0\n[tuning]\nunhealthy_after = 100\n')
     backend = RecordingBackend()
     rec = Reconciler(backend)
     rec.apply(loaded_for(config, make_plan(config, three_nodes()), api_key="k-SQUAT-1"), 0.0)

@@ -57,7 +57,7 @@ def _add_plan_commands(sub: _Subparsers, common: argparse.ArgumentParser) -> Non
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
     p = sub.add_parser("render", parents=[common], help="write the systemd units of the plan")
-    p.add_argument("--output", metavar="DIR", help="directory to write into (default: systemd.unit_dir)")
+    p.add_argument("--output", metavar="DIR", help="directory to write into (default: tuning.unit_dir)")
     p.set_defaults(func=cmd_render)
     p = sub.add_parser("check", parents=[common], help="validate the configuration against this machine")
     p.set_defaults(func=cmd_check)

@@ -1,7 +1,8 @@
 """etc/numa-infer.toml, the file the package installs as /etc/numa-infer.toml, generated from
-the schema so that its comments cannot contradict the reference: every table and key in the
-schema's order, each under its description (the text of numa-infer.toml(5)),
-each at its default unless `SHIPPED` says otherwise, and why. Pure.
+the schema: the everyday keys only (`EVERYDAY`, in the schema's order), one line each with
+a few words on what it is; numa-infer.toml(5) documents every key, the `[tuning]` table
+and the arrays of tables. Each value is the schema's default unless `EVERYDAY` gives
+another, and why. Pure.
 
 `tools/config_reference.py` writes the file; tests/test_docs.py fails when it differs from
 `example_toml()`, and tests/config/test_example.py loads it with the real loader.
@@ -9,121 +10,91 @@ each at its default unless `SHIPPED` says otherwise, and why. Pure.
 
 from __future__ import annotations
 
-import textwrap
 from dataclasses import dataclass
 
-from numad_infer.config.reference import ARRAYS, KeyDoc, keys, table_of, tables
+from numad_infer.config.reference import keys, table_of, tables
 
 PATH = "etc/numa-infer.toml"  # in the source tree
 WIDTH = 88  # a terminal's width, less an editor's line numbers
+MAX_LINES = 60  # the everyday surface: what an operator reads before the man page
 
 HEADER = (
-    "numa-infer configuration. Every key is optional except model.path (or, for several",
-    "models, each [[models]] table's name and path: see [[models]] below).",
-    "Reference: numa-infer.toml(5) and README.md. Validate with `numa-infer check`.",
-    "Each key's comment is its text in that reference, then in [brackets] its type and,",
-    "where the value here is another, its default. A key commented out is at its default.",
+    "numa-infer configuration: the everyday keys, each at its default unless it says",
+    "otherwise. Every key is optional except model.path. numa-infer.toml(5) documents",
+    "every key: each table's others, [tuning], [[models]] (several models: one table each",
+    "in place of [model]) and [[tenants]] (clients with their own keys).",
+    "Validate with `numa-infer check`.",
 )
-
-# Kinds the value itself shows: naming them would only lengthen the comment.
-_PLAIN_KINDS = frozenset({"bool", "string", "list of strings"})
 
 
 @dataclass(frozen=True)
-class Shipped:
-    """Where the shipped file departs from "every key, set to its default"."""
+class Shown:
+    """An everyday key as the shipped file shows it."""
 
-    why: str  # for whoever changes it; the file shows only the default it replaces
+    note: str  # the line's comment: what the key is, in a few words (the man page has the rest)
     value: str | None = None  # TOML; None: the default
+    why: str = ""  # why `value` or `commented`, for whoever changes it (the file shows only the default)
     commented: bool = False  # written as a comment: the key is not set
 
 
-SHIPPED: dict[str, Shipped] = {
-    "model.path": Shipped(
-        "required, so the schema has no default: the path README.md's install steps copy the model to",
-        '"/var/lib/numa-infer/models/model.gguf"'),
-    "model.name": Shipped(
-        'clients send one id, "model", whichever file is loaded; the default, the file\'s path, names a '
-        "directory layout and changes when the file moves",
-        '"model"'),
-    "placement.nodes": Shipped(
-        "with [[models]] each model has its own (models[].nodes) and a set placement.nodes is refused: left "
-        "unset, uncommenting the [[models]] example is all it takes to switch",
-        commented=True),
-    "placement.instances_per_node": Shipped(
-        "with [[models]] each model has its own (models[].instances_per_node) and a set one is refused: left "
-        "unset for the same reason as placement.nodes",
-        commented=True),
-    "server.parallel": Shipped(
-        "llama-server is the shipped engine for its slots (more tokens/s under concurrency, bench/README.md); "
-        "with one slot the front door would queue every request behind the one in progress",
-        "4"),
-    "server.python": Shipped(
-        "llama-cpp-python's key: set while server.engine is llama-server it is refused (engines/keys.py), so "
-        "it is shown for whoever switches",
-        commented=True),
-    "server.user": Shipped(
-        "only the process backend run as root reads it (systemd units get a DynamicUser); unset, it stays the "
-        "package's own user, and no copied line pins the servers to a shared one such as nobody (an earlier "
-        "file did)",
-        commented=True),
+EVERYDAY: dict[str, Shown] = {
+    "model.path": Shown("the GGUF file; required", '"/var/lib/numa-infer/models/model.gguf"',
+                        "required, so the schema has no default: the path README.md's install steps copy the "
+                        "model to"),
+    "model.name": Shown('the id clients send as "model"', '"model"',
+                        'clients send one id, "model", whichever file is loaded; the default, the file\'s path, '
+                        "names a directory layout and changes when the file moves"),
+    "model.context_size": Shown("tokens per instance (per slot with llama-server)"),
+    "model.mlock": Shown("lock the weights in RAM"),
+    "placement.mode": Shown('or "interleave": one instance over all nodes'),
+    "placement.nodes": Shown("or a list of node ids", why="with [[models]] each model has its own "
+                             "(models[].nodes) and a set placement.nodes is refused", commented=True),
+    "placement.smt": Shown("true: every logical CPU, not one per core"),
+    "placement.reserve_cpus": Shown('CPUs kept for the OS and the daemon, e.g. "0"'),
+    "placement.instances_per_node": Shown("instances on each node", why="with [[models]] each model has its "
+                                          "own and a set one is refused", commented=True),
+    "placement.threads": Shown("generation threads; `numa-infer tune` measures them"),
+    "placement.threads_batch": Shown('prompt threads; "auto": as threads'),
+    "server.engine": Shown('or "llama-cpp-python"'),
+    "server.parallel": Shown("slots: requests one instance serves at once", "4",
+                             "llama-server is the shipped engine for its slots (more tokens/s under concurrency, "
+                             "bench/README.md); with one slot the front door would queue every request behind the "
+                             "one in progress"),
+    "server.host": Shown("the instances' address"),
+    "server.base_port": Shown("instance k listens on base_port + k"),
+    "server.api_key_file": Shown('file of the key clients send; "": none'),
+    "server.extra_args": Shown("more arguments for the engine"),
+    "monitor.interval_s": Shown("seconds between monitoring passes"),
+    "monitor.startup_grace_s": Shown("model loading time"),
+    "monitor.repair": Shown("false: report NUMA drift, never repair it"),
+    "metrics.listen": Shown('Prometheus, e.g. "127.0.0.1:9464"; "": off'),
+    "frontend.listen": Shown('the front door, one endpoint; "": off'),
+    "frontend.queue_size": Shown("requests that may wait for an instance"),
+    "frontend.queue_timeout_s": Shown("longest wait in that queue"),
+    "frontend.affinity": Shown('or "header", "user", "none"'),
+    "frontend.connections_per_source": Shown("per client address; 0: no cap"),
+    "frontend.request_timeout_s": Shown("longest silence mid-request"),
+    "frontend.health_path": Shown('answered by the front door; "": off'),
 }
 
 
-def _comment(text: str, facts: str = "") -> list[str]:
-    # Descriptions carry markdown code spans; a comment is plain text.
-    plain = text.replace("`", "")
-    if facts:
-        # One word to the wrapper (NUL for its spaces): "[int" and "1..64]" on two lines
-        # would read as two things.
-        plain += " [" + facts.replace("`", "").replace(" ", "\0") + "]"
-    wrapped = textwrap.wrap(plain, WIDTH - 2, break_long_words=False, break_on_hyphens=False)
-    return ["# " + line.replace("\0", " ") for line in wrapped]
-
-
-def _key(doc: KeyDoc) -> list[str]:
-    shipped = SHIPPED.get(doc.key)
-    value = shipped.value if shipped is not None and shipped.value is not None else doc.default
+def _line(key: str, name: str, default: str | None) -> str:
+    shown = EVERYDAY[key]
+    value = shown.value if shown.value is not None else default
     if value is None:
-        raise ValueError(f"{doc.key} is required: SHIPPED must give it a value")
-    facts = [] if doc.kind in _PLAIN_KINDS else [doc.kind]
-    if doc.default is None:
-        facts.append("required")
-    elif value != doc.default:
-        facts.append(f"default {doc.default}")
-    commented = shipped is not None and shipped.commented
-    return [*_comment(doc.meaning, "; ".join(facts)), f"{'# ' if commented else ''}{doc.name} = {value}"]
-
-
-def _facts(doc: KeyDoc) -> str:
-    facts = [] if doc.kind in _PLAIN_KINDS else [doc.kind]
-    facts.append("required" if doc.default is None else f"default {doc.default}")
-    return "; ".join(facts)
-
-
-def _array(table: str, about: str, docs: list[KeyDoc]) -> list[str]:
-    """An array of tables (`[[models]]`), all commented out: the file's active form is the
-    single `[model]`. Each key's description as a paragraph, then the worked example, which
-    uncommented (and `[model]` removed) is a valid file."""
-    array = ARRAYS[table]
-    lines = ["", *_comment(f"[[{table}]]: {about}. {array.file_intro}")]
-    for doc in docs:
-        if doc.section == table:
-            lines += ["#", *_comment(f"{doc.key}: {doc.meaning}", _facts(doc))]
-    lines += ["#", *_comment(array.about + ":"), "#"]
-    return lines + [f"# {line}".rstrip() for line in array.example.splitlines()]
+        raise ValueError(f"{key} is required: EVERYDAY must give it a value")
+    note = shown.note + (f" (default {default})" if default is not None and value != default else "")
+    return f"{'# ' if shown.commented else ''}{name} = {value}  # {note}"
 
 
 def example_toml() -> str:
     """The whole file."""
     lines = ["# " + line for line in HEADER]
     docs = keys()
-    for table, about in tables():
+    for table, _ in tables():
         if table_of(table)[1]:
-            lines += _array(table, about, docs)
             continue
-        lines += ["", *_comment(about), f"[{table}]"]
-        for doc in docs:
-            if doc.section == table:
-                lines += ["", *_key(doc)]
+        everyday = [doc for doc in docs if doc.section == table and doc.key in EVERYDAY]
+        if everyday:
+            lines += ["", f"[{table}]", *(_line(doc.key, doc.name, doc.default) for doc in everyday)]
     return "\n".join(lines) + "\n"

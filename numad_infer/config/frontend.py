@@ -9,9 +9,9 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator
 
+from numad_infer.config.tuning import Tuned
 from numad_infer.config.values import (
     SafeStr,
-    Section,
     executable_path,
     parse_listen,
 )
@@ -50,8 +50,9 @@ HaproxyBinary = Annotated[SafeStr, AfterValidator(lambda value: executable_path(
 HeaderName = Annotated[SafeStr, AfterValidator(_header)]
 
 
-class FrontendSection(Section):
-    """The front door: one HAProxy endpoint over every instance (see numad_infer.frontdoor.control)."""
+class FrontendSection(Tuned):
+    """The front door: one HAProxy endpoint over every instance (see numad_infer.frontdoor.control).
+    Its tuning knobs are `[tuning]`'s, still read here (`front.prefix_wait_s`): `Tuned`."""
 
     # "" turns the front door off: clients then talk to the instances' own ports. On a
     # loopback address (or a wildcard) it listens on the other loopback address's port too:
@@ -95,25 +96,6 @@ class FrontendSection(Section):
             "`queue_timeout_s` for both"
         ),
     )
-    # 1 by default: with a batch class, the queue's order alone leaves an interactive request
-    # waiting for the next slot a batch request frees (bench/README.md, Tenants: 181 ms
-    # against batch's 555 at p50 over real engines). One slot held while interactive
-    # requests come costs batch that slot, and only then.
-    interactive_reserve: int = Field(
-        1, ge=0, le=1024,
-        description=(
-            "slots of a model's instances kept free for interactive requests while that model had one in the "
-            "last 5 to 10 s, with `[[tenants]]`: a batch request waits in the front door while only these are free "
-            "(up to its deadline); never every slot: batch keeps at least one; `0`: batch takes any free slot"
-        ),
-    )
-    batch_delay_s: float = Field(
-        10.0, ge=0, le=3600,
-        description=(
-            "how far back in the queue a `[[tenants]]` request of priority `\"batch\"` waits: it is served as if it "
-            "had arrived this much later (HAProxy's `set-priority-offset`)"
-        ),
-    )
     # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
     affinity: Affinity = Field(
         # The default: later turns 1.08-2.11x faster than least connections at p50, no cost
@@ -124,38 +106,11 @@ class FrontendSection(Section):
             "keep the turns of a conversation on the instance that holds its prompt prefix. `\"prefix\"`: a "
             "hash of the prompt's start (chat: the first message, and the second too when the first "
             "is the system prompt; completions: `prompt`; the `affinity_header` instead when a request sends "
-            "it) picks the instance, but never one above `prefix_balance_factor` x the mean load. "
+            "it) picks the instance, but never one above `tuning.prefix_balance_factor` x the mean load. "
             "`\"header\"`, `\"user\"`: a stick table on a request header or on the OpenAI `user` field, the "
             "first turn to the least busy instance. `\"none\"`: least connections only. The body is read from "
             "bodies up to `model.context_size` x 8 bytes (which sizes HAProxy's buffers); a longer body or one "
             "without a key is still served"
-        ),
-    )
-    # 256: ~50 words of a first message tell conversations apart (each message cut on its own).
-    prefix_bytes: int = Field(
-        256, ge=16, le=65536,
-        description=(
-            "the bytes of each hashed message (or of `prompt`) that make the key of the `\"prefix\"` "
-            "affinity; conversations that agree on them share an instance"
-        ),
-    )
-    # 1.25: swept in bench/README.md run 8 (1.1: later turns 1.92x; 1.25-2: 2.24-2.32x).
-    prefix_balance_factor: float = Field(
-        1.25, ge=1.01, le=10.0,
-        description=(
-            "the load bound of the `\"prefix\"` affinity: no instance takes a request that would bring its load "
-            "(requests served and waiting for it) above this many times the mean of its model's instances; the "
-            "request goes to the next instance in its key's order instead"
-        ),
-    )
-    # 1.0 (bench/README.md run 7; 3 and 10 no better, 0 read histories again: 0.70-0.91x;
-    # waiting with no limit left instances idle beside waiting requests).
-    prefix_wait_s: float = Field(
-        1.0, ge=0, le=30,
-        description=(
-            "under the `\"prefix\"` affinity, how long a chat's later turn waits for its own instance (the one "
-            "that holds its history) when that instance is busy, before it runs on another (or waits in the "
-            "queue for any) and reads its history again there; 0: never waits"
         ),
     )
     affinity_header: HeaderName = Field(
@@ -165,10 +120,6 @@ class FrontendSection(Section):
             "sends it is hashed by it instead of by its prompt"
         ),
         json_schema_extra={"kind": "header name"},
-    )
-    affinity_expire_s: float = Field(
-        1800.0, gt=0, le=86400 * 7,
-        description="a conversation idle this long may land elsewhere",
     )
     drain_timeout_s: float = Field(
         120.0, ge=0, le=3600,
@@ -183,15 +134,6 @@ class FrontendSection(Section):
             "for a restart the daemon makes on purpose of a model's only instance in rotation, start a second copy "
             "beside it (same CPUs, another port) that serves until it is back, where its nodes' free memory fits one; "
             "false: requests wait for it (the hold)"
-        ),
-    )
-    # 5 s: a request's line and headers come in one packet or a few; a connection that sends
-    # nothing holds HAProxy's room for others this long at most (docs/security.md).
-    header_timeout_s: float = Field(
-        5.0, gt=0, le=300,
-        description=(
-            "longest wait for a request's line and headers, on a new connection or a kept-alive one; the body "
-            "then has 30 s more to arrive whole; a client that sends nothing is closed after this"
         ),
     )
     # 0: behind a load balancer every client shares its address (docs/security.md).
@@ -250,4 +192,37 @@ class FrontendSection(Section):
     def address(self) -> tuple[str, int]:
         return parse_listen(self.listen)
 
+    @property
+    def interactive_reserve(self) -> int:
+        """`tuning.interactive_reserve`."""
+        return self._tuning.interactive_reserve
 
+    @property
+    def batch_delay_s(self) -> float:
+        """`tuning.batch_delay_s`."""
+        return self._tuning.batch_delay_s
+
+    @property
+    def prefix_bytes(self) -> int:
+        """`tuning.prefix_bytes`."""
+        return self._tuning.prefix_bytes
+
+    @property
+    def prefix_balance_factor(self) -> float:
+        """`tuning.prefix_balance_factor`."""
+        return self._tuning.prefix_balance_factor
+
+    @property
+    def prefix_wait_s(self) -> float:
+        """`tuning.prefix_wait_s`."""
+        return self._tuning.prefix_wait_s
+
+    @property
+    def affinity_expire_s(self) -> float:
+        """`tuning.affinity_expire_s`."""
+        return self._tuning.affinity_expire_s
+
+    @property
+    def header_timeout_s(self) -> float:
+        """`tuning.header_timeout_s`."""
+        return self._tuning.header_timeout_s

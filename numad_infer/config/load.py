@@ -25,6 +25,7 @@ from numad_infer.config.defaults import DEFAULT_CONFIG_PATH
 from numad_infer.config.models import check_models
 from numad_infer.config.reference import heading, table_of
 from numad_infer.config.schema import Config
+from numad_infer.config.tuning import MOVED, MOVED_TABLES
 from numad_infer.errors import ConfigError
 
 
@@ -70,6 +71,33 @@ def _unknown_key(loc: tuple[Any, ...], raw: Mapping[str, Any]) -> str:
     close = difflib.get_close_matches(name, allowed, n=1)
     hint = f'; did you mean "{close[0]}"?' if close else ""
     return f"unknown key{hint} (allowed here: {', '.join(allowed)})" if allowed else f"unknown key{hint}"
+
+
+def _moved(key: str) -> str | None:
+    """A knob in its old table (`frontend.prefix_wait_s`): its new place, or None for another key."""
+    name = MOVED.get(key)
+    return f"moved to [tuning] as {name}; move it there" if name is not None else None
+
+
+def _moved_table(source: str, error: Mapping[str, Any]) -> list[ConfigError] | None:
+    """A table that moved whole (`[systemd]`): one line for each of its keys, or None for
+    another error."""
+    loc = tuple(error["loc"])
+    if error["type"] != "extra_forbidden" or len(loc) != 1 or loc[0] not in MOVED_TABLES:
+        return None
+    table, value = str(loc[0]), error.get("input")
+    names = [old.partition(".")[2] for old in MOVED if old.startswith(f"{table}.")]
+    if not isinstance(value, dict) or not value:
+        return [ConfigError(source, table, f"moved into [tuning] ({', '.join(MOVED[f'{table}.{n}'] for n in names)}): "
+                            "set those keys there, and remove this table")]
+    problems = []
+    for key in value:
+        close = difflib.get_close_matches(str(key), names, n=1)
+        problem = _moved(f"{table}.{key}") or (
+            f"unknown key; [{table}] moved into [tuning]" + (f': did you mean {MOVED[f"{table}.{close[0]}"]} there?'
+                                                           if close else ": see numa-infer.toml(5)"))
+        problems.append(ConfigError(source, f"{table}.{key}", problem))
+    return problems
 
 
 def _missing(loc: tuple[Any, ...]) -> str:
@@ -130,7 +158,7 @@ def _error_to_config_error(source: str, raw: dict[str, Any], error: Mapping[str,
     key = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
     kind = error["type"]
     if kind == "extra_forbidden":
-        return ConfigError(source, key, _unknown_key(loc, raw))
+        return ConfigError(source, key, _moved(key) or _unknown_key(loc, raw))
     if kind == "missing":
         return ConfigError(source, key, _missing(loc))
     value = error.get("input")
@@ -203,7 +231,8 @@ def parse_config(text: str, source: str = DEFAULT_CONFIG_PATH) -> Config:
         # An unknown key first: a typo ("modle") also explains the "missing" that follows.
         errors = sorted(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
         # Every problem, one line each: an operator fixes them all in one edit.
-        problems = list({str(p): p for p in (_error_to_config_error(source, raw, e) for e in errors)}.values())
+        found = [p for e in errors for p in (_moved_table(source, e) or [_error_to_config_error(source, raw, e)])]
+        problems = list({str(p): p for p in found}.values())
         raise (problems[0] if len(problems) == 1 else ConfigProblems(problems)) from None
     check_models(config, source)
     return config

@@ -9,15 +9,16 @@ Pure. Checks that need the machine (node ids, CPUs, model size) live in
 
 from __future__ import annotations
 
-import re
+from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from numad_infer.config.frontend import FrontendSection
 from numad_infer.config.model_tables import ModelEntry
 from numad_infer.config.server import ServerSection
 from numad_infer.config.tenants import TenantEntry
+from numad_infer.config.tuning import Tuned, TuningSection
 from numad_infer.config.values import (
     ModelPath,
     NodeSelection,
@@ -131,73 +132,25 @@ class PlacementSection(Section):
 
 
 
-_UNIT_PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]{0,63}$")
-# Template units that systemd or common packages ship: a rendered `<name>@.service` in
-# /run/systemd/system would shadow theirs (`user@` would break every login session).
-_FOREIGN_TEMPLATES = frozenset({
-    "user", "user-runtime-dir", "getty", "serial-getty", "container-getty", "console-getty", "autovt", "modprobe",
-    "systemd-fsck", "systemd-backlight", "systemd-journald", "systemd-udevd", "systemd-cryptsetup", "capsule",
-    "dbus", "openvpn", "wg-quick", "postgresql", "ssh", "sshd", "haproxy", "nginx", "lvm2-pvscan", "mdmon",
-    "dhcpcd", "wpa_supplicant", "ifup", "rescue", "emergency", "kmod-static-nodes", "numa-infer",
-})
+@dataclass(frozen=True)
+class SystemdSection:
+    """What the systemd backend reads, from `[tuning]` (`unit_dir`, `unit_template`): no
+    longer a table of the file, `config.systemd` keeps its old spelling."""
+
+    unit_dir: str
+    template: str
 
 
-class SystemdSection(Section):
-    unit_dir: SafeStr = Field(
-        "/run/systemd/system",
-        description="where units are rendered; as root it must be owned by root and not writable by others",
-        json_schema_extra={"kind": "absolute path"},
-    )
-    template: SafeStr = Field(
-        "infer",
-        description=(
-            "units are `<template>@<instance>.service`; names of units systemd or common packages ship are "
-            "refused"
-        ),
-        json_schema_extra={"kind": "unit-name prefix"},
-    )
+class MonitorSection(Tuned):
+    """`[monitor]`. Its tuning knobs are `[tuning]`'s, still read here: `Tuned`."""
 
-    @field_validator("unit_dir")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError("must be an absolute directory such as /run/systemd/system")
-        return value
-
-    @field_validator("template")
-    @classmethod
-    def _unit_name(cls, value: str) -> str:
-        if not _UNIT_PREFIX.match(value):
-            raise ValueError(
-                "must start with a letter, then up to 63 of a-z A-Z 0-9 _ . : - "
-                "(it becomes <template>@<n>.service), e.g. \"infer\""
-            )
-        if value in _FOREIGN_TEMPLATES or value.startswith("systemd-"):
-            raise ValueError("names a unit systemd or another package ships; pick a name of your own, e.g. \"infer\"")
-        return value
-
-
-class MonitorSection(Section):
     interval_s: float = Field(
         5.0, gt=0, le=3600,
         description="seconds between monitoring passes",
     )
-    probe_timeout_s: float = Field(
-        2.0, gt=0, le=600,
-        description=(
-            "deadline of the health probe, connecting and the whole answer together (a route that never waits "
-            "on the model, so a busy server answers at once: `GET /docs` for llama-cpp-python, `GET /health` for "
-            "llama-server); also of the engine's counters read and of each command to the front door's runtime "
-            "API. A pass waits for the probes this long plus 1 s, then counts a probe not in as failed"
-        ),
-    )
     startup_grace_s: float = Field(
         300.0, ge=0, le=86400,
         description="model loading time during which failed probes do not count",
-    )
-    unhealthy_after: int = Field(
-        3, ge=1, le=1000,
-        description="consecutive failed probes before a restart",
     )
     max_restarts: int = Field(
         5, ge=1, le=1000,
@@ -210,30 +163,34 @@ class MonitorSection(Section):
         900.0, gt=0,
         description="window for `max_restarts`",
     )
-    restart_backoff_s: float = Field(
-        5.0, ge=0, le=3600,
-        description=(
-            "the first restart in the window is immediate; each later one waits this long, doubled each time "
-            "(state `backoff`)"
-        ),
-    )
     min_local_fraction: float = Field(
         0.9, ge=0, le=1,
         description="anonymous memory on the instance's `mems` below this is memory drift",
-    )
-    numa_maps_interval_s: float = Field(
-        300.0, gt=0,
-        description=(
-            "without cgroup v2 `memory.numa_stat`, how often `/proc/PID/numa_maps` (which walks all page "
-            "tables) may be read"
-        ),
     )
     repair: bool = Field(
         True,
         description="false: report drift, never re-pin or migrate",
     )
 
+    @property
+    def probe_timeout_s(self) -> float:
+        """`tuning.probe_timeout_s`."""
+        return self._tuning.probe_timeout_s
 
+    @property
+    def unhealthy_after(self) -> int:
+        """`tuning.unhealthy_after`."""
+        return self._tuning.unhealthy_after
+
+    @property
+    def restart_backoff_s(self) -> float:
+        """`tuning.restart_backoff_s`."""
+        return self._tuning.restart_backoff_s
+
+    @property
+    def numa_maps_interval_s(self) -> float:
+        """`tuning.numa_maps_interval_s`."""
+        return self._tuning.numa_maps_interval_s
 
 
 class MetricsSection(Section):
@@ -289,10 +246,6 @@ class Config(Section):
             "API key it requires and, under the process backend, its user"
         ),
     )
-    systemd: SystemdSection = Field(
-        default_factory=SystemdSection,
-        description="where the systemd backend writes the instances' units, and their name",
-    )
     monitor: MonitorSection = Field(
         default_factory=MonitorSection,
         description="health probes, restarts, and NUMA drift (threads or memory off their nodes) and its repair",
@@ -317,6 +270,28 @@ class Config(Section):
             "instances' own key (`server.api_key_file`) is then sent to them by the front door"
         ),
     )
+    # Last: the man page documents its knobs after every everyday key.
+    tuning: TuningSection = Field(
+        default_factory=TuningSection,
+        description=(
+            "knobs an operator should not need: benchmarked or protocol defaults of the front door, the monitor "
+            "and the systemd backend, kept settable for benchmark sweeps and unusual hosts. Each was once a key "
+            "of another table; written there, it is refused with its new place"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _bind_tuning(self) -> Config:
+        """Give `[frontend]` and `[monitor]` this file's `[tuning]` (each a copy of its own, so a
+        section object shared with another `Config` keeps that one's)."""
+        self.__dict__["frontend"] = self.frontend.tuned(self.tuning)
+        self.__dict__["monitor"] = self.monitor.tuned(self.tuning)
+        return self
+
+    @property
+    def systemd(self) -> SystemdSection:
+        """The systemd backend's unit directory and template name (`[tuning]`'s)."""
+        return SystemdSection(self.tuning.unit_dir, self.tuning.unit_template)
 
 
 class ModelView(Config):

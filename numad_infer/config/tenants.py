@@ -30,7 +30,7 @@ class Priority(str, Enum):
     """Which requests a busy front door's queue serves first (frontdoor/tenants.py)."""
 
     INTERACTIVE = "interactive"  # in arrival order
-    BATCH = "batch"  # after the interactive requests of the next frontend.batch_delay_s
+    BATCH = "batch"  # after the interactive requests of the next tuning.batch_delay_s
 
 
 class TenantEntry(Section):
@@ -73,7 +73,7 @@ class TenantEntry(Section):
         Priority.INTERACTIVE, strict=False,
         description=(
             "when every instance is busy and requests wait in the front door's queue: `\"interactive\"` ones are "
-            "served in arrival order, and a `\"batch\"` one as if it had arrived `frontend.batch_delay_s` "
+            "served in arrival order, and a `\"batch\"` one as if it had arrived `tuning.batch_delay_s` "
             "later, so interactive requests pass it, and none waits more than that delay longer than it would "
             "in arrival order (batch never starves)"
         ),

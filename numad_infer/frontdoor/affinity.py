@@ -12,7 +12,7 @@ last done after 9 s against 6 s with leastconn). The pick is a small Lua fetch i
 it went to first: the least loaded then, the highest scoring for the key by rendezvous hashing among
 equals), skipping any instance without a free slot or whose load (serving and waiting
 for it) would pass the factor x the mean, rounded up, then `use-server`. A busy home is
-waited for up to `frontend.prefix_wait_s` first by a chat's later turn (the Lua action
+waited for up to `tuning.prefix_wait_s` first by a chat's later turn (the Lua action
 WAIT), whether another instance has room or not. When none has room, no pick: the
 request waits in the backend's one queue (leastconn), where queue_size, the priority
 classes and their deadlines apply, for whichever instance frees first. A drained instance
@@ -26,6 +26,7 @@ thread with tenants, token_count.py, which may have been the cause, untested.)
 from __future__ import annotations
 
 from numad_infer.config.frontend import Affinity, FrontendSection
+from numad_infer.frontdoor import answers, names
 
 # Conversations remembered at once: entries are made as keys arrive, each about 50 bytes
 # of HAProxy's own plus the 128-byte key, so the table stays under ~20 MiB.
@@ -34,9 +35,9 @@ STICK_ENTRIES = 100_000
 # (the first turn of header and user; a prefix request without a key, or past the bound).
 BALANCE = "    balance leastconn"
 # affinity = "prefix": the key's hash, and the server the Lua fetch picked for it.
-PREFIX_HASH = "txn.prefix_hash"
-PREFIX_SERVER = "txn.prefix_server"
-PICK = "numa_pick"
+PREFIX_HASH = names.PREFIX_HASH
+PREFIX_SERVER = names.PREFIX_SERVER
+PICK = names.PICK
 # Keys whose home the pick keeps, per generation (two are kept): as many as the stick table
 # of "header" and "user" remembers conversations, about 10 MiB of Lua tables.
 HOME_GENERATION = STICK_ENTRIES // 2
@@ -44,12 +45,12 @@ HOME_GENERATION = STICK_ENTRIES // 2
 # the server's session total never shows it.
 PICK_MEMORY_MS = 1000
 
-# affinity = "prefix": the wait for a key's busy home (frontend.prefix_wait_s), and how
+# affinity = "prefix": the wait for a key's busy home (tuning.prefix_wait_s), and how
 # often it looks (what it adds to a wait, at most; each look reads every server's stats).
-WAIT = "numa_home_wait"
+WAIT = names.HOME_WAIT
 WAIT_STEP_MS = 25
-WAITED = "txn.prefix_waited"  # set on a request that waited: the queue's bound is checked again
-LATER_TURN = "txn.prefix_later"  # a chat's later turn: only such a request waits for its home
+WAITED = names.PREFIX_WAITED  # set on a request that waited: the queue's bound is checked again
+LATER_TURN = names.PREFIX_LATER  # a chat's later turn: only such a request waits for its home
 # The homes outlive a reload (a plan or tenant change starts a new HAProxy process, whose
 # Lua starts empty): the daemon reads them with this runtime API command just before it
 # reloads and writes them to this file beside the Lua file, which reads it once at start.
@@ -57,18 +58,17 @@ HOMES_NAME = "haproxy.homes"
 HOMES_COMMAND = "numa-infer homes"
 
 # The pick's Lua (lua/numa-infer-pick.lua: the fetch PICK, the action WAIT, the homes) and
-# what it reads from the data file (lua.py).
+# what it reads from the data file (lua.py), besides the names it shares with the rules (names.py).
 LUA_FILE = "numa-infer-pick.lua"
-LUA_DATA: dict[str, str | int] = {"pick.fetch": PICK, "pick.wait": WAIT, "pick.hash_var": PREFIX_HASH,
-                                  "pick.waited_var": WAITED, "pick.home_generation": HOME_GENERATION,
+LUA_DATA: dict[str, str | int] = {"pick.home_generation": HOME_GENERATION,
                                   "pick.memory_ms": PICK_MEMORY_MS, "pick.wait_step_ms": WAIT_STEP_MS,
                                   "pick.homes_file": HOMES_NAME, "pick.homes_command": HOMES_COMMAND}
 
 
-def _prefix(front: FrontendSection, backend: str, servers: list[str]) -> list[str]:
+def _prefix(front: FrontendSection, backend: str) -> list[str]:
     """The hash key of `affinity = "prefix"` (PREFIX_HASH): what stays the same across a
     conversation's turns and differs between conversations, then the server the Lua fetch
-    picks for it (`servers`: the backend's own, each named in a use-server rule).
+    picks for it (each of the backend's own is named in a use-server rule, `uses`).
 
     - chat: the first message's content, and the second's when the first is the system (or
       developer) prompt: a system prompt that every conversation shares would otherwise
@@ -84,7 +84,7 @@ def _prefix(front: FrontendSection, backend: str, servers: list[str]) -> list[st
     A request without a key (no JSON, no readable prompt) goes to the least busy server:
     served, never refused."""
     cut = f"bytes(0,{front.prefix_bytes})"
-    first, second, key = "txn.prefix_first", "txn.prefix_second", "txn.prefix_key"
+    first, second, key = names.PREFIX_FIRST, names.PREFIX_SECOND, names.PREFIX_KEY
 
     def read(var: str, path: str, *when: str) -> str:
         condition = f" if {' '.join(when)}" if when else ""
@@ -113,18 +113,38 @@ def _prefix(front: FrontendSection, backend: str, servers: list[str]) -> list[st
                f"if {{ var({PREFIX_HASH}) -m found }} {{ var({LATER_TURN}) -m found }}"]
               if front.prefix_wait_s > 0 else []),
             f"    http-request set-var({PREFIX_SERVER}) lua.{PICK}({backend},{front.prefix_balance_factor}) "
-            f"if {{ var({PREFIX_HASH}) -m found }}",
-            *(f"    use-server {name} if {{ var({PREFIX_SERVER}) -m str {name} }}" for name in servers)]
+            f"if {{ var({PREFIX_HASH}) -m found }}"]
+
+
+def uses(front: FrontendSection, servers: list[str]) -> list[str]:
+    """affinity = "prefix": the server the pick chose, each named (`servers`: the backend's own)."""
+    if front.affinity != Affinity.PREFIX:
+        return []
+    return [f"    use-server {name} if {{ var({PREFIX_SERVER}) -m str {name} }}" for name in servers]
 
 
 def rules(front: FrontendSection, backend: str, servers: list[str]) -> list[str]:
+    """Every line of the affinity: the pick's (`picks`), then the use-server rules (`uses`)."""
+    return [*picks(front, backend), *uses(front, servers)]
+
+
+def admit_again(front: FrontendSection, backend: str) -> list[str]:
+    """A request that waited for its busy home was checked against the queue's bound before
+    it waited: the queue may have filled meanwhile. Before the use-server rules, where
+    HAProxy reads http-request rules in the order it runs them."""
+    if front.affinity != Affinity.PREFIX or front.prefix_wait_s <= 0:
+        return []
+    return [answers.queue_full(backend, front.queue_size, f"{{ var({WAITED}) -m bool }}")]
+
+
+def picks(front: FrontendSection, backend: str) -> list[str]:
     """Header and user: the first turn goes where leastconn sends it; later turns follow it
     (stick table), to the instance whose KV cache already holds the conversation's prompt
     prefix. Prefix: the key, and the server picked for it. `servers`: the backend's own."""
     if front.affinity == Affinity.NONE:
         return []
     if front.affinity == Affinity.PREFIX:
-        return _prefix(front, backend, servers)
+        return _prefix(front, backend)
     key = (f"req.hdr({front.affinity_header})" if front.affinity == Affinity.HEADER
            else "req.body,json_query('$.user')")
     expire = max(int(front.affinity_expire_s * 1000), 1)

@@ -27,7 +27,7 @@ Why a list, and why these:
 
 from __future__ import annotations
 
-import json
+from numad_infer.frontdoor import answers
 
 # Sorted for a stable haproxy.cfg. Paths only: llama-server itself answers a wrong method.
 OPENAI = (
@@ -63,18 +63,12 @@ NEVER = ("/slots", "/slots/0", "/props", "/metrics", "/lora-adapters", "/v1/chat
          "/v1/stream", "/v1/streams/lookup", "/health", "/v1/health")
 
 _ACL = "inference_path"
-MODELS_PATH = "/v1/models"
+MODELS_PATH = answers.MODELS_PATH
 
 
 def not_found() -> str:
-    """The 404's body, in OpenAI's error shape (a single-quoted HAProxy string: no ')."""
-    message = ("numa-infer: no such path at this front door: it forwards the OpenAI API (POST /v1/chat/completions, "
-               "/v1/completions, /v1/embeddings, GET /v1/models, ...) and the llama.cpp inference paths; management "
-               "paths are not reachable here")
-    text = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": 404}},
-                      separators=(",", ":"))
-    assert "'" not in text, text
-    return text
+    """The 404's body, in OpenAI's error shape (answers.py makes it)."""
+    return answers.NO_SUCH_PATH.body
 
 
 def rules(models_by_id: bool) -> list[str]:
@@ -83,8 +77,7 @@ def rules(models_by_id: bool) -> list[str]:
     models, routing.py), naming an unknown model as such."""
     by_id = [f"    acl {_ACL} path_beg {MODELS_PATH}/"] if models_by_id else []  # an ACL named twice: either
     return [f"    acl {_ACL} path -m str {' '.join(FORWARDED)}", *by_id,
-            f"    http-request return status 404 content-type application/json string '{not_found()}' "
-            f"hdr Connection close if !{_ACL}"]
+            answers.NO_SUCH_PATH.rule(f"!{_ACL}")]
 
 
 def forwarded(path: str) -> bool:

@@ -33,7 +33,7 @@ What it costs:
 A request that comes back through the hold server (its instance died under it, hold.py)
 waits there up to queue_timeout_s, whatever its class.
 
-An interactive reserve (`frontend.interactive_reserve`, default 1 slot): while the backend
+An interactive reserve (`tuning.interactive_reserve`, default 1 slot): while the backend
 saw an interactive request in the last RECENT_MS (5 to 10 s: HAProxy's rate over 5 s
 periods), batch requests hold at most every slot
 in rotation less that many (counted in a stick table, FLIGHT, from the backend's last rule
@@ -57,25 +57,24 @@ from collections.abc import Sequence
 
 from numad_infer.config.frontend import FrontendSection
 from numad_infer.config.tenants import TenantEntry
-from numad_infer.frontdoor.tenants import ARRIVED, IS_BATCH
+from numad_infer.frontdoor import answers, names
+from numad_infer.frontdoor.tenants import IS_BATCH
 
-ACTION = "numa_batch_wait"
+ACTION = names.BATCH_WAIT
 STEP_MS = 20
 GRANT_MS = 250
 STALE_MS = 1000
 RECENT_MS = 10_000
-SEEN = "numa_interactive"  # a stick table: interactive requests in the last RECENT_MS, per backend
-LANDED = "numa_batch_landed"
-FLIGHT = "numa_batch_flight"  # a stick table: batch requests let go and not yet answered, per backend
-_REFUSED = "txn.batch_refused"
-_GRANT = "txn.batch_grant"
+SEEN = names.INTERACTIVE_SEEN  # a stick table: interactive requests in the last RECENT_MS, per backend
+LANDED = names.BATCH_LANDED
+FLIGHT = names.BATCH_FLIGHT  # a stick table: batch requests let go and not yet answered, per backend
+_REFUSED = names.BATCH_REFUSED
+_GRANT = names.BATCH_GRANT
 
-# The batch wait's Lua (lua/numa-infer-batch.lua) and what it reads from the data file (lua.py).
+# The batch wait's Lua (lua/numa-infer-batch.lua) and what it reads from the data file (lua.py),
+# besides the names it shares with the rules (names.py).
 LUA_FILE = "numa-infer-batch.lua"
-LUA_DATA: dict[str, str | int] = {"batch.action": ACTION, "batch.landed": LANDED, "batch.step_ms": STEP_MS,
-                                  "batch.stale_ms": STALE_MS, "batch.grant_ms": GRANT_MS, "batch.seen_table": SEEN,
-                                  "batch.flight_table": FLIGHT, "batch.refused_var": _REFUSED,
-                                  "batch.grant_var": _GRANT, "batch.arrived_var": ARRIVED}
+LUA_DATA: dict[str, str | int] = {"batch.step_ms": STEP_MS, "batch.stale_ms": STALE_MS, "batch.grant_ms": GRANT_MS}
 
 
 def applies(front: FrontendSection, tenants: Sequence[TenantEntry]) -> bool:
@@ -84,10 +83,10 @@ def applies(front: FrontendSection, tenants: Sequence[TenantEntry]) -> bool:
     return bool(tenants) and (front.batch_deadline_s > front.queue_timeout_s or front.interactive_reserve > 0)
 
 
-def rules(front: FrontendSection, tenants: Sequence[TenantEntry], arriving: str, busy: str) -> list[str]:
+def rules(front: FrontendSection, tenants: Sequence[TenantEntry], arriving: str) -> list[str]:
     """A model backend's rules, after the hold's: a batch request (the gate said its class)
     arriving while the backend is full waits for room, up to the batch deadline; one
-    that waited that long, or found queue_size waiting already, gets `busy` (the JSON 503).
+    that waited that long, or found queue_size waiting already, gets the JSON 503.
     `arriving`: the ACL of a request entering from the main frontend (one let go by the hold
     waited already)."""
     if not applies(front, tenants):
@@ -97,8 +96,7 @@ def rules(front: FrontendSection, tenants: Sequence[TenantEntry], arriving: str,
     return [*seen,
             f"    http-request lua.{ACTION} {int(front.batch_deadline_s * 1000)} {front.queue_size} "
             f"{front.interactive_reserve} if {IS_BATCH} {arriving}",
-            f"    http-request return status 503 content-type application/json string '{busy}' "
-            f"hdr Retry-After 1 if {{ var({_REFUSED}) -m bool }}"]
+            answers.busy(f"{{ var({_REFUSED}) -m bool }}")]
 
 
 def landed_rules(front: FrontendSection, tenants: Sequence[TenantEntry]) -> list[str]:
@@ -113,12 +111,11 @@ def landed_rules(front: FrontendSection, tenants: Sequence[TenantEntry]) -> list
             f"    http-request lua.{LANDED} if {let_go}"]
 
 
-def table(front: FrontendSection, tenants: Sequence[TenantEntry], backends: int) -> list[str]:
+def tables(front: FrontendSection, tenants: Sequence[TenantEntry], backends: int) -> list[tuple[str, str]]:
     """The stick tables of batch requests let go and of interactive requests' arrivals, one
-    entry per model's backend."""
+    entry per model's backend: (the backend that holds it, its line)."""
     if not applies(front, tenants):
         return []
-    return [f"backend {FLIGHT}", f"    stick-table type string len 64 size {backends} store conn_cur", "",
-            f"backend {SEEN}",
+    return [(FLIGHT, f"    stick-table type string len 64 size {backends} store conn_cur"),
             # A rate over 5 s periods is above 0 for 5 to 10 s after the last request.
-            f"    stick-table type string len 64 size {backends} store http_req_rate({RECENT_MS // 2000}s)"]
+            (SEEN, f"    stick-table type string len 64 size {backends} store http_req_rate({RECENT_MS // 2000}s)")]

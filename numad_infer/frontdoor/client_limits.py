@@ -2,7 +2,7 @@
 
 A connection that sends nothing takes one of HAProxy's connections (its global `maxconn`)
 all the same, and with every one taken a new client waits in the kernel's queue: so a
-connection waits `frontend.header_timeout_s` for its request line and headers, not
+connection waits `tuning.header_timeout_s` for its request line and headers, not
 HAProxy's 30 s that still bound the body (`timeout http-request` of the backends, where
 `option http-buffer-request` waits for it). A client refused without a key is closed with
 its 401 (tenants.py), and one asking for a path not forwarded with its 404 (api_paths.py),
@@ -14,8 +14,9 @@ docs/security.md has what an unauthenticated client can still cost, measured.
 from __future__ import annotations
 
 from numad_infer.config.frontend import FrontendSection
+from numad_infer.frontdoor import names
 
-SOURCES = "client-sources"  # the backend that only holds the per-address connection counts
+SOURCES = names.CLIENT_SOURCES  # the backend that only holds the per-address connection counts
 
 
 def _ms(seconds: float) -> str:
@@ -33,8 +34,8 @@ def rules(front: FrontendSection) -> list[str]:
     return lines
 
 
-def table(front: FrontendSection) -> list[str]:
-    """The per-address counts (IPv4 addresses are stored mapped into IPv6)."""
+def table(front: FrontendSection) -> list[tuple[str, str]]:
+    """The per-address counts (IPv4 addresses are stored mapped into IPv6): (its backend, its line)."""
     if not front.connections_per_source:
         return []
-    return ["", f"backend {SOURCES}", "    stick-table type ipv6 size 100k expire 60s store conn_cur"]
+    return [(SOURCES, "    stick-table type ipv6 size 100k expire 60s store conn_cur")]

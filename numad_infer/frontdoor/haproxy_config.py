@@ -30,7 +30,6 @@ Why these HAProxy settings:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,59 +38,35 @@ from numad_infer.config.models import ServedModel, served_models
 from numad_infer.config.schema import Config
 from numad_infer.engines import Engine, engine_of
 from numad_infer.errors import ConfigError
-from numad_infer.frontdoor import affinity, api_paths, batch_wait, client_limits, hold, lua, tenants, token_count
+from numad_infer.frontdoor import (
+    affinity,
+    answers,
+    api_paths,
+    batch_wait,
+    client_limits,
+    hold,
+    lua,
+    names,
+    phases,
+    routing,
+    tenants,
+    token_count,
+)
+from numad_infer.frontdoor.phases import Section, rules
 from numad_infer.frontdoor.routing import BACKEND as BACKEND  # the single form's, named here first
-from numad_infer.frontdoor.routing import BODY_TIMEOUT, backend_of, health, route, routed
+from numad_infer.frontdoor.routing import BODY_TIMEOUT, backend_of, routed
 from numad_infer.plan.model import Instance, Plan
 from numad_infer.systemd.unitnames import FRONTDOOR_FD_VARIABLE as FD_VARIABLE
 from numad_infer.systemd.unitnames import FRONTDOOR_TWIN_FD_VARIABLE as TWIN_FD_VARIABLE
 from numad_infer.util.addresses import connect_host, host_port
 
+OWNER = "haproxy_config"  # this module, as phases.Rules name it
 FRONTEND = "openai"  # the one listener; the daemon closes it first on stop (Frontdoor.close)
 MARKER = "# Managed by numa-infer: rewritten by the daemon on every plan change; do not edit."
 # llama-cpp-python runs one request at a time (it serialises on its model lock).
 # Connections a client may hold open beyond the instances and the queue (idle keep-alives).
 SPARE_CONNECTIONS = 256
 
-
-@dataclass(frozen=True)
-class _Answer:
-    """An answer HAProxy makes itself, in OpenAI's error shape."""
-
-    status: int
-    kind: str  # OpenAI's error "type"
-    message: str  # no ' (the body is a single-quoted HAProxy string)
-    retry_after: bool = False
-
-    def __post_init__(self) -> None:
-        if "'" in self.message:
-            raise ValueError(f"a ' would end HAProxy's string early: {self.message}")
-
-    def body(self) -> str:
-        return json.dumps({"error": {"message": f"numa-infer: {self.message}", "type": self.kind, "code": self.status}},
-                          separators=(",", ":"))
-
-
-_BUSY = _Answer(503, "server_busy", "no instance can take the request: every instance is busy, starting or down, and "
-                "the queue is full or the wait ran out; retry later", retry_after=True)
-_HEALTHY = json.dumps({"status": "ok"}, separators=(",", ":"))
-_NO_INSTANCE = json.dumps({"status": "unavailable", "reason": "no instance in rotation (starting, draining or down)"},
-                          separators=(",", ":"))
-# Every status HAProxy 2.6 answers on its own (http-error accepts these). Its HTTP parser's
-# 400 (malformed request, headers too large) and 408 (headers too slow) come before any
-# stream and stay HTML: neither http-error nor errorfile reaches them; no OpenAI client
-# provokes them. The 400 and 408 here are the stream's (a body sent too slowly).
-_ANSWERS = (
-    _Answer(400, "invalid_request_error", "the request is not valid"),
-    _Answer(408, "timeout", "the request did not arrive in full in time"),
-    _Answer(429, "rate_limit_exceeded", "too many requests; retry later", retry_after=True),
-    _Answer(500, "server_error", "the front door failed on this request"),
-    _Answer(501, "invalid_request_error", "the front door does not support this request (transfer encoding)"),
-    _Answer(502, "server_error", "the instance serving this request failed before it answered in full (did the "
-            "request crash it?); a request that reached an instance is not sent to another"),
-    _BUSY,
-    _Answer(504, "timeout", "the instance did not answer within frontend.request_timeout_s"),
-)
 
 # affinity = "user": HAProxy's json_query sees only the body in its buffer (16 KiB by
 # default), and OpenAI clients send `user` after `messages`. The buffer holds the longest
@@ -125,7 +100,7 @@ CONFIG_NAME = "haproxy.cfg"
 # in ms. With [[tenants]], then the tenant whose key it carried ("-": none), from the key
 # file's map, and the answer's prompt and completion tokens as the engine reported them (token_count.py).
 REQUEST_LOG_NAME = "requests.sock"
-REQUEST_LOG_FORMAT = "%s %ST/%ts %[var(txn.first_byte_ms)] %Ta"
+REQUEST_LOG_FORMAT = f"%s %ST/%ts %[var({names.FIRST_BYTE_MS})] %Ta"
 TENANT_LOG_FORMAT = (f"{REQUEST_LOG_FORMAT} %[var({tenants.VARIABLE})] "
                      + " ".join(f"%[var({v})]" for v in token_count.TOKEN_VARIABLES))  # "-" where not read
 STATE_NAME = "haproxy.state"
@@ -196,40 +171,62 @@ def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False,
     One backend per model (routing.py), named by the model's key: the single `[model]`
     form's is `instances`. `served`, `engine`: as validation read them (None: this
     configuration's, for a caller that has not validated it)."""
+    return phases.render(MARKER, sections(config, plan, paths, held, twin, served=served, engine=engine))
+
+
+def sections(config: Config, plan: Plan, paths: Paths, held: bool = False, twin: bool = False, *,
+             served: tuple[ServedModel, ...] | None = None, engine: Engine | None = None) -> list[Section]:
+    """haproxy.cfg as data (phases.py): each section's phases and the rules each feature gives
+    them, in the file's order (render_haproxy's arguments)."""
     models = served if served is not None else served_models(config)
     engine = engine if engine is not None else engine_of(config)
     front: FrontendSection = config.frontend
-    host, port = front.address
     # Each backend queues up to queue_size requests of its own, holds as many arriving, and
     # as many more on its hold server, each of those two connections (hold.py).
     maxconn = (sum(len(_instances_of(plan, s)) * engine.slots(s.view) for s in models)
                + 4 * len(models) * front.queue_size + SPARE_CONNECTIONS)
     holds = [(backend_of(s), quoted(hold.socket_of(paths.socket.parent, n))) for n, s in enumerate(models)]
-    pick = route(models, body_buffer(models)) if routed(models) else [f"    default_backend {backend_of(models[0])}"]
-    lines = [MARKER, *_global(config, models, paths, maxconn), "", *_defaults(front), "",
-             f"frontend {FRONTEND}",
-             f"    bind {HELD_BIND if held else host_port(host, port)}",
-             *([f"    bind {TWIN_BIND}"] if held and twin else []),
-             *_timing_log(paths, bool(config.tenants)),
-             *client_limits.rules(front),
-             *_health(config, models),
-             # Only the inference API reaches an instance (api_paths.py), whoever sends it.
-             *api_paths.rules(routed(models)),
-             *tenants.gate(config.tenants, quoted(paths.keys[0]), quoted(paths.keys[1]),
-                           bool(config.server.api_key_file), front.batch_delay_s),
-             *tenants.model_lists(config.tenants, models),
-             *pick]
-    for model, (_, socket) in zip(models, holds, strict=True):
-        lines += ["", *_backend(config, engine, model, _instances_of(plan, model), socket)]
-    again = tenants.held_priority(config.tenants, front.batch_delay_s)
-    lines += ["", *hold.hold_frontend(holds, front, _BUSY.body(), again,
-                                      tenants.HELD_BATCH if batch_wait.applies(front, config.tenants) else None)]
-    if config.tenants:
-        lines += ["", *tenants.table(config.tenants)]
-    if flight := batch_wait.table(front, config.tenants, len(models)):
-        lines += ["", *flight]
-    lines += client_limits.table(front)
-    return "\n".join(lines) + "\n"
+    result = [phases.section("global", phases.SETTINGS, rules("settings", OWNER, _global(config, models, paths,
+                                                                                         maxconn))),
+              phases.section("defaults", phases.SETTINGS, rules("settings", OWNER, _defaults(front)),
+                             rules("answers", "answers", answers.http_errors())),
+              _frontend(config, models, paths, held, twin)]
+    result += [_backend(config, engine, model, _instances_of(plan, model), socket)
+               for model, (_, socket) in zip(models, holds, strict=True)]
+    batch = tenants.HELD_BATCH if batch_wait.applies(front, config.tenants) else None
+    hold_rules = hold.hold_frontend(holds, front, tenants.held_priority(config.tenants, front.batch_delay_s), batch)
+    result.append(phases.section(f"frontend {hold.FRONTEND}", phases.HOLD,
+                                 *(rules(phase, "tenants" if phase == "classify" else "hold", lines)
+                                   for phase, lines in hold_rules.items())))
+    tables = [("tenants", tenants.table(config.tenants)),
+              ("batch_wait", batch_wait.tables(front, config.tenants, len(models))),
+              ("client_limits", client_limits.table(front))]
+    result += [phases.section(f"backend {name}", phases.TABLE, rules("table", owner, [line]))
+               for owner, found in tables for name, line in found]
+    return result
+
+
+def _frontend(config: Config, models: tuple[ServedModel, ...], paths: Paths, held: bool, twin: bool) -> Section:
+    """The one listener: where a request is accepted, checked and sent to its model's backend."""
+    front = config.frontend
+    host, port = front.address
+    by_model = routed(models)
+    to = (routing.to_backend(models, body_buffer(models)) if by_model
+          else [f"    default_backend {backend_of(models[0])}"])
+    return phases.section(
+        f"frontend {FRONTEND}", phases.FRONTEND,
+        rules("accept", OWNER, [f"    bind {HELD_BIND if held else host_port(host, port)}",
+                                *([f"    bind {TWIN_BIND}"] if held and twin else []),
+                                *_timing_log(paths, bool(config.tenants))]),
+        rules("accept", "client_limits", client_limits.rules(front)),
+        rules("health", "routing", routing.health(models, front.health_path) if front.health_path else []),
+        # Only the inference API reaches an instance (api_paths.py), whoever sends it.
+        rules("paths", "api_paths", api_paths.rules(by_model)),
+        rules("authenticate", "tenants", tenants.gate(config.tenants, quoted(paths.keys[0]), quoted(paths.keys[1]),
+                                                      bool(config.server.api_key_file), front.batch_delay_s)),
+        rules("models", "tenants", tenants.model_lists(config.tenants, models)),
+        rules("models", "routing", routing.model_answers(models) if by_model else []),
+        rules("route", "routing", to))
 
 
 def _instances_of(plan: Plan, model: ServedModel) -> list[Instance]:
@@ -237,51 +234,43 @@ def _instances_of(plan: Plan, model: ServedModel) -> list[Instance]:
 
 
 def _backend(config: Config, engine: Engine, model: ServedModel, instances: list[Instance],
-             hold_socket: str) -> list[str]:
+             hold_socket: str) -> Section:
     """One model's backend: its servers, each taking as many requests as that model's engine
     has slots (`parallel` of its view), and its hold server (`hold_socket`: the hold
     listener's path as an HAProxy word)."""
     front = config.frontend
     backend = backend_of(model)
     target = connect_host(config.server.host)
-    lines = [f"backend {backend}",
-             affinity.BALANCE,
-             *tenants.model_rule(config.tenants, model),
-             *_first_byte(front),
-             *token_count.rules(config.tenants),
-             # Needed for retries (the request is replayed from the buffer) and for json_query.
-             "    option http-buffer-request",
-             *hold.retry_rules(),
-             _queue_full(backend, front, hold.ARRIVING),
-             *tenants.counted(config.tenants),
-             # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
-             *hold.hold_rules(front, _BUSY.body(),
-                              tenants.IS_BATCH if batch_wait.applies(front, config.tenants) else None),
-             # A batch request's own deadline: it waits for room before the queue (batch_wait.py).
-             *batch_wait.rules(front, config.tenants, hold.ARRIVING, _BUSY.body()),
-             f"    option httpchk GET {engine.liveness_path}",
-             "    http-check expect status 200",
-             f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn {engine.slots(model.view)} "
-             f"observe layer4 error-limit 1 on-error mark-down"]
-    picks = affinity.rules(front, backend, [*(server_name(i.name) for i in instances), surge_server(backend)])
-    if front.affinity == Affinity.PREFIX and front.prefix_wait_s > 0:
-        # A request that waited for its busy home (affinity.py) was checked against the
-        # queue's bound before it waited: the queue may have filled meanwhile. Before the
-        # use-server rules, where HAProxy reads http-request rules in the order it runs them.
-        first_use = next(n for n, line in enumerate(picks) if line.startswith("    use-server "))
-        picks.insert(first_use, _queue_full(backend, front, f"{{ var({affinity.WAITED}) -m bool }}"))
-    # The last http-request rule, before the use-server ones: a batch request let go is
-    # counted at a server from here (batch_wait.py).
-    uses = next((n for n, line in enumerate(picks) if line.startswith("    use-server ")), len(picks))
-    picks[uses:uses] = batch_wait.landed_rules(front, config.tenants)
-    lines += picks
-    for instance in instances:
-        lines.append(f"    server {server_name(instance.name)} {host_port(target, instance.port)}")
-    # Out of rotation (and unchecked) until a surge points it at a copy: port 1, never contacted.
-    lines.append(f"    server {surge_server(backend)} {host_port(target, 1)} disabled")
-    # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
-    lines.append(hold.server_line(backend, hold_socket, front))
-    return lines
+    batch = batch_wait.applies(front, config.tenants)
+    servers = [server_name(i.name) for i in instances]
+    return phases.section(
+        f"backend {backend}", phases.BACKEND,
+        rules("balance", "affinity", [affinity.BALANCE]),
+        rules("authorize", "tenants", tenants.model_rule(config.tenants, model)),
+        rules("answer", OWNER, _first_byte(front)),
+        rules("answer", "token_count", token_count.rules(config.tenants)),
+        # Needed for retries (the request is replayed from the buffer) and for json_query.
+        rules("retry", OWNER, ["    option http-buffer-request"]),
+        rules("retry", "hold", hold.retry_rules()),
+        rules("admit", OWNER, [answers.queue_full(backend, front.queue_size, hold.ARRIVING)]),
+        rules("admit", "tenants", tenants.counted(config.tenants)),
+        # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
+        rules("wait", "hold", hold.hold_rules(front, tenants.IS_BATCH if batch else None)),
+        # A batch request's own deadline: it waits for room before the queue (batch_wait.py).
+        rules("wait", "batch_wait", batch_wait.rules(front, config.tenants, hold.ARRIVING)),
+        rules("check", OWNER, [f"    option httpchk GET {engine.liveness_path}", "    http-check expect status 200",
+                               f"    default-server check inter 2s fastinter 500ms fall 2 rise 1 maxconn "
+                               f"{engine.slots(model.view)} observe layer4 error-limit 1 on-error mark-down"]),
+        rules("pick", "affinity", affinity.picks(front, backend)),
+        rules("admit again", "affinity", affinity.admit_again(front, backend)),
+        # The last http-request rules: a batch request let go is counted at a server from here.
+        rules("land", "batch_wait", batch_wait.landed_rules(front, config.tenants)),
+        rules("use", "affinity", affinity.uses(front, [*servers, surge_server(backend)])),
+        rules("servers", OWNER, [*(f"    server {server_name(i.name)} {host_port(target, i.port)}" for i in instances),
+                                 # Out of rotation (and unchecked) until a surge points it at a copy: port 1.
+                                 f"    server {surge_server(backend)} {host_port(target, 1)} disabled"]),
+        # No instance in rotation (the only one restarting): wait for one, not a 503 (hold.py).
+        rules("servers", "hold", [hold.server_line(backend, hold_socket, front)]))
 
 
 def _timing_log(paths: Paths, by_tenant: bool) -> list[str]:
@@ -293,7 +282,7 @@ def _timing_log(paths: Paths, by_tenant: bool) -> list[str]:
         return []
     return [f"    log {_socket_address(paths.requests)} len 1024 format raw local0 info",
             f'    log-format "{TENANT_LOG_FORMAT if by_tenant else REQUEST_LOG_FORMAT}"',
-            "    http-request set-var(txn.started_ms) date(0,ms)"]
+            f"    http-request set-var({names.STARTED_MS}) date(0,ms)"]
 
 
 def _first_byte(front: FrontendSection) -> list[str]:
@@ -301,23 +290,11 @@ def _first_byte(front: FrontendSection) -> list[str]:
     note the time (request_log.py says why). A stream's headers leave llama-server before
     any token; from here on, a client's first byte comes with its first token."""
     return [f"    http-response wait-for-body time {_ms(front.request_timeout_s)} at-least 1",
-            "    http-response set-var(txn.first_byte_ms) date(0,ms),sub(txn.started_ms)"]
-
-
-def _health(config: Config, served: tuple[ServedModel, ...]) -> list[str]:
-    """frontend.health_path, answered here: from the servers HAProxy would send a request to
-    (up, not drained, not in maintenance; hold.in_rotation), so a host whose every instance is
-    starting, draining or down says 503, and one busy instance does not delay the answer.
-    With `[[models]]`, every model needs one (routing.health)."""
-    front = config.frontend
-    if not front.health_path:
-        return []
-    return health(served, front.health_path, _HEALTHY, _NO_INSTANCE)
+            f"    http-response set-var({names.FIRST_BYTE_MS}) date(0,ms),sub({names.STARTED_MS})"]
 
 
 def _global(config: Config, served: tuple[ServedModel, ...], paths: Paths, maxconn: int) -> list[str]:
-    lines = ["global",
-             f"    maxconn {maxconn}",
+    lines = [f"    maxconn {maxconn}",
              # 660: HAProxy runs as its own user; the daemon reaches the socket as root (process
              # backend) or through HAProxy's group (systemd, where it has no DAC override).
              # Either way the directory around it is HAProxy's, closed to everyone else.
@@ -333,8 +310,7 @@ def _global(config: Config, served: tuple[ServedModel, ...], paths: Paths, maxco
 
 
 def _defaults(front: FrontendSection) -> list[str]:
-    lines = ["defaults",
-             "    mode http",
+    lines = ["    mode http",
              "    log global",
              "    option dontlognull",
              # A connection closed before a byte of request (a TCP health check of an outer
@@ -350,23 +326,12 @@ def _defaults(front: FrontendSection) -> list[str]:
              f"    timeout server {_ms(front.request_timeout_s)}",
              f"    timeout queue {_ms(front.queue_timeout_s)}",
              # The body's wait, in the backends (`option http-buffer-request`); the frontend
-             # waits frontend.header_timeout_s for the headers (client_limits.py).
+             # waits tuning.header_timeout_s for the headers (client_limits.py).
              f"    timeout http-request {BODY_TIMEOUT}",
              "    timeout http-keep-alive 10s",
              "    timeout check 2s",
              "    load-server-state-from-file global"]
-    for answer in _ANSWERS:
-        retry = " hdr Retry-After 1" if answer.retry_after else ""
-        lines.append(f"    http-error status {answer.status} content-type application/json "
-                     f"string '{answer.body()}'{retry}")
     return lines
-
-
-def _queue_full(backend: str, front: FrontendSection, when: str) -> str:
-    """The JSON 503 with Retry-After for a request that finds `queue_size` waiting already,
-    checked `when` (on arrival; again after a wait for a prefix home)."""
-    return (f"    http-request return status 503 content-type application/json string '{_BUSY.body()}' "
-            f"hdr Retry-After 1 if {when} {{ queue({backend}) ge {front.queue_size} }}")
 
 
 def body_buffer(served: tuple[ServedModel, ...]) -> int:

@@ -65,23 +65,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from numad_infer.config.frontend import FrontendSection
+from numad_infer.frontdoor import answers, names
 
-ACTION = "numa_hold"
-AGAIN = "numa_hold_again"
-FETCH = "numa_in_rotation"
+ACTION = names.HOLD_ACTION
+AGAIN = names.HOLD_AGAIN
+FETCH = names.IN_ROTATION
 FRONTEND = "hold"
 HOLD_PREFIX = "hold-"  # the hold server of backend B is "hold-B"; an instance's is named by its unit
 STEP_MS = 50  # how often a held request looks again: what a hold adds to the wait, at most
-_LET_GO = "txn.hold_let_go"
-_REFUSED = "txn.hold_refused"
+_LET_GO = names.HOLD_LET_GO
+_REFUSED = names.HOLD_REFUSED
 # An ACL: the request enters its backend from the main frontend, not let go by the hold
 # frontend (the bounds a request meets on arrival are not met again after it waited).
 ARRIVING = f"!{{ fe_name {FRONTEND} }}"
 
-# The hold's Lua (lua/numa-infer-hold.lua) and what it reads from the data file (lua.py).
+# The hold's Lua (lua/numa-infer-hold.lua) and what it reads from the data file (lua.py),
+# besides the names it shares with the rules (names.py).
 LUA_FILE = "numa-infer-hold.lua"
-LUA_DATA: dict[str, str | int] = {"hold.action": ACTION, "hold.again": AGAIN, "hold.fetch": FETCH,
-                                  "hold.step_ms": STEP_MS, "hold.refused_var": _REFUSED, "hold.let_go_var": _LET_GO}
+LUA_DATA: dict[str, str | int] = {"hold.step_ms": STEP_MS}
 
 
 def hold_server(backend: str) -> str:
@@ -114,35 +115,33 @@ def _per_class(wait: str, front: FrontendSection, batch: str | None) -> list[str
     return [f"{interactive} if !{batch}", f"{wait.format(int(front.batch_deadline_s * 1000))} if {batch}"]
 
 
-def hold_rules(front: FrontendSection, busy: str, batch: str | None = None) -> list[str]:
+def hold_rules(front: FrontendSection, batch: str | None = None) -> list[str]:
     """A model backend's rules, after the bound on its queue: a request arriving while none
     of its servers is in rotation waits here, in its own stream; one that waited the whole
-    limit, or found queue_size requests waiting already, gets `busy` (the JSON 503). `batch`:
+    limit, or found queue_size requests waiting already, gets the JSON 503. `batch`:
     the ACL of a batch request where that class has a longer deadline of its own
     (batch_wait.py), which its hold lasts instead."""
     return [*_per_class(f"    http-request lua.{ACTION} {{}} {front.queue_size}", front, batch),
-            f"    http-request return status 503 content-type application/json string '{busy}' "
-            f"hdr Retry-After 1 if {{ var({_REFUSED}) -m bool }}"]
+            answers.busy(f"{{ var({_REFUSED}) -m bool }}")]
 
 
-def hold_frontend(listeners: list[tuple[str, str]], front: FrontendSection, busy: str,
-                  priority: list[str], batch: str | None = None) -> list[str]:
+def hold_frontend(listeners: list[tuple[str, str]], front: FrontendSection,
+                  priority: list[str], batch: str | None = None) -> dict[str, list[str]]:
     """The frontend behind every hold server: one listener per backend, named by it
     (`listeners`: backend, socket path as an HAProxy word). A request let go goes back to its
-    backend; one that waited the whole limit gets `busy` (the JSON 503) with Retry-After. Not
+    backend; one that waited the whole limit gets the JSON 503 with Retry-After. Not
     logged: the request's own line, from the main frontend, covers it. `priority`: the rules
     that queue it again in its class (tenants.held_priority). `batch`: the ACL of a batch
     request here (the gate's header: no variable crosses the socket) where that class has a
     longer deadline of its own, which its wait lasts instead; counted from its arrival here,
-    as it was dispatched again, not from its first arrival (which this stream cannot see)."""
-    return ["frontend " + FRONTEND,
-            *(f"    bind unix@{socket} name {backend} mode 600" for backend, socket in listeners),
-            "    no log",
-            *_per_class(f"    http-request lua.{AGAIN} {{}}", front, batch),
-            f"    http-request return status 503 content-type application/json string '{busy}' "
-            f"hdr Retry-After 1 if !{{ var({_LET_GO}) -m bool }}",
-            *priority,
-            "    use_backend %[so_name]"]
+    as it was dispatched again, not from its first arrival (which this stream cannot see).
+    Its lines by phase (phases.HOLD); the caller adds the section's header."""
+    return {"accept": [*(f"    bind unix@{socket} name {backend} mode 600" for backend, socket in listeners),
+                       "    no log"],
+            "wait": [*_per_class(f"    http-request lua.{AGAIN} {{}}", front, batch),
+                     answers.busy(f"!{{ var({_LET_GO}) -m bool }}")],
+            "classify": priority,
+            "route": ["    use_backend %[so_name]"]}
 
 
 def in_rotation(backend: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
-from numad_infer.frontdoor import affinity, batch_wait, hold, token_count
+from numad_infer.frontdoor import affinity, batch_wait, hold, names, token_count
 
 NAME = "numa-infer.lua"
 DATA_NAME = "numa-infer-lua.data"  # NAME reads it from its own folder
@@ -25,9 +25,10 @@ CONCERNS = (hold.LUA_FILE, affinity.LUA_FILE, batch_wait.LUA_FILE, token_count.L
 
 
 def data() -> dict[str, str]:
-    """What the Lua reads: each concern's LUA_DATA, and the files NAME runs."""
-    values = {"lua.load": " ".join(CONCERNS), **hold.LUA_DATA, **affinity.LUA_DATA, **batch_wait.LUA_DATA,
-              **token_count.LUA_DATA}
+    """What the Lua reads: the names it shares with the rules (names.py), each concern's
+    LUA_DATA, and the files NAME runs."""
+    values = {"lua.load": " ".join(CONCERNS), **names.lua_data(), **hold.LUA_DATA, **affinity.LUA_DATA,
+              **batch_wait.LUA_DATA, **token_count.LUA_DATA}
     return {key: str(value) for key, value in values.items()}
 
 

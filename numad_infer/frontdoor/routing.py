@@ -22,14 +22,13 @@ Why it is done this way:
 
 from __future__ import annotations
 
-import json
-
 from numad_infer.config.models import ServedModel
-from numad_infer.frontdoor import hold
+from numad_infer.frontdoor import answers, hold, names
+from numad_infer.frontdoor.answers import models_list as models_list  # GET /v1/models's body, named here too
 
 BACKEND = "instances"  # the backend of the model whose key is "" (the single `[model]` form's)
 _BACKEND_PREFIX = "model-"
-MODELS_PATH = "/v1/models"
+MODELS_PATH = answers.MODELS_PATH
 BODY_TIMEOUT = "30s"  # how long a request's body may take to arrive whole, after its headers
 
 
@@ -52,87 +51,49 @@ def routed(served: Served) -> bool:
     return len(served) > 1
 
 
-def _compact(doc: object) -> str:
-    text = json.dumps(doc, separators=(",", ":"))
-    # The body is a single-quoted HAProxy string; names and aliases cannot hold a '.
-    assert "'" not in text, text
-    return text
-
-
-def models_list(served: Served) -> str:
-    """GET /v1/models's body: every name, then every alias (with its model as `parent`)."""
-    return _compact({"object": "list", "data": _entries(served)})
-
-
-def _entries(served: tuple[ServedModel, ...]) -> list[dict[str, object]]:
-    data: list[dict[str, object]] = [_entry(s.name) for s in served]
-    return data + [{**_entry(alias), "parent": s.name} for s in served for alias in s.aliases]
-
-
-def _entry(ident: str) -> dict[str, object]:
-    # `created` is fixed: the file is rendered on every pass and must not change by itself.
-    return {"id": ident, "object": "model", "created": 0, "owned_by": "numa-infer"}
-
-
-def _error(message: str, code: str) -> str:
-    return _compact({"error": {"message": f"numa-infer: {message}", "type": "invalid_request_error", "code": code}})
-
-
-def _names(served: tuple[ServedModel, ...]) -> str:
-    return ", ".join(s.name for s in served)
-
-
 def not_found(served: Served) -> str:
-    return _error("the request names no model served here: its JSON body needs a `model` string that is one of "
-                  f"the served models or their aliases (GET {MODELS_PATH} lists them); served models: "
-                  f"{_names(served)}", "model_not_found")
+    """The 404's body for a model not served (answers.py makes it)."""
+    return answers.not_found(served)
 
 
-def too_large(served: Served, buffer: int) -> str:
-    return _error(f"the request body is longer than the {buffer} bytes the front door reads to find `model`, and "
-                  "`model` is not within them: send `model` before `messages` (or `prompt`) in the JSON body; "
-                  f"served models: {_names(served)}", "request_too_large")
+def model_answers(served: Served) -> list[str]:
+    """The frontend's lines that answer GET /v1/models, and each model by name or alias."""
+    return [answers.model_list(served).rule(f"{{ path {MODELS_PATH} }} METH_GET"),
+            # OpenAI's "retrieve model": one entry, by name or alias.
+            *(answers.model_entry(entry).rule(f"{{ path {MODELS_PATH}/{entry['id']} }} METH_GET")
+              for entry in answers.model_entries(served))]
+
+
+def to_backend(served: Served, buffer: int) -> list[str]:
+    """The frontend's lines that send each request to its model's backend (only when `routed`)."""
+    every = " ".join(ident for s in served for ident in s.ids)
+    # The whole body (up to tune.bufsize) is read before the rules below run. Not
+    # `option http-buffer-request`: in a frontend it waits only the frontend's
+    # `timeout http-request`, which bounds the headers alone (haproxy_config.py).
+    lines = [f"    http-request wait-for-body time {BODY_TIMEOUT}",
+             f"    http-request set-var({names.MODEL}) req.body,json_query('$.model')",
+             f"    http-request set-var({names.BODY_READ}) req.body_len",
+             f"    acl served_model var({names.MODEL}) -m str {every}",
+             # HAProxy read less than the body announced (Content-Length): `model` may lie beyond.
+             f"    acl body_cut req.body_size,sub({names.BODY_READ}) gt 0",
+             answers.too_large(served, buffer).rule("!served_model body_cut"),
+             answers.model_not_found(served).rule("!served_model")]
+    for s in served:
+        lines.append(f"    use_backend {backend_of(s)} if {{ var({names.MODEL}) -m str {' '.join(s.ids)} }}")
+    return lines
 
 
 def route(served: Served, buffer: int) -> list[str]:
     """The frontend's lines that answer GET /v1/models and send each request to its model's
     backend (only when `routed`)."""
-    every = " ".join(ident for s in served for ident in s.ids)
-    lines = [f"    http-request return status 200 content-type application/json string '{models_list(served)}' "
-             f"if {{ path {MODELS_PATH} }} METH_GET",
-             # OpenAI's "retrieve model": one entry, by name or alias.
-             *(f"    http-request return status 200 content-type application/json string '{_compact(entry)}' "
-               f"if {{ path {MODELS_PATH}/{entry['id']} }} METH_GET" for entry in _entries(served)),
-             # The whole body (up to tune.bufsize) is read before the rules below run. Not
-             # `option http-buffer-request`: in a frontend it waits only the frontend's
-             # `timeout http-request`, which bounds the headers alone (haproxy_config.py).
-             f"    http-request wait-for-body time {BODY_TIMEOUT}",
-             "    http-request set-var(txn.model) req.body,json_query('$.model')",
-             "    http-request set-var(txn.body_read) req.body_len",
-             f"    acl served_model var(txn.model) -m str {every}",
-             # HAProxy read less than the body announced (Content-Length): `model` may lie beyond.
-             "    acl body_cut req.body_size,sub(txn.body_read) gt 0",
-             f"    http-request return status 413 content-type application/json string '{too_large(served, buffer)}' "
-             "if !served_model body_cut",
-             f"    http-request return status 404 content-type application/json string '{not_found(served)}' "
-             "if !served_model"]
-    for s in served:
-        lines.append(f"    use_backend {backend_of(s)} if {{ var(txn.model) -m str {' '.join(s.ids)} }}")
-    return lines
+    return [*model_answers(served), *to_backend(served, buffer)]
 
 
-def health(served: Served, path: str, healthy: str, none: str) -> list[str]:
+def health(served: Served, path: str) -> list[str]:
     """frontend.health_path: 200 only while every model has a server in rotation (up, not
     drained, not in maintenance: what the hold waits for, hold.py), else 503 naming the
-    first model without one (the names are public: GET /v1/models lists them); with one
-    model, `none` says it."""
+    first model without one (the names are public: GET /v1/models lists them)."""
     when = f"{{ path {path} }}"
-    lines = []
-    for s in served:
-        body = none if len(served) == 1 else _compact(
-            {"status": "unavailable", "reason": f"model {s.name} has no instance in rotation (starting, draining or "
-             "down)"})
-        lines.append(f"    http-request return status 503 content-type application/json string '{body}' "
-                     f"hdr Retry-After 1 if {when} !{hold.in_rotation(backend_of(s))}")
-    lines.append(f"    http-request return status 200 content-type application/json string '{healthy}' if {when}")
-    return lines
+    lines = [answers.no_instance(None if len(served) == 1 else s.name).rule(
+        f"{when} !{hold.in_rotation(backend_of(s))}") for s in served]
+    return [*lines, answers.HEALTHY.rule(when)]

@@ -20,7 +20,7 @@ Why it is done this way:
   less). Counters start again at zero when HAProxy reloads: a limit is exact between
   reloads, not across them.
 - priority: a `batch` tenant's request, or any request with `X-Priority: batch`, goes
-  into a busy backend's queue as if it had come `frontend.batch_delay_s` later
+  into a busy backend's queue as if it had come `tuning.batch_delay_s` later
   (`set-priority-offset`), not in a lower class (`set-priority-class`, which a steady
   interactive load would starve it with): interactive
   requests pass it, and it waits at most that much longer than in arrival order. The
@@ -36,7 +36,6 @@ Why it is done this way:
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,24 +43,24 @@ from pathlib import Path
 
 from numad_infer.config.models import ServedModel
 from numad_infer.config.tenants import Priority, TenantEntry, TenantKey
-from numad_infer.frontdoor import routing
+from numad_infer.frontdoor import answers, names, routing
 
 KEYS_NAME = "tenant-keys.map"
 UPSTREAM_NAME = "upstream-key.map"
-TABLE = "tenant-usage"  # the backend that only holds the tenants' stick table
+TABLE = names.TENANT_USAGE  # the backend that only holds the tenants' stick table
 _UPSTREAM_ENTRY = "instances"  # upstream-key.map's one key
 HEADER = "# numa-infer: written by the daemon from the [[tenants]] key files; do not edit\n"
 # A request's own class, when lower than its tenant's (docs/frontdoor.md, "Priority").
 PRIORITY_HEADER = "x-priority"
-VARIABLE = "txn.tenant"  # the tenant's name, once its key is known (request_log.py may log it)
+VARIABLE = names.TENANT  # the tenant's name, once its key is known (request_log.py may log it)
 # Set on a batch request by the gate: what its offset in the queue, its header on to the hold
 # frontend, its hold and its own deadline (batch_wait.py) go by, whatever batch_delay_s is.
-BATCH_VARIABLE = "txn.batch"
+BATCH_VARIABLE = names.BATCH
 IS_BATCH = f"{{ var({BATCH_VARIABLE}) -m bool }}"
 # The same on the hold frontend, which sees the request in a new stream: the gate's header
 # (any client's own was removed before it was set).
 HELD_BATCH = f"{{ req.hdr({PRIORITY_HEADER}) -m str {Priority.BATCH.value} }}"
-ARRIVED = "txn.arrived_ms"  # when the gate saw the request (ms since the epoch): a batch deadline counts from it
+ARRIVED = names.ARRIVED_MS  # when the gate saw the request (ms since the epoch): a batch deadline counts from it
 
 
 def keys_text(keys: Sequence[TenantKey]) -> str:
@@ -74,26 +73,10 @@ def upstream_text(api_key: str | None) -> str:
     return HEADER + (f"{_UPSTREAM_ENTRY} Bearer {api_key}\n" if api_key else "")
 
 
-def _body(status: int, kind: str, message: str) -> str:
-    text = json.dumps({"error": {"message": f"numa-infer: {message}", "type": kind, "code": status}},
-                      separators=(",", ":"))
-    assert "'" not in text, text  # the body is a single-quoted HAProxy string
-    return text
-
-
-def _answer(status: int, kind: str, message: str, condition: str, *headers: str) -> str:
-    """`headers`: each `NAME VALUE`, sent with the answer."""
-    extra = "".join(f" hdr {header}" for header in headers)
-    return (f"    http-request return status {status} content-type application/json "
-            f"string '{_body(status, kind, message)}'{extra} if {condition}")
-
-
 # The one form a key is read from: exactly one Authorization header, `Bearer KEY` (the
 # scheme in any case, one space, the key a token68 as config/tenants.py requires); a second
 # header, another scheme or words after the key are a 401, never a guess at which counts.
 _BEARER = r"^bearer [A-Za-z0-9._~+/-]+=*$"
-_UNKNOWN = ("this front door needs an API key: send Authorization: Bearer KEY with the key your operator gave you "
-            "(a missing, unknown or revoked key is refused)")
 
 
 def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key: bool,
@@ -107,21 +90,16 @@ def gate(tenants: Sequence[TenantEntry], keys: str, upstream: str, instance_key:
              f"    http-request set-var({VARIABLE}) req.fhdr(authorization),word(2,' '),map({keys}) "
              f"if {{ req.fhdr_cnt(authorization) eq 1 }} {{ req.fhdr(authorization) -m reg -i '{_BEARER}' }}",
              # The connection closes with the 401: a client without a key holds no kept-alive one.
-             _answer(401, "invalid_request_error", _UNKNOWN, f"!{{ var({VARIABLE}) -m found }}",
-                     "WWW-Authenticate Bearer", "Connection close"),
+             answers.NO_KEY.rule(f"!{{ var({VARIABLE}) -m found }}"),
              f"    http-request track-sc0 var({VARIABLE}) table {TABLE}"]
     for tenant in tenants:
         me = f"{{ var({VARIABLE}) -m str {tenant.name} }}"
         if tenant.max_in_flight is not None:
-            lines.append(_answer(429, "rate_limit_exceeded",
-                                 f"tenant {tenant.name} has {tenant.max_in_flight} request(s) in flight already, its "
-                                 "limit; retry when one is answered",
-                                 f"{me} {{ sc0_trackers gt {tenant.max_in_flight} }}", "Retry-After 1"))
+            lines.append(answers.in_flight_limit(tenant.name, tenant.max_in_flight).rule(
+                f"{me} {{ sc0_trackers gt {tenant.max_in_flight} }}"))
         if tenant.requests_per_minute is not None:
             rpm = tenant.requests_per_minute
-            lines.append(_answer(429, "rate_limit_exceeded",
-                                 f"tenant {tenant.name} sent {rpm} request(s) in the last minute, its limit; retry "
-                                 "later", f"{me} {{ sc0_gpc0_rate ge {rpm} }}", f"Retry-After {max(1, -(-60 // rpm))}"))
+            lines.append(answers.minute_limit(tenant.name, rpm).rule(f"{me} {{ sc0_gpc0_rate ge {rpm} }}"))
     # In the backend's queue as if it came batch_delay later: no class, so never starved. A
     # batch tenant's requests, and any request that asks for it (a nightly job of an
     # interactive tenant): a header lowers a request's class, never raises it.
@@ -150,12 +128,11 @@ def held_priority(tenants: Sequence[TenantEntry], batch_delay_s: float) -> list[
     return [f"    http-request set-priority-offset int({int(batch_delay_s * 1000)}) if {HELD_BATCH}"]
 
 
-def table(tenants: Sequence[TenantEntry]) -> list[str]:
-    """The backend that holds the tenants' counters: one entry per tenant, never more."""
+def table(tenants: Sequence[TenantEntry]) -> list[tuple[str, str]]:
+    """The tenants' counters (its backend, its line): one entry per tenant, never more."""
     if not tenants:
         return []
-    return [f"backend {TABLE}",
-            f"    stick-table type string len 64 size {len(tenants)} store gpc0,gpc0_rate(60s)"]
+    return [(TABLE, f"    stick-table type string len 64 size {len(tenants)} store gpc0,gpc0_rate(60s)")]
 
 
 def _may_use(tenant: TenantEntry, model: ServedModel) -> bool:
@@ -168,8 +145,7 @@ def model_rule(tenants: Sequence[TenantEntry], model: ServedModel) -> list[str]:
     if not refused:
         return []
     who = f"{{ var({VARIABLE}) -m str {' '.join(refused)} }}"
-    return [_answer(403, "permission_error", f"this key may not use model {model.name or 'served here'}; the "
-                    "operator lists the models each tenant may use", who)]
+    return [answers.model_refused(model.name or "served here").rule(who)]
 
 
 def counted(tenants: Sequence[TenantEntry]) -> list[str]:
@@ -193,11 +169,9 @@ def model_lists(tenants: Sequence[TenantEntry], served: tuple[ServedModel, ...])
         if len(mine) == len(served):
             continue
         me = f"{{ var({VARIABLE}) -m str {tenant.name} }}"
-        lines.append(f"    http-request return status 200 content-type application/json string "
-                     f"'{routing.models_list(mine)}' if {{ path {routing.MODELS_PATH} }} METH_GET {me}")
+        lines.append(answers.model_list(mine).rule(f"{{ path {routing.MODELS_PATH} }} METH_GET {me}"))
         hidden = " ".join(f"{routing.MODELS_PATH}/{ident}" for s in served if s not in mine for ident in s.ids)
-        lines.append(f"    http-request return status 404 content-type application/json string "
-                     f"'{routing.not_found(mine)}' if {{ path {hidden} }} {me}")
+        lines.append(answers.model_not_found(mine).rule(f"{{ path {hidden} }} {me}"))
     return lines
 
 

@@ -27,15 +27,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from numad_infer.config.tenants import TenantEntry
+from numad_infer.frontdoor import names
 
-TOKEN_VARIABLES = ("txn.prompt_tokens", "txn.completion_tokens")
-FILTER = "numa_tokens"
+TOKEN_VARIABLES = (names.PROMPT_TOKENS, names.COMPLETION_TOKENS)
+FILTER = names.TOKENS_FILTER
 TAIL = 512  # bytes read again with the next chunk: more than one `usage` or `timings` object
 
-# The filter's Lua (lua/numa-infer-tokens.lua) and what it reads from the data file (lua.py).
+# The filter's Lua (lua/numa-infer-tokens.lua) and what it reads from the data file (lua.py),
+# besides the names it shares with the rules (names.py).
 LUA_FILE = "numa-infer-tokens.lua"
-LUA_DATA: dict[str, str | int] = {"tokens.filter": FILTER, "tokens.tail": TAIL,
-                                  "tokens.prompt_var": TOKEN_VARIABLES[0], "tokens.completion_var": TOKEN_VARIABLES[1]}
+LUA_DATA: dict[str, str | int] = {"tokens.tail": TAIL}
 
 
 def rules(tenants: Sequence[TenantEntry]) -> list[str]:

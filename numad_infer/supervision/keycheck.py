@@ -25,7 +25,7 @@ def check_api_key(rt: Runtime, cfg: Config, api_key: str, frontdoor: Frontdoor |
         return  # busy: the check would wait on the model; ask when it is idle
     if not proc.port_owner(cfg.server.host, rt.instance.port, rt.pid).ours:
         return  # the key goes to the instance's own process only (its probe says whose the port is)
-    verdict = check_key(cfg.server.host, rt.instance.port, api_key, min(cfg.monitor.probe_timeout_s, 0.5),
+    verdict = check_key(cfg.server.host, rt.instance.port, api_key, min(cfg.tuning.probe_timeout_s, 0.5),
                         path)
     if verdict == KeyCheck.REJECTED and rt.key_check != KeyCheck.REJECTED:
         log.error("%s: refuses the API key of server.api_key_file (it runs with another one): restart it "

@@ -127,7 +127,7 @@ class Reconciler:
         if self.frontdoor is not None:
             self.frontdoor.observe()  # bounded by the runtime API's deadline
             self.keepalive()
-        limit = loaded.config.monitor.probe_timeout_s + PASS_SLACK_S
+        limit = loaded.config.tuning.probe_timeout_s + PASS_SLACK_S
         deadline = time.monotonic() + limit
         probes, counters = self._dispatch(loaded, observed)
         self._await([*probes.values(), *counters.values()], deadline)
@@ -184,13 +184,13 @@ class Reconciler:
         owner = self.proc.port_owner(cfg.server.host, port, pid)
         if not owner.ours:
             return ProbeResult(False, 0.0, owner.detail)
-        return self.liveness_probe(cfg.server.host, port, cfg.monitor.probe_timeout_s, loaded.engine.liveness_path)
+        return self.liveness_probe(cfg.server.host, port, cfg.tuning.probe_timeout_s, loaded.engine.liveness_path)
 
     def _counters(self, loaded: Loaded, port: int, pid: int) -> EngineCounters | None:
         cfg = loaded.config
         if not self.proc.port_owner(cfg.server.host, port, pid).ours:
             return None
-        return read_engine_metrics(loaded.engine, cfg.server.host, port, loaded.api_key, cfg.monitor.probe_timeout_s)
+        return read_engine_metrics(loaded.engine, cfg.server.host, port, loaded.api_key, cfg.tuning.probe_timeout_s)
 
     def _monitor_one(self, loaded: Loaded, rt: Runtime, seen: Observation, probed: ProbeResult | None,
                      now: float) -> None:

@@ -196,7 +196,7 @@ class Surges:
             result = ProbeResult(False, 0.0, description)
         else:
             owner = self.proc.port_owner(cfg.server.host, surge.copy.port, pid)
-            result = self.probe(cfg.server.host, surge.copy.port, cfg.monitor.probe_timeout_s,
+            result = self.probe(cfg.server.host, surge.copy.port, cfg.tuning.probe_timeout_s,
                                 loaded.engine.liveness_path) if owner.ours else ProbeResult(False, 0.0, owner.detail)
         if result.ok and point_spare(self.frontdoor, rt.instance.model, cfg.server.host, surge.copy.port):
             surge.change_phase(Phase.JOINING, now, "its probe passed, the spare points at it")  # STARTING -> JOINING

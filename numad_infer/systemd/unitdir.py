@@ -40,7 +40,7 @@ SYSTEM_UNIT_DIRS = ("/etc/systemd/system", "/run/systemd/system", "/usr/local/li
 
 def check_unit_names(config: Config, source: str, dirs: tuple[str, ...] = SYSTEM_UNIT_DIRS) -> None:
     """Refuse names of units that someone else ships: ours in /run would shadow theirs."""
-    names = [(template_unit(config.systemd.template), "systemd.template", config.systemd.template)]
+    names = [(template_unit(config.systemd.template), "tuning.unit_template", config.systemd.template)]
     if config.frontend.enabled:
         names.append((FRONTDOOR_UNIT, "frontend.listen", config.frontend.listen))
     for name, key, value in names:

@@ -1,6 +1,6 @@
 """The names of numa-infer's systemd units and of the files it renders for them. Pure.
 
-An instance is `<template>@<id>` (`systemd.template`, the planner's id: a node, `<node>.<k>`
+An instance is `<template>@<id>` (`tuning.unit_template`, the planner's id: a node, `<node>.<k>`
 or `interleave`); its unit is `<template>@<id>.service`, defined by the template unit
 `<template>@.service` plus one drop-in, `<template>@<id>.service.d/50-numa-infer.conf`.
 Every piece of that arithmetic is here, so a name is built and taken apart one way.

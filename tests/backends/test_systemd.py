@@ -136,7 +136,7 @@ def test_systemctl_failing_every_time_is_an_error(tmp_path: Path) -> None:
 
 
 def systemd_loaded(unit_dir: Path, extra: str = ""):
-    config = cfg(f'[systemd]\nunit_dir = "{unit_dir}"\n{extra}')
+    config = cfg(f'[tuning]\nunit_dir = "{unit_dir}"\n{extra}')
     return loaded_for(config, make_plan(config, three_nodes()), kind=BackendKind.SYSTEMD)
 
 

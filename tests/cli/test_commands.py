@@ -44,7 +44,7 @@ def model(tmp_path: Path) -> Path:
 def write_config(tmp_path: Path, model: Path, extra: str = "") -> Path:
     """A config naming no engine (the default, llama-server), with this tree's build of it."""
     path = tmp_path / "numa-infer.toml"
-    text = f'[model]\npath = "{model}"\n[systemd]\nunit_dir = "{tmp_path / "units"}"\n{extra}'
+    text = f'[model]\npath = "{model}"\n[tuning]\nunit_dir = "{tmp_path / "units"}"\n{extra}'
     path.write_text(with_server_keys(text, f'llama_server = "{llama_server_binary()}"\n'))
     return path
 
@@ -150,7 +150,7 @@ def test_a_missing_default_engine_is_one_line_naming_the_key_to_set(tmp_path: Pa
     config = tmp_path / "numa-infer.toml"
     absent = tmp_path / "no" / "llama-server"
     config.write_text(f'[model]\npath = "{model}"\n[server]\nllama_server = "{absent}"\n'
-                      f'[systemd]\nunit_dir = "{tmp_path / "units"}"\n')
+                      f'[tuning]\nunit_dir = "{tmp_path / "units"}"\n')
     done = run("--config", str(config), "--fsroot", str(fs), "check")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [

@@ -1,7 +1,8 @@
-"""etc/numa-infer.toml, what the package installs as /etc/numa-infer.toml: the real loader
-takes it, every value is the schema's default but the overrides `SHIPPED` lists with their
-reasons, and every comment is its key's (or table's) description. That the file is what the
-generator writes is tests/test_docs.py's check."""
+"""etc/numa-infer.toml, what the package installs as /etc/numa-infer.toml: the everyday keys
+only (at most 60 lines), the real loader takes it, every value is the schema's default but
+the overrides `EVERYDAY` gives with their reasons, and the man page's [[models]] and
+[[tenants]] examples work with it. That the file is what the generator writes is
+tests/test_docs.py's check."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from numad_infer.config import example, load
 from numad_infer.config.load import load_config, parse_config
 from numad_infer.config.reference import keys, tables
 from numad_infer.config.schema import Config
+from numad_infer.config.tuning import TuningSection
 from numad_infer.engines.keys import check_engine_keys
 from numad_infer.errors import ConfigError
 
@@ -35,152 +37,83 @@ def _values(config: Config) -> dict[str, Any]:
     return found
 
 
-def _array_block(table: str = "models") -> tuple[int, int]:
-    """Where the commented-out [[table]] block lies: its first line and the line after it."""
+def test_the_shipped_file_loads_with_the_real_loader() -> None:
+    config = parse_config(SHIPPED_FILE.read_text(), SRC)
+    check_engine_keys(config, SRC)  # the validation pipeline's engine check: no key of the other engine
+    assert config.server.parallel == 4 and config.model is not None and config.model.name == "model"
+
+
+def test_the_shipped_file_is_the_everyday_surface_at_most_60_lines() -> None:
     lines = SHIPPED_FILE.read_text().splitlines()
-    start = next(k for k, line in enumerate(lines) if line.startswith(f"# [[{table}]]: "))
-    end = next((k for k in range(start, len(lines)) if not lines[k].startswith("#")), len(lines))
-    return start, end
+    assert len(lines) <= example.MAX_LINES == 60
+    assert max(map(len, lines)) <= example.WIDTH
+    # No [tuning] knob, no array of tables: those are the man page's.
+    assert not set(example.EVERYDAY) & {f"tuning.{name}" for name in TuningSection.model_fields}
+    assert "[tuning]" not in tomllib.loads(SHIPPED_FILE.read_text()) and 20 <= len(example.EVERYDAY) <= 30
 
 
-ARRAYS = ("models", "tenants")
-
-
-def _active_lines() -> list[str]:
-    """The file without the [[models]] and [[tenants]] blocks: the single-[model] file it is."""
-    lines = SHIPPED_FILE.read_text().splitlines()
-    for start, end in sorted((_array_block(table) for table in ARRAYS), reverse=True):
-        lines = lines[:start] + lines[end:]
-    return lines
-
-
-def _commented() -> dict[str, str]:
-    """`section.key` -> the TOML value of each key the file shows commented out."""
+def _shown() -> dict[str, tuple[str, bool, str]]:
+    """`section.key` -> (its TOML value, commented out, its note) for each key line of the file."""
     found, section = {}, ""
-    for line in _active_lines():
+    for line in SHIPPED_FILE.read_text().splitlines():
         if table := re.fullmatch(r"\[(\w+)\]", line):
             section = table[1]
-        elif key := re.fullmatch(r"# (\w+) = (.+)", line):
-            found[f"{section}.{key[1]}"] = key[2]
+        elif key := re.fullmatch(r"(# )?(\w+) = (.+?)  # (.+)", line):
+            found[f"{section}.{key[2]}"] = (key[3], bool(key[1]), key[4])
     return found
 
 
-def test_the_shipped_file_loads_and_every_value_is_the_default_but_the_listed_overrides() -> None:
-    config = parse_config(SHIPPED_FILE.read_text(), SRC)
-    check_engine_keys(config, SRC)  # the validation pipeline's engine check: no key of the other engine
-    defaults = _values(parse_config('[model]\npath = "/m.gguf"\n', SRC))
-    shipped = _values(config)
-    differ = {key for key in defaults if shipped[key] != defaults[key]}
-    overrides = {key for key, entry in example.SHIPPED.items() if entry.value is not None}
-    assert differ == overrides
+def test_every_everyday_key_is_shown_once_in_schema_order_with_its_note() -> None:
+    shown = _shown()
+    order = [doc.key for doc in keys() if doc.key in example.EVERYDAY]
+    assert list(shown) == order and set(order) == set(example.EVERYDAY)
+    for key, (_, commented, note) in shown.items():
+        entry = example.EVERYDAY[key]
+        assert note.startswith(entry.note) and commented == entry.commented, key
+
+
+def test_every_value_is_the_default_but_the_listed_overrides_and_each_says_why() -> None:
+    defaults = {doc.key: doc.default for doc in keys()}
+    for key, (value, _, note) in _shown().items():
+        entry = example.EVERYDAY[key]
+        assert value == (entry.value or defaults[key]), key
+        overridden = entry.value is not None and defaults[key] is not None
+        assert note.endswith(f"(default {defaults[key]})") == overridden, key
+        assert (len(entry.why) > 20) == (entry.value is not None or entry.commented), key
+    assert _shown()["server.parallel"][2].endswith("(default 1)")
+
+
+def test_a_key_left_commented_out_is_unset_and_uncommented_takes_its_default() -> None:
     raw = tomllib.loads(SHIPPED_FILE.read_text())
-    for key in overrides:
-        section, name = key.split(".")
-        assert raw[section][name] == tomllib.loads(f"v = {example.SHIPPED[key].value}")["v"], key
-
-
-def test_a_key_left_commented_out_is_unset_and_shows_its_default() -> None:
-    commented = _commented()
-    assert set(commented) == {key for key, entry in example.SHIPPED.items() if entry.commented}
-    raw = tomllib.loads(SHIPPED_FILE.read_text())
     defaults = _values(parse_config('[model]\npath = "/m.gguf"\n', SRC))
-    for key, value in commented.items():
-        section, name = key.split(".")
-        assert name not in raw[section], key
-        # Uncommented alone (the schema's check only: python is refused beside llama-server).
-        uncommented = parse_config(f'[model]\npath = "/m.gguf"\n[{section}]\n{name} = {value}\n', SRC)
-        assert _values(uncommented)[key] == defaults[key], key
+    for key, (value, commented, _) in _shown().items():
+        if commented:
+            section, name = key.split(".")
+            assert name not in raw[section], key
+            uncommented = parse_config(f'[model]\npath = "/m.gguf"\n[{section}]\n{name} = {value}\n', SRC)
+            assert _values(uncommented)[key] == defaults[key], key
 
 
-def test_every_override_names_a_key_and_says_why() -> None:
-    every = {doc.key for doc in keys()}
-    for key, entry in example.SHIPPED.items():
-        assert key in every and len(entry.why) > 20, key
-        assert (entry.value is None) == entry.commented, f"{key}: either another value or commented out"
+def _switched(text: str) -> str:
+    """The shipped file with [model] replaced by the man page's [[models]] example."""
+    from numad_infer.config.reference import MODELS_EXAMPLE
+
+    lines = text.splitlines()
+    start = lines.index("[model]")
+    end = next(k for k in range(start + 1, len(lines)) if not lines[k] or lines[k].startswith("["))
+    return "\n".join(lines[:start] + MODELS_EXAMPLE.splitlines() + lines[end:]) + "\n"
 
 
-def _blocks() -> list[tuple[str, str]]:
-    """(what a comment block heads: `[table]` or a key, the block's text joined), in file order."""
-    blocks, comment = [], []
-    for line in _active_lines():
-        if setting := re.fullmatch(r"(?:# )?(\w+) = .*", line):
-            blocks.append((setting[1], " ".join(comment)))
-            comment = []
-        elif table := re.fullmatch(r"\[\w+\]", line):
-            blocks.append((table[0], " ".join(comment)))
-            comment = []
-        elif line.startswith("# "):
-            comment.append(line[2:])
-        else:
-            comment = []
-    return blocks
-
-
-def test_every_table_and_key_is_in_schema_order_under_its_own_description() -> None:
-    expected = []
-    docs = [doc for doc in keys() if not doc.array]  # the [[models]] block: its own tests below
-    for table, about in tables():
-        if table in ARRAYS:
-            continue
-        expected.append((f"[{table}]", about))
-        expected += [(doc.name, doc.meaning) for doc in docs if doc.section == table]
-    blocks = _blocks()
-    assert [head for head, _ in blocks] == [head for head, _ in expected]
-    for (head, comment), (_, description) in zip(blocks, expected, strict=True):
-        assert description and comment.startswith(description.replace("`", "")), head
-    assert max(map(len, SHIPPED_FILE.read_text().splitlines())) <= example.WIDTH
-
-
-def test_an_override_shows_the_default_it_replaces_and_the_rest_none() -> None:
-    comments = dict(_blocks())
-    for doc in (doc for doc in keys() if not doc.array):
-        entry = example.SHIPPED.get(doc.key)
-        replaced = entry is not None and entry.value is not None and doc.default is not None
-        assert (f"default {doc.default}]" in comments[doc.name]) == replaced, doc.key
-    assert comments["parallel"].endswith("[int 1..64; default 1]")
-    assert comments["path"].endswith("[absolute path; required]")
-
-
-def _array_paragraphs(table: str = "models") -> list[str]:
-    """The [[table]] block's comment paragraphs, each joined into one line, uncommented."""
-    lines = SHIPPED_FILE.read_text().splitlines()
-    start, end = _array_block(table)
-    text = "\n".join(line.removeprefix("#").removeprefix(" ") for line in lines[start:end])
-    return [" ".join(paragraph.split("\n")) for paragraph in text.split("\n\n")]
-
-
-@pytest.mark.parametrize(("table", "intro", "least"), [("models", "[model] and [[models]] are exclusive", 10),
-                                                   ("tenants", "To give each client its own key", 5)])
-def test_an_array_block_describes_every_key_of_its_table_in_schema_order(table: str, intro: str, least: int) -> None:
-    paragraphs = _array_paragraphs(table)
-    about = dict(tables())[table].replace("`", "")
-    assert paragraphs[0].startswith(f"[[{table}]]: {about}. {intro}")
-    described = [p for p in paragraphs if p.startswith(f"{table}[].")]
-    docs = [doc for doc in keys() if doc.array and doc.section == table]
-    assert [p.split(":", 1)[0] for p in described] == [doc.key for doc in docs] and len(docs) >= least
-    for paragraph, doc in zip(described, docs, strict=True):
-        assert paragraph.startswith(f"{doc.key}: {doc.meaning.replace('`', '')}"), doc.key
-        assert paragraph.endswith("; required]" if doc.default is None else f"default {doc.default}]"), doc.key
-
-
-def test_the_models_example_uncommented_in_place_of_model_is_a_valid_file_and_plans_28_and_4_cores(
-        tmp_path: Path) -> None:
-    """What an operator does to switch: delete [model], uncomment the example. The shipped
-    file leaves placement.nodes and instances_per_node unset, which [[models]] refuses."""
+def test_the_models_example_in_place_of_model_is_a_valid_file_and_plans_28_and_4_cores(tmp_path: Path) -> None:
+    """What an operator does to switch: replace [model] with the man page's example. The
+    shipped file leaves placement.nodes and instances_per_node unset, which [[models]] refuses."""
     from numad_infer.config.models import served_models
     from numad_infer.config.reference import MODELS_EXAMPLE
     from numad_infer.plan.placement import make_plan
     from numad_infer.topology.sysfs import read_topology
     from tests import fakesys
 
-    lines = SHIPPED_FILE.read_text().splitlines()
-    start, end = _array_block()
-    example_start = next(k for k in range(start, end) if lines[k] == "# [[models]]")
-    uncommented = [line.removeprefix("#").removeprefix(" ") for line in lines[example_start:end]]
-    assert "\n".join(uncommented) + "\n" == MODELS_EXAMPLE
-    model_table = lines.index("[model]")
-    switched = "\n".join(lines[:model_table] + uncommented + lines[end:]) + "\n"
-    config = parse_config(switched, SRC)
+    config = parse_config(_switched(SHIPPED_FILE.read_text()), SRC)
     check_engine_keys(config, SRC)
     assert config.model is None
     assert [(m.name, m.aliases, m.cores_per_instance) for m in served_models(config)] == [
@@ -194,28 +127,23 @@ def test_the_models_example_uncommented_in_place_of_model_is_a_valid_file_and_pl
     for node in (0, 1):
         here = [set(i.cpus) for i in plan.instances if i.node == node]
         assert not here[0] & here[1]
-    # The shipped file with the example uncommented and [model] kept: refused in one line.
-    both = "\n".join(lines[:example_start] + uncommented + lines[end:]) + "\n"
+    # The shipped file with the example added and [model] kept: refused in one line.
+    both = SHIPPED_FILE.read_text() + "\n" + MODELS_EXAMPLE
     with pytest.raises(ConfigError, match=r"models: and \[model\] are both set"):
         parse_config(both, SRC)
 
 
-def test_the_tenants_example_uncommented_is_a_valid_file() -> None:
+def test_the_tenants_example_added_is_a_valid_file() -> None:
     from numad_infer.config.reference import TENANTS_EXAMPLE
 
-    lines = SHIPPED_FILE.read_text().splitlines()
-    start, end = _array_block("tenants")
-    example_start = next(k for k in range(start, end) if lines[k] == "# [[tenants]]")
-    uncommented = [line.removeprefix("#").removeprefix(" ") for line in lines[example_start:end]]
-    assert "\n".join(uncommented) + "\n" == TENANTS_EXAMPLE
-    config = parse_config("\n".join(lines[:example_start] + uncommented + lines[end:]) + "\n", SRC)
+    config = parse_config(SHIPPED_FILE.read_text() + "\n" + TENANTS_EXAMPLE, SRC)
     assert [(t.name, t.max_in_flight, t.requests_per_minute) for t in config.tenants] == [
         ("chat", None, None), ("batch", 4, 600)]
 
 
 def test_a_required_key_without_a_shipped_value_stops_the_generator() -> None:
     with pytest.MonkeyPatch.context() as patch:
-        patch.delitem(example.SHIPPED, "model.path")
+        patch.setitem(example.EVERYDAY, "model.path", example.Shown("the GGUF file"))
         with pytest.raises(ValueError, match=r"model\.path is required"):
             example.example_toml()
 

@@ -19,6 +19,7 @@ from numad_infer.config.apikey import read_tenant_keys
 from numad_infer.config.load import parse_config
 from numad_infer.config.reference import heading, table_of
 from numad_infer.config.schema import Config
+from numad_infer.config.tuning import MOVED, TuningSection
 from numad_infer.errors import ConfigError
 from numad_infer.host.identity import BackendKind
 from numad_infer.topology.sysfs import read_topology
@@ -40,12 +41,12 @@ ROWS = [
      'did you mean "context_size"?'),
     ("models-typo", MODELS + "contxt_size = 8192\n", "models[0].contxt_size", 'did you mean "context_size"?'),
     ("frontend-typo", MODEL + FRONT + "queue_sise = 10\n", "frontend.queue_sise", 'did you mean "queue_size"?'),
-    ("monitor-typo", MODEL + "[monitor]\nunhealthy_afer = 3\n", "monitor.unhealthy_afer",
-     'did you mean "unhealthy_after"?'),
+    ("monitor-typo", MODEL + "[monitor]\nstartup_grace = 3\n", "monitor.startup_grace",
+     'did you mean "startup_grace_s"?'),
     ("placement-typo", MODEL + '[placement]\nreserve_cpu = "0"\n', "placement.reserve_cpu",
      'did you mean "reserve_cpus"?'),
     ("metrics-typo", MODEL + '[metrics]\nlistn = "127.0.0.1:9464"\n', "metrics.listn", 'did you mean "listen"?'),
-    ("systemd-typo", MODEL + '[systemd]\nunitdir = "/run/systemd/system"\n', "systemd.unitdir",
+    ("tuning-typo", MODEL + '[tuning]\nunitdir = "/run/systemd/system"\n', "tuning.unitdir",
      'did you mean "unit_dir"?'),
     ("tenants-typo", MODEL + FRONT + TENANT.format(name="a") + TENANT.format(name="b") + "max_inflight = 4\n",
      "tenants[1].max_inflight", 'did you mean "max_in_flight"?'),
@@ -54,6 +55,22 @@ ROWS = [
      "model.llama_server", "it belongs in [server]: move it there"),
     ("key-of-server-in-frontend", MODEL + FRONT + "parallel = 4\n", "frontend.parallel",
      "it belongs in [server]: move it there"),
+    # A tuning knob in the table it used to be in: refused, naming its place in [tuning].
+    ("moved-prefix-wait", MODEL + "[frontend]\nprefix_wait_s = 3\n", "frontend.prefix_wait_s",
+     "moved to [tuning] as prefix_wait_s; move it there"),
+    ("moved-header-timeout", MODEL + FRONT + "header_timeout_s = 2\n", "frontend.header_timeout_s",
+     "moved to [tuning] as header_timeout_s; move it there"),
+    ("moved-probe-timeout", MODEL + "[monitor]\nprobe_timeout_s = 3\n", "monitor.probe_timeout_s",
+     "moved to [tuning] as probe_timeout_s; move it there"),
+    ("moved-unhealthy-after", MODEL + "[monitor]\nunhealthy_after = 3\n", "monitor.unhealthy_after",
+     "moved to [tuning] as unhealthy_after; move it there"),
+    ("moved-systemd-template", MODEL + '[systemd]\ntemplate = "worker"\n', "systemd.template",
+     "moved to [tuning] as unit_template; move it there"),
+    ("moved-systemd-unit-dir", MODEL + '[systemd]\nunit_dir = "/etc/systemd/system"\n', "systemd.unit_dir",
+     "moved to [tuning] as unit_dir; move it there"),
+    ("moved-systemd-typo", MODEL + '[systemd]\nunitdir = "/etc/systemd/system"\n', "systemd.unitdir",
+     "[systemd] moved into [tuning]: did you mean unit_dir there?"),
+    ("moved-systemd-empty", MODEL + "[systemd]\n", "systemd", "moved into [tuning] (unit_dir, unit_template)"),
     # Wrong values: what the key takes.
     ("string-for-int", MODEL + '[server]\nparallel = "4"\n', 'server.parallel = "4"',
      "must be a whole number, not a string"),
@@ -99,6 +116,32 @@ def test_two_problems_in_one_table_are_both_shown_each_on_its_own_line() -> None
     assert f'{SRC}: models[1].context_size = "big": must be a whole number, not a string' in lines, message
     assert f"{SRC}: models[1].path: is required; add path = <absolute path> to that [[models]] table" in lines
     assert len(lines) == 3 and "more problem" not in message
+
+
+@pytest.mark.parametrize("old, new", sorted(MOVED.items()))
+def test_every_moved_key_is_refused_in_its_old_place_in_one_line_naming_the_new(old: str, new: str) -> None:
+    """Never ignored, never read as something else: each knob's old spelling is one line
+    naming `[tuning]` and its name there; the same value there loads and is what the old
+    attribute reads (frontdoor code reads `config.frontend.prefix_wait_s`)."""
+    table, key = old.split(".")
+    kind = TuningSection.model_fields[new].annotation
+    value = {"unit_dir": '"/etc/systemd/system"', "template": '"worker"'}.get(key, "32" if kind is int else "3.5")
+    message = refused(f"{MODEL}[{table}]\n{key} = {value}\n")
+    assert message == f"{SRC}: {old}: moved to [tuning] as {new}; move it there"
+    config = parse_config(f"{MODEL}[tuning]\n{new} = {value}\n", SRC)
+    read = config.systemd.template if key == "template" else getattr(getattr(config, table), key)
+    assert read == getattr(config.tuning, new) != getattr(TuningSection(), new)
+
+
+def test_moved_keys_are_each_answered_among_other_problems() -> None:
+    message = refused(MODEL + "[frontend]\nprefix_wait_s = 3\nqueue_size = 0\n"
+                      '[systemd]\ntemplate = "w"\nunit_dir = "/x"\n')
+    assert_operator_lines(message)
+    lines = message.splitlines()
+    assert f"{SRC}: frontend.prefix_wait_s: moved to [tuning] as prefix_wait_s; move it there" in lines
+    assert f"{SRC}: systemd.template: moved to [tuning] as unit_template; move it there" in lines
+    assert f"{SRC}: systemd.unit_dir: moved to [tuning] as unit_dir; move it there" in lines
+    assert f"{SRC}: frontend.queue_size = 0: must be at least 1" in lines and len(lines) == 4
 
 
 @pytest.mark.parametrize("section", list(Config.model_fields))

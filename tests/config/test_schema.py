@@ -44,7 +44,7 @@ BASE = '[model]\npath = "/m.gguf"\n'
         (BASE + '[server]\nhost = "fe80::1%lo"\n', 'server.host = "fe80::1%lo": has an IPv6 zone ID'),
         (BASE + '[server]\nhost = "::1 #"\n', 'server.host = "::1 #": must be an IP address'),
         (BASE + '[frontend]\nlisten = "127.0.0.1 :8000"\n', "frontend.listen = \"127.0.0.1 :8000\": '127.0.0.1 ' is not an IP"),
-        (BASE + '[systemd]\ntemplate = "in fer"\n', 'systemd.template = "in fer": must start with a letter, then up to 63 of'),
+        (BASE + '[tuning]\nunit_template = "in fer"\n', 'tuning.unit_template = "in fer": must start with a letter, then up to 63 of'),
     ],
 )
 def test_invalid_config_message(text: str, expected: str) -> None:
@@ -64,7 +64,7 @@ def test_invalid_toml_names_the_line() -> None:
     ("model.path", '[model]\npath = "/m\\u0000x"\n'),
     ("server.extra_args[1]", BASE + '[server]\nextra_args = ["--a", "b\\nc"]\n'),
     ("server.python", BASE + '[server]\npython = "/usr/bin/python3\\n"\n'),
-    ("systemd.unit_dir", BASE + '[systemd]\nunit_dir = "/run/x\\ty"\n'),
+    ("tuning.unit_dir", BASE + '[tuning]\nunit_dir = "/run/x\\ty"\n'),
     ("placement.reserve_cpus", BASE + '[placement]\nreserve_cpus = "0\\n"\n'),
 ])
 def test_control_characters_are_rejected_in_every_string(key: str, raw: str) -> None:

@@ -168,11 +168,11 @@ def test_the_daemon_holds_one_applied_value_and_a_reload_moves_it_everywhere_at_
     cannot be applied leaves the previous one applied everywhere."""
     plan, reconciler = running.daemon.plan, running.daemon.reconciler
     assert plan.loaded is reconciler.loaded is running.loaded
-    config = cfg('[frontend]\nlisten = ""\n[monitor]\nprobe_timeout_s = 3')
+    config = cfg('[frontend]\nlisten = ""\n[tuning]\nprobe_timeout_s = 3')
     running.loaded = reloaded = loaded_for(config, make_plan(config, three_nodes()))
     plan.reload()
     assert plan.loaded is reconciler.loaded is reloaded and plan.config is reloaded.config
-    config = cfg('[frontend]\nlisten = ""\n[monitor]\nprobe_timeout_s = 4')
+    config = cfg('[frontend]\nlisten = ""\n[tuning]\nprobe_timeout_s = 4')
     running.loaded = loaded_for(config, make_plan(config, three_nodes()))
 
     def refuse(loaded: Loaded) -> bool:

@@ -85,7 +85,7 @@ def setup(tmp_path: Path, mutate: Mutate | None = None, variant: str | None = "s
     searchable_by_others(home)
     config = tmp_path / "numa-infer.toml"
     config.write_text(f'[model]\npath = "{model}"\n{model_extra}[server]\nengine = "llama-server"\nllama_server = "{server}"\n'
-                      f'[systemd]\nunit_dir = "{tmp_path / "units"}"\n{extra}')
+                      f'[tuning]\nunit_dir = "{tmp_path / "units"}"\n{extra}')
     return config, root
 
 

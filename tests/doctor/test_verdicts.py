@@ -263,7 +263,7 @@ def test_engine_isa_of_a_single_backend_build_comes_from_its_system_info(tmp_pat
     python.write_text("#!/bin/sh\necho 'CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | AVX512 = 0 | AMX_INT8 = 0 | '\n")
     python.chmod(0o755)
     text = config.read_text()
-    server = text[text.index("[server]"):text.index("[systemd]")]
+    server = text[text.index("[server]"):text.index("[tuning]")]
     config.write_text(text.replace(server, f'[server]\nengine = "llama-cpp-python"\npython = "{python}"\n'))
     loaded = load(str(config), BackendKind.PROCESS, str(root))
     check = {c.name: c for c in checkup(loaded, root, None, 0.0, sampler=lambda seconds: ())}["engine vector ISA"]

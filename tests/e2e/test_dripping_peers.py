@@ -18,8 +18,8 @@ from tests import daemon_harness
 from tests.daemon_harness import daemons, generated_model, shared_dir
 from tests.peers import Peer, drip
 
-PROBE_TIMEOUT_S = 1.0  # the harness's monitor.probe_timeout_s
-RUNTIME_API_S = PROBE_TIMEOUT_S  # the front door gives its runtime API monitor.probe_timeout_s
+PROBE_TIMEOUT_S = 1.0  # the harness's tuning.probe_timeout_s
+RUNTIME_API_S = PROBE_TIMEOUT_S  # the front door gives its runtime API tuning.probe_timeout_s
 WATCHDOG_S = 10.0
 
 INSTANCE = """

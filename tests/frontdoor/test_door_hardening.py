@@ -95,7 +95,7 @@ def _maxconn(door) -> int:
 
 @with_haproxy
 def test_connections_that_send_nothing_hold_the_door_for_header_timeout_s_at_most(door_with) -> None:
-    door = door_with(frontend="header_timeout_s = 1\nqueue_size = 1\n")
+    door = door_with(frontend="queue_size = 1\n[tuning]\nheader_timeout_s = 1\n")
     idle = []
     try:
         # Every connection HAProxy takes, and more waiting in the kernel's queue behind them.

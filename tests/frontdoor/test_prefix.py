@@ -64,10 +64,10 @@ def test_prefix_hashes_the_prompt_start_within_a_load_bound_and_none_keeps_least
                       "{ var(txn.prefix_later) -m found }\n")
     again = text.index("if { var(txn.prefix_waited) -m bool } { queue(instances) ge 64 }\n")
     assert wait < again < text.index("    use-server ")
-    unwaited = _render(tmp_path / "w", '[model]\npath = "/m.gguf"\n[frontend]\nprefix_wait_s = 0\n')
+    unwaited = _render(tmp_path / "w", '[model]\npath = "/m.gguf"\n[tuning]\nprefix_wait_s = 0\n')
     assert "numa_home_wait" not in _backend_text(unwaited) and "prefix_waited" not in unwaited
-    tuned = _render(tmp_path / "b", '[model]\npath = "/m.gguf"\n[frontend]\nprefix_bytes = 512\n'
-                                    'prefix_balance_factor = 1.5\naffinity_header = "X-Chat"\n')
+    tuned = _render(tmp_path / "b", '[model]\npath = "/m.gguf"\n[frontend]\naffinity_header = "X-Chat"\n'
+                                    '[tuning]\nprefix_bytes = 512\nprefix_balance_factor = 1.5\n')
     assert "lua.numa_pick(instances,1.5)" in tuned and "bytes(0,512)" in tuned and "req.hdr(X-Chat)" in tuned
     # The buffer json_query reads holds the longest prompt an instance accepts.
     assert "    tune.bufsize 65536\n" in tuned
@@ -86,10 +86,10 @@ def test_every_models_backend_hashes_on_its_own(tmp_path: Path) -> None:
 
 
 def test_out_of_range_prefix_keys_are_refused() -> None:
-    for bad in ("prefix_bytes = 0", "prefix_balance_factor = 1.0", "prefix_balance_factor = 1.001",
-                'affinity = "prefixes"'):
-        with pytest.raises(ConfigError, match="frontend"):
-            parse_config(f'[model]\npath = "/m.gguf"\n[frontend]\n{bad}\n', "/etc/numa-infer.toml")
+    for table, bad in (("tuning", "prefix_bytes = 0"), ("tuning", "prefix_balance_factor = 1.0"),
+                       ("tuning", "prefix_balance_factor = 1.001"), ("frontend", 'affinity = "prefixes"')):
+        with pytest.raises(ConfigError, match=f"{table}[.]"):
+            parse_config(f'[model]\npath = "/m.gguf"\n[{table}]\n{bad}\n', "/etc/numa-infer.toml")
 
 
 # Two nodes x 2 instances: four servers, each with 8 slots (the load bound, not maxconn, is
@@ -399,7 +399,7 @@ def test_a_request_waits_for_its_busy_home_up_to_prefix_wait_s_then_runs_on_a_fr
     turn, sent meanwhile while the other server is free, waits for the home up to
     prefix_wait_s: at 1 s it runs on the free server (which becomes its home: it read the
     whole history there), at 6 s it gets its home back when the first turn ends."""
-    door = _two_started(tmp_path, 1, frontend=f"prefix_wait_s = {wait_s}\n")
+    door = _two_started(tmp_path, 1, frontend=f"[tuning]\nprefix_wait_s = {wait_s}\n")
     try:
         opening = "a conversation of its own " + "x" * 300
 

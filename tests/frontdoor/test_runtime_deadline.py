@@ -101,7 +101,7 @@ def test_a_well_behaved_admin_socket_is_still_read(admin_sock: Path) -> None:
 
 
 def test_a_stuck_front_door_is_recorded_unanswering_and_the_pass_goes_on(admin_sock: Path) -> None:
-    config = cfg(f"[monitor]\nprobe_timeout_s = {DEADLINE_S}\n")
+    config = cfg(f"[tuning]\nprobe_timeout_s = {DEADLINE_S}\n")
     with Peer(drip(*STAT_DRIP), unix_path=admin_sock) as haproxy:
         door = door_on(admin_sock)
         rec = Reconciler(RecordingBackend(), FakeProc(), frontdoor=door, probe=answering_probe)  # type: ignore[arg-type]

@@ -406,8 +406,8 @@ def test_each_class_waits_up_to_its_own_queue_deadline(door_with, deadlines: str
     own = deadlines == "own"
     door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', server="parallel = 1\n",
                      b='priority = "batch"\n',
-                     frontend="queue_timeout_s = 3\ninteractive_reserve = 0\n"
-                     + ("batch_queue_timeout_s = 5\n" if own else ""))
+                     frontend="queue_timeout_s = 3\n" + ("batch_queue_timeout_s = 5\n" if own else "")
+                     + "[tuning]\ninteractive_reserve = 0\n")
     api = door.door.api
     results: dict[str, tuple[Reply, float]] = {}
     started = time.monotonic()
@@ -415,7 +415,7 @@ def test_each_class_waits_up_to_its_own_queue_deadline(door_with, deadlines: str
     def ask(key: str, who: str) -> None:
         sent = time.monotonic()
         # Each its own conversation: one prompt for all would be one prefix key, and the
-        # second request would wait for the first's instance (frontend.prefix_wait_s).
+        # second request would wait for the first's instance (tuning.prefix_wait_s).
         reply = post(door.port, key, content=f"{who} {SLOW}")
         results[who] = (reply, time.monotonic() - sent)
 
@@ -541,7 +541,7 @@ def test_in_a_hold_each_class_waits_up_to_its_own_deadline_from_its_arrival(door
     waits for room, its hold counted in its 4 s: refused at about 4 s from its arrival."""
     door = door_with(models='[model]\npath = "/m.gguf"\nname = "alpha"\n', server="parallel = 1\n",
                      b='priority = "batch"\n',
-                     frontend="queue_timeout_s = 1\nbatch_queue_timeout_s = 4\nbatch_delay_s = 0\n")
+                     frontend="queue_timeout_s = 1\nbatch_queue_timeout_s = 4\n[tuning]\nbatch_delay_s = 0\n")
     api = door.door.api
     names = list(api.backend("instances").instances)
     for name in names:

@@ -9,9 +9,11 @@ import re
 import pytest
 
 from numad_infer.config.schema import MonitorSection
+from numad_infer.config.tuning import TuningSection
 from numad_infer.lifecycle.states import RestartDecision, State, Supervision
 
-MON = MonitorSection(startup_grace_s=10, unhealthy_after=1, max_restarts=5, restart_window_s=100, restart_backoff_s=2)
+MON = MonitorSection(startup_grace_s=10, max_restarts=5, restart_window_s=100).tuned(
+    TuningSection(unhealthy_after=1, restart_backoff_s=2))
 
 
 def test_backoff_says_in_how_many_seconds(caplog: pytest.LogCaptureFixture) -> None:

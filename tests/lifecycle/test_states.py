@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from numad_infer.config.schema import MonitorSection
+from numad_infer.config.tuning import TuningSection
 from numad_infer.lifecycle.states import (
     ENTERED_FROM,
     Drain,
@@ -24,7 +25,8 @@ from numad_infer.lifecycle.states import (
     next_step,
 )
 
-MON = MonitorSection(startup_grace_s=10, unhealthy_after=3, max_restarts=3, restart_window_s=100, restart_backoff_s=2)
+MON = MonitorSection(startup_grace_s=10, max_restarts=3, restart_window_s=100).tuned(
+    TuningSection(unhealthy_after=3, restart_backoff_s=2))
 PACKAGE = Path(__file__).resolve().parents[2] / "numad_infer"
 
 

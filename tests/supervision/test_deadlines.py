@@ -159,7 +159,7 @@ def test_a_pass_with_one_dripping_instance_ends_by_its_deadline_the_others_healt
     base = free_port_block(3)
     healthy = answer(lambda request: http(200, METRICS))
     rec = _reconciler(f'[server]\nengine = "llama-server"\nbase_port = {base}\n'
-                      f"[monitor]\nprobe_timeout_s = {DEADLINE_S}\nstartup_grace_s = 0\nunhealthy_after = 3\n")
+                      f"[monitor]\nstartup_grace_s = 0\n[tuning]\nprobe_timeout_s = {DEADLINE_S}\nunhealthy_after = 3\n")
     with Peer(healthy, base), Peer(drip(*HEADER_DRIP), base + 1) as dripping, Peer(healthy, base + 2):
         # Two passes: the first meets the processes (their counters start with the second).
         passes = [timed(lambda now=now: rec.monitor(now)) for now in (1.0, 2.0)]
@@ -185,7 +185,7 @@ def test_a_probe_that_outlives_its_own_deadline_is_failed_at_the_pass_deadline()
         return ProbeResult(True, 0.001)
 
     pings: list[float] = []
-    rec = _reconciler(f"[monitor]\nprobe_timeout_s = {DEADLINE_S}\nstartup_grace_s = 0\n",
+    rec = _reconciler(f"[monitor]\nstartup_grace_s = 0\n[tuning]\nprobe_timeout_s = {DEADLINE_S}\n",
                       keepalive=lambda: pings.append(time.monotonic()), probe=stuck_probe)
     try:
         started = time.monotonic()

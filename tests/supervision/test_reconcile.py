@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from numad_infer.config.schema import MonitorSection
+from numad_infer.config.tuning import TuningSection
 from numad_infer.host.proc_types import NodeUsage
 from numad_infer.lifecycle.drift import EventKind
 from numad_infer.lifecycle.states import RestartDecision, State, Supervision
@@ -20,7 +21,8 @@ from numad_infer.host.pinning import MemoryCalls
 from tests.fakes import (FakeFrontdoor, FakeProc, RecordingBackend, StandInPinner, answering_probe, cfg, loaded_for,
                          three_nodes)
 
-MON = MonitorSection(startup_grace_s=10, unhealthy_after=3, max_restarts=3, restart_window_s=100, restart_backoff_s=2)
+MON = MonitorSection(startup_grace_s=10, max_restarts=3, restart_window_s=100).tuned(
+    TuningSection(unhealthy_after=3, restart_backoff_s=2))
 
 
 def test_failed_probes_in_grace_period_do_not_count() -> None:
@@ -274,7 +276,7 @@ def test_the_applied_value_is_held_once_by_the_reconciler_and_handed_down() -> N
     rec = Reconciler(backend, FakeProc(), frontdoor=FakeFrontdoor(), probe=answering_probe)  # type: ignore[arg-type]
     assert rec.loaded is None
     for n, key in enumerate(("k-FIRST-37", "k-SECOND-37")):
-        config = cfg(f"[monitor]\nprobe_timeout_s = {n + 1}\n[frontend]\ndrain_timeout_s = {n + 7}")
+        config = cfg(f"[tuning]\nprobe_timeout_s = {n + 1}\n[frontend]\ndrain_timeout_s = {n + 7}")
         loaded = loaded_for(config, make_plan(config, three_nodes()), api_key=key)
         rec.apply(loaded, float(n))
         rec.monitor(n + 0.5)

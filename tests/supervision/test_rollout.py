@@ -84,7 +84,7 @@ def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definit
                      probe=lambda host, port, timeout, path: ProbeResult(port not in broken, 0.0, "refused"))
     backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
                                     for i in loaded.plan.instances}
-    base = "[monitor]\nstartup_grace_s = 0\nunhealthy_after = 1\nrestart_backoff_s = 1\n"
+    base = "[monitor]\nstartup_grace_s = 0\n[tuning]\nunhealthy_after = 1\nrestart_backoff_s = 1\n"
     rec.apply(loaded_for(cfg(base), make_plan(cfg(base), three_nodes())), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()

@@ -70,7 +70,7 @@ def test_an_unhealthy_instance_that_makes_no_progress_is_restarted_without_waiti
     # SIGSTOPped or wedged: it will never finish its request, so draining would only wait.
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front)
-    config = cfg("[monitor]\nunhealthy_after = 1\nstartup_grace_s = 0\nprobe_timeout_s = 0.2")
+    config = cfg("[monitor]\nstartup_grace_s = 0\n[tuning]\nunhealthy_after = 1\nprobe_timeout_s = 0.2")
     rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     backend.calls.clear()
     pid = backend.running["infer@0"]
@@ -95,7 +95,7 @@ def lifecycle(rec: Reconciler, name: str = "infer@0") -> tuple[State, int]:
 def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off() -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend, FakeProc(), probe=answering_probe)
-    rec.apply(loaded_for(cfg("[monitor]\nrestart_backoff_s = 5"), make_plan(cfg(), three_nodes())), 0.0)
+    rec.apply(loaded_for(cfg("[tuning]\nrestart_backoff_s = 5"), make_plan(cfg(), three_nodes())), 0.0)
     rec.monitor(1.0)
     assert lifecycle(rec) == (State.HEALTHY, 0)
     backend.calls.clear()
@@ -146,7 +146,7 @@ def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_cr
     backend.observe = lambda names: {n: Observation(backend.running.get(n), n in later and n not in backend.running,
                                                     "activating") for n in names}
     rec = Reconciler(backend, FakeProc(), probe=probe)
-    config = cfg("[monitor]\nunhealthy_after = 1\nstartup_grace_s = 30")
+    config = cfg("[monitor]\nstartup_grace_s = 30\n[tuning]\nunhealthy_after = 1")
     rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
     rec.monitor(0.5)
     assert lifecycle(rec) == (State.HEALTHY, 0)
@@ -210,7 +210,7 @@ def test_a_probe_that_answers_while_requests_stall_for_30s_counts_as_failed() ->
 
 # -- Supervisor.step alone: one instance's state and what was seen of it -> the call made ---------
 
-TABLE_CONFIG = "[monitor]\nstartup_grace_s = 10\nunhealthy_after = 2\nrestart_backoff_s = 2\n"
+TABLE_CONFIG = "[monitor]\nstartup_grace_s = 10\n[tuning]\nunhealthy_after = 2\nrestart_backoff_s = 2\n"
 
 
 def table_loaded() -> Loaded:
@@ -369,7 +369,7 @@ def test_a_requested_restart_saves_the_slots_first_and_restores_them_before_rota
 
 
 def test_a_restart_after_failed_probes_saves_nothing(tmp_path) -> None:
-    backend, front, rec, keeper, _ = _kept(tmp_path, "[monitor]\nunhealthy_after = 1\nstartup_grace_s = 0")
+    backend, front, rec, keeper, _ = _kept(tmp_path, "[monitor]\nstartup_grace_s = 0\n[tuning]\nunhealthy_after = 1")
     backend.calls.clear()
     rec.liveness_probe = lambda host, port, timeout, path: ProbeResult(port != rec.runtimes["infer@0"].instance.port,
                                                                        0.001, "no answer")

@@ -68,7 +68,7 @@ def test_a_changed_drop_in_alone_reloads_systemd_before_the_front_door_binds(tmp
     systemctl = stand_in(tmp_path)
     handout = FrontdoorHandout(lambda name, fd: None, {}, frozenset({0}), None, tmp_path / "listener.sock",
                                PortUnit(systemctl, tmp_path / "etc"))
-    moved = parse_config(f'[model]\npath = "/m.gguf"\n[systemd]\nunit_dir = "{tmp_path / "units"}"\n'
+    moved = parse_config(f'[model]\npath = "/m.gguf"\n[tuning]\nunit_dir = "{tmp_path / "units"}"\n'
                          '[frontend]\nlisten = "127.0.0.1:9000"\n')
     assert not SystemdBackend(systemctl, handout=handout).sync(loaded_for(moved, Plan(()), kind=BackendKind.PROCESS))
     assert calls(tmp_path)[-1] == "daemon-reload" and (tmp_path / "etc" / PORT_DROPIN).exists()

@@ -151,13 +151,13 @@ def _numa_infer(*args: str) -> subprocess.CompletedProcess[str]:
     ([Edit("server", "engine", "llama-server"), Edit("server", "llama_server", "/bin/true")],
      "server.llama_server = \"/bin/true\": is not llama.cpp's llama-server"),
     # Only the unit-name check refuses this: e2fsprogs' e2scrub@.service would be shadowed.
-    ([Edit("systemd", "template", "e2scrub")], "systemd.template = \"e2scrub\": /"),
+    ([Edit("tuning", "unit_template", "e2scrub")], "tuning.unit_template = \"e2scrub\": /"),
 ])
 def test_tune_apply_refuses_exactly_what_check_refuses_and_writes_nothing(tmp_path: Path, edits, refusal) -> None:
     from numad_infer.host.identity import BackendKind
     from numad_infer.tune.run import write_tuned
 
-    if edits[0].key == "template" and not Path("/lib/systemd/system/e2scrub@.service").exists():
+    if edits[0].key == "unit_template" and not Path("/lib/systemd/system/e2scrub@.service").exists():
         pytest.skip("no e2scrub@.service on this host to shadow")
     path, fsroot = checked_setup(tmp_path)
     before = path.read_text()
