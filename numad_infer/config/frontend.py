@@ -98,8 +98,8 @@ class FrontendSection(Tuned):
     )
     # Not strict: TOML gives a string, which pydantic's strict mode would refuse for an enum.
     affinity: Affinity = Field(
-        # The default: later turns 1.08-2.11x faster than least connections at p50, no cost
-        # where nothing is shared (bench/README.md, run 7); idle beside a waiting request
+        # The default: later turns up to 2x faster than least connections at p50, no cost
+        # where nothing is shared (bench/README.md, "Prefix routing"); idle beside a waiting request
         # for prefix_wait_s at most, and the load bound keeps a hot prompt spread.
         Affinity.PREFIX, strict=False,
         description=(

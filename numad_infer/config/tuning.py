@@ -84,7 +84,7 @@ class TuningSection(Section):
             "affinity (`frontend.affinity`); conversations that agree on them share an instance"
         ),
     )
-    # 1.25: swept in bench/README.md run 8 (1.1: later turns 1.92x; 1.25-2: 2.24-2.32x).
+    # 1.25: the tightest bound with the full gain (bench/README.md, "Prefix routing").
     prefix_balance_factor: float = Field(
         1.25, ge=1.01, le=10.0,
         description=(
@@ -93,8 +93,8 @@ class TuningSection(Section):
             "instances; the request goes to the next instance in its key's order instead"
         ),
     )
-    # 1.0 (bench/README.md run 7; 3 and 10 no better, 0 read histories again: 0.70-0.91x;
-    # waiting with no limit left instances idle beside waiting requests).
+    # 1.0: longer waits gained nothing, none read histories again (bench/README.md, "Prefix
+    # routing"); waiting with no limit left instances idle beside waiting requests.
     prefix_wait_s: float = Field(
         1.0, ge=0, le=30,
         description=(

@@ -317,7 +317,7 @@ def check_isa(f: HostFacts, plan: Needs) -> Check:
         return Check(name, Level.OK, cpu.describe(), wanted, f"{plan.engine} uses the CPU's wide units", "")
     return Check(name, Level.WARN, cpu.describe(), wanted,
                  f"{plan.engine} leaves {' and '.join(idle)} idle: prompt processing is slower "
-                 "(up to 1.76x on Q4_K_M, issue 20)",
+                 "(up to 1.76x on Q4_K_M)",
                  f.engine_cpu.fix)
 
 

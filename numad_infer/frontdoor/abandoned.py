@@ -1,4 +1,4 @@
-"""Requests whose client has left: which of HAProxy's streams to end (issue 39, part 4).
+"""Requests whose client has left: which of HAProxy's streams to end.
 
 On a CPU an answer nobody waits for still burns the cores, and takes a slot that a client
 who waits could have. A streaming request is freed on its own: HAProxy's next write to the

@@ -6,8 +6,7 @@ start, within a load bound (`prefix`, docs/frontdoor.md "Prefix routing"). Pure.
 Prefix routing is not HAProxy's `hash-type consistent` with `hash-balance-factor`: that
 bound counts only the requests a server is serving, not those waiting for it, and a hashed
 request whose server is full waits in that server's own queue, where no other server takes
-it (measured, HAProxy 2.6: 8 requests with one key over 2 servers of 2 slots, 6 on one, the
-last done after 9 s against 6 s with leastconn). The pick is a small Lua fetch instead
+it (docs/design/prefix-routing.md). The pick is a small Lua fetch instead
 (lua/numa-infer-pick.lua, in the Lua HAProxy loads): a key goes to its home (the instance
 it went to first: the least loaded then, the highest scoring for the key by rendezvous hashing among
 equals), skipping any instance without a free slot or whose load (serving and waiting
@@ -16,11 +15,7 @@ waited for up to `tuning.prefix_wait_s` first by a chat's later turn (the Lua ac
 WAIT), whether another instance has room or not. When none has room, no pick: the
 request waits in the backend's one queue (leastconn), where queue_size, the priority
 classes and their deadlines apply, for whichever instance frees first. A drained instance
-keeps its keys, and the bound holds however busy the backend is. (A Lua action on the
-response, to make the instance that answered a turn its key's home, was tried and
-removed: with the tenants' Lua filter on the same stream, HAProxy 2.6 failed the filter,
-"attempt to index a thread value", and left the answer stuck; HAProxy now runs one
-thread with tenants, token_count.py, which may have been the cause, untested.)
+keeps its keys, and the bound holds however busy the backend is.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A queue deadline per class (issue 39): batch requests may wait longer than interactive
+"""A queue deadline per class: batch requests may wait longer than interactive
 ones (`frontend.batch_queue_timeout_s` above `queue_timeout_s`). Pure.
 
 HAProxy 2.6 has one `timeout queue` per backend (a deadline per request,
@@ -43,9 +43,8 @@ request when its answer comes finds the slot it freed taken by the head of the b
 and waits for the next slot to free (over real engines: 181 ms at p50 against batch's 555,
 bench/README.md). Never every slot (batch keeps at least one, so it never starves); and
 only while interactive requests come: a host of batch alone loses nothing. An interactive
-request is counted in a stick table, SEEN (HAProxy's own tracking: another Lua action on
-every request beside the token filter made HAProxy 2.6 fail the filter, "attempt to index a
-number value", in a smoke test under load).
+request is counted in a stick table, SEEN (HAProxy's own tracking, not one more Lua
+action beside the token filter: docs/design/batch-wait.md says why).
 
 Rendered only where it changes anything: with `[[tenants]]` (which give a request its
 class) and a batch deadline longer than the interactive one, or a reserve.

@@ -3,9 +3,10 @@
 HAProxy queues a request only while some server of its backend is up and full: with none
 up (the only instance of a model restarting, drained for a restart, crashed, hung) it
 answers 503 at once. On a host with one instance that is every restart numa-infer makes
-(issue 40: 6,740 of 7,369 requests refused during one 10 s roll-out). The hold is a Lua
-script of HAProxy's own (Debian's HAProxy is built with Lua), in a file the daemon writes
-beside haproxy.cfg: HAProxy still does all the routing; nothing is proxied here.
+(nearly every request of a roll-out refused: bench/README.md, "One instance restarted
+under load"). The hold is a Lua script of HAProxy's own (Debian's HAProxy is built with
+Lua), in a file the daemon writes beside haproxy.cfg: HAProxy still does all the routing;
+nothing is proxied here.
 
 Two ways in, one wait (`wait_for`: look again every 50 ms until the backend has a server
 in rotation, up to `frontend.queue_timeout_s`, or a batch request's own deadline where it
@@ -21,20 +22,18 @@ has a longer one, batch_wait.py; past it, the JSON 503 with Retry-After):
 2. A request HAProxy had already given to the only instance when it died (sent in the
    instant before HAProxy saw it dead, or handed the slot the dead process's request left)
    meets a refused connection, past that action. (Those still in the backend's queue stay
-   there, and the replacement takes them once it is up, within `timeout queue`.) Once it
-   was redispatched, found no server and got a 503 at once; then it was sent to the same
-   server again every second, and met the replacement as soon as it listened: llama-server
-   listens before its model is loaded and answers 503 "Loading model" until then (a model
-   of a few GB takes seconds), and HAProxy 2.6 retries a 503 at once, not a second later
-   (30 retries in 10 ms, measured). So each
-   model's backend has one more server, a `backup`, which HAProxy chooses only while none
-   of the backend's own servers is in rotation, at a redispatch as at a first dispatch: the
-   hold server. It is HAProxy itself, a listener on a Unix socket beside its runtime API's
-   (the `hold` frontend), whose action (`numa_hold_again`) waits, then sends the request
-   back to its backend. The first refused connection marks the instance down (`observe
-   layer4`), the retry a second later goes to the hold server, and the request is let go
-   once HAProxy's own check of the replacement passes, which llama-server's /health does
-   only once its model is loaded. The hold server takes up to `frontend.queue_size`; more
+   there, and the replacement takes them once it is up, within `timeout queue`.) It must
+   not simply be sent again to the same server: llama-server listens before its model is
+   loaded and answers 503 "Loading model" until then, and HAProxy 2.6 retries a 503 at
+   once (docs/design/hold.md has what was tried). So each model's backend has one more
+   server, a `backup`, which HAProxy chooses only while none of the backend's own servers
+   is in rotation, at a redispatch as at a first dispatch: the hold server. It is HAProxy
+   itself, a listener on a Unix socket beside its runtime API's (the `hold` frontend),
+   whose action (`numa_hold_again`) waits, then sends the request back to its backend.
+   The first refused connection marks the instance down (`observe layer4`), the retry a
+   second later goes to the hold server, and the request is let go once HAProxy's own
+   check of the replacement passes, which llama-server's /health does only once its model
+   is loaded. The hold server takes up to `frontend.queue_size`; more
    wait in its queue, within `timeout queue`. A request let go that is refused again (an
    instance that died again at once) goes back to the hold server for another wait: at
    most queue_size such waits at a time, each up to the limit.

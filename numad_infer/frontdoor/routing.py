@@ -1,4 +1,4 @@
-"""Several models behind one front door (`[[models]]`, issue 31): one HAProxy backend per
+"""Several models behind one front door (`[[models]]`): one HAProxy backend per
 model, and the frontend's lines that send a request to it by its JSON body's `model`. Pure.
 
 Why it is done this way:

@@ -1,4 +1,4 @@
-"""Tenants at the front door (issue 39): each `[[tenants]]` table's key, limits and models
+"""Tenants at the front door: each `[[tenants]]` table's key, limits and models
 as HAProxy's rules, and the two files that carry keys to HAProxy. Pure.
 
 Why it is done this way:

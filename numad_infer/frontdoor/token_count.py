@@ -1,4 +1,4 @@
-"""An answer's token counts as the engine reported them, for each tenant's usage (issue 39):
+"""An answer's token counts as the engine reported them, for each tenant's usage:
 a Lua filter on each model's backend reads the answer as it passes, sent whole or
 streamed, and sets TOKEN_VARIABLES for the request's log line (request_log.py). Pure.
 

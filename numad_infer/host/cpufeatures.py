@@ -42,7 +42,7 @@ _LOADED = re.compile(r"loaded CPU backend from \S*libggml-cpu-([A-Za-z0-9_.]+)\.
 _SYSTEM_INFO_CPU = re.compile(r"CPU\s*:\s*((?:[A-Z0-9_]+\s*=\s*\d+\s*\|\s*)+)")
 
 # What the verdict is about: the wide units, widest first, where prompt processing gains
-# most (issue 20: up to 1.76x on Q4_K_M). system_info feature -> the /proc/cpuinfo flags
+# most (bench/README.md, "Builds"). system_info feature -> the /proc/cpuinfo flags
 # that offer it (AMX: the tiles and the int8 unit that uses them).
 WIDE_UNITS: dict[str, tuple[str, ...]] = {"AMX_INT8": ("amx_tile", "amx_int8"), "AVX512": ("avx512f",),
                                           "AVX2": ("avx2",)}

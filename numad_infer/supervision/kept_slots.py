@@ -1,7 +1,7 @@
-"""Prompt caches kept across the restarts numa-infer makes (issue 38, part 3): which slots
-to save before a restart, which saved files a new process may take back, and whether a
-restore counts. Pure: the engine's routes are engines/slot_cache.py's, the files and the
-moment of each call supervision/slot_keeper.py's.
+"""Prompt caches kept across the restarts numa-infer makes: which slots to save before a
+restart, which saved files a new process may take back, and whether a restore counts. Pure:
+the engine's routes are engines/slot_cache.py's, the files and the moment of each call
+supervision/slot_keeper.py's.
 
 A restore counts only once a probe request on the restored slot reports cached prompt
 tokens (`timings.cache_n` > 0): on some builds and models llama-server's restore answers

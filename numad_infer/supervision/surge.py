@@ -1,5 +1,5 @@
 """Surge or hold: how a planned restart of a model's only instance in rotation keeps the model
-served (issue 40).
+served.
 
 - **Surge**: where the instance's memory nodes have room for a second copy, a copy on the
   new definition starts beside it: the same CPUs and memory nodes, another port. Once its

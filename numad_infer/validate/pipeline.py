@@ -151,7 +151,7 @@ def _slot_warnings(kind: BackendKind, engine: Engine) -> list[str]:
 
 def _idle_unit_warnings(report: EngineCpuReport) -> list[str]:
     """The wide units this CPU and OS offer and the engine's kernels leave idle (prompt
-    processing is where they pay: up to 1.76x on Q4_K_M, issue 20): `idle_units`, doctor's
+    processing is where they pay: bench/README.md, "Builds"): `idle_units`, doctor's
     verdict too. Silent when the engine cannot tell (doctor says why). /proc/cpuinfo is
     always this machine's, even with --fsroot: the engine runs here."""
     if report.cpu is None:

@@ -20,8 +20,7 @@ local batch_seq = 0
 -- the same free slot (a test saw three let go for two slots). After the last rule HAProxy
 -- assigns the server in the same pass. GRANT_MS forgets one whose rules never ended (its
 -- client left, a rule answered it): until then the next batch request waits that much
--- longer. (A first version counted every one for GRANT_MS: twice once at a server, which
--- cost batch a quarter of its answers a second over real engines.)
+-- longer.
 local granted = {}  -- backend name -> {request id -> release time (ms)}
 
 local function batch_granted(name, now)

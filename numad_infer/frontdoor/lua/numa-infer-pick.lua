@@ -213,9 +213,8 @@ end)
 -- `wait_ms` the pick sends it to a free instance, or with none to the backend's one queue.
 -- With no slot free anywhere it waits too: the one queue would give it the first slot
 -- freed, its home's or not (half the time with two instances), and a turn that runs away
--- from home leaves the home behind, so the next turn misses this one (bench/README.md
--- run 9: later turns 0.78-0.92x of least connections at p50 without this wait, 1.85-2.00x
--- with it).
+-- from home leaves the home behind, so the next turn misses this one (without this wait
+-- later turns lost to least connections: bench/README.md, "Prefix routing").
 -- One request waits per home at a time (a second would find the slot taken by the first):
 -- a burst with one prompt goes on to the free instances at once. A request that waited
 -- is marked (WAITED): the queue's bound is checked again after the wait.
