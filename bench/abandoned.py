@@ -91,13 +91,15 @@ def _case(watch_on: bool, args: argparse.Namespace, tmp: Path, model: Path) -> s
                                "--port", str(instance.port), "--ctx-size", str(1024 * args.parallel),
                                "--parallel", str(args.parallel), "--threads", "1", "--threads-batch", "1",
                                "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    errors = tmp / f"haproxy-{watch_on}.err"
     haproxy = subprocess.Popen([HAPROXY, "-db", "-f", str(paths.config)], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+                               stderr=errors.open("w"))
     api = RuntimeAPI(str(paths.socket))
     watch = AbandonWatch(_Door(f"127.0.0.1:{base}", api))
     try:
-        wait_for(lambda: api.backend("instances").servers and all(
-            s.status == "UP" for s in api.backend("instances").servers.values()), "the instance UP", 180)
+        wait_for(lambda: api.backend("instances").instances and all(  # the surge and hold servers aside
+            s.status == "UP" for s in api.backend("instances").instances.values()), "the instance UP", 180,
+            detail=lambda: errors.read_text()[-2000:])
         if watch_on:
             watch.start()
         clients = [threading.Thread(target=ask_then_leave, args=(base, False, args.tokens, args.leave_after))
