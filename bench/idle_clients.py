@@ -11,7 +11,7 @@ closes it, from addresses spread over 127/8 (a local user may bind any of them),
 own, each on a new connection; the time each takes is reported (an echo answers in about
 a millisecond), and how many were answered 200 (a refused connection counts as failed).
 
-Cases: `30 s` is the front door before header_timeout_s (HAProxy's `timeout http-request`
+Cases: `30 s` is the front door before tuning.header_timeout_s (HAProxy's `timeout http-request`
 of 30 s for the headers), then the default (5 s), then the default with
 `connections_per_source = 64`.
 
@@ -57,8 +57,9 @@ def _ask(port: int) -> int:
     finally:
         conn.close()
 
-CASES = (("30 s (before)", "header_timeout_s = 30\n"), ("5 s (default)", ""),
-         ("5 s, 64 per source", "connections_per_source = 64\n"))
+# (name, [frontend] keys, [tuning] keys)
+CASES = (("30 s (before)", "", "header_timeout_s = 30\n"), ("5 s (default)", "", ""),
+         ("5 s, 64 per source", "connections_per_source = 64\n", ""))
 
 
 async def _hold(port: int, source: str, stop: float, reopen: bool, opened: list[int]) -> None:
@@ -86,11 +87,11 @@ def _attack(port: int, count: int, seconds: float, reopen: bool, opened: list[in
     asyncio.run(run())
 
 
-def _case(tmp: Path, frontend: str, mode: str, args: argparse.Namespace) -> str:
+def _case(tmp: Path, frontend: str, tuning: str, mode: str, args: argparse.Namespace) -> str:
     keys = tmp / "keys"
     key_file(keys, "a", KEY_A)
     key_file(keys, "b", KEY_B)
-    door = Door(tmp, extra=frontend + tenant_tables(keys))
+    door = Door(tmp, extra=frontend + tenant_tables(keys) + (f"[tuning]\n{tuning}" if tuning else ""))
     stubs = [EchoServer(("127.0.0.1", i.port), Echo) for i in door.plan.instances]
     for stub in stubs:
         threading.Thread(target=stub.serve_forever, daemon=True).start()
@@ -127,10 +128,10 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20, help="how long each case runs")
     args = parser.parse_args()
     print(f"{'case':20} {'attack':7} {'conns':>5} {'opened':>7} {'reqs':>5} {'200':>4} {'p50 s':>8} {'max s':>8}")
-    for name, frontend in CASES:
+    for name, frontend, tuning in CASES:
         for mode in ("once", "reopen"):
             with tempfile.TemporaryDirectory() as tmp:
-                print(f"{name:20} {_case(Path(tmp), frontend, mode, args)}", flush=True)
+                print(f"{name:20} {_case(Path(tmp), frontend, tuning, mode, args)}", flush=True)
 
 
 if __name__ == "__main__":
