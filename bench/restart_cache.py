@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from numad_infer.supervision.slot_keeper import SlotKeeper, model_file  # noqa: E402
+from numad_infer.model.file import file_identity  # noqa: E402
+from numad_infer.supervision.slot_keeper import SlotKeeper  # noqa: E402
 from tests.daemon_harness import free_port_block, generated_model, llama_server_binary  # noqa: E402
 
 NAME = "bench@0"
@@ -106,12 +107,12 @@ def main() -> None:
                 elif mode == "restored":
                     server.turn(history)  # the history in the slot again
                     began = time.monotonic()
-                    kept = keeper.save(NAME, server.port, None, model_file(str(model)), 60.0)
+                    kept = keeper.save(NAME, server.port, None, file_identity(str(model)), 60.0)
                     rows["save_s"].append(time.monotonic() - began)
                     assert kept is not None
                     server.restart()
                     began = time.monotonic()
-                    warm = keeper.restore(NAME, server.port, None, model_file(str(model)), 60.0)
+                    warm = keeper.restore(NAME, server.port, None, file_identity(str(model)), 60.0)
                     rows["restore_s"].append(time.monotonic() - began)
                     assert warm > 0, "the restore did not count"
                 answer, _ = server.turn(nxt)
