@@ -1,0 +1,3 @@
+from bench.standin.server import main
+
+main()

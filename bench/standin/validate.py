@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""The stand-in against the real llama-server, where both run: bench/prefix.py's workload
+(its `run_mode`: the real daemon, process backend, the front door, N instances on the fake
+2-node topology) once with llama-server and once with the stand-in as `server.llama_server`,
+interleaved over `--runs`, the order alternating. Per turn: the time to first token (the
+median over the conversations, then over the runs) and the ratio stand-in / real (goal:
+within 15 %); of the later turns, the cached share of prompt tokens (goal: within 5 points).
+
+The stand-in is started by the daemon as llama-server would be: a wrapper script that runs
+`python -m bench.standin --calibration FILE` with the daemon's arguments.
+
+    .venv/bin/python -m bench.standin.validate [--calibration bench/standin/calibration.json | --calibrate] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import bench.prefix as prefix  # noqa: E402
+from tests import daemon_harness  # noqa: E402
+from tests.daemon_harness import generated_model, llama_server_binary, server_python, shared_dir  # noqa: E402
+
+
+def standin_binary(calibration: Path, jitter: float = 0.0) -> Path:
+    """A program the daemon can start as llama-server (as its servers' user: in the shared,
+    world-readable directory) that runs the stand-in on this checkout."""
+    where = shared_dir() / "standin"
+    where.mkdir(exist_ok=True)
+    where.chmod(0o755)
+    cal = where / "calibration.json"
+    shutil.copyfile(calibration, cal)
+    cal.chmod(0o644)
+    script = where / "llama-server"
+    script.write_text(f"#!/bin/sh\nPYTHONPATH={ROOT} PYTHONDONTWRITEBYTECODE=1 exec {server_python()} "
+                      f"-m bench.standin --calibration {cal} --jitter {jitter} \"$@\"\n")
+    script.chmod(0o755)
+    return script
+
+
+class Recorded(prefix.Workload):
+    """bench/prefix.py's Workload, each one kept: run_mode returns only its summary."""
+
+    made: list["Recorded"] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        Recorded.made.append(self)
+
+
+def run(mode: str, engine: Path, args: argparse.Namespace, model: Path, tmp: Path) -> tuple[dict[str, Any], list[prefix.Turn]]:
+    daemon_harness._llama_server = engine  # what engine_keys() names as server.llama_server
+    Recorded.made = []
+    original = prefix.Workload
+    setattr(prefix, "Workload", Recorded)  # noqa: B010
+    try:
+        summary = prefix.run_mode(mode, args, model, tmp)
+    finally:
+        setattr(prefix, "Workload", original)  # noqa: B010
+    return summary, Recorded.made[0].turns  # the first one made is the multi-turn workload
+
+
+def per_turn(turns: list[prefix.Turn], count: int) -> list[float]:
+    return [statistics.median([t.ttft_s for t in turns if t.turn == k] or [float("nan")]) for k in range(count)]
+
+
+def cached_share(turns: list[prefix.Turn]) -> float:
+    later = [t for t in turns if t.turn >= 1]
+    return sum(t.cached_tokens for t in later) / max(sum(t.prompt_tokens for t in later), 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calibration", default=str(Path(__file__).with_name("calibration.json")))
+    parser.add_argument("--calibrate", action="store_true",
+                        help="calibrate first, in this run (calibrate.py's defaults), and use that: on a shared host "
+                        "the real server's speed moves with the load, the stand-in's does not")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--jitter", type=float, default=0.1,
+                        help="the stand-in's step times vary by this much (its --jitter), as the host's do")
+    parser.add_argument("--mode", default="prefix", help="frontend.affinity (bench/prefix.py's --modes, one)")
+    # bench/prefix.py's workload options, its defaults
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system-words", type=int, default=180)
+    parser.add_argument("--user-words", type=int, default=30)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--plain-requests", type=int, default=2)
+    parser.add_argument("--plain-words", type=int, default=120)
+    parser.add_argument("--instances", type=int, default=2)
+    parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--context", type=int, default=2048)
+    parser.add_argument("--size", default="medium")
+    parser.add_argument("--quant", default="Q4_K_M")
+    parser.add_argument("--think-s", type=float, default=0.0)
+    parser.add_argument("--verbose", action="store_true")
+    args = parser.parse_args()
+    model = generated_model(args.size, args.quant)
+    tmp = Path(tempfile.mkdtemp(prefix="numa-infer-standin-validate-"))
+    if args.calibrate:
+        args.calibration = str(tmp / "calibration.json")
+        subprocess.run([sys.executable, "-m", "bench.standin.calibrate", "--size", args.size, "--quant", args.quant,
+                        "--out", args.calibration], check=True, cwd=ROOT)
+    engines = {"llama-server": llama_server_binary(), "stand-in": standin_binary(Path(args.calibration), args.jitter)}
+    print(f"# {args.size} {args.quant}, {args.instances} instances, {args.parallel} slot(s) each, affinity "
+          f"{args.mode}, {args.conversations} conversations x {args.turns} turns, {args.runs} interleaved runs; "
+          f"calibration {args.calibration}, stand-in jitter {args.jitter:g}; load average {os.getloadavg()[0]:.2f}")
+    results: dict[str, list[tuple[dict[str, Any], list[prefix.Turn]]]] = {name: [] for name in engines}
+    for r in range(args.runs):
+        order = list(engines) if r % 2 == 0 else list(reversed(engines))
+        for name in order:
+            (tmp / f"{r}-{name}").mkdir()
+            summary, turns = run(args.mode, engines[name], args, model, tmp / f"{r}-{name}")
+            results[name].append((summary, turns))
+            print(f"# run {r + 1} {name:<12} TTFT by turn {' '.join(f'{x:.2f}' for x in per_turn(turns, args.turns))}"
+                  f"  cached (turns >= 2) {cached_share(turns):.0%}  no-reuse p99 {summary['plain_p99']:.2f}s"
+                  f"  failed {summary['failed']}", flush=True)
+    table = {}
+    for name, runs in results.items():
+        by_turn = [statistics.median(per_turn(turns, args.turns)[k] for _, turns in runs) for k in range(args.turns)]
+        later = statistics.median(s["later_p50"] for s, _ in runs)
+        share = statistics.median(cached_share(turns) for _, turns in runs)
+        plain = statistics.median(s["plain_p50"] for s, _ in runs)
+        table[name] = (by_turn, later, share, plain)
+    print(f"{'engine':<13}" + "".join(f"{'TTFT t=' + str(k + 1):>10}" for k in range(args.turns))
+          + f"{'t>=2 p50':>10}{'cached':>8}{'no-reuse p50':>14}")
+    for name, (by_turn, later, share, plain) in table.items():
+        print(f"{name:<13}" + "".join(f"{x:>9.2f}s" for x in by_turn) + f"{later:>9.2f}s{share:>8.0%}{plain:>13.2f}s")
+    real, stand = table["llama-server"], table["stand-in"]
+    ratios = [s / r for s, r in zip(stand[0], real[0])]
+    worst = max(abs(x - 1) for x in ratios)
+    points = (stand[2] - real[2]) * 100
+    print("ratio stand-in / llama-server: TTFT by turn " + " ".join(f"{x:.2f}x" for x in ratios)
+          + f", turns >= 2 p50 {stand[1] / real[1]:.2f}x, no-reuse p50 {stand[3] / real[3]:.2f}x; cached share "
+          f"{points:+.1f} points")
+    print(f"# load average at the end {os.getloadavg()[0]:.2f}")
+    print(f"goal: every turn within 15 % ({'met' if worst <= 0.15 else 'MISSED'}: worst {worst:.0%}), cached share "
+          f"within 5 points ({'met' if abs(points) <= 5 else 'MISSED'})")
+
+
+if __name__ == "__main__":
+    main()
