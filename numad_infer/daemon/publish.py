@@ -113,7 +113,8 @@ def frontdoor_status(fd: Frontdoor, abandoned: Mapping[str, int]) -> FrontdoorSt
     return FrontdoorStatus(fd.listen, stats is not None, None if stats is None else stats.queued,
                            None if stats is None else stats.in_flight, fd.error or None, fd.queue_size or None,
                            {} if fd.answers is None else dict(fd.answers.responses), fd.reloads.pending is not None,
-                           _tenants(fd), {models.get(be, be): n for be, n in sorted(abandoned.items())})
+                           _tenants(fd), {**dict.fromkeys(fd.backends, 0),  # every model's counter from 0
+                                          **{models.get(be, be): n for be, n in sorted(abandoned.items())}})
 
 
 def _tenants(fd: Frontdoor) -> tuple[TenantStatus, ...]:

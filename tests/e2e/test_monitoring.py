@@ -131,7 +131,7 @@ def _full_status() -> Status:
     tenant = TenantStatus("team-a", 1, 5, {"200": 4, "429": 1}, _histogram(TIME_TO_FIRST_TOKEN_BOUNDS, 0.3),
                           _histogram(REQUEST_DURATION_BOUNDS, 1.5), 120, 30, 3)
     front = FrontdoorStatus("127.0.0.1:8000", True, queued=3, in_flight=1, queue_size=64,
-                            responses={"2xx": 40, "5xx": 2}, tenants=(tenant,))
+                            responses={"2xx": 40, "5xx": 2}, tenants=(tenant,), abandoned={"instances": 1})
     daemon = DaemonStatus(DaemonState.RUNNING, "/etc/numa-infer.toml", pass_duration_s=0.01, min_local_fraction=0.9)
     models = (ModelStatus("", (), ("infer@0", "infer@1"), True, None, queued=3, in_flight=1),)
     return Status(daemon, (inst, out), front, models)
