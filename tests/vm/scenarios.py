@@ -56,8 +56,8 @@ def write_config(placement: str = "", server_extra: str = "", frontend: str = ""
         f"[placement]\n{placement}\n"
         f'[server]\n{ENGINE_KEYS[ENGINE]}{server_extra}\n'
         # TCG runs ~15x slower than the host: generous timeouts, short interval.
-        "[monitor]\ninterval_s = 2.0\nprobe_timeout_s = 5.0\nstartup_grace_s = 240\nunhealthy_after = 2\n"
-        "restart_backoff_s = 1.0\nmax_restarts = 10\n"
+        "[monitor]\ninterval_s = 2.0\nstartup_grace_s = 240\nmax_restarts = 10\n"
+        "[tuning]\nprobe_timeout_s = 5.0\nunhealthy_after = 2\nrestart_backoff_s = 1.0\n"
         f"[frontend]\n{frontend}\n"
     )
 
@@ -1258,8 +1258,8 @@ def write_models_config(*tables: str) -> None:
     CONFIG.write_text(
         "".join(f"[[models]]\n{t}context_size = 256\n" for t in tables)
         + f'[server]\n{ENGINE_KEYS[ENGINE]}\n'
-        "[monitor]\ninterval_s = 2.0\nprobe_timeout_s = 5.0\nstartup_grace_s = 240\nunhealthy_after = 2\n"
-        "restart_backoff_s = 1.0\nmax_restarts = 10\n[frontend]\n"
+        "[monitor]\ninterval_s = 2.0\nstartup_grace_s = 240\nmax_restarts = 10\n"
+        "[tuning]\nprobe_timeout_s = 5.0\nunhealthy_after = 2\nrestart_backoff_s = 1.0\n[frontend]\n"
     )
 
 
@@ -1623,7 +1623,10 @@ def ct_config() -> None:
         text, n = re.subn(rf"(?m)^{key} = \S+", f"{key} = {value}", text)
         if n != 1:
             raise Fail(f"container.toml has no single {key} line")
-    text = text.replace("[monitor]\n", "[monitor]\nprobe_timeout_s = 5.0\nstartup_grace_s = 240\n", 1)
+    text = text.replace("[monitor]\n", "[monitor]\nstartup_grace_s = 240\n", 1)
+    if "\n[tuning]\n" in text:
+        raise Fail("container.toml has a [tuning] table: set probe_timeout_s in it")
+    text += "\n[tuning]\nprobe_timeout_s = 5.0\n"
     (CT_DIR / "numa-infer.toml").write_text(text)
 
 
