@@ -1,15 +1,19 @@
 """The hold (frontdoor/hold.py), in a real HAProxy over stub servers: a request for a model
 none of whose instances is in rotation waits for one, up to frontend.queue_timeout_s,
-instead of HAProxy's immediate 503; at most queue_size wait; another model is not held.
+instead of HAProxy's immediate 503; another model is not held.
 
 The daemon takes a server out of rotation by the runtime API (maintenance for a restart,
 drain before it); the tests do the same, so what is measured is HAProxy's behaviour under
-the rendered configuration, not a stand-in for it."""
+the rendered configuration, not a stand-in for it.
+
+One test here per behaviour that needs HAProxy itself: the wait and the /healthz beside it,
+the JSON 503 at the deadline, one backend's hold apart from another's, and a request
+dispatched again to the hold server. The hold's own rules (a drained instance holds new
+requests too, at most queue_size wait, a waiting client that left is forgotten) are the
+Lua's unit tests, tests/lua/hold_spec.lua."""
 
 from __future__ import annotations
 
-import csv
-import io
 import os
 import threading
 import time
@@ -54,13 +58,6 @@ def _started(door: FrontDoor, backends: tuple[str, ...] = (BACKEND,)) -> Runtime
     return api
 
 
-def _sessions(api: RuntimeAPI) -> int:
-    """The frontend's current sessions (show stat's scur on its FRONTEND row)."""
-    text = api.command("show stat")
-    rows = list(csv.DictReader(io.StringIO(text[2:])))
-    return sum(int(r["scur"] or 0) for r in rows if r["svname"] == "FRONTEND" and r["pxname"] == FRONTEND)
-
-
 def _out(api: RuntimeAPI, backend: str = BACKEND, state: AdminState = AdminState.MAINT) -> list[str]:
     names = list(api.backend(backend).instances)
     for name in names:
@@ -101,20 +98,6 @@ def test_a_request_waits_for_the_only_instance_and_is_served_when_it_is_back(doo
     assert front.post("after", CHAT).status == 200 and time.monotonic() - started < 1.0
 
 
-def test_a_drained_only_instance_holds_new_requests_too(door) -> None:
-    """Before a restart the daemon drains: the requests running finish there, new ones wait."""
-    front = door()
-    api = _started(front)
-    names = _out(api, state=AdminState.DRAIN)
-    got: dict[str, tuple[Answer, float]] = {}
-    thread = _timed(front, "held", CHAT, got)
-    time.sleep(1.0)
-    assert "held" not in got and front.log("stub0") + front.log("stub1") == []
-    api.set_state(BACKEND, names[1], AdminState.READY)
-    thread.join(30)
-    assert got["held"][0].status == 200 and got["held"][0].served_by() == "stub1"
-
-
 def test_a_hold_ends_at_the_queue_timeout_with_the_json_503(door) -> None:
     front = door("queue_timeout_s = 1.5\n")
     api = _started(front)
@@ -124,26 +107,6 @@ def test_a_hold_ends_at_the_queue_timeout_with_the_json_503(door) -> None:
     answer, waited = got["late"]
     assert answer.status == 503 and answer.error()["type"] == "server_busy", answer
     assert 1.4 <= waited < 4, waited
-
-
-def test_at_most_queue_size_requests_wait_the_next_get_the_503_at_once(door) -> None:
-    front = door("queue_size = 2\nqueue_timeout_s = 20\n")
-    api = _started(front)
-    names = _out(api)
-    got: dict[str, tuple[Answer, float]] = {}
-    first = [_timed(front, f"held{n}", CHAT, got) for n in range(2)]
-    # Both inside the hold before the next two come: nothing of HAProxy's counts the held
-    # (the action does), but the frontend counts both sessions once they are taken in.
-    wait_for(lambda: _sessions(api) >= 2, "both first requests at the front door")
-    time.sleep(0.2)  # from taken in to inside the action: parsing a small request
-    more = [_timed(front, f"more{n}", CHAT, got) for n in range(2)]
-    for thread in more:
-        thread.join(30)
-    assert all(got[f"more{n}"][0].status == 503 and got[f"more{n}"][1] < 1.0 for n in range(2)), got
-    api.set_state(BACKEND, names[0], AdminState.READY)
-    for thread in first:
-        thread.join(30)
-    assert [got[f"held{n}"][0].status for n in range(2)] == [200, 200]
 
 
 def test_one_models_hold_never_holds_another_model(door) -> None:
