@@ -25,6 +25,7 @@ from numad_infer.frontdoor.abandoned import left_by_client, parse_sessions
 from numad_infer.host.portowner import clients_gone
 from tests.daemon_harness import wait_for
 from tests.frontdoor.harness import Door, with_haproxy
+from tests.frontdoor.silent_instance import SilentInstance
 
 LO = ipaddress.ip_address("127.0.0.1")
 
@@ -210,50 +211,10 @@ def test_the_watch_ends_nothing_for_another_users_half_closed_connections(tmp_pa
     assert watch.poll() == [] and door.api.sent == [] and watch.ended == {}
 
 
-class _Instance:
-    """Answers GET (HAProxy's health check); takes a POST and never answers it, noting when
-    the connection to it is closed: what a generating llama-server sees when the front door
-    gives up on a request. Or, once `answer` is set, answers it then."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_server(("127.0.0.1", port))
-        self.posts = 0
-        self.answer: threading.Event | None = None
-        self.closed_at: list[float] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            head = conn.recv(65536)
-            if head.startswith(b"GET"):
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
-                return
-            self.posts += 1
-            if self.answer is not None:
-                self.answer.wait(30)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
-                             b"Connection: close\r\n\r\n{}")
-                return
-            while conn.recv(65536):  # the rest of the body; then EOF when the front door closes
-                pass
-            self.closed_at.append(time.monotonic())
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture
-def door(tmp_path: Path) -> Iterator[tuple[Door, list[_Instance]]]:
+def door(tmp_path: Path) -> Iterator[tuple[Door, list[SilentInstance]]]:
     made = Door(tmp_path, server="parallel = 1\n")
-    instances = [_Instance(i.port) for i in made.plan.instances]
+    instances = [SilentInstance(i.port) for i in made.plan.instances]
     assert made.apply()
     api = made.door.api
     wait_for(lambda: all(s.status == "UP" for b in made.door.backends.values()

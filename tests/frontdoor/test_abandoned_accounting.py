@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from numad_infer.config.apikey import read_tenant_keys
 from numad_infer.frontdoor.abandoned import parse_sessions
 from tests.daemon_harness import wait_for
 from tests.frontdoor.harness import Door, with_haproxy
+from tests.frontdoor.silent_instance import SilentInstance
 
 KEY = "team-a-" + "a" * 40
 
@@ -42,50 +41,8 @@ def test_status_and_metrics_show_the_requests_whose_client_left_apart() -> None:
             ({"tenant": "team-b", "code": "client_left"}, 1)]
 
 
-class _Instance:
-    """Answers GET (HAProxy's health check); never finishes a POST, and streams one event
-    every 0.2 s to a POST that asked for a stream, until the connection is closed."""
-
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_server(("127.0.0.1", port))
-        self.posts = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            head = conn.recv(65536)
-            if head.startswith(b"GET"):
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}")
-                return
-            self.posts += 1
-            if b'"stream": true' not in head:
-                while conn.recv(65536):  # until the front door closes it
-                    pass
-                return
-            try:
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                             b"Transfer-Encoding: chunked\r\n\r\n")
-                while True:
-                    event = b'data: {"choices": [{"delta": {"content": "x"}}]}\n\n'
-                    conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
-                    time.sleep(0.2)
-            except OSError:
-                return  # the front door closed it
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture
-def door(tmp_path: Path) -> Iterator[tuple[Door, list[_Instance], list[str]]]:
+def door(tmp_path: Path) -> Iterator[tuple[Door, list[SilentInstance], list[str]]]:
     keys = tmp_path / "keys"
     keys.mkdir(mode=0o700)
     (keys / "a").write_text(KEY + "\n")
@@ -93,7 +50,7 @@ def door(tmp_path: Path) -> Iterator[tuple[Door, list[_Instance], list[str]]]:
     os.chmod(tmp_path, 0o755)
     made = Door(tmp_path, server="parallel = 1\n",
                 extra=f'[[tenants]]\nname = "team-a"\nkey_file = "{keys / "a"}"\n')
-    instances = [_Instance(i.port) for i in made.plan.instances]
+    instances = [SilentInstance(i.port) for i in made.plan.instances]
     # The lines as HAProxy sent them, for a failure's message.
     lines: list[str] = []
     timings = made.door.requests.timings
