@@ -35,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from numad_infer.config.load import parse_config  # noqa: E402
+from numad_infer.config.models import served_models as served_of  # noqa: E402
+from numad_infer.engines import engine_of  # noqa: E402
 from numad_infer.frontdoor.abandon_watch import AbandonWatch  # noqa: E402
 from numad_infer.frontdoor.checked_config import put_lua  # noqa: E402
 from numad_infer.frontdoor.haproxy import RuntimeAPI  # noqa: E402
@@ -80,7 +82,7 @@ def _case(watch_on: bool, args: argparse.Namespace, tmp: Path, model: Path) -> s
     paths.config.parent.mkdir(parents=True)
     put_lua(paths)
     paths.state.write_text("1\n")
-    text = render_haproxy(config, plan, paths)
+    text = render_haproxy(config, plan, paths, served=served_of(config), engine=engine_of(config))
     # One instance only (the plan is for a 2-node stand-in machine): the others' server lines
     # out (the surge and hold servers stay: the pick's use-server rules name them).
     others = [f":{i.port}" for i in plan.instances if i is not instance]

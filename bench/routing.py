@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from numad_infer.config.load import parse_config  # noqa: E402
+from numad_infer.config.models import served_models as served_of  # noqa: E402
+from numad_infer.engines import engine_of  # noqa: E402
 from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy, write_config  # noqa: E402
 from tests.daemon_harness import free_port_block  # noqa: E402
 from tests.engines.test_builtin_engines import plan_for  # noqa: E402
@@ -98,7 +100,8 @@ class Door:
         run = tmp / "run"
         run.mkdir()
         paths = paths_in(run, run / "haproxy.sock")
-        write_config(paths, render_haproxy(self.config, plan, paths))
+        write_config(paths, render_haproxy(self.config, plan, paths, served=served_of(self.config),
+                                           engine=engine_of(self.config)))
         paths.state.write_text("1\n")
         self.procs.append(subprocess.Popen([HAPROXY, "-db", "-f", str(paths.config)], stdout=subprocess.DEVNULL,
                                            stderr=subprocess.DEVNULL))

@@ -50,6 +50,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.routing import STUB, body, pct  # noqa: E402
 from numad_infer.config.load import parse_config  # noqa: E402
+from numad_infer.config.models import served_models as served_of  # noqa: E402
+from numad_infer.engines import engine_of  # noqa: E402
 from numad_infer.config.tenants import TenantKey  # noqa: E402
 from numad_infer.frontdoor import tenants  # noqa: E402
 from numad_infer.frontdoor.haproxy_config import paths_in, render_haproxy, write_config  # noqa: E402
@@ -158,7 +160,8 @@ class Door:
         run = tmp / "run"
         run.mkdir()
         paths = paths_in(run, run / "haproxy.sock")
-        text = render_haproxy(self.config, plan, paths).replace(
+        text = render_haproxy(self.config, plan, paths, served=served_of(self.config),
+                              engine=engine_of(self.config)).replace(
             "    option http-buffer-request\n",
             f"    option http-buffer-request\n    http-response set-header {QUEUE_HEADER} %Tw\n")
         write_config(paths, text)

@@ -12,6 +12,9 @@ from typing import Any
 class NumaInferError(Exception):
     """Base of every error the CLI turns into `numa-infer: <message>` and exit status 1."""
 
+    # Several problems in one error, a line each (config/load.ConfigProblems); empty: the error is one.
+    problems: tuple[NumaInferError, ...] = ()
+
 
 class TopologyError(NumaInferError):
     """The sysfs tree cannot be understood as a NUMA machine."""

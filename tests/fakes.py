@@ -13,14 +13,14 @@ from pathlib import Path
 from numad_infer.backends.base import Observation
 from numad_infer.config.load import parse_config
 from numad_infer.config.schema import Config
-from numad_infer.engines import engine_of
+from numad_infer.engines import Engine, engine_of
 from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.host.cpufeatures import EngineCpuReport
 from numad_infer.host.identity import BackendKind, RunAs
 from numad_infer.host.pinning import MemoryCalls
 from numad_infer.host.portowner import Holder, PortOwner
 from numad_infer.model.memory import MemoryEstimate
-from numad_infer.config.models import served_models
+from numad_infer.config.models import ServedModel, served_models
 from numad_infer.plan.model import Plan
 from numad_infer.topology.cgroup_limits import UNRESTRICTED
 from numad_infer.topology.model import RawCpu, RawNode, SysfsSnapshot, Topology, build_topology
@@ -30,12 +30,23 @@ from numad_infer.units.render import render_units
 from numad_infer.validate.loaded import Loaded, LoadedModel
 
 
+def served_of(config: Config) -> tuple[ServedModel, ...]:
+    """The models `config` serves, worked out as one load does (validate/pipeline.validate):
+    what make_plan, render_units and render_haproxy take as `served`."""
+    return served_models(config)
+
+
+def load_of(config: Config) -> tuple[tuple[ServedModel, ...], Engine]:
+    """(served, engine) of `config`, each worked out once, as one load does: what
+    render_units, render_haproxy and sections take as `served` and `engine`."""
+    return served_models(config), engine_of(config)
+
+
 def loaded_for(config: Config, plan: Plan, *, api_key: str | None = None, kind: BackendKind = BackendKind.PROCESS,
                runs_as: RunAs | None = None, topology: Topology | None = None) -> Loaded:
     """What `validate` would return for `config` and `plan`, without reading the host: the
     key as given (not read from a file), units rendered as the systemd backend writes them."""
-    served = served_models(config)
-    engine = engine_of(config)
+    served, engine = load_of(config)
     launched = launches(engine, served, plan)
     units = render_units(config, plan, served=served, launched=launched, engine=engine) \
         if kind == BackendKind.SYSTEMD else {}

@@ -16,6 +16,7 @@ import pytest
 from numad_infer.errors import ConfigError
 from numad_infer.model.file import read_model
 from tests.unitfiles import score
+from tests.fakes import load_of, served_of
 
 GGUF = b"GGUF\x03\x00\x00\x00" + b"\0" * 56  # version 3, no tensors, no metadata
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,7 +210,8 @@ def test_a_new_process_forgets_a_pending_memory_repair_measurement() -> None:
     from numad_infer.supervision.reconcile import Runtime
     from tests.fakes import cfg, three_nodes
 
-    rt = Runtime(make_plan(cfg(), three_nodes()).instances[0], pid=10)
+    conf = cfg()
+    rt = Runtime(make_plan(conf, three_nodes(), served=served_of(conf)).instances[0], pid=10)
     rt.migrated_from = 512 << 20
     rt.new_process(11)
     # Before: the next reading of the new process reported "migrate_pages moved 512 MiB".
@@ -230,7 +232,9 @@ def test_rendered_units_are_hardened(tmp_path: Path, host: str, listen: str, eng
                           f'[frontend]\nlisten = "{listen}"\n')
     plan = Plan((Instance("infer@0", 0, (0, 1), ((0,), (1,)), (0,), Policy.BIND, 2, 8080),))
     # With saved prompt caches: the servers' group and a directory they may write.
-    files = render_units(config, plan, slots_group="numa-infer" if "#slots" in engine else None)
+    served, chosen = load_of(config)  # `engine` is the [server] text here
+    files = render_units(config, plan, served=served, engine=chosen,
+                         slots_group="numa-infer" if "#slots" in engine else None)
     instance = score(tmp_path, files, "infer@0.service", 2.0)
     front = score(tmp_path, files, "numa-infer-frontdoor.service", 2.5)
     name = 'llama-server' if 'llama-server' in engine else 'llama-cpp-python'
@@ -358,7 +362,8 @@ def test_the_api_key_file_must_be_root_only_and_never_reaches_argv_or_a_unit(tmp
     key.chmod(0o600)
     assert read_api_key(config, "cfg") == "s3cr3t-key"
     plan = Plan((Instance("infer@0", 0, (0,), ((0,),), (0,), Policy.BIND, 1, 8080),))
-    files = render_units(config, plan)
+    served, engine = load_of(config)
+    files = render_units(config, plan, served=served, engine=engine)
     assert all("s3cr3t" not in text for text in files.values())
     assert f"LoadCredential=api-key:{key}" in files["infer@.service"]
     assert "CREDENTIALS_DIRECTORY" in files["infer@0.service.d/50-numa-infer.conf"]

@@ -28,6 +28,7 @@ from numad_infer.frontdoor.listener import HeldListener
 from numad_infer.status.records import Status, StatusError
 from numad_infer.supervision import holds
 from numad_infer.tune.config_edit import Edit, apply_edits
+from tests.fakes import served_of
 
 ROOT = Path(__file__).resolve().parents[1]
 AS_ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="ownership and privilege checks need root")
@@ -259,7 +260,8 @@ def test_haproxy_cfg_and_its_lua_file_replace_planted_links_instead_of_writing_t
 
     listen = f"127.0.0.1:{free_port_block(1)}"
     config = parse_config(MINIMAL + f'[frontend]\nlisten = "{listen}"\nhaproxy = "/usr/sbin/haproxy"\n')
-    plan = make_plan(config, read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())))
+    plan = make_plan(config, read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())),
+                     served=served_of(config))
     served = served_models(config)
     # Validation puts the Lua file in place to check the text; the front door writes both.
     assert front.apply(config, plan, served, render_checked(config, plan, served, engine_of(config), front.paths))

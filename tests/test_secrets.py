@@ -21,7 +21,7 @@ import pytest
 from numad_infer.backends.process import ProcessBackend
 from numad_infer.host.identity import BackendKind
 from tests.daemon_harness import free_port
-from tests.fakes import loaded_for, private_key
+from tests.fakes import loaded_for, private_key, served_of
 
 
 # Answers every route with 200, as a server taking any key would, and records what it got.
@@ -73,7 +73,7 @@ def test_a_squatter_on_an_instance_port_gets_no_key_and_is_never_marked_healthy(
                  f'api_key_file = "{key}"\n[monitor]\nstartup_grace_s = 0\n[tuning]\nunhealthy_after = 100\n')
     backend = RecordingBackend()
     rec = Reconciler(backend)
-    rec.apply(loaded_for(config, make_plan(config, three_nodes()), api_key="k-SQUAT-1"), 0.0)
+    rec.apply(loaded_for(config, make_plan(config, three_nodes(), served=served_of(config)), api_key="k-SQUAT-1"), 0.0)
     instance = subprocess.Popen(["sleep", "60"])  # the instance's own process, which never got the port
     try:
         backend.running["infer@0"] = instance.pid
@@ -109,7 +109,7 @@ def test_the_key_check_sends_no_key_to_a_port_the_instance_does_not_hold(tmp_pat
     instance = subprocess.Popen(["sleep", "60"])
     try:
         # Healthy a moment ago; the port changed hands since (the key check runs after the probe).
-        rt = Runtime(make_plan(config, three_nodes()).instances[0], pid=instance.pid)
+        rt = Runtime(make_plan(config, three_nodes(), served=served_of(config)).instances[0], pid=instance.pid)
         rt.supervision.on_started(0.0)
         rt.supervision.change_state(State.HEALTHY, "probe answered")
         check_api_key(rt, config, "k-SQUAT-2", None, ProcReader(), "/v1/models")
@@ -188,10 +188,11 @@ def test_tune_refuses_a_measuring_port_another_process_holds_before_any_request(
             return server.pid
 
     try:
-        measurer = Measurer(loaded_for(config, make_plan(config, three_nodes()), api_key="k-TUNE-1"), UNRESTRICTED,
+        plan = make_plan(config, three_nodes(), served=served_of(config))
+        measurer = Measurer(loaded_for(config, plan, api_key="k-TUNE-1"), UNRESTRICTED,
                             tmp_path, Settings(1, 2, 10.0), lambda line: None)
         with pytest.raises(TuneError, match=rf"port {port} is held by pid {process.pid} "):
-            measurer._wait_ready(Started(), config, make_plan(config, three_nodes()).instances[0])
+            measurer._wait_ready(Started(), config, plan.instances[0])
     finally:
         server.kill()
         server.wait()
@@ -259,7 +260,7 @@ def test_a_key_file_changed_after_validation_is_never_half_used(tmp_path: Path) 
 
     key = private_key(tmp_path / "keys", "k-CHECKED")
     config = cfg(f'[server]\napi_key_file = "{key}"\n')
-    plan = make_plan(config, three_nodes())
+    plan = make_plan(config, three_nodes(), served=served_of(config))
     checked = loaded_for(config, plan, api_key=read_api_key(config, "/etc/numa-infer.toml"))
     key.write_text("k-CHANGED\n")  # after validation, before the apply
     process = ProcessBackend(tmp_path / "logs")

@@ -23,6 +23,7 @@ from numad_infer.frontdoor.phases import Section  # noqa: E402
 from numad_infer.plan.placement import make_plan  # noqa: E402
 from numad_infer.topology.sysfs import read_topology  # noqa: E402
 from tests import fakesys  # noqa: E402
+from tests.fakes import load_of  # noqa: E402
 from tests.frontdoor import golden_haproxy as golden  # noqa: E402
 
 PAGE = ROOT / "docs/request-path.md"
@@ -54,8 +55,10 @@ TITLES = {"frontend openai": "The frontend `openai`: accepted, checked, routed",
 
 def rendered(directory: Path) -> list[Section]:
     config = parse_config((golden.GOLDEN / f"{CASE}.toml").read_text(encoding="utf-8"), f"{CASE}.toml")
-    plan = make_plan(config, read_topology(fakesys.write_tree(directory / "fs", fakesys.dual_socket_smt())))
-    return sections(config, plan, golden.paths_for(directory))
+    served, engine = load_of(config)
+    plan = make_plan(config, read_topology(fakesys.write_tree(directory / "fs", fakesys.dual_socket_smt())),
+                     served=served)
+    return sections(config, plan, golden.paths_for(directory), served=served, engine=engine)
 
 
 def _phase(number: int, section: Section, phase: phases.Phase, directory: Path) -> list[str]:

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     except NumaInferError as exc:
         # An error may name a file of a tree under --fsroot or quote what a program printed.
         # Several problems of one file (config.load.ConfigProblems): one line each.
-        problems = getattr(exc, "problems", None) or (exc,)
+        problems = exc.problems or (exc,)
         print(printable_lines(f"numa-infer: {p}" for p in problems), file=sys.stderr)
         return 1
     except BrokenPipeError:

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from numad_infer.backends.childlog import ChildOutput, InstanceLogs, last_error_line
+from numad_infer.backends.childlog import InstanceLogs, last_error_line
+from numad_infer.backends.process import ProcessFrontdoorRunner
 from numad_infer.frontdoor.control import Frontdoor
 from numad_infer.frontdoor.haproxy import BackendStat
 from numad_infer.frontdoor.haproxy_config import server_name
@@ -162,12 +163,12 @@ _FAILING = (State.FAILED, State.BACKOFF, State.EXITED, State.UNHEALTHY)
 def _log_error(rt: Runtime, frontdoor: Frontdoor) -> str | None:
     """The last error-looking line of the instance's log while it fails, where the daemon
     writes its log to a file (the process backend's `--instance-logs file`)."""
-    output = getattr(frontdoor.runner, "output", None)  # the process backend's runner has one
-    if rt.supervision.state not in _FAILING or not isinstance(output, ChildOutput):
+    runner = frontdoor.runner  # only the process backend's writes the children's output itself
+    if rt.supervision.state not in _FAILING or not isinstance(runner, ProcessFrontdoorRunner):
         return None
-    if output.mode is not InstanceLogs.FILE:
+    if runner.output.mode is not InstanceLogs.FILE:
         return None
-    return last_error_line(Path(output.log_dir) / f"{rt.instance.name}.log")
+    return last_error_line(Path(runner.output.log_dir) / f"{rt.instance.name}.log")
 
 
 def _instance_status(rt: Runtime, now: float, frontdoor: Frontdoor, slots: int | None,

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from numad_infer.config.frontend import Affinity, FrontendSection
-from numad_infer.config.models import ServedModel, served_models
+from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
-from numad_infer.engines import Engine, engine_of
+from numad_infer.engines import Engine
 from numad_infer.errors import ConfigError
 from numad_infer.frontdoor import (
     affinity,
@@ -162,44 +162,42 @@ TWIN_BIND = '"fd@${' + TWIN_FD_VARIABLE + '}"'
 
 
 def render_haproxy(config: Config, plan: Plan, paths: Paths, held: bool = False, twin: bool = False, *,
-                   served: tuple[ServedModel, ...] | None = None, engine: Engine | None = None) -> str:
+                   served: tuple[ServedModel, ...], engine: Engine) -> str:
     """haproxy.cfg for this plan. `held`: the daemon holds the listening socket and HAProxy
     takes it as the inherited descriptor that NUMA_INFER_FRONTDOOR_FD names (listener.py
     says why), instead of binding the address itself (`check`'s scratch copy does). `twin`:
     it holds one on the other loopback address too, in NUMA_INFER_FRONTDOOR_TWIN_FD.
 
     One backend per model (routing.py), named by the model's key: the single `[model]`
-    form's is `instances`. `served`, `engine`: as validation read them (None: this
-    configuration's, for a caller that has not validated it)."""
+    form's is `instances`. `served`, `engine`: the models and engine the one load worked
+    out (validate/pipeline.py)."""
     return phases.render(MARKER, sections(config, plan, paths, held, twin, served=served, engine=engine))
 
 
 def sections(config: Config, plan: Plan, paths: Paths, held: bool = False, twin: bool = False, *,
-             served: tuple[ServedModel, ...] | None = None, engine: Engine | None = None) -> list[Section]:
+             served: tuple[ServedModel, ...], engine: Engine) -> list[Section]:
     """haproxy.cfg as data (phases.py): each section's phases and the rules each feature gives
     them, in the file's order (render_haproxy's arguments)."""
-    models = served if served is not None else served_models(config)
-    engine = engine if engine is not None else engine_of(config)
     front: FrontendSection = config.frontend
     # Each backend queues up to queue_size requests of its own, holds as many arriving, and
     # as many more on its hold server, each of those two connections (hold.py).
-    maxconn = (sum(len(_instances_of(plan, s)) * engine.slots(s.view) for s in models)
-               + 4 * len(models) * front.queue_size + SPARE_CONNECTIONS)
-    holds = [(backend_of(s), quoted(hold.socket_of(paths.socket.parent, n))) for n, s in enumerate(models)]
-    result = [phases.section("global", phases.SETTINGS, rules("settings", OWNER, _global(config, models, paths,
+    maxconn = (sum(len(_instances_of(plan, s)) * engine.slots(s.view) for s in served)
+               + 4 * len(served) * front.queue_size + SPARE_CONNECTIONS)
+    holds = [(backend_of(s), quoted(hold.socket_of(paths.socket.parent, n))) for n, s in enumerate(served)]
+    result = [phases.section("global", phases.SETTINGS, rules("settings", OWNER, _global(config, served, paths,
                                                                                          maxconn))),
               phases.section("defaults", phases.SETTINGS, rules("settings", OWNER, _defaults(front)),
                              rules("answers", "answers", answers.http_errors())),
-              _frontend(config, models, paths, held, twin)]
+              _frontend(config, served, paths, held, twin)]
     result += [_backend(config, engine, model, _instances_of(plan, model), socket)
-               for model, (_, socket) in zip(models, holds, strict=True)]
+               for model, (_, socket) in zip(served, holds, strict=True)]
     batch = tenants.HELD_BATCH if batch_wait.applies(front, config.tenants) else None
     hold_rules = hold.hold_frontend(holds, front, tenants.held_priority(config.tenants, front.batch_delay_s), batch)
     result.append(phases.section(f"frontend {hold.FRONTEND}", phases.HOLD,
                                  *(rules(phase, "tenants" if phase == "classify" else "hold", lines)
                                    for phase, lines in hold_rules.items())))
     tables = [("tenants", tenants.table(config.tenants)),
-              ("batch_wait", batch_wait.tables(front, config.tenants, len(models))),
+              ("batch_wait", batch_wait.tables(front, config.tenants, len(served))),
               ("client_limits", client_limits.table(front))]
     result += [phases.section(f"backend {name}", phases.TABLE, rules("table", owner, [line]))
                for owner, found in tables for name, line in found]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 
-from numad_infer.config.models import ServedModel, served_models
+from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config, ModelView
 from numad_infer.errors import ConfigError
 from numad_infer.plan.memory_fit import InstanceMemory, bounded, check_fit, growth_warnings, prompt_cache_bounds
@@ -51,17 +51,16 @@ MemoryOf = InstanceMemory | Mapping[str, InstanceMemory]  # one for all, or per 
 
 
 def make_plan(config: Config, topo: Topology, memory: MemoryOf | None = None, source: str = "config",
-              allowed: Allowed = UNRESTRICTED, running: Sequence[Placed] = (),
-              served: Sequence[ServedModel] | None = None) -> Plan:
+              allowed: Allowed = UNRESTRICTED, running: Sequence[Placed] = (), *,
+              served: Sequence[ServedModel]) -> Plan:
     """The plan, in the order the kubelet's CPU allocator reads: within what the cgroup
     allows, which nodes, which of their cores, how the cores become instances, whether
     they fit in their nodes' memory (`memory`: what one instance holds; None: not
     checked), then ports and threads. `running`: the plan running now, whose instances keep
-    their cores and ports where they can. `served`: the models as validation read them
-    (None: this configuration's, for a caller that has not validated it). Each step refuses
-    what it cannot do. The single `[model]` is planned as the one-entry list of itself."""
-    models = tuple(served) if served is not None else served_models(config)
-    return _plan(config, topo, models, memory, source, allowed, running)
+    their cores and ports where they can. `served`: the models `config` serves, as the one
+    load worked them out (config/models.served_models, in validate/pipeline.py). Each step
+    refuses what it cannot do. The single `[model]` is planned as the one-entry list of itself."""
+    return _plan(config, topo, tuple(served), memory, source, allowed, running)
 
 
 def _plan(config: Config, topo: Topology, models: tuple[ServedModel, ...], memory: MemoryOf | None, source: str,

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 from numad_infer.config.defaults import FRONTDOOR_STOP_S, FRONTDOOR_USER, INSTANCE_STOP_S, RUN_DIR, SLOTS_DIR
-from numad_infer.config.models import ServedModel, served_models
+from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
-from numad_infer.engines import KEY_CREDENTIAL, Engine, engine_of
+from numad_infer.engines import KEY_CREDENTIAL, Engine
 from numad_infer.engines.launch import Launch, launches
 from numad_infer.engines.slot_names import gives_slot_path, slot_directory
 from numad_infer.errors import NumaInferError
@@ -289,23 +289,20 @@ def render_port_dropin(config: Config) -> str | None:
 
 
 def render_units(config: Config, plan: Plan, frontdoor_user: str | None = FRONTDOOR_USER,
-                 python: str | None = None, *, served: tuple[ServedModel, ...] | None = None,
-                 launched: dict[str, Launch] | None = None, engine: Engine | None = None,
-                 slots_group: str | None = None) -> dict[str, str]:
+                 python: str | None = None, *, served: tuple[ServedModel, ...], engine: Engine,
+                 launched: dict[str, Launch] | None = None, slots_group: str | None = None) -> dict[str, str]:
     """Relative path under the unit directory -> file content. `frontdoor_user`: see
     `frontdoor_identity` (identity.systemd_frontdoor_user says which this host has);
     `slots_group`: see `render_template` (identity.systemd_slots_group).
-    `served`, `launched`, `engine`: the models, launches and engine validation worked out (validate/pipeline.py);
-    None: this configuration's, for a caller that has not validated it."""
-    models = served if served is not None else served_models(config)
-    engine = engine if engine is not None else engine_of(config)
-    starts = launched if launched is not None else launches(engine, models, plan)
+    `served`, `engine`: the models and engine the one load worked out (validate/pipeline.py);
+    `launched`: the launches it worked out from them (None: worked out here, from `served` and `engine`)."""
+    starts = launched if launched is not None else launches(engine, served, plan)
     template = config.systemd.template
     slot_saves = {i.name: slot_save_arguments(engine, i, starts[i.name], slots_group is not None)
                   for i in plan.instances}
     # The group and the looser umask only where a server saves there.
     keeping = slots_group if any(slot_saves.values()) else None
-    files = {template_unit(template): render_template(config, engine, models, keeping)}
+    files = {template_unit(template): render_template(config, engine, served, keeping)}
     if config.frontend.enabled:
         files[FRONTDOOR_UNIT] = render_frontdoor_unit(config, frontdoor_user, python)
     for instance in plan.instances:

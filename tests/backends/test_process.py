@@ -21,7 +21,7 @@ from numad_infer.config.load import parse_config
 from numad_infer.host.identity import BackendKind, instances_run_as
 from numad_infer.plan.model import Instance, Plan, Policy
 from numad_infer.plan.placement import make_plan
-from tests.fakes import cfg, loaded_for, private_key, three_nodes
+from tests.fakes import cfg, loaded_for, private_key, served_of, three_nodes
 
 
 def test_a_server_started_by_the_process_backend_gets_a_minimal_environment(tmp_path: Path,
@@ -72,7 +72,8 @@ def one_cpu_plan() -> Plan:
 
 
 def test_the_specs_are_the_launches_validation_worked_out_argv_and_environment() -> None:
-    loaded = loaded_for(cfg(), make_plan(cfg(), three_nodes()))
+    conf = cfg()
+    loaded = loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf)))
     backend = ProcessBackend(Path("/nonexistent"))
     specs = {name: json.loads(spec) for name, spec in backend.specs(loaded).items()}
     assert sorted(specs) == ["infer@0", "infer@1", "infer@2"]

@@ -19,7 +19,7 @@ from numad_infer.backends.systemd import SystemdBackend
 from numad_infer.host.identity import BackendKind
 from numad_infer.plan.placement import make_plan
 from numad_infer.systemd.systemctl import Systemctl
-from tests.fakes import cfg, loaded_for, three_nodes
+from tests.fakes import cfg, loaded_for, served_of, three_nodes
 
 
 SHOW = """Id=infer@0.service
@@ -137,7 +137,7 @@ def test_systemctl_failing_every_time_is_an_error(tmp_path: Path) -> None:
 
 def systemd_loaded(unit_dir: Path, extra: str = ""):
     config = cfg(f'[tuning]\nunit_dir = "{unit_dir}"\n{extra}')
-    return loaded_for(config, make_plan(config, three_nodes()), kind=BackendKind.SYSTEMD)
+    return loaded_for(config, make_plan(config, three_nodes(), served=served_of(config)), kind=BackendKind.SYSTEMD)
 
 
 def on_disk(unit_dir: Path) -> dict[str, str]:
@@ -196,7 +196,8 @@ def test_the_units_a_sync_wrote_are_what_a_restarted_daemon_adopts(tmp_path: Pat
 
 def test_start_stop_and_restart_name_the_instances_unit(tmp_path: Path) -> None:
     backend = SystemdBackend(fake_systemctl(tmp_path, ""))
-    instance = make_plan(cfg(), three_nodes()).instances[1]
+    conf = cfg()
+    instance = make_plan(conf, three_nodes(), served=served_of(conf)).instances[1]
     backend.start(instance)
     backend.stop("infer@2")
     backend.restart(instance)
@@ -229,7 +230,8 @@ def test_before_each_start_an_instance_that_keeps_its_slots_gets_its_directory_o
     gid = others[-1]
     group = grp.getgrgid(gid).gr_name
     backend = SystemdBackend(fake_systemctl(tmp_path, ""), slots_dir=tmp_path / "slots")
-    instance = make_plan(cfg(), three_nodes()).instances[1]
+    conf = cfg()
+    instance = make_plan(conf, three_nodes(), served=served_of(conf)).instances[1]
     backend.start(instance)  # not synced with a configuration that keeps slots: nothing made
     assert not (tmp_path / "slots").exists()
     backend.sync(dataclasses.replace(systemd_loaded(tmp_path / "units"), slots_group=group))

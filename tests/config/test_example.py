@@ -20,6 +20,7 @@ from numad_infer.config.schema import Config
 from numad_infer.config.tuning import TuningSection
 from numad_infer.engines.keys import check_engine_keys
 from numad_infer.errors import ConfigError
+from tests.fakes import served_of
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_FILE = ROOT / example.PATH
@@ -120,7 +121,7 @@ def test_the_models_example_in_place_of_model_is_a_valid_file_and_plans_28_and_4
         ("llama-3.1-70b", ("gpt-4o",), 28), ("llama-3.1-8b", ("gpt-4o-mini",), 4)]
     # The machine the example describes: 2 sockets, 32 cores (64 CPUs with SMT) per node.
     topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
-    plan = make_plan(config, topo, source=SRC)
+    plan = make_plan(config, topo, source=SRC, served=served_of(config))
     cores = sorted((i.model, i.node, len(i.cpus)) for i in plan.instances)
     assert cores == [("llama-3.1-70b", 0, 28), ("llama-3.1-70b", 1, 28), ("llama-3.1-8b", 0, 4),
                      ("llama-3.1-8b", 1, 4)]

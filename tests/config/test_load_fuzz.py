@@ -28,6 +28,7 @@ from numad_infer.plan.placement import make_plan
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
 from tests.unitfiles import directives, systemd_split, systemd_verify
+from tests.fakes import load_of, served_of
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=40)  # anything, control characters included
 PRINTABLE = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=30)  # quotes, %, $, spaces, unicode
@@ -108,10 +109,11 @@ def rendered(text: str) -> dict[str, str] | None:
     """The units of an accepted config; None when refused (by the schema or the planner)."""
     try:
         config = parse_config(text, "/etc/numa-infer.toml")
-        plan = make_plan(config, topology(), source="/etc/numa-infer.toml")
+        plan = make_plan(config, topology(), source="/etc/numa-infer.toml", served=served_of(config))
     except ConfigError:
         return None
-    return config, plan, render_units(config, plan)
+    served, engine = load_of(config)
+    return config, plan, render_units(config, plan, served=served, engine=engine)
 
 
 # The directives numa-infer writes; an input can only choose their values.

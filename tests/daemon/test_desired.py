@@ -19,7 +19,7 @@ from numad_infer.host.identity import BackendKind
 from numad_infer.plan.placement import make_plan
 from numad_infer.topology.cgroup_limits import UNRESTRICTED
 from numad_infer.validate.loaded import Loaded
-from tests.fakes import RecordingBackend, cfg, loaded_for, three_nodes
+from tests.fakes import RecordingBackend, cfg, loaded_for, served_of, three_nodes
 
 
 class Backend(RecordingBackend):
@@ -46,7 +46,7 @@ class Running:
 
     def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         config = cfg('[frontend]\nlisten = ""')
-        self.loaded = loaded_for(config, make_plan(config, three_nodes()))
+        self.loaded = loaded_for(config, make_plan(config, three_nodes(), served=served_of(config)))
         self.backend = Backend()
         # The pipeline's seam (desired.Validation): this machine's model file and cgroup
         # are not the test's.
@@ -169,11 +169,11 @@ def test_the_daemon_holds_one_applied_value_and_a_reload_moves_it_everywhere_at_
     plan, reconciler = running.daemon.plan, running.daemon.reconciler
     assert plan.loaded is reconciler.loaded is running.loaded
     config = cfg('[frontend]\nlisten = ""\n[tuning]\nprobe_timeout_s = 3')
-    running.loaded = reloaded = loaded_for(config, make_plan(config, three_nodes()))
+    running.loaded = reloaded = loaded_for(config, make_plan(config, three_nodes(), served=served_of(config)))
     plan.reload()
     assert plan.loaded is reconciler.loaded is reloaded and plan.config is reloaded.config
     config = cfg('[frontend]\nlisten = ""\n[tuning]\nprobe_timeout_s = 4')
-    running.loaded = loaded_for(config, make_plan(config, three_nodes()))
+    running.loaded = loaded_for(config, make_plan(config, three_nodes(), served=served_of(config)))
 
     def refuse(loaded: Loaded) -> bool:
         raise OSError("Read-only file system")  # the definitions cannot be written

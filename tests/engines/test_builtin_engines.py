@@ -20,6 +20,7 @@ from numad_infer.frontdoor.haproxy_config import SPARE_CONNECTIONS, Paths, rende
 from numad_infer.supervision.reconcile import Runtime
 from numad_infer.validate.host_check import InstanceHost
 from tests.unitfiles import directives, systemd_split, systemd_verify
+from tests.fakes import load_of
 from tests.frontdoor.harness import plan_for
 
 SERVER = '[server]\nengine = "llama-server"\nllama_server = "/usr/local/bin/llama-server"\n'
@@ -58,7 +59,8 @@ def test_bad_engine_values_are_refused_with_one_line(server: str, problem: str) 
 def test_the_unit_runs_llama_server_with_the_instance_placement_and_no_mmap(tmp_path: Path) -> None:
     cfg = config(SERVER + "parallel = 4\n")
     plan = plan_for(tmp_path, cfg)
-    files = render_units(cfg, plan)
+    served, engine = load_of(cfg)
+    files = render_units(cfg, plan, served=served, engine=engine)
     d = dict(directives(files["infer@1.service.d/50-numa-infer.conf"]))
     assert d["CPUAffinity"] == " ".join(map(str, range(32, 64))) and d["NUMAPolicy"] == "bind"
     assert "OMP_NUM_THREADS=32" in systemd_split(d["Environment"])
@@ -75,7 +77,8 @@ def test_the_unit_runs_llama_server_with_the_instance_placement_and_no_mmap(tmp_
 
 def test_the_api_key_reaches_llama_server_as_a_credential_file_not_argv(tmp_path: Path) -> None:
     cfg = config(SERVER + 'api_key_file = "/etc/numa-infer/api-key"\n')
-    files = render_units(cfg, plan_for(tmp_path, cfg))
+    served, engine = load_of(cfg)
+    files = render_units(cfg, plan_for(tmp_path, cfg), served=served, engine=engine)
     template = files["infer@.service"]
     assert "LoadCredential=api-key:/etc/numa-infer/api-key" in template
     # %d is systemd's specifier for the service's credentials directory.
@@ -92,7 +95,8 @@ def test_llama_server_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     binary.chmod(0o755)
     cfg = config(f'[server]\nengine = "llama-server"\nllama_server = "{binary}"\nparallel = 2\n'
                  'api_key_file = "/etc/numa-infer/api-key"\n')
-    write_units(tmp_path / "units", render_units(cfg, plan_for(tmp_path, cfg)))
+    served, engine = load_of(cfg)
+    write_units(tmp_path / "units", render_units(cfg, plan_for(tmp_path, cfg), served=served, engine=engine))
     assert systemd_verify(tmp_path / "units", ["infer@0.service", "infer@1.service"]) == ""
 
 
@@ -101,8 +105,9 @@ def test_the_front_door_sends_each_instance_as_many_requests_as_it_has_slots(tmp
                                      ('[server]\nengine = "llama-cpp-python"\n', 1, "/docs")):
         cfg = config(server)
         plan = plan_for(tmp_path / str(per_server), cfg)
-        text = render_haproxy(cfg, plan, Paths(Path("/c"), Path("/s"), Path("/k")))
-        assert engine_of(cfg).slots(cfg) == per_server
+        served, engine = load_of(cfg)
+        text = render_haproxy(cfg, plan, Paths(Path("/c"), Path("/s"), Path("/k")), served=served, engine=engine)
+        assert engine.slots(cfg) == per_server
         assert f" maxconn {per_server} " in text and f"option httpchk GET {path}" in text
         # The slots, and the model's queue and holds (hold.py: arriving, and on the hold server,
         # two connections each).

@@ -32,6 +32,7 @@ from tests import fakesys
 from tests.conftest import searchable_by_others
 from tests.daemon_harness import free_port
 from tests.unitfiles import directives, systemd_split
+from tests.fakes import load_of
 
 TOY_SERVER = """
 import http.server, sys
@@ -118,10 +119,13 @@ def test_a_plugged_in_engine_is_planned_rendered_probed_and_read(tmp_path: Path,
     assert format_engine(cfg, toy) == "engine: toy (server.engine)"
     plan = loaded.plan
     instance = plan.instances[0]
-    d = dict(directives(render_units(cfg, plan)[f"{instance.unit}.d/50-numa-infer.conf"]))
+    units = render_units(cfg, plan, served=loaded.served, engine=loaded.engine)
+    d = dict(directives(units[f"{instance.unit}.d/50-numa-infer.conf"]))
     assert systemd_split(d["ExecStart"])[-2:] == ["--threads", str(instance.threads)]
     front = cfg.model_copy(update={"frontend": cfg.frontend.model_copy(update={"listen": "127.0.0.1:9000"})})
-    text = render_haproxy(front, make_plan(front, topology), Paths(Path("/c"), Path("/s"), Path("/k")))
+    served, engine = load_of(front)
+    text = render_haproxy(front, make_plan(front, topology, served=served), Paths(Path("/c"), Path("/s"), Path("/k")),
+                          served=served, engine=engine)
     assert "option httpchk GET /alive" in text and " maxconn 3 " in text
     server = subprocess.Popen(engine_of(cfg).argv(cfg, instance))
     try:

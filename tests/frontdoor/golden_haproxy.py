@@ -13,6 +13,7 @@ from numad_infer.frontdoor.haproxy_config import Paths, paths_in, render_haproxy
 from numad_infer.plan.placement import make_plan
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
+from tests.fakes import load_of
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden_haproxy"
 RUN_DIR = "/run/numa-infer"  # what the rendering directory reads as in a golden file
@@ -32,8 +33,10 @@ def render(name: str, directory: Path) -> str:
     """`name`.toml's haproxy.cfg for a front door whose files are in `directory` (the fake
     machine's tree is written under it too), as the daemon renders it: HAProxy binds."""
     config = parse_config((GOLDEN / f"{name}.toml").read_text(encoding="utf-8"), f"{name}.toml")
-    plan = make_plan(config, read_topology(fakesys.write_tree(directory / "fs", fakesys.dual_socket_smt())))
-    return render_haproxy(config, plan, paths_for(directory))
+    served, engine = load_of(config)
+    plan = make_plan(config, read_topology(fakesys.write_tree(directory / "fs", fakesys.dual_socket_smt())),
+                     served=served)
+    return render_haproxy(config, plan, paths_for(directory), served=served, engine=engine)
 
 
 def normalised(text: str, directory: Path) -> str:

@@ -4,9 +4,6 @@ daemon's own front door code (Door) or over the rendered haproxy.cfg with stub i
 
 from __future__ import annotations
 
-from numad_infer.config.models import served_models
-from numad_infer.engines import engine_of
-
 import csv
 import errno
 import io
@@ -35,10 +32,12 @@ from numad_infer.plan.placement import make_plan
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
 from tests.daemon_harness import free_port_block, run_dir, wait_for
+from tests.fakes import load_of, served_of
 
 
 def plan_for(tmp_path: Path, cfg):
-    return make_plan(cfg, read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())))
+    return make_plan(cfg, read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt())),
+                     served=served_of(cfg))
 
 
 def binds_beside(host: str, port: int, reuse_port: bool = False) -> bool:
@@ -120,9 +119,8 @@ class Door:
         """What the daemon does with a load: haproxy.cfg rendered and checked for this front
         door's directory (validation's step), then applied. `keys`, `api_key`: as validation
         read the tenants' and the instances' key files."""
-        served = served_models(self.config)
-        checked = render_checked(self.config, self.plan, served, engine_of(self.config), self.door.paths, keys,
-                                 api_key)
+        served, engine = load_of(self.config)
+        checked = render_checked(self.config, self.plan, served, engine, self.door.paths, keys, api_key)
         return self.door.apply(self.config, self.plan, served, checked)
 
     def start(self) -> None:
@@ -250,7 +248,8 @@ class FrontDoor:
         assert [i.port for i in plan.instances] == self.ports
         paths = paths_in(self.run_dir, self.run_dir / "haproxy.sock")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_config(paths, render_haproxy(self.config, plan, paths))
+        served, engine = load_of(self.config)
+        write_config(paths, render_haproxy(self.config, plan, paths, served=served, engine=engine))
         paths.state.write_text("1\n")
         self.haproxy = subprocess.Popen([HAPROXY, "-db", "-f", str(paths.config)], stdout=subprocess.DEVNULL,
                                         stderr=open(self.tmp / "haproxy.err", "w"))

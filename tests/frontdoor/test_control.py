@@ -14,9 +14,6 @@ tested alone in tests/host/test_identity.py.
 
 from __future__ import annotations
 
-from numad_infer.config.models import served_models
-from numad_infer.engines import engine_of
-
 import os
 import pwd
 import socket
@@ -38,6 +35,7 @@ from numad_infer.host.identity import (
     INSTANCE_USER,
 )
 from tests.daemon_harness import wait_for
+from tests.fakes import load_of
 from tests.frontdoor.harness import plan_for
 from tests.unitfiles import score
 from tests.frontdoor.harness import as_root, children_of, HAPROXY, with_haproxy
@@ -168,7 +166,8 @@ def test_without_the_capability_an_unprivileged_haproxy_cannot_bind_below_1024(d
     # port itself with no capability, fails.
     door = doors(listen_port=free_privileged_port())
     door.run_dir.mkdir(parents=True, exist_ok=True)
-    write_config(door.door.paths, render_haproxy(door.config, door.plan, door.door.paths))
+    served, engine = load_of(door.config)
+    write_config(door.door.paths, render_haproxy(door.config, door.plan, door.door.paths, served=served, engine=engine))
     door.door.paths.state.write_text("1\n")
     door.door.runner.start(HAPROXY, door.door.paths.config)  # holds no socket: HAProxy binds
     child = door.door.runner.child
@@ -233,8 +232,11 @@ def test_the_rendered_front_door_unit_runs_as_its_user_with_a_group_only_directo
 def test_the_front_door_unit_with_its_user_scores_better_than_root(tmp_path: Path, listen: str) -> None:
     config = parse_config(f'[model]\npath = "/m.gguf"\n[frontend]\nlisten = "{listen}"\n')
     plan = plan_for(tmp_path / "plan", config)
-    own = score(tmp_path / "own", render_units(config, plan), "numa-infer-frontdoor.service", 2.0)
-    root = score(tmp_path / "root", render_units(config, plan, None), "numa-infer-frontdoor.service", 2.5)
+    served, engine = load_of(config)
+    own = score(tmp_path / "own", render_units(config, plan, served=served, engine=engine),
+                "numa-infer-frontdoor.service", 2.0)
+    root = score(tmp_path / "root", render_units(config, plan, None, served=served, engine=engine),
+                 "numa-infer-frontdoor.service", 2.5)
     print(f"exposure ({listen}): front door as {FRONTDOOR_USER} {own}, as root {root}")
     assert own < root
 

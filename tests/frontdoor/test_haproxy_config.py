@@ -25,6 +25,7 @@ from numad_infer.errors import ConfigError
 from numad_infer.frontdoor.haproxy import AdminState, RuntimeAPI
 from numad_infer.frontdoor.haproxy_config import BACKEND, FRONTEND, Paths, paths_in, quoted, render_haproxy, write_config
 from tests.daemon_harness import free_port_block, wait_for
+from tests.fakes import load_of
 from tests.frontdoor.harness import plan_for
 from tests.frontdoor.harness import _get, Answer, CRASH_MARKER, FrontDoor, HAPROXY, SLOW_MARKER
 
@@ -149,7 +150,8 @@ def test_every_path_in_haproxy_cfg_is_quoted_and_haproxy_accepts_it(tmp_path: Pa
     # HAProxy expands $VAR in a file name unless it is escaped, and in a socket address always.
     paths = Paths(run_dir / "haproxy.cfg", run_dir / "state $HOME", run_dir / "haproxy.sock")
     plan = plan_for(tmp_path, config)
-    text = render_haproxy(config, plan, paths)
+    served, engine = load_of(config)
+    text = render_haproxy(config, plan, paths, served=served, engine=engine)
     assert f'stats socket "{run_dir}/haproxy.sock" mode 660' in text
     assert f'server-state-file "{run_dir}/state \\$HOME"' in text
     assert f'lua-load "{run_dir}/numa-infer.lua"' in text
@@ -160,7 +162,8 @@ def test_every_path_in_haproxy_cfg_is_quoted_and_haproxy_accepts_it(tmp_path: Pa
     with pytest.raises(ConfigError, match="control character.*--state-file"):
         quoted(Path("/run/x\ny"))
     with pytest.raises(ConfigError, match=r"contains a \$.*--state-file"):
-        render_haproxy(config, plan, paths_in(Path("/run/$HOME"), Path("/run/$HOME/haproxy.sock")))
+        render_haproxy(config, plan, paths_in(Path("/run/$HOME"), Path("/run/$HOME/haproxy.sock")), served=served,
+                       engine=engine)
 
 
 def test_the_health_path_is_answered_by_haproxy_200_while_an_instance_is_in_rotation_503_when_none(

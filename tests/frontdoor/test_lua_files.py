@@ -17,7 +17,7 @@ from numad_infer.frontdoor.haproxy_config import paths_in, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGED = ROOT / "numad_infer" / "frontdoor" / "lua"
-LUACHECKRC = PACKAGED / ".luacheckrc"
+LUACHECKRC = ROOT / ".luacheckrc"
 
 
 def _packaged() -> dict[str, bytes]:

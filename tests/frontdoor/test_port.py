@@ -25,6 +25,7 @@ from numad_infer.frontdoor.listener import FD_VARIABLE, STORE_NAME, TWIN_FD_VARI
 from numad_infer.systemd.unitnames import PORT_FD_NAME
 from numad_infer.util.addresses import loopback_twin
 from tests.daemon_harness import free_port_block
+from tests.fakes import load_of
 from tests.frontdoor.harness import plan_for
 from tests.frontdoor.harness import as_root
 from tests.frontdoor.harness import binds_beside, systemd_socket
@@ -195,8 +196,9 @@ def test_a_front_door_on_127_0_0_1_also_holds_and_serves_1_at_its_port(listener,
     twin.close()
     # HAProxy serves it: a second bind line, on the variable the handout fills.
     config = parse_config(f'[model]\npath = "/m.gguf"\n[frontend]\nlisten = "127.0.0.1:{port}"\n')
+    served, engine = load_of(config)
     text = render_haproxy(config, plan_for(tmp_path, config), paths_in(tmp_path, tmp_path / "admin.sock"), held=True,
-                          twin=True)
+                          twin=True, served=served, engine=engine)
     assert f"    bind {HELD_BIND}\n    bind {TWIN_BIND}\n" in text
 
 

@@ -20,6 +20,7 @@ from numad_infer.frontdoor.haproxy import AdminState, RuntimeAPI, merged
 from numad_infer.frontdoor.haproxy_config import BACKEND, SPARE_CONNECTIONS, Paths, body_buffer, render_haproxy
 from numad_infer.frontdoor.routing import backends, models_list, routed
 from tests.daemon_harness import free_port_block, wait_for
+from tests.fakes import load_of
 from tests.frontdoor.harness import plan_for
 from tests.frontdoor.harness import Door as ControlDoor
 from tests.frontdoor.harness import SLOW_MARKER, Answer, FrontDoor, _get
@@ -34,7 +35,8 @@ ALPHA, BETA = ("stub0", "stub1"), ("stub2", "stub3")
 def _render(tmp_path: Path, text: str) -> str:
     config = parse_config(text, "/etc/numa-infer.toml")
     paths = Paths(tmp_path / "haproxy.cfg", tmp_path / "state", tmp_path / "sock")
-    return render_haproxy(config, plan_for(tmp_path, config), paths)
+    served, engine = load_of(config)
+    return render_haproxy(config, plan_for(tmp_path, config), paths, served=served, engine=engine)
 
 
 def test_two_models_get_a_backend_each_with_their_own_slots_queue_and_a_route_by_name_or_alias(

@@ -24,7 +24,7 @@ from numad_infer.lifecycle.states import State
 from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.reconcile import PASS_SLACK_S, Reconciler
 from tests.daemon_harness import wait_for
-from tests.fakes import FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
+from tests.fakes import FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, served_of, three_nodes
 from tests.peers import Peer, answer, drip, flood, timed
 
 DEADLINE_S = 0.5
@@ -105,7 +105,7 @@ def test_a_stuck_front_door_is_recorded_unanswering_and_the_pass_goes_on(admin_s
     with Peer(drip(*STAT_DRIP), unix_path=admin_sock) as haproxy:
         door = door_on(admin_sock)
         rec = Reconciler(RecordingBackend(), FakeProc(), frontdoor=door, probe=answering_probe)  # type: ignore[arg-type]
-        rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
+        rec.apply(loaded_for(config, make_plan(config, three_nodes(), served=served_of(config))), 0.0)
         states, took = timed(lambda: rec.monitor(1.0))
     assert took < DEADLINE_S + DEADLINE_S + PASS_SLACK_S  # the front door's deadline, then the probes'
     assert states == {"infer@0": State.HEALTHY, "infer@1": State.HEALTHY, "infer@2": State.HEALTHY}
@@ -122,7 +122,8 @@ def test_a_front_door_that_stops_answering_mid_pass_is_asked_nothing_more(admin_
               unix_path=admin_sock) as haproxy:
         door = door_on(admin_sock)
         assert door.observe() is not None
-        a, b, _ = make_plan(cfg(), three_nodes()).instances
+        conf = cfg()
+        a, b, _ = make_plan(conf, three_nodes(), served=served_of(conf)).instances
         _, took = timed(lambda: door.set_state(a, AdminState.MAINT))
         assert took < DEADLINE_S + SLACK_S
         assert door.stats is None and door.error.endswith("no answer within 0.5s")

@@ -15,6 +15,7 @@ from numad_infer.plan.placement import make_plan
 from numad_infer.topology.model import Topology
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
+from tests.fakes import served_of
 
 GiB = 1 << 30
 
@@ -39,7 +40,7 @@ def need(gib: float, model: str = "m.gguf") -> InstanceMemory:
 
 
 def fits(cfg, topo: Topology, memory: InstanceMemory) -> list[tuple[int, int, int]]:
-    plan = make_plan(cfg, topo, memory)
+    plan = make_plan(cfg, topo, memory, served=served_of(cfg))
     return [(f.node, f.need, len(f.instances)) for f in node_fits([(i, memory) for i in plan.instances], topo)]
 
 
@@ -48,7 +49,8 @@ def test_each_node_sums_its_instances(machine) -> None:
     assert fits(config("instances_per_node = 4"), topo, need(50)) == [(0, 200 * GiB, 4), (1, 200 * GiB, 4)]
     # 5 x 50 GiB is more than 90 % of 256 GiB (230.4 GiB).
     with pytest.raises(ConfigError) as refused:
-        make_plan(config("instances_per_node = 5"), topo, need(50), source="/etc/numa-infer.toml")
+        conf = config("instances_per_node = 5")
+        make_plan(conf, topo, need(50), source="/etc/numa-infer.toml", served=served_of(conf))
     message = str(refused.value)
     assert message.startswith("/etc/numa-infer.toml: node 0's memory cannot hold its instances: infer@0.0, infer@0.1, "
                               "infer@0.2, infer@0.3, infer@0.4 (m.gguf) need 250.0 GiB (268435456000 bytes), the node "
@@ -69,17 +71,20 @@ def test_an_instance_over_several_nodes_puts_an_equal_share_on_each(machine) -> 
 
 def test_a_node_holding_another_nodes_instance_names_it_in_the_fix(machine) -> None:
     with pytest.raises(ConfigError) as refused:
-        make_plan(config(), machine(fakesys.memoryless_cpu_node), need(4))
+        conf = config()
+        make_plan(conf, machine(fakesys.memoryless_cpu_node), need(4), served=served_of(conf))
     message = str(refused.value)
     # 4 GiB fits node 0 (7.2 GiB for the instances); node 2 holds its own and node 1's: 8 GiB.
     assert "node 2's memory cannot hold its instances: infer@1, infer@2 (m.gguf) need 8.0 GiB" in message
     assert "leaving node 1 out of placement.nodes (its instances allocate on node 2)" in message
-    assert make_plan(config("nodes = [0, 2]"), machine(fakesys.memoryless_cpu_node), need(4)).instances
+    conf = config("nodes = [0, 2]")
+    assert make_plan(conf, machine(fakesys.memoryless_cpu_node), need(4), served=served_of(conf)).instances
 
 
 def test_instances_of_several_models_on_one_node_are_named_together(machine) -> None:
     topo = machine(fakesys.dual_socket_smt)
-    plan = make_plan(config(), topo)
+    conf = config()
+    plan = make_plan(conf, topo, served=served_of(conf))
     small, big = need(100, "small.gguf"), need(150, "big.gguf")
     together = [(plan.instances[0], small), (plan.instances[0], big), (plan.instances[1], small)]
     assert [(f.node, f.need, f.models, f.fits) for f in node_fits(together, topo)] == [
@@ -91,7 +96,8 @@ def test_a_node_whose_memory_size_is_unknown_is_not_checked(machine) -> None:
     bare = fakesys.FakeMachine(nodes={0: fakesys.FakeNode((0, 1), 0, (10,))}, siblings=((0,), (1,)), l3=((0, 1),),
                                offline=())
     topo = machine(lambda: bare)
-    plan = make_plan(config(), topo, need(1000))
+    conf = config()
+    plan = make_plan(conf, topo, need(1000), served=served_of(conf))
     (fit,) = node_fits([(i, need(1000)) for i in plan.instances], topo)
     assert fit.fits
     assert fit.describe() == "node 0: 1 instance(s) need 1000.0 GiB; its memory size is unknown, not checked"
@@ -99,7 +105,8 @@ def test_a_node_whose_memory_size_is_unknown_is_not_checked(machine) -> None:
 
 def test_the_fit_as_plan_prints_it(machine) -> None:
     topo = machine(fakesys.round_robin_sockets)  # 32 GiB nodes
-    plan = make_plan(config(), topo, need(0.5))
+    conf = config()
+    plan = make_plan(conf, topo, need(0.5), served=served_of(conf))
     lines = [f.describe() for f in node_fits([(i, need(0.5)) for i in plan.instances], topo)]
     assert lines == ["node 0: 1 instance(s) need 512 MiB of 28.8 GiB (32.0 GiB less 10%)",
                      "node 1: 1 instance(s) need 512 MiB of 28.8 GiB (32.0 GiB less 10%)"]
@@ -113,7 +120,8 @@ def grows(gib: float, by: float | None, fix: str = 'server.extra_args = [..., "-
 def test_prompt_caches_that_could_outgrow_a_node_are_a_warning_naming_the_bound(machine) -> None:
     topo = machine(fakesys.round_robin_sockets)  # 32 GiB nodes: 28.8 GiB for the instances
     # 2 x 4 GiB loaded fits; with 2 x 12 GiB of prompt cache it would not (8 + 24 > 28.8).
-    plan = make_plan(config("instances_per_node = 2"), topo, grows(4, 12))
+    conf = config("instances_per_node = 2")
+    plan = make_plan(conf, topo, grows(4, 12), served=served_of(conf))
     (first, second) = [w for w in plan.warnings if "prompt caches" in w]
     assert first == ("node 0: its instances (infer@0.0, infer@0.1) need 8.0 GiB once loaded, which fits, but can "
                      "grow by up to 24.0 GiB more with use (their prompt caches, each to its limit), past the 28.8 GiB "
@@ -124,17 +132,18 @@ def test_prompt_caches_that_could_outgrow_a_node_are_a_warning_naming_the_bound(
     assert fit.describe() == ("node 0: 2 instance(s) need 8.0 GiB of 28.8 GiB (32.0 GiB less 10%); with use, prompt "
                               "caches up to 24.0 GiB more")
     # Bounded to what fits: no warning; a refusal stays a refusal, loaded sizes alone.
-    assert not [w for w in make_plan(config("instances_per_node = 2"), topo, grows(4, 2)).warnings if "prompt" in w]
+    assert not [w for w in make_plan(conf, topo, grows(4, 2), served=served_of(conf)).warnings if "prompt" in w]
     with pytest.raises(ConfigError, match="node 0's memory cannot hold"):
-        make_plan(config("instances_per_node = 2"), topo, grows(15, 0))
+        make_plan(conf, topo, grows(15, 0), served=served_of(conf))
 
 
 def test_a_prompt_cache_without_a_limit_is_a_warning_whatever_the_node(machine) -> None:
     topo = machine(fakesys.dual_socket_smt)  # 256 GiB nodes
-    plan = make_plan(config(), topo, grows(1, None))
+    conf = config()
+    plan = make_plan(conf, topo, grows(1, None), served=served_of(conf))
     warned = [w for w in plan.warnings if "prompt cache" in w]
     assert len(warned) == 2 and "need 1.0 GiB once loaded, which fits, but have no limit on their prompt cache" in warned[0]
-    assert not [w for w in make_plan(config(), topo, grows(1, 8)).warnings if "prompt" in w]
+    assert not [w for w in make_plan(conf, topo, grows(1, 8), served=served_of(conf)).warnings if "prompt" in w]
 
 
 def test_with_several_models_the_fix_names_each_models_own_extra_args() -> None:
@@ -166,7 +175,8 @@ def test_one_fix_builder_for_both_forms_each_naming_its_own_keys(machine) -> Non
     fixes = []
     for memory in (shared, own):
         with pytest.raises(ConfigError) as refused:
-            make_plan(config("instances_per_node = 5"), topo, memory)
+            conf = config("instances_per_node = 5")
+            make_plan(conf, topo, memory, served=served_of(conf))
         fixes.append(str(refused.value).split("; use ", 1)[1])
     assert fixes[0] == ("a smaller model.context_size or server.parallel, fewer placement.instances_per_node (5 "
                         "instances on node 0), a smaller quantisation of the model or placement.mode = \"interleave\" "

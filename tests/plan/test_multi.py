@@ -16,6 +16,7 @@ from numad_infer.plan.placement import make_plan
 from numad_infer.topology.model import Topology
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
+from tests.fakes import served_of
 
 
 def models(*tables: str, extra: str = ""):
@@ -40,7 +41,8 @@ def _physical(topo: Topology, cpus: tuple[int, ...]) -> set[tuple[int, ...]]:
 
 def test_the_issue_example_70b_takes_28_cores_per_node_8b_the_4_left(machine) -> None:
     topo = machine(fakesys.dual_socket_smt)
-    plan = make_plan(models(BIG, SMALL), topo)
+    cfg = models(BIG, SMALL)
+    plan = make_plan(cfg, topo, served=served_of(cfg))
     assert [(i.name, i.model, i.node, len(i.cpus), i.port) for i in plan.instances] == [
         ("infer@big-0", "big", 0, 28, 8080), ("infer@big-1", "big", 1, 28, 8081),
         ("infer@small-0", "small", 0, 4, 8082), ("infer@small-1", "small", 1, 4, 8083)]
@@ -53,7 +55,8 @@ def test_the_issue_example_70b_takes_28_cores_per_node_8b_the_4_left(machine) ->
 
 def test_smt_keeps_siblings_together_and_no_two_instances_share_a_core(machine) -> None:
     topo = machine(fakesys.dual_socket_smt)
-    plan = make_plan(models(BIG, SMALL, extra="[placement]\nsmt = true\n"), topo)
+    cfg = models(BIG, SMALL, extra="[placement]\nsmt = true\n")
+    plan = make_plan(cfg, topo, served=served_of(cfg))
     cores = [_physical(topo, i.cpus) for i in plan.instances]
     for a in range(len(cores)):
         for b in range(a + 1, len(cores)):
@@ -67,7 +70,8 @@ def test_models_without_cores_share_what_is_left_evenly(machine) -> None:
     a = 'name = "a"\npath = "/m/a.gguf"\nnodes = [0]\ninstances_per_node = 2\n'
     b = 'name = "b"\npath = "/m/b.gguf"\nnodes = [0]\ncores_per_instance = 8\n'
     c = 'name = "c"\npath = "/m/c.gguf"\nnodes = [0]\n'
-    plan = make_plan(models(a, b, c), topo)
+    cfg = models(a, b, c)
+    plan = make_plan(cfg, topo, served=served_of(cfg))
     sizes = {i.name: len(i.cpus) for i in plan.instances}
     # 32 cores, 8 to b, 24 left for the three instances of a and c.
     assert sizes == {"infer@a-0.0": 8, "infer@a-0.1": 8, "infer@b-0": 8, "infer@c-0": 8}
@@ -77,7 +81,8 @@ def test_instances_stay_inside_l3_groups_where_they_fit(machine) -> None:
     topo = machine(fakesys.epyc_nps4)  # 4 cores per L3 group, 16 per node
     a = 'name = "a"\npath = "/m/a.gguf"\nnodes = [0]\ncores_per_instance = 8\n'
     b = 'name = "b"\npath = "/m/b.gguf"\nnodes = [0]\ninstances_per_node = 2\ncores_per_instance = 4\n'
-    plan = make_plan(models(a, b), topo)
+    cfg = models(a, b)
+    plan = make_plan(cfg, topo, served=served_of(cfg))
     groups = [set(g) for g in topo.nodes[0].l3_groups]
     for i in plan.instances[1:]:  # b's instances: one whole L3 group each
         inside = [g for g in groups if _physical(topo, i.cpus) <= g]
@@ -86,7 +91,8 @@ def test_instances_stay_inside_l3_groups_where_they_fit(machine) -> None:
 
 def test_reserved_cpus_stay_out(machine) -> None:
     topo = machine(fakesys.dual_socket_smt)
-    plan = make_plan(models(BIG, SMALL, extra='[placement]\nreserve_cpus = "0"\n'), topo)
+    cfg = models(BIG, SMALL, extra='[placement]\nreserve_cpus = "0"\n')
+    plan = make_plan(cfg, topo, served=served_of(cfg))
     assert all(0 not in i.cpus and 64 not in i.cpus for i in plan.instances)
     assert [len(i.cpus) for i in plan.instances if i.node == 0] == [28, 3]
 
@@ -95,26 +101,31 @@ def test_cores_asked_beyond_the_node_are_refused_naming_the_key(machine) -> None
     topo = machine(fakesys.dual_socket_smt)
     greedy = BIG.replace("28", "30")
     with pytest.raises(ConfigError) as err:
-        make_plan(models(greedy, SMALL, 'name = "third"\npath = "/m/t.gguf"\ncores_per_instance = 4\n'), topo)
+        cfg = models(greedy, SMALL, 'name = "third"\npath = "/m/t.gguf"\ncores_per_instance = 4\n')
+        make_plan(cfg, topo, served=served_of(cfg))
     message = str(err.value)
     assert "models[2].cores_per_instance" in message and "node 0 has 32 usable" in message
     assert "big 1 x 30" in message and "lower cores_per_instance" in message
     with pytest.raises(ConfigError, match=r"models\[1\].instances_per_node.*2 are left for 3 instance"):
-        make_plan(models(greedy, 'name = "s"\npath = "/m/s.gguf"\ninstances_per_node = 3\n'), topo)
+        cfg = models(greedy, 'name = "s"\npath = "/m/s.gguf"\ninstances_per_node = 3\n')
+        make_plan(cfg, topo, served=served_of(cfg))
 
 
 def test_a_model_node_that_does_not_exist_names_the_models_key(machine) -> None:
     with pytest.raises(ConfigError, match=r"models\[1\].nodes = \[5\]: node 5 does not exist"):
-        make_plan(models(BIG, SMALL + "nodes = [5]\n"), machine(fakesys.dual_socket_smt))
+        cfg = models(BIG, SMALL + "nodes = [5]\n")
+        make_plan(cfg, machine(fakesys.dual_socket_smt), served=served_of(cfg))
 
 
 def test_memory_is_summed_per_node_over_both_models(machine) -> None:
     topo = machine(fakesys.dual_socket_smt)  # 256 GiB per node
     need = {"big": InstanceMemory("big", 200 << 30, "200 GiB"), "small": InstanceMemory("small", 20 << 30, "20 GiB")}
-    make_plan(models(BIG, SMALL), topo, need)  # 220 of 230.4 GiB: fits
+    cfg = models(BIG, SMALL)
+    make_plan(cfg, topo, need, served=served_of(cfg))  # 220 of 230.4 GiB: fits
     need["small"] = InstanceMemory("small", 40 << 30, "40 GiB", "a smaller models[1].context_size")
     with pytest.raises(ConfigError) as err:
-        make_plan(models(BIG, SMALL), topo, need)
+        cfg = models(BIG, SMALL)
+        make_plan(cfg, topo, need, served=served_of(cfg))
     message = str(err.value)
     assert "node 0's memory cannot hold its instances: infer@big-0, infer@small-0 (big, small) need 240.0 GiB" in message
     assert "models[1].context_size" in message
@@ -122,7 +133,8 @@ def test_memory_is_summed_per_node_over_both_models(machine) -> None:
 
 def test_single_model_form_is_unchanged(machine) -> None:
     topo = machine(fakesys.dual_socket_smt)
-    plan = make_plan(parse_config('[model]\npath = "/m.gguf"\nname = "tiny"\n', "f"), topo)
+    cfg = parse_config('[model]\npath = "/m.gguf"\nname = "tiny"\n', "f")
+    plan = make_plan(cfg, topo, served=served_of(cfg))
     assert [(i.name, i.model, i.port) for i in plan.instances] == [("infer@0", "", 8080), ("infer@1", "", 8081)]
 
 
@@ -131,11 +143,14 @@ def test_a_reload_that_adds_or_removes_a_model_keeps_every_other_instance(machin
     a = 'name = "a"\npath = "/m/a.gguf"\ncores_per_instance = 8\n'
     b = 'name = "b"\npath = "/m/b.gguf"\ncores_per_instance = 8\n'
     c = 'name = "c"\npath = "/m/c.gguf"\ncores_per_instance = 8\n'
-    before = make_plan(models(a, b), topo)
-    added = make_plan(models(a, b, c), topo, running=before.instances)
+    cfg = models(a, b)
+    before = make_plan(cfg, topo, served=served_of(cfg))
+    cfg = models(a, b, c)
+    added = make_plan(cfg, topo, running=before.instances, served=served_of(cfg))
     diff = diff_plans({i.name: i for i in before.instances}, {i.name: i for i in added.instances})
     assert diff.added == ("infer@c-0", "infer@c-1") and diff.changed == () and diff.removed == ()
-    removed = make_plan(models(b, c), topo, running=added.instances)
+    cfg = models(b, c)
+    removed = make_plan(cfg, topo, running=added.instances, served=served_of(cfg))
     diff = diff_plans({i.name: i for i in added.instances}, {i.name: i for i in removed.instances})
     assert diff.removed == ("infer@a-0", "infer@a-1") and diff.changed == () and diff.added == ()
 
@@ -146,11 +161,14 @@ def test_a_reload_that_drops_a_node_keeps_every_other_instance_in_both_forms(mac
     topo = machine(fakesys.epyc_nps4)
     for form in ('[model]\npath = "/m.gguf"\n[placement]\nnodes = {}\n',
                  '[[models]]\nname = "a"\npath = "/m.gguf"\nnodes = {}\n'):
-        every = make_plan(parse_config(form.format("[0, 1, 2, 3]"), "f"), topo)
-        fewer = make_plan(parse_config(form.format("[0, 2, 3]"), "f"), topo, running=every.instances)
+        cfg = parse_config(form.format("[0, 1, 2, 3]"), "f")
+        every = make_plan(cfg, topo, served=served_of(cfg))
+        cfg = parse_config(form.format("[0, 2, 3]"), "f")
+        fewer = make_plan(cfg, topo, running=every.instances, served=served_of(cfg))
         diff = diff_plans({i.name: i for i in every.instances}, {i.name: i for i in fewer.instances})
         assert len(diff.removed) == 1 and diff.changed == () and diff.added == (), (form, diff)
-        again = make_plan(parse_config(form.format("[0, 1, 2, 3]"), "f"), topo, running=fewer.instances)
+        cfg = parse_config(form.format("[0, 1, 2, 3]"), "f")
+        again = make_plan(cfg, topo, running=fewer.instances, served=served_of(cfg))
         back = {i.name: i.port for i in again.instances}
         assert sorted(back.values()) == [8080, 8081, 8082, 8083]  # the one that came back takes the free port
         assert diff_plans({i.name: i for i in fewer.instances}, {i.name: i for i in again.instances}).changed == ()
@@ -160,5 +178,6 @@ def test_names_with_dashes_never_collide(machine) -> None:
     topo = machine(fakesys.epyc_nps4)
     a = 'name = "m-1"\npath = "/m/a.gguf"\nnodes = [0]\n'
     b = 'name = "m"\npath = "/m/b.gguf"\nnodes = [1]\ninstances_per_node = 2\n'
-    names = [i.name for i in make_plan(models(a, b), topo).instances]
+    cfg = models(a, b)
+    names = [i.name for i in make_plan(cfg, topo, served=served_of(cfg)).instances]
     assert names == ["infer@m-1-0", "infer@m-1.0", "infer@m-1.1"] and len(set(names)) == 3

@@ -15,6 +15,7 @@ from numad_infer.plan.placement import make_plan
 from numad_infer.topology.model import Topology
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
+from tests.fakes import served_of
 
 GiB, MiB = 1 << 30, 1 << 20
 SOURCE = "/etc/numa-infer.toml"
@@ -58,7 +59,8 @@ def caches(plan) -> dict[str, int | None]:
 
 def test_one_node_shares_what_its_instances_leave_among_them(machine) -> None:
     topo = machine(one_node)  # 7.2 GiB for the instances
-    plan = make_plan(config("instances_per_node = 2"), topo, sized(1))
+    conf = config("instances_per_node = 2")
+    plan = make_plan(conf, topo, sized(1), served=served_of(conf))
     each = share(8, 2 * GiB, 2)
     assert each == 1996 and caches(plan) == {"infer@0.0": each, "infer@0.1": each}
     assert not [w for w in plan.warnings if "prompt cache" in w]
@@ -69,20 +71,24 @@ def test_one_node_shares_what_its_instances_leave_among_them(machine) -> None:
 
 def test_several_nodes_each_size_their_own_and_never_past_the_engines_default(machine) -> None:
     # 32 GiB nodes, two 4 GiB instances each: 28.8 - 8 GiB left, a quarter kept: 7.8 GiB each.
-    plan = make_plan(config("instances_per_node = 2"), machine(fakesys.round_robin_sockets), sized(4))
+    conf = config("instances_per_node = 2")
+    plan = make_plan(conf, machine(fakesys.round_robin_sockets), sized(4), served=served_of(conf))
     assert set(caches(plan).values()) == {share(32, 8 * GiB, 2)} == {7987}
     # 256 GiB nodes: far more than llama-server's own 8 GiB, which stays the bound.
-    big = make_plan(config("instances_per_node = 4"), machine(fakesys.dual_socket_smt), sized(8))
+    conf = config("instances_per_node = 4")
+    big = make_plan(conf, machine(fakesys.dual_socket_smt), sized(8), served=served_of(conf))
     assert set(caches(big).values()) == {8192} and len(big.instances) == 8
     # Four nodes of 64 GiB, two instances each: each node its own share.
-    nps4 = make_plan(config("instances_per_node = 2"), machine(fakesys.epyc_nps4), sized(20, None))
+    conf = config("instances_per_node = 2")
+    nps4 = make_plan(conf, machine(fakesys.epyc_nps4), sized(20, None), served=served_of(conf))
     assert set(caches(nps4).values()) == {share(64, 40 * GiB, 2)} and len(nps4.instances) == 8
 
 
 def test_an_instance_over_two_nodes_counts_its_share_on_each(machine) -> None:
     # Interleaved over two 32 GiB nodes: 4 GiB of its 8 on each, its cache half on each.
     topo = machine(fakesys.round_robin_sockets)
-    plan = make_plan(config('mode = "interleave"'), topo, sized(8, None))
+    conf = config('mode = "interleave"')
+    plan = make_plan(conf, topo, sized(8, None), served=served_of(conf))
     (instance,) = plan.instances
     assert instance.mems == (0, 1) and instance.prompt_cache_mib == share(32, 4 * GiB, 0.5)
     for fit in node_fits([(instance, bounded(instance, sized(8, None)))], topo):
@@ -93,13 +99,13 @@ def test_two_models_on_one_node_share_it_and_an_operators_bound_is_counted_and_k
     cfg = parse_config('[[models]]\nname = "a"\npath = "/a.gguf"\n[[models]]\nname = "b"\npath = "/b.gguf"\n'
                        '[server]\nllama_server = "/bin/llama-server"\n', SOURCE)
     topo = machine(fakesys.round_robin_sockets)
-    plan = make_plan(cfg, topo, {"a": sized(4, 64, "a.gguf"), "b": sized(8, 64, "b.gguf")})
+    plan = make_plan(cfg, topo, {"a": sized(4, 64, "a.gguf"), "b": sized(8, 64, "b.gguf")}, served=served_of(cfg))
     assert {i.name: (i.mems, i.prompt_cache_mib) for i in plan.instances} == {
         name: ((node,), share(32, 12 * GiB, 2)) for name, node in
         (("infer@a-0", 0), ("infer@a-1", 1), ("infer@b-0", 0), ("infer@b-1", 1))}
     # b bounds its own (2 GiB, not sized): a takes what is left after it, b's is not passed.
     own = InstanceMemory("b.gguf", 8 * GiB, "weights 8 GiB", grows=2 * GiB)
-    mixed = make_plan(cfg, topo, {"a": sized(4, 64, "a.gguf"), "b": own})
+    mixed = make_plan(cfg, topo, {"a": sized(4, 64, "a.gguf"), "b": own}, served=served_of(cfg))
     assert {i.name: i.prompt_cache_mib for i in mixed.instances} == {
         "infer@a-0": share(32, 14 * GiB, 1), "infer@a-1": share(32, 14 * GiB, 1), "infer@b-0": None, "infer@b-1": None}
     assert not [w for w in mixed.warnings if "prompt cache" in w]
@@ -107,7 +113,8 @@ def test_two_models_on_one_node_share_it_and_an_operators_bound_is_counted_and_k
 
 def test_an_operators_bound_that_cannot_fit_is_kept_and_warned_on(machine) -> None:
     own = InstanceMemory("m.gguf", 4 * GiB, "weights 4 GiB", grows=12 * GiB, grows_fix="server.extra_args")
-    plan = make_plan(config("instances_per_node = 2"), machine(fakesys.round_robin_sockets), own)
+    conf = config("instances_per_node = 2")
+    plan = make_plan(conf, machine(fakesys.round_robin_sockets), own, served=served_of(conf))
     assert set(caches(plan).values()) == {None}
     assert len([w for w in plan.warnings if "can grow by up to 24.0 GiB more" in w]) == 2
 
@@ -116,16 +123,19 @@ def test_a_share_below_one_slots_full_state_turns_the_cache_off(machine) -> None
     # Two 14 GiB instances on a 32 GiB node leave 0.8 GiB: 307 MiB each, less than one
     # slot's 512 MiB state, which the engine would not keep: off, and no warning.
     topo = machine(fakesys.round_robin_sockets)
-    plan = make_plan(config("instances_per_node = 2"), topo, sized(14, state_mib=512))
+    conf = config("instances_per_node = 2")
+    plan = make_plan(conf, topo, sized(14, state_mib=512), served=served_of(conf))
     assert share(32, 28 * GiB, 2) == 307 and set(caches(plan).values()) == {0}
     assert not [w for w in plan.warnings if "prompt cache" in w]
     # With a 256 MiB state the same share is kept.
-    assert set(caches(make_plan(config("instances_per_node = 2"), topo, sized(14, state_mib=256))).values()) == {307}
+    conf = config("instances_per_node = 2")
+    assert set(caches(make_plan(conf, topo, sized(14, state_mib=256), served=served_of(conf))).values()) == {307}
 
 
 def test_without_a_memory_check_nothing_is_sized(machine) -> None:
     """A caller that passes no memory (the goldens' renderings): the engine's own default, as before."""
-    assert set(caches(make_plan(config(), machine(fakesys.dual_socket_smt))).values()) == {None}
+    conf = config()
+    assert set(caches(make_plan(conf, machine(fakesys.dual_socket_smt), served=served_of(conf))).values()) == {None}
 
 
 # a takes 4 cores of a node either way, so adding b keeps a's cores (its CPUAffinity).
@@ -139,14 +149,17 @@ def test_a_running_instance_keeps_its_bound_when_a_model_is_added_beside_it(mach
     instances share what it leaves."""
     topo = machine(fakesys.round_robin_sockets)
     memory = {"a": sized(4, 8, "a.gguf"), "b": sized(4, 8, "b.gguf")}  # llama-server's own 8 GiB at most
-    alone = make_plan(parse_config(TWO_MODELS.format(b=""), SOURCE), topo, memory)
+    conf = parse_config(TWO_MODELS.format(b=""), SOURCE)
+    alone = make_plan(conf, topo, memory, served=served_of(conf))
     assert set(caches(alone).values()) == {8192}
-    both = make_plan(parse_config(TWO_MODELS.format(b=B), SOURCE), topo, memory, running=alone.instances)
+    conf = parse_config(TWO_MODELS.format(b=B), SOURCE)
+    both = make_plan(conf, topo, memory, running=alone.instances, served=served_of(conf))
     left = share(32, 8 * GiB, 1) - 8192  # the node's budget less a's kept bound
     assert {i.name: i.prompt_cache_mib for i in both.instances} == {
         "infer@a-0": 8192, "infer@a-1": 8192, "infer@b-0": left, "infer@b-1": left} and left == 7782
     # Without a running plan (a fresh start), the two share each node evenly.
-    fresh = make_plan(parse_config(TWO_MODELS.format(b=B), SOURCE), topo, memory)
+    conf = parse_config(TWO_MODELS.format(b=B), SOURCE)
+    fresh = make_plan(conf, topo, memory, served=served_of(conf))
     assert set(caches(fresh).values()) == {share(32, 8 * GiB, 2)}
 
 
@@ -156,10 +169,11 @@ def test_kept_bounds_a_node_can_no_longer_hold_are_kept_and_warned_on(machine) -
     node's warning says the caches could pass its memory."""
     topo = machine(fakesys.round_robin_sockets)
     cfg = parse_config(TWO_MODELS.format(b=B), SOURCE)
-    alone = make_plan(parse_config(TWO_MODELS.format(b=""), SOURCE), topo, {"a": sized(4, 64, "a.gguf")})
+    conf = parse_config(TWO_MODELS.format(b=""), SOURCE)
+    alone = make_plan(conf, topo, {"a": sized(4, 64, "a.gguf")}, served=served_of(conf))
     kept = share(32, 4 * GiB, 1)
     bigger = {"a": sized(4, 64, "a.gguf"), "b": sized(14, 64, "b.gguf")}
-    again = make_plan(cfg, topo, bigger, running=alone.instances)
+    again = make_plan(cfg, topo, bigger, running=alone.instances, served=served_of(cfg))
     assert {i.name: i.prompt_cache_mib for i in again.instances} == {
         "infer@a-0": kept, "infer@a-1": kept, "infer@b-0": 0, "infer@b-1": 0}
     assert len([w for w in again.warnings if "prompt cache" in w]) == 2
@@ -171,7 +185,7 @@ def test_an_instance_whose_cores_change_is_sized_again(machine) -> None:
     topo = machine(fakesys.round_robin_sockets)
     memory = {"a": sized(4, 64, "a.gguf"), "b": sized(4, 64, "b.gguf")}
     cfg = parse_config(TWO_MODELS.format(b=B), SOURCE)
-    first = make_plan(cfg, topo, memory)
+    first = make_plan(cfg, topo, memory, served=served_of(cfg))
     moved = [replace(i, cpus=i.cpus[:1], prompt_cache_mib=1) if i.name == "infer@a-0" else i for i in first.instances]
-    plan = make_plan(cfg, topo, memory, running=moved)
+    plan = make_plan(cfg, topo, memory, running=moved, served=served_of(cfg))
     assert caches(plan)["infer@a-0"] == share(32, 8 * GiB, 2)

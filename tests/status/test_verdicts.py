@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from numad_infer.backends.childlog import ChildOutput, InstanceLogs
+from numad_infer.backends.process import ProcessFrontdoorRunner
 from numad_infer.cli.main import main
 from numad_infer.cli.present import format_status
 from numad_infer.daemon import publish
@@ -150,9 +151,11 @@ def test_the_cause_in_a_failing_instances_log_is_named_and_escaped(tmp_path: Pat
     assert last_error_line(log) == cause
     assert last_error_line(tmp_path / "none.log") is None
     instance = Instance("infer@0", 0, (0,), ((0,),), (0,), Policy.BIND, 1, 28080)
-    fd: Any = SimpleNamespace(runner=SimpleNamespace(output=ChildOutput(InstanceLogs.FILE, tmp_path)))
+    # The process backend's runner: the one whose children's output the daemon writes itself.
+    fd: Any = SimpleNamespace(runner=ProcessFrontdoorRunner(tmp_path, ChildOutput(InstanceLogs.FILE, tmp_path), None))
     failed = Runtime(instance, Supervision(state=State.FAILED))
     assert publish._log_error(failed, fd) == cause
     assert publish._log_error(Runtime(instance, Supervision(state=State.HEALTHY)), fd) is None
+    assert publish._log_error(failed, SimpleNamespace(runner=object())) is None  # e.g. systemd's: the journal has it
     shown = replace(_inst("infer@0", "", State.FAILED, None), log_error=cause)
     assert f"  infer@0: failed: its log says: {cause}" in format_status(Status(_daemon(), (shown,))).splitlines()

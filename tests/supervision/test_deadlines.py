@@ -21,7 +21,7 @@ from numad_infer.supervision.health import METRICS_CAP, KeyCheck, ProbeResult, c
 from numad_infer.supervision.reconcile import PASS_SLACK_S, Reconciler
 from numad_infer.util import peer
 from tests.daemon_harness import free_port_block, wait_for
-from tests.fakes import FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
+from tests.fakes import FakeProc, RecordingBackend, cfg, loaded_for, served_of, three_nodes
 from tests.peers import BODY_DRIP, HEADER_DRIP, Peer, answer, drip, flood, http, timed
 
 DEADLINE_S = 0.5
@@ -151,7 +151,7 @@ def test_the_http_reader_refuses_what_is_no_answer_or_too_long(raw: bytes, refus
 def _reconciler(config_text: str, keepalive=lambda: None, probe=probe) -> Reconciler:
     config = cfg(config_text)
     rec = Reconciler(RecordingBackend(), FakeProc(), keepalive=keepalive, probe=probe)
-    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
+    rec.apply(loaded_for(config, make_plan(config, three_nodes(), served=served_of(config))), 0.0)
     return rec
 
 

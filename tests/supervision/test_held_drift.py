@@ -5,13 +5,15 @@ from __future__ import annotations
 from numad_infer.lifecycle.states import State
 from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.reconcile import Reconciler
-from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
+from tests.fakes import (FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, served_of,
+                         three_nodes)
 
 
 def test_a_held_instances_exit_records_no_drift() -> None:
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(0.5)
     rec.holds = {"infer@1": "numa-infer tune (pid 4242)"}
     for t in (1.0, 2.0, 3.0):

@@ -19,7 +19,7 @@ from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.reconcile import Reconciler
 from numad_infer.host.pinning import MemoryCalls
 from tests.fakes import (FakeFrontdoor, FakeProc, RecordingBackend, StandInPinner, answering_probe, cfg, loaded_for,
-                         three_nodes)
+                         served_of, three_nodes)
 
 MON = MonitorSection(startup_grace_s=10, max_restarts=3, restart_window_s=100).tuned(
     TuningSection(unhealthy_after=3, restart_backoff_s=2))
@@ -51,7 +51,8 @@ def test_restart_after_consecutive_failures_then_backoff_then_failed() -> None:
 def test_unknown_instance_states_never_cause_a_restart() -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     backend.calls.clear()
 
     def broken(names):
@@ -77,7 +78,8 @@ def test_remote_anonymous_memory_is_migrated_back_to_the_instance_nodes() -> Non
         return 0
 
     rec = Reconciler(backend, proc, probe=answering_probe, pinner=StandInPinner(migrate=migrate))
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(1.0)
     pid0 = backend.running["infer@0"]
     # Every instance read 20 % local: each is moved back from node 2 (and 0) to its own node.
@@ -100,7 +102,8 @@ def test_memory_drift_under_a_profile_that_refuses_migrate_pages_is_reported_not
     proc.numa_maps = lambda pid: NodeUsage(anon={0: 200 << 20, 2: 800 << 20}, source="numa_maps")
     pinner = StandInPinner(calls=MemoryCalls(None, "Operation not permitted"))
     rec = Reconciler(backend, proc, probe=answering_probe, pinner=pinner)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     with caplog.at_level("WARNING"):
         rec.monitor(1.0)
     rt = rec.runtimes["infer@0"]
@@ -114,7 +117,7 @@ def test_interleaved_instances_are_never_migrated() -> None:
     proc.numa_maps = lambda pid: NodeUsage(anon={0: 1 << 20, 1: 1 << 20, 2: 1 << 20}, source="numa_maps")
     config = cfg('[placement]\nmode = "interleave"')
     rec = Reconciler(backend, proc, probe=answering_probe, pinner=StandInPinner())
-    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
+    rec.apply(loaded_for(config, make_plan(config, three_nodes(), served=served_of(config))), 0.0)
     rec.monitor(1.0)
     (rt,) = rec.runtimes.values()
     assert rt.memory is not None and not rt.memory.drifted
@@ -146,7 +149,8 @@ def test_every_drift_check_kind_is_registered_once_and_a_new_process_gets_fresh_
 
     kinds = [check.kind for check in CHECKS]
     assert len(kinds) == len(set(kinds))
-    rt = Runtime(make_plan(cfg(), three_nodes()).instances[0], pid=10)
+    conf = cfg()
+    rt = Runtime(make_plan(conf, three_nodes(), served=served_of(conf)).instances[0], pid=10)
     assert set(rt.checks) == set(kinds)
     memory = rt.checks[EventKind.MEMORY]
     assert isinstance(memory, MemoryCheck)
@@ -181,7 +185,8 @@ def test_every_drift_check_runs_even_when_an_earlier_one_drifts() -> None:
 def test_monitor_returns_each_instance_state_and_nothing_when_states_cannot_be_read() -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend, FakeProc(), probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     assert rec.monitor(1.0) == {"infer@0": State.HEALTHY, "infer@1": State.HEALTHY, "infer@2": State.HEALTHY}
 
     def broken(names):
@@ -197,7 +202,8 @@ def test_a_crash_is_logged_as_transitions_once_each(caplog) -> None:
     caplog.set_level(logging.INFO, logger="numad_infer.lifecycle.states")
     backend = RecordingBackend()
     rec = Reconciler(backend, FakeProc(), probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(1.0)
     caplog.clear()
     backend.running.pop("infer@0")
@@ -214,7 +220,7 @@ def test_another_model_file_changes_every_instances_definition_and_rolls_them_on
     from numad_infer.backends.process import ProcessBackend
 
     config = cfg()
-    plan = make_plan(config, three_nodes())
+    plan = make_plan(config, three_nodes(), served=served_of(config))
     before, after = loaded_for(config, plan), loaded_for(config, plan)
     def with_artifacts(loaded, artifacts: str):
         (model,) = loaded.models
@@ -248,7 +254,7 @@ def test_another_file_for_one_of_several_models_rolls_that_models_instances_alon
 
     config = parse_config('[[models]]\nname = "a"\npath = "/m/a.gguf"\nnodes = [0, 1]\n'
                           '[[models]]\nname = "b"\npath = "/m/b.gguf"\nnodes = [2]\n', "/etc/numa-infer.toml")
-    plan = make_plan(config, three_nodes())
+    plan = make_plan(config, three_nodes(), served=served_of(config))
 
     def with_b(kind, b_file: str):
         loaded = loaded_for(config, plan, kind=kind)
@@ -277,7 +283,7 @@ def test_the_applied_value_is_held_once_by_the_reconciler_and_handed_down() -> N
     assert rec.loaded is None
     for n, key in enumerate(("k-FIRST-37", "k-SECOND-37")):
         config = cfg(f"[tuning]\nprobe_timeout_s = {n + 1}\n[frontend]\ndrain_timeout_s = {n + 7}")
-        loaded = loaded_for(config, make_plan(config, three_nodes()), api_key=key)
+        loaded = loaded_for(config, make_plan(config, three_nodes(), served=served_of(config)), api_key=key)
         rec.apply(loaded, float(n))
         rec.monitor(n + 0.5)
         assert rec.loaded is loaded

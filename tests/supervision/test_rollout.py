@@ -20,18 +20,20 @@ from numad_infer.supervision.reconcile import Reconciler
 from numad_infer.supervision.rollout import Rollout
 from numad_infer.supervision.supervisor import Supervisor
 from numad_infer.validate.loaded import Loaded
-from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
+from tests.fakes import (FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, served_of,
+                         three_nodes)
 
 
 def test_reload_restarts_only_the_instance_whose_port_changed() -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     backend.calls.clear()
     pids = dict(backend.running)
     # Dropping node 1 moves infer@2 from port 8082 to 8081; infer@0 stays as it was.
     new = cfg("[placement]\nnodes = [0, 2]")
-    result = rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
+    result = rec.apply(loaded_for(new, make_plan(new, three_nodes(), served=served_of(new))), 1.0)
     assert (result.changed, result.removed, result.unchanged) == (("infer@2",), ("infer@1",), ("infer@0",))
     assert backend.calls == [("stop", "infer@1"), ("restart", "infer@2")]
     assert backend.running["infer@0"] == pids["infer@0"]
@@ -40,9 +42,11 @@ def test_reload_restarts_only_the_instance_whose_port_changed() -> None:
 
 def test_adoption_keeps_running_instances_whose_definition_is_unchanged() -> None:
     backend = RecordingBackend(running={"infer@0": 42})
-    backend.current_specs = lambda config: {"infer@0": repr(make_plan(cfg(), three_nodes()).instances[0])}
+    conf = cfg()
+    backend.current_specs = lambda config: {"infer@0": repr(make_plan(conf, three_nodes(), served=served_of(conf))
+                                                            .instances[0])}
     rec = Reconciler(backend)
-    result = rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    result = rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     assert result.unchanged == ("infer@0",) and result.added == ("infer@1", "infer@2")
     assert ("restart", "infer@0") not in backend.calls and backend.running["infer@0"] == 42
     assert rec.runtimes["infer@0"].pid == 42
@@ -55,11 +59,12 @@ def test_behind_the_front_door_changed_instances_restart_one_at_a_time() -> None
     rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
     backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
                                     for i in loaded.plan.instances}
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
     new = cfg('[server]\nextra_args = ["--n_batch", "64"]')
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes(), served=served_of(new))), 1.0)
     # Out of rotation first: the count of requests it has is a pass old (states.drain_first).
     assert backend.calls == [] and rec.runtimes["infer@0"].supervision.state == State.DRAINING
     rec.monitor(1.5)  # nothing in flight now: restarted
@@ -85,12 +90,13 @@ def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definit
     backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
                                     for i in loaded.plan.instances}
     base = "[monitor]\nstartup_grace_s = 0\n[tuning]\nunhealthy_after = 1\nrestart_backoff_s = 1\n"
-    rec.apply(loaded_for(cfg(base), make_plan(cfg(base), three_nodes())), 0.0)
+    conf = cfg(base)
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
     new = cfg(base + '[server]\nextra_args = ["--bogus"]')
     broken.add(8080)  # infer@0, once restarted on the new definition, never answers
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes(), served=served_of(new))), 1.0)
     for t in range(2, 30):
         rec.monitor(float(t))
     restarted = {name for call, name in backend.calls if call == "restart"}
@@ -99,7 +105,7 @@ def test_a_rollout_stops_at_an_instance_that_does_not_come_up_on_the_new_definit
     assert rec.runtimes["infer@1"].supervision.state == State.HEALTHY
     broken.clear()  # a reload that fixes it: the rollout goes on
     fixed = cfg(base + '[server]\nextra_args = ["--good"]')
-    rec.apply(loaded_for(fixed, make_plan(fixed, three_nodes())), 40.0)
+    rec.apply(loaded_for(fixed, make_plan(fixed, three_nodes(), served=served_of(fixed))), 40.0)
     for t in range(41, 50):
         rec.monitor(float(t))
     assert {name for call, name in backend.calls if call == "restart"} == {"infer@0", "infer@1", "infer@2"}
@@ -111,13 +117,14 @@ def test_an_instance_no_longer_planned_finishes_its_requests_before_it_stops() -
     # was answering through the front door failed.
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
     leaving = rec.runtimes["infer@2"].instance.port
     proc.connections = {leaving: 2}
     new = cfg("[placement]\nnodes = [0, 1]")
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes(), served=served_of(new))), 1.0)
     assert "infer@2" not in rec.runtimes and backend.calls == []
     rec.monitor(2.0)
     assert ("stop", "infer@2") not in backend.calls  # two clients still wait for their answers
@@ -132,11 +139,12 @@ def test_an_instance_no_longer_planned_finishes_its_requests_before_it_stops() -
 def test_an_instance_no_longer_planned_is_stopped_after_the_drain_timeout() -> None:
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(0.5)
     proc.connections = {rec.runtimes["infer@2"].instance.port: 1}  # a client that never hangs up
     new = cfg("[placement]\nnodes = [0, 1]\n[frontend]\ndrain_timeout_s = 30")
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes(), served=served_of(new))), 1.0)
     rec.monitor(30.0)
     assert ("stop", "infer@2") not in backend.calls
     rec.monitor(31.5)
@@ -147,13 +155,15 @@ def test_an_instance_no_longer_planned_is_stopped_after_the_drain_timeout() -> N
 def test_an_instance_planned_again_while_it_leaves_is_stopped_before_the_new_one_starts() -> None:
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(0.5)
     proc.connections = {rec.runtimes["infer@2"].instance.port: 1}
     fewer = cfg("[placement]\nnodes = [0, 1]")
-    rec.apply(loaded_for(fewer, make_plan(fewer, three_nodes())), 1.0)
+    rec.apply(loaded_for(fewer, make_plan(fewer, three_nodes(), served=served_of(fewer))), 1.0)
     backend.calls.clear()
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 2.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 2.0)
     # The leaving one holds the port the new one needs: it goes first.
     assert backend.calls.index(("stop", "infer@2")) < backend.calls.index(("start", "infer@2"))
 
@@ -166,7 +176,8 @@ def test_a_failed_unit_write_leaves_the_running_instances_alone() -> None:
 
     backend = RecordingBackend()
     rec = Reconciler(backend)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     backend.calls.clear()
 
     def refuse(loaded):
@@ -175,7 +186,7 @@ def test_a_failed_unit_write_leaves_the_running_instances_alone() -> None:
     backend.sync = refuse
     new = cfg("[placement]\nnodes = [0, 2]")
     with pytest.raises(NumaInferError):
-        rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
+        rec.apply(loaded_for(new, make_plan(new, three_nodes(), served=served_of(new))), 1.0)
     # Before: infer@1 was stopped first, then the write failed and the daemon exited.
     assert backend.calls == [] and set(rec.runtimes) == {"infer@0", "infer@1", "infer@2"}
 
@@ -183,7 +194,8 @@ def test_a_failed_unit_write_leaves_the_running_instances_alone() -> None:
 def running_fleet() -> tuple[Reconciler, RecordingBackend, FakeFrontdoor]:
     backend, front = RecordingBackend(), FakeFrontdoor()
     rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
     return rec, backend, front
@@ -232,9 +244,10 @@ def test_a_restart_is_refused_while_a_reloads_roll_is_under_way() -> None:
     rec, backend, _ = running_fleet()
     backend.specs = lambda loaded: {i.name: repr(i) + repr(loaded.config.server.extra_args)  # type: ignore[method-assign]
                                     for i in loaded.plan.instances}
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 1.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 1.0)
     new = cfg('[server]\nextra_args = ["--batch-size", "64"]')
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes(), served=served_of(new))), 1.0)
     assert rec.rollout.rolling  # infer@1 and infer@2 wait for infer@0
     error = rec.rollout.request(["infer@0"], rec.runtimes, rec.holds)
     assert error is not None and "a rolling restart is under way" in error and "infer@1" in error
@@ -273,7 +286,7 @@ def rollout_over(front: FakeFrontdoor | None) -> tuple[Rollout, RecordingBackend
 def bring(rollout: Rollout, config, runtimes: dict[str, Runtime], holds: dict[str, str], now: float) -> Loaded:
     """What Reconciler.apply does with a new configuration, through the Rollout alone: the
     value it applied, which the rollout is handed again for each later step."""
-    loaded = loaded_for(config, make_plan(config, three_nodes()))
+    loaded = loaded_for(config, make_plan(config, three_nodes(), served=served_of(config)))
     diff, specs = rollout.sync(loaded)
     rollout.apply(loaded, diff, specs, runtimes, holds, now)
     return loaded
@@ -300,11 +313,12 @@ def test_a_new_plan_stops_restarts_and_leaves_to_roll_what_the_table_says(
         new: str, front_door: bool, holds: dict[str, str], calls: list[tuple[str, str]], rolling: list[str],
         retiring: list[str]) -> None:
     rollout, backend, runtimes = rollout_over(FakeFrontdoor() if front_door else None)
-    bring(rollout, cfg(new), runtimes, holds, 1.0)
+    conf = cfg(new)
+    bring(rollout, conf, runtimes, holds, 1.0)
     assert backend.calls == calls
     assert rollout.rolling == rolling
     assert sorted(rollout.retiring) == retiring
-    assert sorted(runtimes) == sorted(i.name for i in make_plan(cfg(new), three_nodes()).instances)
+    assert sorted(runtimes) == sorted(i.name for i in make_plan(conf, three_nodes(), served=served_of(conf)).instances)
 
 
 def test_the_rollouts_next_restart_waits_until_the_last_one_is_healthy() -> None:
@@ -331,7 +345,8 @@ def test_sync_gives_the_difference_against_a_previous_daemons_units_on_the_first
     # The first load compares with what the backend says a previous daemon left (adoption);
     # later ones with what this rollout applied last.
     backend = RecordingBackend()
-    loaded = loaded_for(cfg(), make_plan(cfg(), three_nodes()))
+    conf = cfg()
+    loaded = loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf)))
     left = backend.specs(loaded)
     backend.current_specs = lambda loaded: {**left, "infer@1": "another definition"}  # type: ignore[method-assign]
     rollout = Rollout(backend, None, Supervisor(backend, FakeProc(), None, wall=lambda: 0.0))  # type: ignore[arg-type]

@@ -21,19 +21,21 @@ from numad_infer.supervision.reconcile import Reconciler
 from numad_infer.supervision.slot_keeper import SlotKeeper
 from numad_infer.supervision.supervisor import Supervisor
 from numad_infer.validate.loaded import Loaded
-from tests.fakes import FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, three_nodes
+from tests.fakes import (FakeFrontdoor, FakeProc, RecordingBackend, answering_probe, cfg, loaded_for, served_of,
+                         three_nodes)
 
 
 def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart() -> None:
     backend, front = RecordingBackend(), FakeFrontdoor()
     rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(0.5)
     front.states.clear()
     backend.calls.clear()
     front.in_flight_by["infer@2"] = 2
     new = cfg("[placement]\nnodes = [0, 2]")
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes(), served=served_of(new))), 1.0)
     # Two requests still run on infer@2: no restart yet, only taken out of rotation. infer@1,
     # no longer planned, goes at the next pass, once its requests are answered.
     assert backend.calls == []
@@ -54,11 +56,12 @@ def test_a_changed_instance_is_drained_out_of_the_front_door_before_its_restart(
 def test_the_drain_is_bounded_by_drain_timeout_s() -> None:
     backend, front = RecordingBackend(), FakeFrontdoor()
     rec = Reconciler(backend, FakeProc(), frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(0.5)
     front.in_flight_by["infer@2"] = 1
     new = cfg("[placement]\nnodes = [0, 2]\n[frontend]\ndrain_timeout_s = 10")
-    rec.apply(loaded_for(new, make_plan(new, three_nodes())), 1.0)
+    rec.apply(loaded_for(new, make_plan(new, three_nodes(), served=served_of(new))), 1.0)
     rec.monitor(10.9)
     assert ("restart", "infer@2") not in backend.calls
     rec.monitor(11.0)
@@ -71,7 +74,7 @@ def test_an_unhealthy_instance_that_makes_no_progress_is_restarted_without_waiti
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front)
     config = cfg("[monitor]\nstartup_grace_s = 0\n[tuning]\nunhealthy_after = 1\nprobe_timeout_s = 0.2")
-    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
+    rec.apply(loaded_for(config, make_plan(config, three_nodes(), served=served_of(config))), 0.0)
     backend.calls.clear()
     pid = backend.running["infer@0"]
     proc.cpu[pid] = 5.0
@@ -95,7 +98,8 @@ def lifecycle(rec: Reconciler, name: str = "infer@0") -> tuple[State, int]:
 def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off() -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend, FakeProc(), probe=answering_probe)
-    rec.apply(loaded_for(cfg("[tuning]\nrestart_backoff_s = 5"), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg("[tuning]\nrestart_backoff_s = 5")
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(1.0)
     assert lifecycle(rec) == (State.HEALTHY, 0)
     backend.calls.clear()
@@ -120,7 +124,8 @@ def test_a_crash_goes_exited_restarting_starting_and_the_next_one_backs_off() ->
 def test_a_process_the_service_manager_replaced_counts_as_a_crash_and_is_not_restarted_again() -> None:
     backend = RecordingBackend()
     rec = Reconciler(backend, FakeProc(), probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(1.0)
     backend.calls.clear()
     old = backend.running["infer@1"]
@@ -147,7 +152,7 @@ def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_cr
                                                     "activating") for n in names}
     rec = Reconciler(backend, FakeProc(), probe=probe)
     config = cfg("[monitor]\nstartup_grace_s = 30\n[tuning]\nunhealthy_after = 1")
-    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
+    rec.apply(loaded_for(config, make_plan(config, three_nodes(), served=served_of(config))), 0.0)
     rec.monitor(0.5)
     assert lifecycle(rec) == (State.HEALTHY, 0)
     answer[0] = False  # from now on every probe fails
@@ -168,7 +173,8 @@ def test_while_restarting_the_old_process_is_not_probed_and_its_exit_is_not_a_cr
 def test_a_hold_drains_then_stops_the_instance_and_its_release_starts_it_again() -> None:
     backend, front, proc = RecordingBackend(), FakeFrontdoor(), FakeProc()
     rec = Reconciler(backend, proc, frontdoor=front, probe=answering_probe)
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 0.0)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
     rec.monitor(0.5)
     backend.calls.clear()
     pid = backend.running["infer@1"]
@@ -188,7 +194,8 @@ def test_a_hold_drains_then_stops_the_instance_and_its_release_starts_it_again()
     assert [state for name, state in front.states[-3:] if name == "infer@1"] == [AdminState.MAINT]
     assert lifecycle(rec, "infer@0") == (State.HEALTHY, 0)  # the other nodes serve throughout
     # A reload meanwhile does not start it either.
-    rec.apply(loaded_for(cfg(), make_plan(cfg(), three_nodes())), 5.5)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 5.5)
     assert "infer@1" not in backend.running
     rec.holds = {}
     rec.monitor(6.0)
@@ -216,14 +223,15 @@ TABLE_CONFIG = "[monitor]\nstartup_grace_s = 10\n[tuning]\nunhealthy_after = 2\n
 def table_loaded() -> Loaded:
     """The applied value the supervisor is handed (Reconciler.apply's), with TABLE_CONFIG."""
     config = cfg(TABLE_CONFIG)
-    return loaded_for(config, make_plan(config, three_nodes()))
+    return loaded_for(config, make_plan(config, three_nodes(), served=served_of(config)))
 
 NOW = 5.0  # within the grace period of an instance started at 0
 
 
 def runtime_in(start: str) -> Runtime:
     """infer@0 in the state named, reached through the lifecycle's own moves (pid 101 while it runs)."""
-    rt = Runtime(make_plan(cfg(), three_nodes()).instances[0], pid=101)
+    conf = cfg()
+    rt = Runtime(make_plan(conf, three_nodes(), served=served_of(conf)).instances[0], pid=101)
     sup = rt.supervision
     if start in ("starting", "healthy", "unhealthy"):
         sup.on_started(0.0)
@@ -338,7 +346,7 @@ def _kept(tmp_path, extra: str = ""):
     model.write_bytes(b"GGUF")
     # The model file the keeper is given is the applied value's: this one, on disk.
     config = parse_config(f'[model]\npath = "{model}"\n{extra}', "/etc/numa-infer.toml")
-    rec.apply(loaded_for(config, make_plan(config, three_nodes())), 0.0)
+    rec.apply(loaded_for(config, make_plan(config, three_nodes(), served=served_of(config))), 0.0)
     rec.monitor(0.5)  # healthy: the model file it loaded is noted
     return backend, front, rec, keeper, model
 
@@ -399,7 +407,7 @@ def test_under_systemd_slots_are_kept_only_where_the_units_were_rendered_with_a_
     from numad_infer.host.identity import BackendKind
 
     config = parse_config(f'[model]\npath = "{tmp_path / "m.gguf"}"\n', "/etc/numa-infer.toml")
-    loaded = loaded_for(config, make_plan(config, three_nodes()), kind=BackendKind.SYSTEMD)
+    loaded = loaded_for(config, make_plan(config, three_nodes(), served=served_of(config)), kind=BackendKind.SYSTEMD)
     assert not loaded.keeps_slots("infer@0")  # the host cannot (no group, no directory)
     assert dataclasses.replace(loaded, slots_group="numa-infer").keeps_slots("infer@0")
     assert not loaded.keeps_slots("infer@9")  # not planned

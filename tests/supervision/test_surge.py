@@ -18,7 +18,7 @@ from numad_infer.plan.model import Instance
 from numad_infer.plan.placement import make_plan
 from numad_infer.supervision.health import ProbeResult
 from numad_infer.supervision.reconcile import Reconciler
-from tests.fakes import FakeProc, RecordingBackend, cfg, loaded_for, three_nodes
+from tests.fakes import FakeProc, RecordingBackend, cfg, loaded_for, served_of, three_nodes
 
 GIB = 1 << 30
 
@@ -96,7 +96,7 @@ class RoomyProc(FakeProc):
 def one_instance(room: int | None, copy_answers: bool = True) -> tuple[Reconciler, CopyingBackend, SpareDoor]:
     """One instance healthy behind the stand-in HAProxy; `copy_answers`: whether a copy's probe passes."""
     config = cfg("[placement]\nnodes = [0]\n")
-    loaded = loaded_for(config, make_plan(config, three_nodes()))
+    loaded = loaded_for(config, make_plan(config, three_nodes(), served=served_of(config)))
     backend, door = CopyingBackend(), SpareDoor()
     (port,) = [i.port for i in loaded.plan.instances]
 

@@ -23,6 +23,7 @@ from numad_infer.topology.cgroup_limits import Allowed, left_out, within
 from numad_infer.topology.cgroups import CgroupReader
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
+from tests.fakes import served_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +39,9 @@ def cfg(placement: str = ""):
 
 def test_only_allowed_cpus_are_planned_and_a_node_without_any_hosts_no_instance(machine) -> None:
     # A container given CPUs 4-7 of node 0 (siblings 68-71 not included).
-    plan = make_plan(cfg(), machine, allowed=Allowed(frozenset(range(4, 8)), None, source="the container"))
+    conf = cfg()
+    plan = make_plan(conf, machine, allowed=Allowed(frozenset(range(4, 8)), None, source="the container"),
+                     served=served_of(conf))
     (only,) = plan.instances
     assert only.node == 0 and only.cpus == (4, 5, 6, 7) and only.threads == 4
     assert any("node 1: none of its CPUs is allowed to the instances" in w for w in plan.warnings), plan.warnings
@@ -46,25 +49,30 @@ def test_only_allowed_cpus_are_planned_and_a_node_without_any_hosts_no_instance(
 
 def test_a_node_named_in_the_config_with_no_allowed_cpu_is_refused_by_key(machine) -> None:
     with pytest.raises(ConfigError, match=r"placement.nodes = \[0, 1\]: node 1: none of its CPUs is allowed"):
-        make_plan(cfg("nodes = [0, 1]\n"), machine, allowed=Allowed(frozenset(range(0, 8)), None))
+        conf = cfg("nodes = [0, 1]\n")
+        make_plan(conf, machine, allowed=Allowed(frozenset(range(0, 8)), None), served=served_of(conf))
 
 
 def test_a_core_with_only_some_siblings_allowed_counts_only_those(machine) -> None:
     # smt = true: core (4, 68) is whole, core (5, 69) has only 5 allowed.
-    plan = make_plan(cfg("smt = true\n"), machine, allowed=Allowed(frozenset({4, 68, 5}), None))
+    conf = cfg("smt = true\n")
+    plan = make_plan(conf, machine, allowed=Allowed(frozenset({4, 68, 5}), None), served=served_of(conf))
     (only,) = plan.instances
     assert only.cpus == (4, 5, 68) and only.places == ((4, 68), (5,)) and only.threads == 3
 
 
 def test_allowed_cpus_whose_memory_is_not_allowed_bind_to_the_nearest_allowed_node(machine) -> None:
-    plan = make_plan(cfg(), machine, allowed=Allowed(frozenset({32, 33}), frozenset({0})))
+    conf = cfg()
+    plan = make_plan(conf, machine, allowed=Allowed(frozenset({32, 33}), frozenset({0})), served=served_of(conf))
     (only,) = plan.instances
     assert only.node == 1 and only.mems == (0,)
     assert any("node 1's memory is not allowed to the instances" in w and "node(s) 0" in w for w in plan.warnings)
 
 
 def test_a_cpu_quota_caps_auto_threads_across_the_instances(machine) -> None:
-    plan = make_plan(cfg(), machine, allowed=Allowed(None, None, quota_cpus=5.5, source="cpu.max"))
+    conf = cfg()
+    plan = make_plan(conf, machine, allowed=Allowed(None, None, quota_cpus=5.5, source="cpu.max"),
+                     served=served_of(conf))
     assert [i.threads for i in plan.instances] == [3, 2] and [i.threads_batch for i in plan.instances] == [3, 2]
     assert len(plan.instances[0].cpus) == 32  # the CPUs stay: the quota is time, not CPUs
     assert any("CPU quota of 5.5 (cpu.max) caps the threads at 5" in w and "Guaranteed pod" in w
@@ -72,7 +80,9 @@ def test_a_cpu_quota_caps_auto_threads_across_the_instances(machine) -> None:
 
 
 def test_an_explicit_thread_count_above_the_quota_is_a_warning_naming_it(machine) -> None:
-    plan = make_plan(cfg("threads = 8\n"), machine, allowed=Allowed(None, None, quota_cpus=4.0, source="cpu.max"))
+    conf = cfg("threads = 8\n")
+    plan = make_plan(conf, machine, allowed=Allowed(None, None, quota_cpus=4.0, source="cpu.max"),
+                     served=served_of(conf))
     assert [i.threads for i in plan.instances] == [8, 8]
     assert any("placement.threads = 8 x 2 instance(s) is 16 threads, more than the CPU quota of 4" in w
                and "--cpuset-cpus" in w for w in plan.warnings)
@@ -152,7 +162,8 @@ def test_an_instance_whose_cpuset_narrowed_under_it_is_drift_told_once_and_statu
     from numad_infer.supervision.drift_checks import AllowedSetCheck, CheckContext, HostPinner
     from numad_infer.supervision.instance import Runtime
 
-    instance = make_plan(cfg(), machine, allowed=Allowed(frozenset({0, 1}), None)).instances[0]
+    conf = cfg()
+    instance = make_plan(conf, machine, allowed=Allowed(frozenset({0, 1}), None), served=served_of(conf)).instances[0]
     assert instance.cpus == (0, 1)
     _write(tmp_path, "proc/42/cpuset", "/kubepods/pod1\n")
     effective = "sys/fs/cgroup/cpuset/kubepods/pod1/cpuset.effective_cpus"
@@ -174,7 +185,9 @@ def test_an_instance_whose_cpuset_narrowed_under_it_is_drift_told_once_and_statu
 def test_a_quota_smaller_than_the_instances_keeps_as_many_instances_as_it_holds_threads(machine) -> None:
     # `--cpus=1` on a two-node machine: two instances of one thread each would take turns
     # on one CPU's time; one instance with one thread is what the quota holds.
-    plan = make_plan(cfg(), machine, allowed=Allowed(None, None, quota_cpus=1.0, source="cpu.max"))
+    conf = cfg()
+    plan = make_plan(conf, machine, allowed=Allowed(None, None, quota_cpus=1.0, source="cpu.max"),
+                     served=served_of(conf))
     assert [i.threads for i in plan.instances] == [1]
     assert plan.instances[0].name == "infer@0"
     assert any("CPU quota of 1 (cpu.max) holds 1 thread(s): 1 instance(s) of 2 planned, infer@1" in w

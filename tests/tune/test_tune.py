@@ -19,6 +19,7 @@ from numad_infer.topology.sysfs import read_topology
 from numad_infer.tune.choice import Candidate, Figure, Report, Result, Verdict, choose, format_report, thread_grid
 from numad_infer.tune.config_edit import Edit, apply_edits, edited_text
 from tests import fakesys
+from tests.fakes import served_of
 from tests.tune.harness import checked_setup
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,8 +70,8 @@ def test_thread_keys_are_checked_against_the_plan(tmp_path: Path) -> None:
     topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
 
     def plan(placement: str):
-        return make_plan(parse_config(f'[model]\npath = "/m.gguf"\n[placement]\n{placement}', "/etc/x.toml"), topo,
-                         source="/etc/x.toml")
+        conf = parse_config(f'[model]\npath = "/m.gguf"\n[placement]\n{placement}', "/etc/x.toml")
+        return make_plan(conf, topo, source="/etc/x.toml", served=served_of(conf))
 
     auto = plan("").instances[0]
     assert (auto.threads, auto.threads_batch) == (32, 32)
@@ -121,7 +122,7 @@ def test_apply_edits_the_file_keeping_comments_and_a_backup(tmp_path: Path) -> N
     path.chmod(0o640)
     topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
     backup = apply_edits(path, [Edit("placement", "threads", 31), Edit("placement", "threads_batch", 32)],
-                         lambda cfg: make_plan(cfg, topo) and None)
+                         lambda cfg: make_plan(cfg, topo, served=served_of(cfg)) and None)
     text = path.read_text()
     for kept in ("# numa-infer on this box; tuned by hand in 2025", 'path = "/m.gguf"   # the 8B model',
                  "smt = false        # A/B tested: off is faster here", "# threads = 30", "base_port = 9000"):
@@ -137,7 +138,8 @@ def test_apply_refuses_a_result_the_plan_refuses_and_writes_nothing(tmp_path: Pa
     path.write_text(CONFIG)
     topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
     with pytest.raises(ConfigError, match=r"the tuned settings were refused, nothing written: placement.threads = 64: "):
-        apply_edits(path, [Edit("placement", "threads", 64)], lambda cfg: make_plan(cfg, topo) and None)
+        apply_edits(path, [Edit("placement", "threads", 64)],
+                    lambda cfg: make_plan(cfg, topo, served=served_of(cfg)) and None)
     assert path.read_text() == CONFIG and list(tmp_path.glob("*.bak")) == []
 
 
@@ -433,7 +435,7 @@ def test_apply_writes_one_models_threads_into_its_own_table_keeping_comments(tmp
     topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
     edits = [Edit.at("models[1].threads", 3), Edit.at("models[1].threads_batch", 4)]
     assert [e.name for e in edits] == ["models[1].threads", "models[1].threads_batch"] and edits[0].index == 1
-    apply_edits(path, edits, lambda cfg: make_plan(cfg, topo) and None)
+    apply_edits(path, edits, lambda cfg: make_plan(cfg, topo, served=served_of(cfg)) and None)
     text = path.read_text()
     for kept in ("# two models on this box", 'name = "big"     # the chat model', "# threads = 3   (tried by hand)"):
         assert kept in text
@@ -441,12 +443,13 @@ def test_apply_writes_one_models_threads_into_its_own_table_keeping_comments(tmp
     big, small = config.models
     assert (big.threads, big.threads_batch) == (None, None) and (small.threads, small.threads_batch) == (3, 4)
     assert "threads" not in text.split("[[models]]")[1] and config.placement.model_fields_set == set()
-    plan = make_plan(config, topo)
+    plan = make_plan(config, topo, served=served_of(config))
     assert {(i.model, i.threads, i.threads_batch) for i in plan.instances} == {("big", 28, 28), ("small", 3, 4)}
     # More threads than the model's own cores: refused as the plan refuses it, nothing written.
     with pytest.raises(ConfigError, match=r"the tuned settings were refused, nothing written: models\[1\]\.threads = "
                                           r"5: infer@small-0 has only 4 CPUs"):
-        apply_edits(path, [Edit.at("models[1].threads", 5)], lambda cfg: make_plan(cfg, topo) and None)
+        apply_edits(path, [Edit.at("models[1].threads", 5)],
+                    lambda cfg: make_plan(cfg, topo, served=served_of(cfg)) and None)
     assert parse_config(path.read_text(), "x").models[1].threads == 3
     assert Edit.at("placement.threads", 8) == Edit("placement", "threads", 8)
 

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from numad_infer.engines import engine_of
-
-from numad_infer.config.models import served_models
-
 import json
 import os
 import re
@@ -25,6 +21,7 @@ from numad_infer.systemd.unitnames import UNIT_MARKER as MARKER
 from numad_infer.topology.sysfs import read_topology
 from tests import fakesys
 from tests.unitfiles import directives, systemd_split, systemd_verify, values_of
+from tests.fakes import load_of
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
@@ -47,7 +44,10 @@ def make_config(model: str = "/var/lib/numa-infer/models/model.gguf", python: st
 def units_for(tmp_path: Path, factory, **kwargs) -> dict[str, str]:
     config = make_config(**kwargs)
     topo = read_topology(fakesys.write_tree(tmp_path / "fs", factory()))
-    return render_units(config, make_plan(config, topo), python="/usr/bin/python3")  # as the package's daemon
+    served, engine = load_of(config)
+    plan = make_plan(config, topo, served=served)
+    # The python: the package's daemon's.
+    return render_units(config, plan, python="/usr/bin/python3", served=served, engine=engine)
 
 
 @pytest.mark.parametrize("name, factory, placement", [
@@ -140,7 +140,8 @@ def test_the_instance_units_stop_timeout_is_the_one_the_stop_bound_counts() -> N
     from numad_infer.units.render import render_template
 
     config = make_config()
-    lines = render_template(config, engine_of(config), served_models(config)).splitlines()
+    served, engine = load_of(config)
+    lines = render_template(config, engine, served).splitlines()
     assert [line for line in lines if line.startswith("TimeoutStopSec=")] == [f"TimeoutStopSec={INSTANCE_STOP_S:g}"]
     assert stop_bound_s(0) == INSTANCE_STOP_S + FRONTDOOR_STOP_S
     assert "TimeoutStopSec=30\n" in (GOLDEN / "dual_socket_smt" / "infer@.service").read_text()  # unchanged
@@ -269,7 +270,9 @@ def _llama_server_units(tmp_path: Path, extra: str = "", slots_group: str | None
     config = parse_config(f'[model]\npath = "/m.gguf"\n[server]\nengine = "llama-server"\n{extra}',
                           "/etc/numa-infer.toml")
     topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
-    return render_units(config, make_plan(config, topo), python="/usr/bin/python3", slots_group=slots_group)
+    served, engine = load_of(config)
+    return render_units(config, make_plan(config, topo, served=served), python="/usr/bin/python3", served=served,
+                        engine=engine, slots_group=slots_group)
 
 
 def test_under_systemd_a_server_saves_its_slots_in_its_own_directory_of_the_servers_group(tmp_path: Path) -> None:
@@ -308,6 +311,8 @@ def test_no_slot_directory_where_the_host_keeps_none_or_the_operator_named_one(t
 def test_an_engine_without_slot_files_gets_no_slot_directory(tmp_path: Path) -> None:
     config = make_config()  # llama-cpp-python
     topo = read_topology(fakesys.write_tree(tmp_path / "fs", fakesys.dual_socket_smt()))
-    files = render_units(config, make_plan(config, topo), python="/usr/bin/python3", slots_group="numa-infer")
+    served, engine = load_of(config)
+    files = render_units(config, make_plan(config, topo, served=served), python="/usr/bin/python3", served=served,
+                         engine=engine, slots_group="numa-infer")
     assert "--slot-save-path" not in files["infer@0.service.d/50-numa-infer.conf"]
     assert "ReadWritePaths" not in files["infer@0.service.d/50-numa-infer.conf"]

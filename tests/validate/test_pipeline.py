@@ -19,10 +19,12 @@ from numad_infer.config import models as config_models
 from numad_infer.config.load import parse_config
 from numad_infer.engines import base as engines_base
 from numad_infer.errors import ConfigError
+from numad_infer.frontdoor.haproxy_config import Paths, render_haproxy
 from numad_infer.frontdoor.routing import backends, models_list
 from numad_infer.host.identity import BackendKind
 from numad_infer.plan import placement
 from numad_infer.units.render import render_units
+from numad_infer.validate import pipeline
 from numad_infer.validate.pipeline import validate
 from tests.calls import DERIVED, calls_counted
 from tests.validate.conftest import small_nodes
@@ -158,16 +160,41 @@ def test_one_name_rule_for_both_forms(name: str) -> None:
         parse_config(f'[[models]]\npath = "/m.gguf"\nname = "{ok}"\n', SOURCE)
 
 
-# Where production code may call what validation works out: the pipeline, once each; the
-# renderers' and the planner's fallback for a caller holding no `Loaded` (a test, a bench).
+# Where production code may call what validation works out: the pipeline, once each, and
+# nowhere else (the planner and the renderers take it as arguments; none has a fallback).
 # tune is not here: each of its candidates goes through the pipeline (tests/tune/test_candidates.py).
 ALLOWED_CALLS = {
     ("validate/pipeline.py", "engine_of"): 1, ("validate/pipeline.py", "served_models"): 1,
     ("validate/pipeline.py", "make_plan"): 1,
-    ("plan/placement.py", "served_models"): 1,
-    ("units/render.py", "served_models"): 1, ("units/render.py", "engine_of"): 1,
-    ("frontdoor/haproxy_config.py", "served_models"): 1, ("frontdoor/haproxy_config.py", "engine_of"): 1,
 }
+
+
+def test_one_load_asks_for_the_models_and_the_engine_once_and_the_planner_and_renderers_never_do(
+        tmp_path: Path, host, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted at the names the pipeline calls them by; what it carries is required by the
+    planner and the renderers: called without it they refuse, rather than work it out again."""
+    model, server = host
+    counts: Counter[str] = Counter()
+
+    def counting(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(config: Any) -> Any:
+            counts[name] += 1
+            return real(config)
+        return counted
+
+    monkeypatch.setattr(pipeline, "served_models", counting("served_models", pipeline.served_models))
+    monkeypatch.setattr(pipeline, "engine_of", counting("engine_of", pipeline.engine_of))
+    config = parse_config(_two(model, server), SOURCE)
+    topology = small_nodes(tmp_path, 4)
+    loaded = validate(config, SOURCE, topology, BackendKind.PROCESS, unit_dirs=())
+    assert counts == Counter({"served_models": 1, "engine_of": 1})
+    with pytest.raises(TypeError, match="served"):
+        placement.make_plan(config, topology)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="served"):
+        render_units(config, loaded.plan)  # type: ignore[call-arg]
+    paths = Paths(tmp_path / "cfg", tmp_path / "state", tmp_path / "sock")
+    with pytest.raises(TypeError, match="served"):
+        render_haproxy(config, loaded.plan, paths)  # type: ignore[call-arg]
 
 
 def test_production_code_calls_the_derivations_only_where_listed() -> None:
