@@ -1,5 +1,6 @@
--- luacheck's settings for numa-infer's Lua (scripts/test): `luacheck --config
--- numad_infer/frontdoor/lua/.luacheckrc numad_infer/frontdoor/lua tests/lua`.
+-- luacheck's settings for numa-infer's Lua, at the repository's root so that a bare
+-- `luacheck numad_infer/frontdoor/lua tests/lua` run from it reads them (scripts/test runs
+-- exactly that).
 std = "lua53"
 max_line_length = 120
 -- What HAProxy 2.6 gives a script: read, never set.
