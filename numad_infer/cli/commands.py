@@ -63,7 +63,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                 # Not in total: what use may add (null: no limit).
                                 "prompt_cache": m.memory.prompt_cache} for m in loaded.models}
         # One model: its instance's figures; several: per model name.
-        per = {"per_instance": next(iter(each.values()))} if len(each) == 1 and not loaded.config.models \
+        per = {"per_instance": next(iter(each.values()))} if len(each) == 1 and not loaded.models[0].served.own_table \
             else {"per_model": each}
         memory = {**per, "nodes": [{"node": f.node, "need": f.need, "available": f.available, "total": f.total,
                                     "instances": list(f.instances), "prompt_cache": f.growth}

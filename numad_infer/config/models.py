@@ -47,6 +47,12 @@ class ServedModel:
     settable: frozenset[str] = frozenset()
 
     @property
+    def own_table(self) -> bool:
+        """A `[[models]]` table configures it (its keys are `models[k].*`, its units carry its
+        name); False for the single `[model]`, whose keys and unit names are as they were."""
+        return self.key != "model"
+
+    @property
     def ids(self) -> tuple[str, ...]:
         """Every id that routes to it."""
         return (self.name, *self.aliases) if self.name else self.aliases

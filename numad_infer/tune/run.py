@@ -56,7 +56,7 @@ def run(request: TuneRequest, progress: Callable[[str], None]) -> tuple[Report, 
     loaded = load(request.config_path, request.kind, request.fsroot)
     chosen = model_to_tune(request, loaded)
     # [[models]]: tune writes the model's own table (models[k].threads), else [placement].
-    several, ident = bool(loaded.config.models), chosen.served.ident
+    several, ident = chosen.served.own_table, chosen.served.ident
     config, allowed, planned, nodes = _target(request, loaded, chosen, ident)
     topology = within(loaded.topology, allowed)  # what the measuring servers may use
     fleet = Fleet(request.state_file, progress)
@@ -141,7 +141,7 @@ def _target(request: TuneRequest, loaded: Loaded, chosen: LoadedModel,
     allowed = loaded.allowed
     planned = {i.node: i for i in loaded.plan.instances if i.node is not None and i.model == ident}
     nodes = _nodes_to_measure(request, config, planned, chosen.served)
-    if loaded.config.models:
+    if chosen.served.own_table:
         if request.layouts:
             raise TuneError("--layouts measures the single-[model] form's layouts; with [[models]] each model's "
                             "cores are its cores_per_instance: leave out --layouts to tune this model's threads")
