@@ -37,6 +37,11 @@ class Shown:
     commented: bool = False  # written as a comment: the key is not set
 
 
+# Which keys are everyday, the rule: a key an operator sets for their host, their model or
+# their clients (which file, which nodes and CPUs, which port, how many slots, the queue a
+# client may meet, who may call) is shown; a key whose default is a measurement (a bench's
+# figure) or a protocol's timing is [tuning]'s; the rest of a table (a key few hosts need,
+# or one that only matters beside another) is in numa-infer.toml(5), not here.
 EVERYDAY: dict[str, Shown] = {
     "model.path": Shown("the GGUF file; required", '"/var/lib/numa-infer/models/model.gguf"',
                         "required, so the schema has no default: the path README.md's install steps copy the "
