@@ -42,7 +42,7 @@ class Server:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # an 8B-class file takes a while
         while time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as answer:
@@ -83,11 +83,14 @@ def main() -> None:
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--context", type=int, default=4096, help="--ctx-size: the system prompt and 4 turns must fit")
     args = parser.parse_args()
     model = generated_model(args.size, "Q4_K_M")
     root = Path(tempfile.mkdtemp(prefix="restart-cache-"))
     keeper = SlotKeeper(root, "127.0.0.1")
-    server = Server(model, keeper.save_path_argument(NAME), args.threads, 4096)
+    saves = keeper.directory(NAME)  # where the daemon points --slot-save-path
+    saves.mkdir(mode=0o700, parents=True, exist_ok=True)
+    server = Server(model, str(saves), args.threads, args.context)
     system = "You are a careful assistant. " * (args.system_tokens // 20)  # ~20 tokens each (the generated vocab)
     rows: dict[str, list[float]] = {"warm": [], "cold": [], "restored": [], "save_s": [], "restore_s": []}
     cached: dict[str, list[int]] = {"warm": [], "cold": [], "restored": []}

@@ -200,13 +200,27 @@ def generated_model(size: str, quant: str | None = None) -> Path:
     once per session, readable by the servers."""
     name = size if quant is None else f"{size}-{quant}"
     if name not in _models:
-        path = shared_dir() / f"{name}.gguf"
-        quant_args = [] if quant is None else ["--quant", quant]
-        subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(path), "--size", size, *quant_args],
-                       check=True, capture_output=True)
-        path.chmod(0o644)
+        path = _model_cache(name) or shared_dir() / f"{name}.gguf"
+        if not path.exists():
+            quant_args = [] if quant is None else ["--quant", quant]
+            subprocess.run([sys.executable, str(ROOT / "tools/make_model.py"), str(path), "--size", size,
+                            *quant_args], check=True, capture_output=True)
+            path.chmod(0o644)
         _models[name] = path
     return _models[name]
+
+
+def _model_cache(name: str) -> Path | None:
+    """Where NUMA_INFER_MODEL_CACHE keeps models between sessions (the benches' 1b and 8b
+    take minutes to make), named by what makes them: a changed tools/make_model.py makes a
+    new file. None without it (tests make theirs per session)."""
+    where = os.environ.get("NUMA_INFER_MODEL_CACHE")
+    if not where:
+        return None
+    import hashlib
+    digest = hashlib.sha256((ROOT / "tools/make_model.py").read_bytes()).hexdigest()[:12]
+    Path(where).mkdir(parents=True, exist_ok=True)
+    return Path(where) / f"{name}-{digest}.gguf"
 
 
 def two_single_cpu_nodes() -> fakesys.FakeMachine:

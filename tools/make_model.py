@@ -66,6 +66,13 @@ PRESETS: dict[str, Spec] = {
     "medium": Spec(layers=12, embd=1024, ff=2816, heads=16, kv_heads=16, vocab=32000, ctx=2048, dtype="f16"),
     # ~1.2 GB
     "large": Spec(layers=18, embd=1536, ff=4096, heads=24, kv_heads=24, vocab=32000, ctx=4096, dtype="f16"),
+    # The shapes operators run, for bench/real_models.py (never CI: minutes to make).
+    # 1B-class (Llama 3.2 1B's shape: 16 x 2048, ff 8192, 32 query and 8 key/value heads, a
+    # 128k vocabulary; its output matrix untied here): ~3.0 GB f16, ~0.9 GB at Q4_K_M.
+    "1b": Spec(layers=16, embd=2048, ff=8192, heads=32, kv_heads=8, vocab=128256, ctx=8192, dtype="f16"),
+    # 8B-class (Llama 3.1 8B's shape: 32 x 4096, ff 14336, 32 and 8 heads, 128k vocabulary):
+    # ~16 GB f16 (written beside the output while quantizing), ~4.9 GB at Q4_K_M.
+    "8b": Spec(layers=32, embd=4096, ff=14336, heads=32, kv_heads=8, vocab=128256, ctx=8192, dtype="f16"),
 }
 
 INIT_STD = 0.02  # small weights keep activations and logits finite through all layers
