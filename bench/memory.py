@@ -121,13 +121,18 @@ def measure(engine_name: str, model: Path, context: int, parallel: int,
         fill_a_slot(instance.port, context)
         used = resident(proc.pid)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
     return guess, loaded, used
+
+
+def stop(proc: subprocess.Popen[bytes], grace_s: float = 60) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`: a server freeing GBs may take a while."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def main() -> None:

@@ -12,8 +12,9 @@ instance's memory, not mapped), one instance on this host's CPUs. Per model:
   cache for the context, the engine's overhead) against the RSS and anonymous RSS after
   the load and after a prompt that fills the slot (its compute buffers touched);
 - rates (after the memory: the server's prompt cache keeps a replaced prompt's state, which
-  the estimate leaves out as growth with use): one prompt of --prompt-tokens words read (the server's own prompt_per_second)
-  and --tokens generated (predicted_per_second), as the stand-in's calibration reads them.
+  the estimate leaves out as growth with use): one prompt of --prompt-tokens words read
+  (the server's own prompt_per_second) and --tokens generated (predicted_per_second), as
+  the stand-in's calibration reads them.
 
     NUMA_INFER_MODEL_CACHE=/var/tmp/numa-infer-models .venv/bin/python bench/real_models.py \\
         [--sizes 1b,8b] [--context 4096] [--prompt-tokens 512] [--tokens 32]
@@ -37,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.memory import MiB, Resident, config_for, fill_a_slot, resident, wait_ready  # noqa: E402
+from bench.memory import MiB, Resident, config_for, fill_a_slot, resident, stop, wait_ready  # noqa: E402
 from numad_infer.engines import get as engine_named  # noqa: E402
 from numad_infer.model.gguf import read_header  # noqa: E402
 from numad_infer.model.memory import estimate  # noqa: E402
@@ -81,12 +82,7 @@ def one_start(model: Path, context: int, log: Path, measure: bool, prompt_words:
             result["rates"] = rates(instance.port, prompt_words, tokens)
         return result
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def main() -> None:
