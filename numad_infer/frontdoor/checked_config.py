@@ -30,7 +30,7 @@ from numad_infer.config.models import ServedModel
 from numad_infer.config.schema import Config
 from numad_infer.config.tenants import TenantKey
 from numad_infer.engines import Engine
-from numad_infer.frontdoor import haproxy, lua, tenants
+from numad_infer.frontdoor import haproxy, hold, lua, tenants
 from numad_infer.frontdoor.haproxy import HaproxyError
 from numad_infer.frontdoor.haproxy_config import CheckedConfig, Paths, paths_in, render_haproxy
 from numad_infer.plan.model import Plan
@@ -124,6 +124,7 @@ def render_checked(config: Config, plan: Plan, served: tuple[ServedModel, ...], 
 
 def _checked(config: Config, plan: Plan, served: tuple[ServedModel, ...], engine: Engine,
              paths: Paths, keys: tuple[str, str]) -> CheckedConfig:
+    _sockets_fit(paths, len(served))
     twin = twin_of(config.frontend.address[0]) is not None
     text = render_haproxy(config, plan, paths, held=True, twin=twin, served=served, engine=engine)
     with tempfile.TemporaryDirectory(prefix="numa-infer-check-") as scratch:
@@ -132,6 +133,20 @@ def _checked(config: Config, plan: Plan, served: tuple[ServedModel, ...], engine
         with _stand_ins([FRONTDOOR_FD_VARIABLE, *([FRONTDOOR_TWIN_FD_VARIABLE] if twin else [])]) as fds:
             haproxy.validate(config.frontend.haproxy, str(candidate), listener_fds=fds)
     return CheckedConfig(paths, text, keys)
+
+
+def _sockets_fit(paths: Paths, models: int) -> None:
+    """HaproxyError naming the fix when a socket HAProxy binds or logs to in the run
+    directory has a longer path than it takes: HAProxy's own refusal names a path, not
+    where the directory comes from."""
+    sockets = [paths.socket, *([paths.requests] if paths.requests else []),
+               *(hold.socket_of(paths.socket.parent, n) for n in range(models))]
+    longest = max(sockets, key=lambda path: len(str(path)))
+    if len(str(longest)) > haproxy.SOCKET_PATH_MAX:
+        room = haproxy.SOCKET_PATH_MAX - (len(str(longest)) - len(str(longest.parent)))
+        raise HaproxyError(f"the front door's sockets lie in {longest.parent}, too long a path: {longest} is "
+                           f"{len(str(longest))} bytes and HAProxy takes at most {haproxy.SOCKET_PATH_MAX}; keep the "
+                           f"state file (--state-file, NUMA_INFER_STATE_FILE) in a directory of at most {room} bytes")
 
 
 @contextlib.contextmanager

@@ -37,6 +37,12 @@ class HaproxyError(NumaInferError):
     pass
 
 
+# The longest Unix socket path HAProxy binds or logs to: sun_path's 108 bytes, less its
+# terminating NUL and the ".PID.tmp"-style name it binds first and renames into place
+# (2.6 says "too long (max 97)").
+SOCKET_PATH_MAX = 97
+
+
 def version(binary: str, timeout_s: float = 30.0) -> tuple[int, int]:
     """(major, minor) of the haproxy at `binary`; HaproxyError when it is missing or is not haproxy.
 
@@ -61,13 +67,14 @@ def version(binary: str, timeout_s: float = 30.0) -> tuple[int, int]:
 
 def validate(binary: str, config_path: str, timeout_s: float = 30.0,
              listener_fds: Mapping[str, int] | None = None) -> None:
-    """`haproxy -c`: HaproxyError with HAProxy's own words when the file is refused.
+    """`haproxy -c`: HaproxyError with HAProxy's own words when the file is refused (never
+    `-q`: it silences the alerts too, leaving only the exit status).
     `listener_fds`: the held sockets the file binds ("fd@${NUMA_INFER_FRONTDOOR_FD}"), by
     variable; the check refuses a descriptor it lacks."""
     fds = dict(listener_fds or {})
     env = {**os.environ, **{name: str(fd) for name, fd in fds.items()}} if fds else None
     try:
-        proc = subprocess.run([binary, "-c", "-q", "-f", config_path], capture_output=True, text=True,
+        proc = subprocess.run([binary, "-c", "-f", config_path], capture_output=True, text=True,
                               timeout=timeout_s, pass_fds=tuple(fds.values()), env=env)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise HaproxyError(f"cannot run {binary} -c: {exc}") from None
