@@ -223,7 +223,8 @@ def render_frontdoor_unit(config: Config, user: str | None = FRONTDOOR_USER, pyt
     # HAProxy, and its check, start on the socket the daemon holds (listener.py says why):
     # frontdoor_exec asks the daemon for it, then executes HAProxy in its own place.
     on_socket = (python or sys.executable, "-m", "numad_infer.frontdoor_exec", FRONTDOOR_HANDOUT, "--", binary)
-    check = " ".join(quote_arg(a) for a in (*on_socket, "-c", "-q", "-f", cfg))
+    # Not -q: it silences the alerts too, and the journal would say only that the check failed.
+    check = " ".join(quote_arg(a) for a in (*on_socket, "-c", "-f", cfg))
     lines = [
         UNIT_MARKER,
         "[Unit]",
