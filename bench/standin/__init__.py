@@ -8,4 +8,6 @@ instances on a host that cannot run them. bench/README.md, "A llama-server stand
     server.py     the HTTP routes, one Engine per port, on the loop's clock
     calibrate.py  rates measured on the real llama-server, as JSON the stand-in reads
     validate.py   bench/prefix.py's workload over both, side by side
+    fleet_host.py   many instances in one process, each started and stopped by the bench's backend
+    fleet_daemon.py the daemon's own loop with that backend (bench/fleet.py runs it: a fleet behind the front door)
 """
