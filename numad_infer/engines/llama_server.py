@@ -38,19 +38,23 @@ _PROMPT_COUNTERS = {"llamacpp:prompt_tokens_total": "prompt_tokens_computed",
 
 _HINT = "build it with scripts/build-llama-server or install Debian's llama.cpp package, and point here"
 
-# Measured once (bench/memory.py and its log at -lv 4, 2026-12-02; llama.cpp 0c1e570 from
-# scripts/build-llama-server, CPU, flash attention "auto" = on) on tools/make_model.py's
-# models (tiny, small, medium; Q4_0, Q8_0, Q4_K_M), 512, 1024 and 2048 tokens per slot, 1
-# and 2 slots. The log's compute buffer is, to 0.5 MiB, 512 (the batch, -ub) x (48 B x
-# n_embd + 2 B x one slot's context: the f16 attention mask): tiny (n_embd 64) 2.04/3.54
-# MiB at 512/2048, small (384) 9.51/11.01, medium (1024) 25.01/26.51. Its logits are one row
-# per slot (0.24 MiB at 32,000 entries): not counted. The rest, the process itself, is RSS
-# less weights, KV cache and that compute buffer once prompts have filled a 2048-token slot
-# (all of the compute buffer touched): 20 MiB on the tiny model (vocabulary 512; 16 MiB of
-# it program and libraries, file-backed), 24.3 on the small (4,096), 30.0 on the medium
-# (32,000): 28 MiB and 160 B per vocabulary entry (the tokenizer's tables, the samplers'
-# candidates) cover all three. Not in it: the prompt cache (below), which grows with use.
-OVERHEAD = Overhead(runtime=28 << 20, per_embedding=48, per_vocab=0, per_context=2, tokenizer=160)
+# Measured (bench/memory.py, bench/real_models.py and the server's log at -lv 4; llama.cpp
+# 0c1e570 from scripts/build-llama-server, CPU, flash attention "auto" = on) on
+# tools/make_model.py's models: tiny, small, medium (2026-12-02) and the 1b and 8b shapes
+# (2026-12-06), 512 to 4096 tokens per slot, 1 and 2 slots. The log's compute buffer is 512
+# (the batch, -ub) x (16 B x n_embd + 12 B x n_ff + 2 B x one slot's context: the f16
+# attention mask), exactly on every model: medium (n_embd 1024, n_ff 2816) 25.01 MiB at
+# 512, 1b (2048, 8192) 66.01/68.01 at 2048/4096, 8b (4096, 14336) 118.01/120.01 (48 B x
+# n_embd alone, the first fit, missed 16 and 20 MiB on the last two). Its logits are one row
+# per slot: not counted. The rest, the process itself, is RSS less weights, KV cache and
+# that compute buffer once a prompt has filled the slot (all of it touched): 20 MiB on the
+# tiny model (vocabulary 512; 16 MiB of it program and libraries, file-backed), 24.3 on the
+# small (4,096), 30.0 on the medium (32,000), 58 on the 1b and 67 on the 8b (128,256):
+# 28 MiB and 240 B per vocabulary entry (the tokenizer's tables, the samplers' candidates)
+# cover all but the 8b, which it misses by 10 MiB of 5.0 GiB. Not in it: the prompt cache
+# (below), which grows with use.
+OVERHEAD = Overhead(runtime=28 << 20, per_embedding=16, per_feed_forward=12, per_vocab=0, per_context=2,
+                    tokenizer=240)
 
 # The prompt cache's limit unless --cache-ram says otherwise (its --help; -1: none, 0: off).
 # When a slot takes a new prompt, the old one's state (its KV cells) is copied there, and

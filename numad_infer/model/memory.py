@@ -17,7 +17,7 @@ from numad_infer.model.ggml import row_bytes
 # The metadata keys, under the architecture's name (`llama.block_count`), that size the KV
 # cache: model/gguf.py reads these (integers) and skips every other value.
 SHAPE_KEYS = ("block_count", "embedding_length", "attention.head_count", "attention.head_count_kv",
-              "attention.key_length", "attention.value_length")
+              "attention.key_length", "attention.value_length", "feed_forward_length")
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,13 @@ class ModelDims:
     key_length: int  # n_embd_head_k
     value_length: int  # n_embd_head_v
     vocab: int  # rows of token_embd.weight (0: the table has none)
+    # n_ff: the feed-forward's width, what its activations take per batch token. A header
+    # without it (or one giving it per layer) counts 4 x n_embd, above the usual 2.7-3.5.
+    feed_forward: int = 0
+
+    @property
+    def feed_forward_or_guess(self) -> int:
+        return self.feed_forward or 4 * self.embedding
 
     def kv_bytes_per_token(self, type_k: int, type_v: int) -> int:
         """One token's K and V over every layer (llama_kv_cache: ggml_row_size per layer)."""
@@ -55,7 +62,8 @@ def model_dims(architecture: str, numbers: Mapping[str, int], vocab: int) -> Mod
     value_length = number("attention.value_length", embedding // heads)
     if not (kv_heads and key_length and value_length):
         return None
-    return ModelDims(layers, embedding, heads, kv_heads, key_length, value_length, max(vocab, 0))
+    return ModelDims(layers, embedding, heads, kv_heads, key_length, value_length, max(vocab, 0),
+                     number("feed_forward_length"))
 
 
 @dataclass(frozen=True)
@@ -76,22 +84,24 @@ class EngineContext:
 class Overhead:
     """An engine's own memory besides weights and KV cache, measured with bench/memory.py
     and stated with its figures where the engine is defined (engines/). Per token of a
-    batch, llama.cpp's compute buffers hold activations (per unit of the model's width),
-    logits (per vocabulary entry) and the attention's mask or scores (per token of a
-    slot's context); an engine may also keep logits per token of its context."""
+    batch, llama.cpp's compute buffers hold activations (per unit of the model's width and
+    of its feed-forward's), logits (per vocabulary entry) and the attention's mask or
+    scores (per token of a slot's context); an engine may also keep logits per token of its
+    context."""
 
     runtime: int  # the process itself: program, libraries, heap, threads, HTTP server
     per_embedding: int  # bytes per batch token per unit of n_embd
     per_vocab: int  # bytes per batch token per vocabulary entry
     per_context: int  # bytes per batch token per token of one slot's context
+    per_feed_forward: int = 0  # bytes per batch token per unit of n_ff
     kept_logits: int = 0  # bytes per context token per vocabulary entry
     tokenizer: int = 0  # bytes per vocabulary entry, once: the tokenizer's tables, the samplers' candidates
 
     def bytes(self, dims: ModelDims | None, context: EngineContext) -> int:
         if dims is None:
             return self.runtime
-        per_batch_token = (self.per_embedding * dims.embedding + self.per_vocab * dims.vocab
-                           + self.per_context * context.slot_tokens)
+        per_batch_token = (self.per_embedding * dims.embedding + self.per_feed_forward * dims.feed_forward_or_guess
+                           + self.per_vocab * dims.vocab + self.per_context * context.slot_tokens)
         return (self.runtime + self.tokenizer * dims.vocab + context.batch * per_batch_token
                 + self.kept_logits * context.slot_tokens * dims.vocab)
 

@@ -24,7 +24,7 @@ def host(tmp_path: Path) -> tuple[Path, Path]:
     model = tmp_path / "llama3ish.gguf"
     w = gguf.GGUFWriter(model, "llama")
     for key, value in (("block_count", 32), ("embedding_length", 4096), ("attention.head_count", 32),
-                       ("attention.head_count_kv", 8)):
+                       ("attention.head_count_kv", 8), ("feed_forward_length", 14336)):
         w.add_uint32(f"llama.{key}", value)
     w.add_tensor("token_embd.weight", np.zeros((256, 4096), dtype=np.float16))  # 2 MiB, vocab 256
     w.write_header_to_file()

@@ -35,22 +35,23 @@ def test_an_instance_is_sized_from_the_header_and_the_engines_context(tmp_path: 
     m = one.memory
     assert m.weights == 256 * 4096 * 2
     assert m.kv_cache == 2048 * 2 * 128 * 1024  # context_size x parallel cells, 128 KiB each
-    # llama-server's: its runtime + 160 B x 256 vocabulary entries + 512 x (48 B x 4096 + 2 B x 2048 per slot).
-    assert m.overhead == OVERHEAD.runtime + 160 * 256 + 512 * (48 * 4096 + 2 * 2048)
+    # llama-server's: its runtime + 240 B x 256 vocabulary entries + 512 x (16 B x n_embd 4096
+    # + 12 B x n_ff 14336 + 2 B x 2048 per slot).
+    assert m.overhead == OVERHEAD.runtime + 240 * 256 + 512 * (16 * 4096 + 12 * 14336 + 2 * 2048)
     assert loaded.memory_of("").bytes == m.total and loaded.memory_of("").model == "llama3ish.gguf"
 
 
 def test_instances_that_do_not_fit_a_node_are_refused_naming_node_bytes_and_fix(tmp_path: Path, host) -> None:
     model, server = host
-    # 8192 x 4 cells = 4 GiB of KV cache per instance (and 28 MiB + 160 x 256 + 512 x (48 x 4096 +
-    # 2 x 8192) B of overhead); a 4 GiB node has 3.6 GiB for its instances.
+    # 8192 x 4 cells = 4 GiB of KV cache per instance (and 28 MiB + 240 x 256 + 512 x (16 x 4096 +
+    # 12 x 14336 + 2 x 8192) B of overhead); a 4 GiB node has 3.6 GiB for its instances.
     with pytest.raises(ConfigError) as refused:
         validate(config(model, server, 8192, 4), SOURCE, small_nodes(tmp_path, 4), BackendKind.PROCESS, unit_dirs=())
     message = str(refused.value)
     assert message.startswith(f"{SOURCE}: node 0's memory cannot hold its instances: infer@0 (llama3ish.gguf) need "
-                              "4.1 GiB (4435517440 bytes), the node has 3.6 GiB for them (3865470566 bytes: 4.0 GiB "
+                              "4.2 GiB (4456509440 bytes), the node has 3.6 GiB for them (3865470566 bytes: 4.0 GiB "
                               "less a 10% reserve); per instance llama3ish.gguf: weights 2 MiB + KV cache 4.0 GiB + "
-                              "overhead 132 MiB = 4.1 GiB, and a prompt cache sized to its node (per instance); use a smaller "
+                              "overhead 152 MiB = 4.2 GiB, and a prompt cache sized to its node (per instance); use a smaller "
                               'model.context_size or server.parallel, a smaller quantisation of the model or placement.mode = "interleave" (one instance, its memory spread '
                               "over every node)")
     assert "\n" not in message
