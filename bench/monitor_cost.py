@@ -7,7 +7,7 @@ what the daemon does per pass: every thread's affinity and last CPU (procfs +
 sched_getaffinity), the drift verdict, and the memory-locality reading, from the
 cgroup's memory.numa_stat and from /proc/PID/numa_maps side by side.
 
-    .venv/bin/python bench/monitor_cost.py [--quick]
+    .venv/bin/python bench/monitor_cost.py [--quick] [--instances 16,64 --threads 8,64 --no-memory]
 """
 
 from __future__ import annotations
@@ -121,9 +121,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer sizes (CI smoke run)")
     parser.add_argument("--interval", type=float, default=5.0, help="monitor.interval_s to express CPU cost against")
+    parser.add_argument("--instances", help="comma-separated instance counts (default 1,2,4,8; e.g. 16,64: a fleet)")
+    parser.add_argument("--threads", help="comma-separated threads per instance (default 8,32,64,128)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory-locality reading")
     args = parser.parse_args()
     mp.set_start_method("fork")
     counts, thread_counts = ([1, 8], [8, 64]) if args.quick else ([1, 2, 4, 8], [8, 32, 64, 128])
+    if args.instances:
+        counts = [int(n) for n in args.instances.split(",")]
+    if args.threads:
+        thread_counts = [int(n) for n in args.threads.split(",")]
     print(f"# host: {os.cpu_count()} CPUs, {os.uname().release}; interval {args.interval:g}s")
     print("\n## affinity pass (all threads of all instances: stat + sched_getaffinity + verdict)")
     print(f"{'instances':>9} {'threads':>7} {'wall ms':>8} {'cpu ms':>7} {'% of a core':>12}")
@@ -132,6 +139,8 @@ def main() -> None:
             wall, cpu = measure_passes(count, threads, args.interval, 20)
             print(f"{count:>9} {threads:>7} {wall * 1000:>8.2f} {cpu * 1000:>7.2f} {cpu / args.interval * 100:>11.3f}%", flush=True)
 
+    if args.no_memory:
+        return
     sizes = [0.1, 1] if args.quick else [0.1, 1, 4, 8]
     free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
     print("\n## memory-locality reading of one instance, side by side")
