@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,14 +91,17 @@ class Fleet:
     """One daemon over one plan: started, waited for, stopped."""
 
     def __init__(self, name: str, fsroot: Path, instances_per_node: int, slots: int, mode: str,
-                 model: Path, engine: Path, calibration: Path, jitter: float, context: int) -> None:
+                 model: Path, engine: Path, calibration: Path, jitter: float, context: int, *,
+                 monitor_s: float = 2.0, ports: int = 32, prefix: str = "fleet",
+                 more: Callable[[Path], str] | None = None) -> None:
+        """`more`: configuration text to append, given the work directory (key files go there)."""
         # A short path: the front door's sockets live in the state directory, and a Unix
         # socket's path has 107 bytes at most (under pytest's deep temporary directories
         # `haproxy -c` refused the configuration, "exit 1").
-        self.work = work = Path(tempfile.mkdtemp(prefix=f"fleet-{name}-", dir="/tmp"))
+        self.work = work = Path(tempfile.mkdtemp(prefix=f"{prefix}-{name}-", dir="/tmp"))
         work.chmod(0o755)  # HAProxy runs as its own user and reads haproxy.cfg here
         self.fsroot = fsroot
-        self.base = _free_base(32)
+        self.base = _free_base(ports)
         self.port = self.base + 900
         self.config = work / "numa-infer.toml"
         self.state_file = work / "run" / "state.json"
@@ -108,8 +112,8 @@ class Fleet:
             f"[placement]\ninstances_per_node = {instances_per_node}\n"
             f'[server]\nbase_port = {self.base}\nengine = "llama-server"\nllama_server = "{engine}"\n'
             f"parallel = {slots}\n"
-            f"[monitor]\ninterval_s = 2.0\nrepair = false\n"  # nothing to re-pin: the CPUs are not this host's
-            f'[frontend]\nlisten = "127.0.0.1:{self.port}"\naffinity = "{mode}"\n')
+            f"[monitor]\ninterval_s = {monitor_s}\nrepair = false\n"  # nothing to re-pin: the CPUs are not this host's
+            f'[frontend]\nlisten = "127.0.0.1:{self.port}"\naffinity = "{mode}"\n' + (more(work) if more else ""))
         self.log = open(work / "daemon.log", "w")  # noqa: SIM115 (closed by stop)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.standin.fleet_daemon", "--config", str(self.config), "--fsroot",

@@ -54,7 +54,6 @@ import os
 import resource
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,7 +66,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.fleet import Fleet, _free_base, pct, shared_assets, unpack  # noqa: E402
+from bench.fleet import Fleet, pct, shared_assets, unpack  # noqa: E402
 
 SETUPS: dict[int, tuple[str, int]] = {
     2: ("32em64t-2n8c+dax+nvme+mic+dimms", 1),
@@ -98,39 +97,20 @@ class Door(Fleet):
 
     def __init__(self, name: str, fsroot: Path, instances_per_node: int, slots: int, mode: str, tenants: bool,
                  model: Path, engine: Path, calibration: Path, context: int, monitor_s: float = 10.0) -> None:
-        self.work = work = Path(tempfile.mkdtemp(prefix=f"fdcap-{name}-", dir="/tmp"))
-        work.chmod(0o755)
-        self.fsroot = fsroot
-        self.base = _free_base(96)
-        self.port = self.base + 900
-        self.config = work / "numa-infer.toml"
-        self.state_file = work / "run" / "state.json"
-        self.state_file.parent.mkdir()
-        self.state_file.parent.chmod(0o755)
-        text = (f'[model]\npath = "{model}"\ncontext_size = {context}\n'
-                f"[placement]\ninstances_per_node = {instances_per_node}\n"
-                f'[server]\nbase_port = {self.base}\nengine = "llama-server"\nllama_server = "{engine}"\n'
-                f"parallel = {slots}\n"
-                f"[monitor]\ninterval_s = {monitor_s}\nrepair = false\n"
-                f'[frontend]\nlisten = "127.0.0.1:{self.port}"\naffinity = "{mode}"\n')
-        self.key = None
-        if tenants:
-            keys = work / "keys"
-            keys.mkdir(mode=0o700)
-            for name_, key in (("a", KEY_A), ("b", KEY_B)):
-                (keys / name_).write_text(key + "\n")
-                (keys / name_).chmod(0o600)
-            text += (f'[[tenants]]\nname = "team-a"\nkey_file = "{keys / "a"}"\n'
-                     f'[[tenants]]\nname = "team-b"\nkey_file = "{keys / "b"}"\n'
-                     f"max_in_flight = 100000\nrequests_per_minute = 1000000\n")
-            self.key = KEY_B  # the last tenant's: every tenant's rule is read before it matches
-        self.config.write_text(text)
-        self.log = open(work / "daemon.log", "w")  # noqa: SIM115 (closed by stop)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.standin.fleet_daemon", "--config", str(self.config), "--fsroot",
-             str(fsroot), "--state-file", str(self.state_file), "--calibration", str(calibration),
-             "--jitter", "0"], stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        self.key = KEY_B if tenants else None  # the last tenant's: every tenant's rule is read before it matches
+        super().__init__(name, fsroot, instances_per_node, slots, mode, model, engine, calibration, 0.0, context,
+                         monitor_s=monitor_s, ports=96, prefix="fdcap", more=self._tenants if tenants else None)
+
+    @staticmethod
+    def _tenants(work: Path) -> str:
+        keys = work / "keys"
+        keys.mkdir(mode=0o700)
+        for name, key in (("a", KEY_A), ("b", KEY_B)):
+            (keys / name).write_text(key + "\n")
+            (keys / name).chmod(0o600)
+        return (f'[[tenants]]\nname = "team-a"\nkey_file = "{keys / "a"}"\n'
+                f'[[tenants]]\nname = "team-b"\nkey_file = "{keys / "b"}"\n'
+                f"max_in_flight = 100000\nrequests_per_minute = 1000000\n")
 
     def rendered(self) -> str:
         return (self.state_file.parent / "haproxy.cfg").read_text()

@@ -102,12 +102,19 @@ def fill_a_slot(port: int, context: int) -> None:
             count = count * 4 // 5
 
 
+def estimate_of(engine_name: str, model: Path, context: int, parallel: int) -> MemoryEstimate:
+    """The plan's estimate for one instance of `model`, as validation computes it."""
+    engine = engine_named(engine_name)
+    header = read_header(str(model))
+    context_of = engine.context(config_for(engine_name, model, context, parallel))
+    return estimate(header.weight_bytes(), header.dims, context_of, engine.overhead)
+
+
 def measure(engine_name: str, model: Path, context: int, parallel: int,
             log_dir: Path) -> tuple[MemoryEstimate, Resident, Resident]:
     engine = engine_named(engine_name)
     config = config_for(engine_name, model, context, parallel)
-    header = read_header(str(model))
-    guess = estimate(header.weight_bytes(), header.dims, engine.context(config), engine.overhead)
+    guess = estimate_of(engine_name, model, context, parallel)
     threads = min(2, os.cpu_count() or 1)
     instance = Instance("bench@0", 0, tuple(range(threads)), tuple((c,) for c in range(threads)), (0,), Policy.BIND,
                         threads, free_port_block(1), threads)

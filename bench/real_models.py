@@ -38,10 +38,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.memory import MiB, Resident, config_for, fill_a_slot, resident, stop, wait_ready  # noqa: E402
+from bench.memory import MiB, Resident, config_for, estimate_of, fill_a_slot, resident, stop, wait_ready  # noqa: E402
 from numad_infer.engines import get as engine_named  # noqa: E402
-from numad_infer.model.gguf import read_header  # noqa: E402
-from numad_infer.model.memory import estimate  # noqa: E402
 from numad_infer.plan.model import Instance, Policy  # noqa: E402
 from tests.daemon_harness import free_port_block, generated_model  # noqa: E402
 
@@ -101,11 +99,7 @@ def main() -> None:
         made = time.monotonic()
         model = generated_model(size, "Q4_K_M")
         made_s = time.monotonic() - made
-        header = read_header(str(model))
-        engine = engine_named("llama-server")
-        guess = estimate(header.weight_bytes(), header.dims, engine.context(config_for("llama-server", model,
-                                                                                       args.context, 1)),
-                         engine.overhead)
+        guess = estimate_of("llama-server", model, args.context, 1)
         log = log_dir / f"{size}.log"
         first = one_start(model, args.context, log, True, args.prompt_tokens, args.tokens)
         second = one_start(model, args.context, log, False, args.prompt_tokens, args.tokens)
