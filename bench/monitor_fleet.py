@@ -4,7 +4,7 @@ loop (bench/standin/fleet_daemon.py) over 16 and 64 instances planned from captu
 the front door on, no requests; its process's CPU seconds over --seconds, at each
 monitor.interval_s, as a share of a core and per pass.
 
-    .venv/bin/python bench/monitor_fleet.py [--seconds 60] [--intervals 5,2]
+    .venv/bin/python bench/monitor_fleet.py [--seconds 60] [--intervals 5,2] [--instances 16,64]
 
 What differs from a real host: every stand-in instance is one process (fleet_host.py), so
 each instance's affinity, drift and memory readings read the same process's threads and
@@ -33,11 +33,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--intervals", default="5,2", help="monitor.interval_s values")
+    parser.add_argument("--instances", default="16,64", help="fleet sizes, among 16 and 64")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="mon-", dir="/tmp"))
     calib = calibration(tmp / "cal.json", 10.0)
     assets = shared_assets(calib)
-    for count, capture, per_node in FLEETS:
+    sizes = {int(x) for x in args.instances.split(",")}
+    for count, capture, per_node in (fleet for fleet in FLEETS if fleet[0] in sizes):
         fsroot = unpack(capture, tmp / "captures")
         for interval in (float(x) for x in args.intervals.split(",")):
             door = Door(f"mon{count}", fsroot, per_node, 1, "prefix", False, *assets, calib, 512, interval)

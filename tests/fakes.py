@@ -18,7 +18,7 @@ from numad_infer.frontdoor.haproxy import AdminState
 from numad_infer.host.cpufeatures import EngineCpuReport
 from numad_infer.host.identity import BackendKind, RunAs
 from numad_infer.host.pinning import MemoryCalls
-from numad_infer.host.portowner import Holder, PortOwner
+from numad_infer.host.portowner import Holder, Listeners, PortOwner
 from numad_infer.model.memory import MemoryEstimate
 from numad_infer.config.models import ServedModel, served_models
 from numad_infer.plan.model import Plan
@@ -147,8 +147,11 @@ class FakeProc:
     def numa_maps(self, pid: int):
         return None
 
-    def port_owner(self, host: str, port: int, pid: int) -> PortOwner:
+    def port_owner(self, host: str, port: int, pid: int, table: Listeners | None = None) -> PortOwner:
         return PortOwner(Holder.INSTANCE)  # no server listens in these tests: the probe stands in for one
+
+    def listeners(self) -> Listeners:
+        return Listeners(())
 
     def open_connections(self, port: int, pid: int) -> int:
         return getattr(self, "connections", {}).get(port, 0)

@@ -157,6 +157,32 @@ def test_every_socket_a_client_of_the_port_may_reach_must_be_the_instances(tmp_p
     assert ProcReader(tmp_path).port_owner(host, 8080, 42).holder.value == owned
 
 
+@pytest.mark.skipif(sys.byteorder != "little", reason="the table below is written as a little-endian kernel prints it")
+def test_only_listening_rows_are_listeners_and_a_pass_judges_by_the_table_it_read(tmp_path: Path) -> None:
+    from numad_infer.host.portowner import listeners
+    from numad_infer.host.procfs import ProcReader
+
+    proc = tmp_path / "proc"
+    (proc / "net").mkdir(parents=True)
+    (proc / "42" / "fd").mkdir(parents=True)
+    (proc / "42" / "fd" / "3").symlink_to("socket:[111]")
+    # A connection to the port in every other state (established, time-wait, close-wait) is no listener.
+    rows = tcp_table(("0100007F:1F90", "111"))
+    for n, state in enumerate(("01", "06", "08")):
+        rows += (f"   {n + 5}: 0100007F:1F90 0100007F:9C4{n} {state} 00000000:00000000 00:00000000 00000000     0"
+                 f"        0 {500 + n} 1 0000000000000000 100 0 0 10 0\n")
+    (proc / "net" / "tcp").write_text(rows)
+    reader = ProcReader(tmp_path)
+    table = reader.listeners()
+    assert [(str(address), port, inode) for address, port, inode, _ in table.sockets] == [("127.0.0.1", 8080, 111)]
+    assert reader.port_owner("127.0.0.1", 8080, 42, table).ours
+    # The table read before the instance listened is the one judged: nothing listened then.
+    (proc / "net" / "tcp").write_text(tcp_table())
+    before = listeners(proc)
+    (proc / "net" / "tcp").write_text(rows)
+    assert reader.port_owner("127.0.0.1", 8080, 42, before).holder.value == "nobody"
+
+
 def test_a_socket_held_by_a_child_of_the_instance_process_is_the_instances(squatter) -> None:
     from numad_infer.host.procfs import ProcReader
 

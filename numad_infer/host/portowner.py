@@ -48,11 +48,30 @@ class PortOwner:
         return self.holder == Holder.INSTANCE
 
 
-def port_owner(proc: Path, host: str, port: int, pid: int) -> PortOwner:
-    """Does process `pid` (the instance's main process) hold the port its clients reach?"""
+@dataclass(frozen=True)
+class Listeners:
+    """The TCP sockets listening on the host when read (/proc/net/tcp and tcp6), each as
+    (address, port, inode, uid). A monitoring pass reads them once for all its instances:
+    the kernel writes a row for every connection of the host into those files (thousands,
+    with the front door's and the probes' TIME_WAIT), and reading them for each instance's
+    probe and counters was most of the daemon's time at 64 instances (bench/README.md).
+    Read just before the pass's probes start; whose each listener is, its process's
+    descriptors, is still read live for each instance."""
+    sockets: tuple[tuple[IPAddress, int, int, int], ...]
+
+
+def listeners(proc: Path) -> Listeners:
+    return Listeners(tuple((_address(fields[1].partition(":")[0]), _port(fields[1]), int(fields[9]), int(fields[7]))
+                           for fields in _sockets(proc, _LISTEN)))
+
+
+def port_owner(proc: Path, host: str, port: int, pid: int, table: Listeners | None = None) -> PortOwner:
+    """Does process `pid` (the instance's main process) hold the port its clients reach?
+    `table`: the listening sockets as the caller read them (None: read them now)."""
     target = ipaddress.ip_address(connect_host(host))
     where = host_port(str(target), port)
-    listening = _listening(proc, target, port)
+    table = listeners(proc) if table is None else table
+    listening = {inode for inode, _ in _listeners(table, target, port)}
     if not listening:
         return PortOwner(Holder.NOBODY, f"nothing listens on {where}")
     try:
@@ -64,7 +83,7 @@ def port_owner(proc: Path, host: str, port: int, pid: int) -> PortOwner:
     except (FileNotFoundError, ProcessLookupError):
         return PortOwner(Holder.OTHER, f"{where} is held by another process: the instance's process {pid} is gone")
     except PermissionError:
-        return _by_user(proc, target, port, pid, where)
+        return _by_user(proc, table, target, port, pid, where)
     except OSError as exc:
         return PortOwner(Holder.OTHER, f"cannot tell who holds {where}: the sockets of process {pid} cannot be read "
                                        f"({exc.strerror}); run the daemon as root")
@@ -94,9 +113,8 @@ def open_connections(proc: Path, port: int, pid: int) -> int:
         uid = _real_uid(proc, pid)
     except (OSError, ValueError):
         return 0
-    rows = list(_sockets(proc))
-    listeners = [address for address, owner in _listen_rows(rows, port) if owner == uid]
-    return sum(1 for fields in rows if fields[3] == _ESTABLISHED and int(fields[7]) == uid
+    listeners = [address for address, owner in _listen_rows(_sockets(proc, _LISTEN), port) if owner == uid]
+    return sum(1 for fields in _sockets(proc, _ESTABLISHED) if int(fields[7]) == uid
                and _accepted_at(fields, port, listeners))
 
 
@@ -132,12 +150,10 @@ def gone_at(proc: Path, listen_hosts: Iterable[str], port: int, acceptors: Itera
     (the watch tells them apart by the stream's own, abandon_watch.py)."""
     hosts = {ipaddress.ip_address(host) for host in listen_hosts}
     acceptors = set(acceptors)
-    rows = list(_sockets(proc))
-    listeners = [(address, uid) for address, uid in _listen_rows(rows, port) if address in hosts]
+    listeners = [(address, uid) for address, uid in _listen_rows(_sockets(proc, _LISTEN), port)
+                 if address in hosts]
     gone: dict[Peer, set[Peer]] = {}
-    for fields in rows:
-        if fields[3] != _CLOSE_WAIT:
-            continue
+    for fields in _sockets(proc, _CLOSE_WAIT):
         uid = int(fields[7])
         by = [address for address, owner in listeners if uid == owner or uid in acceptors]
         if _accepted_at(fields, port, by):
@@ -147,7 +163,7 @@ def gone_at(proc: Path, listen_hosts: Iterable[str], port: int, acceptors: Itera
     return gone
 
 
-def _listen_rows(rows: list[list[str]], port: int) -> list[tuple[IPAddress, int]]:
+def _listen_rows(rows: Iterable[list[str]], port: int) -> list[tuple[IPAddress, int]]:
     """(address, uid) of each TCP socket listening on `port`."""
     return [(_address(fields[1].partition(":")[0]), int(fields[7])) for fields in rows
             if fields[3] == _LISTEN and _port(fields[1]) == port]
@@ -164,25 +180,36 @@ def _accepted_at(fields: list[str], port: int, listeners: list[IPAddress]) -> bo
                for address in listeners)
 
 
-def _sockets(proc: Path) -> Iterator[list[str]]:
-    """The rows of /proc/net/tcp and tcp6, split in their columns: sl, local and remote
-    address, state, queues, timers, retransmits, uid, timeout, inode."""
+def _sockets(proc: Path, state: str) -> Iterator[list[str]]:
+    """The rows of /proc/net/tcp and tcp6 in `state` (`_LISTEN`...), split in their
+    columns: sl, local and remote address, state, queues, timers, retransmits, uid,
+    timeout, inode. A host's tables hold a row for every connection (thousands, with the
+    front door's and the probes' TIME_WAIT), its listeners are a few, and the check runs
+    for every instance on every pass: splitting every row was 56 % of the daemon's time at
+    64 instances (bench/README.md). So a row is split only when its state's column, which
+    no other column can look like (the others are decimal, or hex without spaces around
+    two digits), is in it."""
+    column = f" {state} "
     for table in ("tcp", "tcp6"):
         try:
-            lines = (proc / "net" / table).read_text().splitlines()[1:]
+            text = (proc / "net" / table).read_text()
         except OSError:
             continue  # no IPv6 on this host
-        for line in lines:
-            fields = line.split()
-            if len(fields) >= 10:
+        at = text.find(column)
+        while at != -1:
+            start, end = text.rfind("\n", 0, at) + 1, text.find("\n", at)
+            end = len(text) if end == -1 else end
+            fields = text[start:end].split()
+            if len(fields) >= 10 and fields[3] == state:
                 yield fields
+            at = text.find(column, end)
 
 
 def _port(address: str) -> int:
     return int(address.rpartition(":")[2], 16)
 
 
-def _by_user(proc: Path, target: IPAddress, port: int, pid: int, where: str) -> PortOwner:
+def _by_user(proc: Path, table: Listeners, target: IPAddress, port: int, pid: int, where: str) -> PortOwner:
     """When the instance's descriptors cannot be read: under systemd each instance runs as a
     DynamicUser of its own, and the daemon (root, with no capability but CAP_SYS_NICE) may
     not look into another user's process. Each instance's user is then its own, so a socket
@@ -191,7 +218,7 @@ def _by_user(proc: Path, target: IPAddress, port: int, pid: int, where: str) -> 
         uid = _real_uid(proc, pid)
     except (OSError, ValueError):
         return PortOwner(Holder.OTHER, f"{where} is held by another process: the instance's process {pid} is gone")
-    owners = _listening_uids(proc, target, port)
+    owners = {uid for _, uid in _listeners(table, target, port)}
     if uid != 0 and owners and owners <= {uid}:
         return PortOwner(Holder.INSTANCE)
     others = ", ".join(str(u) for u in sorted(owners - {uid}))
@@ -246,21 +273,9 @@ def _socket_inodes(proc: Path, pid: int, gone_ok: bool = False) -> set[int]:
     return inodes
 
 
-def _listening(proc: Path, target: IPAddress, port: int) -> set[int]:
-    """Inodes of the TCP sockets listening on `port` that a connection to `target` may reach."""
-    return {inode for inode, _ in _listeners(proc, target, port)}
-
-
-def _listening_uids(proc: Path, target: IPAddress, port: int) -> set[int]:
-    """The users who created those sockets (/proc/net/tcp's uid column)."""
-    return {uid for _, uid in _listeners(proc, target, port)}
-
-
-def _listeners(proc: Path, target: IPAddress, port: int) -> set[tuple[int, int]]:
+def _listeners(table: Listeners, target: IPAddress, port: int) -> set[tuple[int, int]]:
     """(inode, uid) of each TCP socket listening on `port` that a connection to `target` may reach."""
-    return {(int(fields[9]), int(fields[7])) for fields in _sockets(proc)
-            if fields[3] == _LISTEN and _port(fields[1]) == port
-            and _reaches(_address(fields[1].partition(":")[0]), target)}
+    return {(inode, uid) for address, at, inode, uid in table.sockets if at == port and _reaches(address, target)}
 
 
 def _address(hex_address: str) -> IPAddress:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from numad_infer.host.portowner import PortOwner, open_connections, port_owner
+from numad_infer.host.portowner import Listeners, PortOwner, listeners, open_connections, port_owner
 from numad_infer.host.proc_types import NodeUsage, ThreadInfo
 from numad_infer.topology.cgroups import CgroupReader
 from numad_infer.util.cpuset import CpuListError, parse_list
@@ -151,9 +151,14 @@ class ProcReader:
         total: float = times.user + times.system
         return total
 
-    def port_owner(self, host: str, port: int, pid: int) -> PortOwner:
-        """Is the socket listening on the instance's port the one of its process `pid`?"""
-        return port_owner(self.proc, host, port, pid)
+    def port_owner(self, host: str, port: int, pid: int, table: Listeners | None = None) -> PortOwner:
+        """Is the socket listening on the instance's port the one of its process `pid`?
+        `table`: the host's listening sockets, as `listeners` read them (None: read now)."""
+        return port_owner(self.proc, host, port, pid, table)
+
+    def listeners(self) -> Listeners:
+        """The host's listening TCP sockets: one reading for a pass's every instance."""
+        return listeners(self.proc)
 
     def open_connections(self, port: int, pid: int) -> int:
         """Client connections open to the instance of process `pid` on its `port` (its

@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from numad_infer.backends.base import Backend, Observation
 from numad_infer.engines import EngineCounters
 from numad_infer.frontdoor.control import Frontdoor
+from numad_infer.host.portowner import Listeners
 from numad_infer.host.procfs import ProcReader
 from numad_infer.lifecycle.states import State
 from numad_infer.plan.model import PlanDiff
@@ -153,8 +154,9 @@ class Reconciler:
         up = {name: (rt.instance.port, pid) for name, rt in self.runtimes.items() if (pid := observed[name].pid)}
         reads_counters = loaded.engine.metrics_path is not None
         pool = self._pool_for(len(up) * (2 if reads_counters else 1))
-        probes = {name: pool.submit(self._probe, loaded, port, pid) for name, (port, pid) in up.items()}
-        counters = {name: pool.submit(self._counters, loaded, port, pid) for name, (port, pid) in up.items()
+        table = self.proc.listeners() if up else None  # once for the pass (host/portowner.Listeners)
+        probes = {name: pool.submit(self._probe, loaded, port, pid, table) for name, (port, pid) in up.items()}
+        counters = {name: pool.submit(self._counters, loaded, port, pid, table) for name, (port, pid) in up.items()
                     if reads_counters}
         return probes, counters
 
@@ -179,16 +181,16 @@ class Reconciler:
     # Both ask first whether the port is the instance's: a process that took it while the
     # instance restarted must not be marked healthy (clients' keys would go to it) nor be
     # sent the API key.
-    def _probe(self, loaded: Loaded, port: int, pid: int) -> ProbeResult:
+    def _probe(self, loaded: Loaded, port: int, pid: int, table: Listeners | None) -> ProbeResult:
         cfg = loaded.config
-        owner = self.proc.port_owner(cfg.server.host, port, pid)
+        owner = self.proc.port_owner(cfg.server.host, port, pid, table)
         if not owner.ours:
             return ProbeResult(False, 0.0, owner.detail)
         return self.liveness_probe(cfg.server.host, port, cfg.tuning.probe_timeout_s, loaded.engine.liveness_path)
 
-    def _counters(self, loaded: Loaded, port: int, pid: int) -> EngineCounters | None:
+    def _counters(self, loaded: Loaded, port: int, pid: int, table: Listeners | None) -> EngineCounters | None:
         cfg = loaded.config
-        if not self.proc.port_owner(cfg.server.host, port, pid).ours:
+        if not self.proc.port_owner(cfg.server.host, port, pid, table).ours:
             return None
         return read_engine_metrics(loaded.engine, cfg.server.host, port, loaded.api_key, cfg.tuning.probe_timeout_s)
 

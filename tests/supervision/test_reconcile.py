@@ -196,6 +196,29 @@ def test_monitor_returns_each_instance_state_and_nothing_when_states_cannot_be_r
     assert rec.monitor(2.0) == {}
 
 
+def test_a_pass_reads_the_listening_sockets_once_for_every_instances_port_check() -> None:
+    class Counting(FakeProc):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reads, self.tables = 0, []
+
+        def listeners(self):
+            self.reads += 1
+            return super().listeners()
+
+        def port_owner(self, host, port, pid, table=None):
+            self.tables.append(table)
+            return super().port_owner(host, port, pid, table)
+
+    proc = Counting()
+    rec = Reconciler(RecordingBackend(), proc, probe=answering_probe)
+    conf = cfg()
+    rec.apply(loaded_for(conf, make_plan(conf, three_nodes(), served=served_of(conf))), 0.0)
+    rec.monitor(1.0)
+    assert proc.reads == 1  # three instances, each probed: one reading (bench/README.md: the daemon at 64)
+    assert len(proc.tables) >= 3 and all(table is not None for table in proc.tables)
+
+
 def test_a_crash_is_logged_as_transitions_once_each(caplog) -> None:
     import logging
 
