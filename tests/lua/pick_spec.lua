@@ -154,6 +154,22 @@ describe("the prefix pick", function()
     assert.is_true(most(count(picks)) <= 5)
   end)
 
+  it("reads each server's stats once a millisecond: a burst shares one reading", function()
+    load(FOUR)
+    local reads = 0
+    for _, server in pairs(h.core.backends.m.servers) do
+      local get_stats = server.get_stats
+      server.get_stats = function(self) reads = reads + 1; return get_stats(self) end
+    end
+    local picks = {}
+    for i = 1, 8 do picks[i] = pick(key_of(i)) end
+    assert.are.equal(5, reads)  -- one reading of the backend's 5 servers for the 8 picks
+    assert.is_true(most(count(picks)) <= 3)  -- and each pick counted at once: 1.25 x 8 / 4, rounded up
+    h:advance(1)
+    pick(key_of(9))
+    assert.are.equal(10, reads)  -- the next millisecond reads them again
+  end)
+
   it("holds a slot for a pick until its server counts the request, or pick.memory_ms", function()
     load({a = {maxconn = 1}, b = {maxconn = 1}})
     local first, second = pick(key_of(1)), pick(key_of(2))
