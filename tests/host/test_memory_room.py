@@ -103,3 +103,18 @@ def test_the_systemd_backends_slice_not_the_daemons_cgroup(tmp_path: Path) -> No
     limit(root, "sys/fs/cgroup/system.slice", V2, 6000, 2000)
     assert ProcReader(root).memory_room((0,), "system.slice") == 4000 * MIB
     assert ProcReader(root).memory_room((0,)) == 10 * MIB
+
+
+def test_inactive_file_pages_under_a_limit_count_as_room(tmp_path: Path) -> None:
+    # A model file read into the page cache counts in the cgroup's usage; the kernel reclaims
+    # its inactive pages before the limit, so they are room (the kubelet's working set).
+    root = tree(tmp_path, {0: (8000, 0)}, "7:memory:/bench\n0::/bench\n")
+    limit(root, "sys/fs/cgroup/memory/bench", V1, 3000, 2000)
+    (root / "sys/fs/cgroup/memory/bench/memory.stat").write_text(
+        f"cache {1000 * MIB}\ninactive_file {50 * MIB}\ntotal_cache {1000 * MIB}\ntotal_inactive_file {900 * MIB}\n")
+    assert ProcReader(root).memory_room((0,)) == 1900 * MIB  # v1: the hierarchy's total, not the cgroup's own
+    root = tree(tmp_path / "v2", {0: (8000, 0)}, "0::/bench\n")
+    limit(root, "sys/fs/cgroup/bench", V2, 3000, 2000)
+    (root / "sys/fs/cgroup/bench/memory.stat").write_text(f"anon {1000 * MIB}\nfile {1000 * MIB}\n"
+                                                           f"inactive_file {900 * MIB}\nactive_file {100 * MIB}\n")
+    assert ProcReader(root).memory_room((0,)) == 1900 * MIB
