@@ -265,11 +265,16 @@ async def conversation(port: int, index: int, seed: int, system: str, args: argp
 
 async def workload(port: int, conversations: int, seed: int, args: argparse.Namespace) -> Result:
     """C conversations at once, each of args.turns turns; a system prompt of this load's own
-    (the same in every mode), so that an earlier load's cached prompts do not help."""
-    system = f"You are a careful assistant ({seed}). {words(random.Random(seed), args.system_words)}"
+    (the same in every mode), so that an earlier load's cached prompts do not help. With
+    --own-context, each conversation's its own (a document or a code base per user): no
+    instance holds a conversation's start but the one that read it."""
+    def system(c: int) -> str:
+        own = seed * 10_000 + c if args.own_context else seed
+        return f"You are a careful assistant ({own}). {words(random.Random(own), args.system_words)}"
+
     out = Result()
     started = time.monotonic()
-    await asyncio.gather(*(conversation(port, c, seed, system, args, out) for c in range(conversations)))
+    await asyncio.gather(*(conversation(port, c, seed, system(c), args, out) for c in range(conversations)))
     out.wall_s = time.monotonic() - started
     return out
 
@@ -352,6 +357,8 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--think-s", default="0.5:2", help="LOW:HIGH seconds between a conversation's turns")
     parser.add_argument("--system-words", type=int, default=180)  # ~1,000 tokens, as bench/prefix.py
     parser.add_argument("--user-words", type=int, default=30)
+    parser.add_argument("--own-context", action="store_true",
+                        help="each conversation's system prompt its own (default: one shared by all)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--context", type=int, default=2048, help="model.context_size (a slot's)")
     parser.add_argument("--calibration", default=str(ROOT / "bench" / "standin" / "calibration.json"))
@@ -374,7 +381,7 @@ def main() -> None:
     tmp.chmod(0o755)
     assets = shared_assets(Path(args.calibration))
     print(f"# stand-in fleet: {args.turns} turns a conversation, think {args.think_s} s, system prompt "
-          f"{args.system_words} words, {args.user_words} words a turn, {args.max_tokens} tokens an answer, jitter "
+          f"{args.system_words} words{' (own per conversation)' if args.own_context else ' (shared)'}, {args.user_words} words a turn, {args.max_tokens} tokens an answer, jitter "
           f"{args.jitter:g}; load = conversations per slot; captures: "
           + ", ".join(f"{n}: {SETUPS[n][0]}" + (f" x{SETUPS[n][1]} a node" if SETUPS[n][1] > 1 else "")
                       for n in counts)
