@@ -240,6 +240,35 @@ def back(run: DaemonRun, old: int, surge: bool, timeout: float) -> dict[str, Any
                     and done in (s["instances"][0].get("restart_cover") or ""), timeout, "the instance back")
 
 
+@dataclass
+class Rolled:
+    """What one roll-out under the trickle gave: `sent` when the reload was sent (monotonic)."""
+    sent: float
+    said: str
+    finished: float
+    watch: Watch
+    logs: str
+    cover: str
+    line: str
+    failed: list[Outcome]
+
+
+def roll_and_collect(run: DaemonRun, load: Load, old: int, second: Path, surge: bool) -> Rolled:
+    """The roll-out onto `second` under the trickle, until the instance is back (a new
+    process: `old` gone), 3 s more of serving, then every request's outcome."""
+    watch = Watch(run).start()
+    sent, said = roll_out(run, second)
+    state = back(run, old, surge, 900)
+    finished = time.monotonic()
+    time.sleep(3.0)  # serving again under the trickle
+    watch.stop()
+    load.stop()
+    outcomes = load.wait(600)
+    line, failed = requests_line(outcomes, sent)
+    return Rolled(sent, said, finished, watch, kept_log(run, "surge" if surge else "hold"),
+                  state["instances"][0]["restart_cover"], line, failed)
+
+
 def surge_case(source: Path, context: int, clients: int, tokens: int) -> None:
     first, second = linked(source, f"rollout-surge-{os.getpid()}-a.gguf"), linked(
         source, f"rollout-surge-{os.getpid()}-b.gguf")
@@ -247,17 +276,9 @@ def surge_case(source: Path, context: int, clients: int, tokens: int) -> None:
         run = start_daemon(start, context, None)
         old, load = serving_one(run, clients, tokens)
         one_rss = psutil.Process(old).memory_info().rss
-        watch = Watch(run).start()
-        sent, said = roll_out(run, second)
-        state = back(run, old, True, 900)
-        finished = time.monotonic()
-        time.sleep(3.0)  # serving again under the trickle
-        watch.stop()
-        load.stop()
-        outcomes = load.wait(600)
-        logs = kept_log(run, "surge")
-        cover = state["instances"][0]["restart_cover"]
-        line, failed = requests_line(outcomes, sent)
+        r = roll_and_collect(run, load, old, second, True)
+        sent, said, finished, watch, logs, cover, line, failed = (r.sent, r.said, r.finished, r.watch, r.logs,
+                                                                  r.cover, r.line, r.failed)
         phases = ", ".join(f"{p} +{t - sent:.1f} s" for p, t in sorted(watch.phases.items(), key=lambda kv: kv[1]))
         print(f"surge (no memory limit): `numa-infer reload` said: {said}")
         print(f"  cover: {cover}")
@@ -316,17 +337,9 @@ def hold_case(source: Path, context: int, clients: int, tokens: int) -> None:
                   f"{usage / MiB:.0f} MiB (rss {stat['total_rss'] / MiB:.0f}, cache {stat['total_cache'] / MiB:.0f})")
             print(f"  memory.limit_in_bytes = {limit} ({limit / MiB:.0f} MiB): usage + {room / MiB:.0f} MiB, half the "
                   f"lesser of need + margin and one RSS: room for one copy, not two")
-            watch = Watch(run).start()
-            sent, said = roll_out(run, second)
-            state = back(run, old, False, 900)
-            finished = time.monotonic()
-            time.sleep(3.0)
-            watch.stop()
-            load.stop()
-            outcomes = load.wait(600)
-            logs = kept_log(run, "surge")
-            cover = state["instances"][0]["restart_cover"]
-            line, failed = requests_line(outcomes, sent)
+            r = roll_and_collect(run, load, old, second, False)
+            sent, said, finished, watch, logs, cover, line, failed = (r.sent, r.said, r.finished, r.watch, r.logs,
+                                                                      r.cover, r.line, r.failed)
             gaps = [b - a for a, b in watch.gaps]
             print(f"  `numa-infer reload` said: {said}")
             print(f"  cover: {cover}")
