@@ -307,6 +307,7 @@ def summary(result: Result, ports: dict[int, str]) -> dict[str, Any]:
     mean = statistics.mean(per_instance.values()) if per_instance else 0.0
     return {
         "later_p50": pct(later, 0.5), "later_p90": pct(later, 0.9), "first_p50": pct(firsts, 0.5),
+        "first_p99": pct(firsts, 0.99),
         "cached": sum(t.cached_tokens for t in turns if t.turn >= 1) / max(later_prompt, 1),
         "tokens_s": sum(t.prompt_tokens + t.generated for t in turns) / max(result.wall_s, 1e-9),
         "home": home_share(turns), "max_mean": max(per_instance.values()) / mean if mean else float("nan"),
@@ -358,7 +359,8 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--system-words", type=int, default=180)  # ~1,000 tokens, as bench/prefix.py
     parser.add_argument("--user-words", type=int, default=30)
     parser.add_argument("--own-context", action="store_true",
-                        help="each conversation's system prompt its own (default: one shared by all)")
+                        help="each conversation's system prompt its own (default: one shared by all); with "
+                             "--turns 1, a workload without reuse")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--context", type=int, default=2048, help="model.context_size (a slot's)")
     parser.add_argument("--calibration", default=str(ROOT / "bench" / "standin" / "calibration.json"))
@@ -381,7 +383,8 @@ def main() -> None:
     tmp.chmod(0o755)
     assets = shared_assets(Path(args.calibration))
     print(f"# stand-in fleet: {args.turns} turns a conversation, think {args.think_s} s, system prompt "
-          f"{args.system_words} words{' (own per conversation)' if args.own_context else ' (shared)'}, {args.user_words} words a turn, {args.max_tokens} tokens an answer, jitter "
+          f"{args.system_words} words{' (own per conversation)' if args.own_context else ' (shared)'}, "
+          f"{args.user_words} words a turn, {args.max_tokens} tokens an answer, jitter "
           f"{args.jitter:g}; load = conversations per slot; captures: "
           + ", ".join(f"{n}: {SETUPS[n][0]}" + (f" x{SETUPS[n][1]} a node" if SETUPS[n][1] > 1 else "")
                       for n in counts)
@@ -407,7 +410,10 @@ def main() -> None:
                         print(f"# ratio {mode}/{base} {instances}x{slots} load {load:g}: TTFT t>=2 p50 "
                               f"{b['later_p50'] / r['later_p50']:.2f}x better, "
                               f"p90 {b['later_p90'] / r['later_p90']:.2f}x, "
-                              f"tokens/s {r['tokens_s'] / b['tokens_s']:.2f}x, home {r['home']:.0%} vs {b['home']:.0%}",
+                              f"tokens/s {r['tokens_s'] / b['tokens_s']:.2f}x, "
+                              f"home {r['home']:.0%} vs {b['home']:.0%}; "
+                              f"first turns p99 {r['first_p99']:.2f} s vs {b['first_p99']:.2f} s "
+                              f"({r['first_p99'] / b['first_p99']:.2f}x)",
                               flush=True)
     finally:
         if args.json:
