@@ -314,3 +314,32 @@ def test_version_and_help_pass_the_engine_check(capsys: pytest.CaptureFixture[st
     server.main(["--help"])
     out = capsys.readouterr()
     assert "version:" in out.out + out.err and "--api-key-file" in out.out + out.err
+
+
+def test_the_validation_judges_per_turn_medians_of_runs_and_of_every_run_pooled(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.prefix import Turn
+    from bench.standin.validate import report
+
+    def run(times: list[list[float]]) -> tuple[dict[str, float], list[Turn]]:
+        """One run: per conversation, its turns' TTFTs."""
+        turns = [Turn(c, k, ttft, ttft, 100, 50, 8) for c, row in enumerate(times) for k, ttft in enumerate(row)]
+        return {"later_p50": 1.0, "plain_p50": 1.0}, turns
+
+    # The real server's second turn: 1 s in one run's conversations, 3 s in the other's; the
+    # stand-in's 1.5 s in both. Run medians 2 s against 1.5 (25 % off); pooled, each run's
+    # turns together: the median of {1, 1, 3, 3} is 2.0 as well, so both miss alike here.
+    real = [run([[3.0, 1.0], [3.0, 1.0]]), run([[3.0, 3.0], [3.0, 3.0]])]
+    stand = [run([[3.0, 1.5], [3.0, 1.5]]), run([[3.0, 1.5], [3.0, 1.5]])]
+    report({"llama-server": real, "stand-in": stand}, 2)
+    out = capsys.readouterr().out
+    assert "median of run medians: TTFT by turn 1.00x 0.75x" in out
+    assert "pooled: TTFT by turn 1.00x 0.75x" in out
+    assert "MISSED (worst 25%)" in out and "cached share within 5 points (met)" in out
+    # Pooled differs where a run's median hides its spread: second turns of 1, 2, 8 s and 3, 4, 9 s.
+    real = [run([[2.0, a], [2.0, b], [2.0, c]]) for a, b, c in ((1, 2, 8), (3, 4, 9))]
+    stand = [run([[2.0, 3.0]] * 3)] * 2
+    report({"llama-server": real, "stand-in": stand}, 2)
+    out = capsys.readouterr().out
+    assert "median of run medians: TTFT by turn 1.00x 1.00x" in out  # the medians 2 and 4: 3
+    assert "pooled: TTFT by turn 1.00x 0.86x" in out  # 1, 2, 3, 4, 8, 9: 3.5
