@@ -154,20 +154,35 @@ describe("the prefix pick", function()
     assert.is_true(most(count(picks)) <= 5)
   end)
 
-  it("reads each server's stats once a millisecond: a burst shares one reading", function()
-    load(FOUR)
+  it("reads the stats again after any pick: one served and let go in the same millisecond is seen", function()
+    load({a = {maxconn = 1}, b = {maxconn = 1}})
     local reads = 0
     for _, server in pairs(h.core.backends.m.servers) do
       local get_stats = server.get_stats
       server.get_stats = function(self) reads = reads + 1; return get_stats(self) end
     end
-    local picks = {}
-    for i = 1, 8 do picks[i] = pick(key_of(i)) end
-    assert.are.equal(5, reads)  -- one reading of the backend's 5 servers for the 8 picks
-    assert.is_true(most(count(picks)) <= 3)  -- and each pick counted at once: 1.25 x 8 / 4, rounded up
-    h:advance(1)
-    pick(key_of(9))
-    assert.are.equal(10, reads)  -- the next millisecond reads them again
+    local key = key_of(5)
+    local home = pick(key)
+    h:send("m", home, 0)
+    h:advance(0)  -- counted at its server, answered and let go: the clock has not moved
+    assert.are.equal(home, pick(key))  -- its home is free: the next turn goes home
+    assert.are.equal(4, reads)  -- a reading of the 2 servers for each pick
+  end)
+
+  it("lets a later turn's wait for its home and its pick share one reading", function()
+    load({a = {maxconn = 1}, b = {maxconn = 1}})
+    local key = key_of(5)
+    local home = send(key, 10).server
+    h:advance(10)
+    local reads = 0
+    for _, server in pairs(h.core.backends.m.servers) do
+      local get_stats = server.get_stats
+      server.get_stats = function(self) reads = reads + 1; return get_stats(self) end
+    end
+    local txn = h:txn("m", nil, {["txn.prefix_hash"] = key})
+    assert.is_true(h:action("numa_home_wait", txn, "m", 1000).done)  -- its home is free: no wait
+    assert.are.equal(home, h:fetch("numa_pick", txn, "m", "1.25"))
+    assert.are.equal(2, reads)  -- the 2 servers read once for both
   end)
 
   it("holds a slot for a pick until its server counts the request, or pick.memory_ms", function()

@@ -122,19 +122,21 @@ end
 -- its load (requests served, waiting for it, and picks HAProxy has not counted yet), a
 -- free slot or not (load below its maxconn; 0: no limit). And per server, the session
 -- total a pick made now will show in (its own and the uncounted picks before it).
--- Each server's stats, read once per millisecond of HAProxy's clock per backend. HAProxy
--- 2.6 gives a server's load only through get_stats(), a table of some 80 fields: reading
--- every server's on every request made the pick cost 14 us per server (1.3 ms a request at
--- 64 instances, bench/README.md), and a later turn read them twice (its wait for a home,
--- then the pick). Requests of the same millisecond share one reading: a pick made from it
--- counts at once through `picked`; a request that ended in that millisecond shows at the
--- next (its server looks busier for under a millisecond, never freer).
-local readings = {}  -- backend name -> {ms = clock, stats = {name -> stats}, totals = {name -> stot}}
+-- Each server's stats, read again unless nothing has changed what the pick knows since the
+-- last reading: the same millisecond of HAProxy's clock, and no pick made since. HAProxy
+-- 2.6 gives a server's load only through get_stats(), a table of some 80 fields (14 us a
+-- server, 1.3 ms a request at 64 instances, bench/README.md), and a later turn read them
+-- twice: in its wait for a home, then in its pick, with nothing between. A pick made since
+-- the reading forces a new one: that request may have been counted, served and let go
+-- within the millisecond, and an old reading would still count it as on its way (its home
+-- full: the next turn sent away; a CI run of tests/frontdoor/test_tenants.py caught it).
+local readings = {}  -- backend name -> {ms = clock, picks = picks made then, stats = {name -> stats}, totals}
+local picks_made = {}  -- backend name -> picks made so far
 
 local function read_stats(backend_name, backend, now)
-  local r = readings[backend_name]
-  if r == nil or r.ms ~= now then
-    r = {ms = now, stats = {}, totals = {}}
+  local r, made = readings[backend_name], picks_made[backend_name] or 0
+  if r == nil or r.ms ~= now or r.picks ~= made then
+    r = {ms = now, picks = made, stats = {}, totals = {}}
     for name, server in pairs(backend.servers) do
       local s = server:get_stats()
       r.stats[name], r.totals[name] = s, tonumber(s.stot) or 0
@@ -222,6 +224,7 @@ core.register_fetches(PICK, function(txn, backend_name, factor_text)
   if chosen == nil then return "" end
   local list = picked[backend_name]
   list[#list + 1] = {chosen, counted[chosen] + 1, now}
+  picks_made[backend_name] = (picks_made[backend_name] or 0) + 1
   return chosen
 end)
 
