@@ -224,22 +224,25 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, bytes, bool]
     return status, await reader.readexactly(length), keep
 
 
+def post_bytes(path: str, body: bytes, key: str | None) -> bytes:
+    """A whole HTTP/1.1 POST of a JSON body, with the tenant's key when there is one."""
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
 def chat_payload(i: int, key: str | None, max_tokens: int = 1, stream: bool = False) -> bytes:
     body = json.dumps({"model": "bench", "max_tokens": max_tokens, "stream": stream, "temperature": 0,
                        "messages": [{"role": "system", "content": f"You are assistant {i % SYSTEMS}, brief."},
                                     {"role": "user", "content": f"question {i}: say yes"}]}).encode()
-    auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return post_bytes("/v1/chat/completions", body, key)
 
 
 def tokenize_payload(i: int, key: str | None) -> bytes:
     """A probe the stand-in answers without its engine (whose step in progress a chat would
     wait for while streams decode): POST /tokenize, forwarded as the chats are."""
     body = json.dumps({"content": f"probe {i}: say yes"}).encode()
-    auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    return (f"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return post_bytes("/tokenize", body, key)
 
 
 @dataclass

@@ -107,9 +107,7 @@ def turn_payload(i: int, key: str | None) -> bytes:
         {"role": "system", "content": f"You are assistant {i % fc.SYSTEMS}, brief."},
         {"role": "user", "content": f"conversation {i}"}, {"role": "assistant", "content": "yes"},
         {"role": "user", "content": "and then"}]}).encode()
-    auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}"
-            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    return fc.post_bytes("/v1/chat/completions", body, key)
 
 
 def mixed_step(door: fc.Door, args: argparse.Namespace, idle: float) -> dict[str, Any]:
