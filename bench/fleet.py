@@ -147,6 +147,24 @@ class Fleet:
             time.sleep(0.2)
         raise RuntimeError(f"the fleet was not ready in {timeout_s:g} s: {json.dumps(state)[:2000]}\n{self.logs()}")
 
+    def reload(self) -> int:
+        """A reload that changes only haproxy.cfg (frontend.queue_timeout_s, 30 <-> 31 s), as
+        `numa-infer reload` sends it: a new HAProxy worker, whose Lua starts with empty tables
+        but for the homes the daemon hands it. The daemon's generation before it."""
+        text = self.config.read_text()
+        self.config.write_text(text.replace("queue_timeout_s = 31\n", "") if "queue_timeout_s = 31\n" in text
+                               else text.replace("\naffinity =", "\nqueue_timeout_s = 31\naffinity =", 1))
+        before = int((self.state() or {}).get("daemon", {}).get("generation", 0))
+        self.proc.send_signal(signal.SIGHUP)
+        return before
+
+    def reloaded(self, before: int) -> bool:
+        """The reload after generation `before` done, and its haproxy.cfg seen taken."""
+        state = self.state() or {}
+        reload = state.get("daemon", {}).get("last_reload") or {}
+        return (int(state.get("daemon", {}).get("generation", 0)) > before and bool(reload.get("ok", True))
+                and not (state.get("frontdoor") or {}).get("reloading", True))
+
     def logs(self) -> str:
         self.log.flush()
         return (self.work / "daemon.log").read_text()[-4000:]
@@ -174,6 +192,8 @@ class Turn:
     cached_tokens: int
     generated: int
     port: int | None
+    sent: float = 0.0  # monotonic: the request's start
+    ended: float = 0.0  # monotonic: its last event
 
 
 @dataclass
@@ -182,6 +202,7 @@ class Result:
     failed: int = 0
     errors: list[str] = field(default_factory=list)
     wall_s: float = 0.0
+    reload: tuple[float, float] | None = None  # monotonic: the SIGHUP, and the new HAProxy seen taking over
 
 
 async def chat(port: int, messages: list[dict[str, str]], max_tokens: int, timeout_s: float
@@ -250,7 +271,10 @@ async def conversation(port: int, index: int, seed: int, system: str, args: argp
     for turn in range(args.turns):
         # the first turn starts anywhere in one think time: the conversations do not move in lockstep
         await asyncio.sleep(rng.uniform(0, think[1]) if turn == 0 else rng.uniform(*think))
+        if args.no_reuse and turn:  # a request of its own: a start nothing else shares, no history
+            messages = [{"role": "system", "content": f"Request {index}.{turn}. {system}"}]
         messages.append({"role": "user", "content": f"conversation {index} turn {turn}: {words(rng, args.user_words)}"})
+        sent = time.monotonic()
         try:
             ttft, text, timings, answered = await chat(port, messages, args.max_tokens, args.timeout_s)
         except (TimeoutError, OSError, RuntimeError, ValueError, asyncio.IncompleteReadError) as exc:
@@ -260,10 +284,23 @@ async def conversation(port: int, index: int, seed: int, system: str, args: argp
         messages.append({"role": "assistant", "content": text})
         cached = int(timings.get("cache_n", 0))
         out.turns.append(Turn(index, turn, ttft, int(timings.get("prompt_n", 0)) + cached, cached,
-                              int(timings.get("predicted_n", 0)), answered))
+                              int(timings.get("predicted_n", 0)), answered, sent, time.monotonic()))
 
 
-async def workload(port: int, conversations: int, seed: int, args: argparse.Namespace) -> Result:
+async def reload_during(fleet: Fleet, after_s: float, out: Result, timeout_s: float = 60) -> None:
+    """A reload `after_s` into the workload: out.reload = (the SIGHUP, the new HAProxy taking over)."""
+    await asyncio.sleep(after_s)
+    asked = time.monotonic()
+    before = fleet.reload()
+    while not fleet.reloaded(before):
+        if time.monotonic() - asked > timeout_s:
+            raise RuntimeError(f"the reload was not taken in {timeout_s:g} s: {fleet.logs()}")
+        await asyncio.sleep(0.05)
+    out.reload = (asked, time.monotonic())
+
+
+async def workload(port: int, conversations: int, seed: int, args: argparse.Namespace,
+                   fleet: Fleet | None = None) -> Result:
     """C conversations at once, each of args.turns turns; a system prompt of this load's own
     (the same in every mode), so that an earlier load's cached prompts do not help. With
     --own-context, each conversation's its own (a document or a code base per user): no
@@ -274,7 +311,8 @@ async def workload(port: int, conversations: int, seed: int, args: argparse.Name
 
     out = Result()
     started = time.monotonic()
-    await asyncio.gather(*(conversation(port, c, seed, system(c), args, out) for c in range(conversations)))
+    reload = [reload_during(fleet, args.reload_at, out)] if fleet is not None and args.reload_at is not None else []
+    await asyncio.gather(*(conversation(port, c, seed, system(c), args, out) for c in range(conversations)), *reload)
     out.wall_s = time.monotonic() - started
     return out
 
@@ -295,6 +333,22 @@ def home_share(turns: list[Turn]) -> float:
     return same / len(later) if later else float("nan")
 
 
+def across(turns: list[Turn], reload: tuple[float, float]) -> tuple[int, float]:
+    """Per conversation, its last turn that ended before the reload was asked and its first
+    turn sent after the new HAProxy took over (turns between them went through the old
+    worker): how many conversations have both, and the share whose two turns the same
+    instance answered."""
+    pairs = []
+    for c in {t.conversation for t in turns}:
+        mine = sorted((t for t in turns if t.conversation == c and t.port is not None), key=lambda t: t.turn)
+        before = [t for t in mine if t.ended < reload[0]]
+        after = [t for t in mine if t.sent > reload[1]]
+        if before and after:
+            pairs.append((before[-1].port, after[0].port))
+    same = sum(1 for a, b in pairs if a == b)
+    return len(pairs), same / len(pairs) if pairs else float("nan")
+
+
 def summary(result: Result, ports: dict[int, str]) -> dict[str, Any]:
     turns = result.turns
     later = [t.ttft_s for t in turns if t.turn >= 1]
@@ -307,13 +361,14 @@ def summary(result: Result, ports: dict[int, str]) -> dict[str, Any]:
     mean = statistics.mean(per_instance.values()) if per_instance else 0.0
     return {
         "later_p50": pct(later, 0.5), "later_p90": pct(later, 0.9), "first_p50": pct(firsts, 0.5),
-        "first_p99": pct(firsts, 0.99),
+        "first_p99": pct(firsts, 0.99), "p99": pct([t.ttft_s for t in turns], 0.99),
         "cached": sum(t.cached_tokens for t in turns if t.turn >= 1) / max(later_prompt, 1),
         "tokens_s": sum(t.prompt_tokens + t.generated for t in turns) / max(result.wall_s, 1e-9),
         "home": home_share(turns), "max_mean": max(per_instance.values()) / mean if mean else float("nan"),
         "failed": result.failed, "requests": len(turns), "wall_s": result.wall_s, "per_instance": per_instance,
         "errors": result.errors[:3],
-    }
+    } | ({"reload_taken_s": result.reload[1] - result.reload[0],
+          "across": across(turns, result.reload)} if result.reload else {})
 
 
 def measure(instances: int, slots: int, mode: str, loads: list[float], args: argparse.Namespace, tmp: Path,
@@ -331,7 +386,7 @@ def measure(instances: int, slots: int, mode: str, loads: list[float], args: arg
         out: dict[float, dict[str, Any]] = {}
         for k, load in enumerate(loads):
             conversations = max(1, round(load * instances * slots))
-            result = asyncio.run(workload(fleet.port, conversations, args.seed + 17 * k, args))
+            result = asyncio.run(workload(fleet.port, conversations, args.seed + 17 * k, args, fleet))
             out[load] = summary(result, ports) | {"conversations": conversations, "lua_routes": lua_routes}
     finally:
         fleet.stop()
@@ -361,6 +416,12 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--own-context", action="store_true",
                         help="each conversation's system prompt its own (default: one shared by all); with "
                              "--turns 1, a workload without reuse")
+    parser.add_argument("--no-reuse", action="store_true",
+                        help="every turn a request of its own (its own start, no history): a closed loop without "
+                             "reuse, --turns requests a client")
+    parser.add_argument("--reload-at", type=float, default=None,
+                        help="seconds into each load: a reload that changes only haproxy.cfg (SIGHUP after a "
+                             "frontend.queue_timeout_s change); the later turns across it, and their home share")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--context", type=int, default=2048, help="model.context_size (a slot's)")
     parser.add_argument("--calibration", default=str(ROOT / "bench" / "standin" / "calibration.json"))
@@ -373,6 +434,7 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = options()
+    args.own_context = args.own_context or args.no_reuse
     # SIGTERM as ^C: the fleets' `finally` stops their daemons (and so HAProxy and the stand-ins).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     counts = [int(x) for x in args.instances.split(",")]
@@ -399,6 +461,12 @@ def main() -> None:
                     got[mode] = measure(instances, slots, mode, loads, args, tmp, assets)
                     for load in loads:
                         print(row(instances, slots, load, mode, got[mode][load]), flush=True)
+                        if "across" in got[mode][load]:
+                            count, share = got[mode][load]["across"]
+                            taken = got[mode][load]["reload_taken_s"]
+                            print(f"#   reload {args.reload_at:g} s in, taken in {taken:.2f} s: "
+                                  f"{count} conversations across it (a turn ended before it, a turn sent after), "
+                                  f"home {share:.0%}", flush=True)
                         for error in got[mode][load]["errors"]:
                             print(f"#   {error}")
                         rows.append({"instances": instances, "slots": slots, "load": load, "mode": mode}
@@ -413,7 +481,8 @@ def main() -> None:
                               f"tokens/s {r['tokens_s'] / b['tokens_s']:.2f}x, "
                               f"home {r['home']:.0%} vs {b['home']:.0%}; "
                               f"first turns p99 {r['first_p99']:.2f} s vs {b['first_p99']:.2f} s "
-                              f"({r['first_p99'] / b['first_p99']:.2f}x)",
+                              f"({r['first_p99'] / b['first_p99']:.2f}x); every turn's p99 "
+                              f"{r['p99'] / b['p99']:.2f}x",
                               flush=True)
     finally:
         if args.json:

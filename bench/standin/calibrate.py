@@ -25,6 +25,7 @@ the host as the workload's instances do), then
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import http.client
 import json
@@ -39,6 +40,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Callable, TypeVar
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,6 +104,59 @@ def on_all(ports: list[int], work: Callable[[int], list[T]]) -> list[T]:
     return results
 
 
+@contextlib.contextmanager
+def servers(binary: Path, model: Path, instances: int, threads: int, parallel: int, context: int,
+            saves: Path) -> Iterator[list[int]]:
+    """`instances` llama-servers, each pinned to a CPU of its own (as numa-infer pins the
+    fake 2-node topology's instances), healthy: their ports. Stopped on the way out."""
+    cpus = sorted(os.sched_getaffinity(0))
+    procs: list[subprocess.Popen[bytes]] = []
+    ports: list[int] = []
+    with open(saves / "server.log", "w") as log:
+        try:
+            for k in range(instances):
+                port, cpu = free_port(), cpus[k % len(cpus)]
+                procs.append(subprocess.Popen(
+                    [str(binary), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+                     "--ctx-size", str(context * parallel), "--parallel", str(parallel),
+                     "--threads", str(threads), "--threads-batch", str(threads), "--load-mode", "none",
+                     "--metrics", "--no-webui", "--cache-ram", "0", "--slot-save-path", str(saves)],
+                    stdout=log, stderr=subprocess.STDOUT, preexec_fn=functools.partial(os.sched_setaffinity, 0, {cpu})))
+                ports.append(port)
+            for port, proc in zip(ports, procs):
+                while True:
+                    try:
+                        if call(port, "GET", "/health", timeout=5)[0] == 200:
+                            break
+                    except OSError:
+                        pass
+                    if proc.poll() is not None:
+                        raise SystemExit(f"llama-server exited: {(saves / 'server.log').read_text()[-2000:]}")
+                    time.sleep(0.05)
+            yield ports
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(30)
+
+
+def prefill_now(size: str = "medium", quant: str = "Q4_K_M", instances: int = 2, length: int = 1024,
+                samples: int = 2) -> float:
+    """The host's speed now: seconds to read `length` random tokens into an empty slot, on
+    `instances` servers at once (calibrate's setting), the median of `samples` each. A
+    shared host's speed moves by tens of percent within minutes (other machines on it):
+    bench/standin/validate.py scales the stand-in's rates by this before each pair of runs."""
+    rng = random.Random(length)
+    with tempfile.TemporaryDirectory(prefix="standin-probe-") as saves, \
+            servers(llama_server_binary(), generated_model(size, quant), instances, 1, 1, length + 64,
+                    Path(saves)) as ports:
+        on_all(ports, lambda port: [completion(port, random_tokens(rng, 32), 1)["prompt_ms"]])  # warm
+        times = on_all(ports, lambda port: [completion(port, random_tokens(rng, length), 1)["prompt_ms"] / 1000
+                                            for _ in range(samples)])
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(Path(__file__).with_name("calibration.json")))
@@ -121,37 +176,14 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # the servers are stopped on the way out
     binary, model = llama_server_binary(), generated_model(args.size, args.quant)
     saves = tempfile.mkdtemp(prefix="standin-calibrate-")
-    log = open(Path(saves) / "server.log", "w")
-    cpus = sorted(os.sched_getaffinity(0))
-    ports: list[int] = []
-    procs: list[subprocess.Popen[bytes]] = []
     started = time.monotonic()
-    for k in range(args.instances):
-        port, cpu = free_port(), cpus[k % len(cpus)]
-        procs.append(subprocess.Popen(
-            [str(binary), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-             "--ctx-size", str(args.context * args.parallel), "--parallel", str(args.parallel),
-             "--threads", str(args.threads), "--threads-batch", str(args.threads), "--load-mode", "none",
-             "--metrics", "--no-webui", "--cache-ram", "0", "--slot-save-path", saves],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=functools.partial(os.sched_setaffinity, 0, {cpu})))
-        ports.append(port)
     rng = random.Random(1)
     rng_lock = threading.Lock()
 
     def tokens(n: int) -> list[int]:
         with rng_lock:
             return random_tokens(rng, n)
-    try:
-        for port, proc in zip(ports, procs):
-            while True:
-                try:
-                    if call(port, "GET", "/health", timeout=5)[0] == 200:
-                        break
-                except OSError:
-                    pass
-                if proc.poll() is not None:
-                    raise SystemExit(f"llama-server exited: {(Path(saves) / 'server.log').read_text()[-2000:]}")
-                time.sleep(0.05)
+    with servers(binary, model, args.instances, args.threads, args.parallel, args.context, Path(saves)) as ports:
         load_s = time.monotonic() - started
         bpt = bytes_per_token(ports[0])
 
@@ -230,12 +262,6 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
         print(f"text bytes per token {bpt:.2f}, a cached token {out['kv_bytes_per_token']} B, load {load_s:.2f} s; "
               f"load average {os.getloadavg()[0]:.2f}; written to {args.out}")
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(30)
-        log.close()
 
 
 if __name__ == "__main__":

@@ -10,12 +10,20 @@ share of prompt tokens (goal: within 5 points).
 The stand-in is started by the daemon as llama-server would be: a wrapper script that runs
 `python -m bench.standin --calibration FILE` with the daemon's arguments.
 
+A shared host's speed moves by tens of percent within minutes (the other machines on it:
+the same 1,024-token read took 2.8 s and 3.8 s twenty minutes apart), the real server's with
+it, the stand-in's not. So before each pair of runs a probe (calibrate.prefill_now: that
+read on 2 real servers at once, ~15 s) measures the host now, and the stand-in of that pair
+runs at the calibration's rates scaled by it: the calibration gives the shapes (by prompt
+length, by busy slots), the probe the host's speed of the moment. `--fixed`: no probe.
+
     .venv/bin/python -m bench.standin.validate [--calibration bench/standin/calibration.json | --calibrate] [--runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -29,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import bench.prefix as prefix  # noqa: E402
+from bench.standin.calibrate import prefill_now  # noqa: E402
 from tests import daemon_harness  # noqa: E402
 from tests.daemon_harness import generated_model, llama_server_binary, server_python, shared_dir  # noqa: E402
 
@@ -71,6 +80,27 @@ def run(mode: str, engine: Path, args: argparse.Namespace, model: Path, tmp: Pat
     return summary, Recorded.made[0].turns  # the first one made is the multi-turn workload
 
 
+PROBE_TOKENS = 1024  # a first turn's prompt (bench/prefix.py: ~1,000 tokens of system prompt)
+
+
+def calibrated_s(calibration: dict[str, Any]) -> float:
+    """What the calibration says reading PROBE_TOKENS into an empty slot takes."""
+    lengths = sorted(int(k) for k in calibration["prefill_tps"])
+    nearest = min(lengths, key=lambda n: abs(n - PROBE_TOKENS))
+    return PROBE_TOKENS / float(calibration["prefill_tps"][str(nearest)])
+
+
+def scaled(calibration: dict[str, Any], factor: float) -> dict[str, Any]:
+    """The calibration at a host `factor` times as fast: every rate times it, every cost per
+    token divided by it (the shapes, by length and busy slots, as measured)."""
+    out = dict(calibration)
+    out["prefill_tps"] = {k: v * factor for k, v in calibration["prefill_tps"].items()}
+    out["decode_tps"] = {k: v * factor for k, v in calibration["decode_tps"].items()}
+    out["cached_ms_per_token"] = calibration.get("cached_ms_per_token", 0.0) / factor
+    out["scaled_by"] = factor
+    return out
+
+
 def per_turn(turns: list[prefix.Turn], count: int) -> list[float]:
     return [statistics.median([t.ttft_s for t in turns if t.turn == k] or [float("nan")]) for k in range(count)]
 
@@ -105,6 +135,9 @@ def main() -> None:
     parser.add_argument("--quant", default="Q4_K_M")
     parser.add_argument("--think-s", type=float, default=0.0)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--fixed", action="store_true",
+                        help="the calibration's rates as they are in every run; default: before each pair of runs, "
+                             "the host's prefill speed now (calibrate.prefill_now) scales them")
     args = parser.parse_args()
     model = generated_model(args.size, args.quant)
     tmp = Path(tempfile.mkdtemp(prefix="numa-infer-standin-validate-"))
@@ -113,11 +146,20 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "bench.standin.calibrate", "--size", args.size, "--quant", args.quant,
                         "--out", args.calibration], check=True, cwd=ROOT)
     engines = {"llama-server": llama_server_binary(), "stand-in": standin_binary(Path(args.calibration), args.jitter)}
+    calibration = json.loads(Path(args.calibration).read_text())
     print(f"# {args.size} {args.quant}, {args.instances} instances, {args.parallel} slot(s) each, affinity "
           f"{args.mode}, {args.conversations} conversations x {args.turns} turns, {args.runs} interleaved runs; "
           f"calibration {args.calibration}, stand-in jitter {args.jitter:g}; load average {os.getloadavg()[0]:.2f}")
     results: Runs = {name: [] for name in engines}
     for r in range(args.runs):
+        if not args.fixed:
+            now = prefill_now(args.size, args.quant, args.instances, PROBE_TOKENS)
+            factor = calibrated_s(calibration) / now
+            scaled_cal = scaled(calibration, factor)
+            (shared_dir() / "standin" / "calibration.json").write_text(json.dumps(scaled_cal, indent=1) + "\n")
+            print(f"# run {r + 1}: the host reads {PROBE_TOKENS} tokens in {now:.2f} s now "
+                  f"({calibrated_s(calibration):.2f} s at calibration): the stand-in's rates x {factor:.2f}",
+                  flush=True)
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         for name in order:
             (tmp / f"{r}-{name}").mkdir()

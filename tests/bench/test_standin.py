@@ -343,3 +343,22 @@ def test_the_validation_judges_per_turn_medians_of_runs_and_of_every_run_pooled(
     out = capsys.readouterr().out
     assert "median of run medians: TTFT by turn 1.00x 1.00x" in out  # the medians 2 and 4: 3
     assert "pooled: TTFT by turn 1.00x 0.86x" in out  # 1, 2, 3, 4, 8, 9: 3.5
+
+
+def test_the_validation_scales_every_rate_by_the_hosts_speed_now() -> None:
+    """Before each pair of runs the host's 1,024-token read is measured again; the stand-in
+    then runs the calibration's shapes at that speed: rates times the factor, costs per
+    token divided by it, nothing else changed."""
+    from bench.standin.validate import PROBE_TOKENS, calibrated_s, scaled
+
+    calibration = {"prefill_tps": {"64": 500.0, "1024": 400.0, "1536": 300.0}, "decode_tps": {"1": 30.0, "2": 16.0},
+                   "cached_ms_per_token": 0.1, "bytes_per_token": 1.9, "kv_bytes_per_token": 49169}
+    assert calibrated_s(calibration) == PROBE_TOKENS / 400.0
+    slower = scaled(calibration, 2.56 / 3.2)  # the host reads it in 3.2 s now, 2.56 s at calibration
+    assert slower["prefill_tps"] == pytest.approx({"64": 400.0, "1024": 320.0, "1536": 240.0})
+    assert slower["decode_tps"] == pytest.approx({"1": 24.0, "2": 12.8})
+    assert slower["cached_ms_per_token"] == pytest.approx(0.125)
+    assert calibrated_s(slower) == pytest.approx(3.2)
+    assert (slower["bytes_per_token"], slower["kv_bytes_per_token"]) == (1.9, 49169)
+    assert calibration["prefill_tps"]["1024"] == 400.0  # the calibration itself untouched
+    assert calibrated_s({"prefill_tps": {"512": 512.0, "2048": 256.0}}) == PROBE_TOKENS / 512.0  # the nearest length
