@@ -287,9 +287,11 @@ async def conversation(port: int, index: int, seed: int, system: str, args: argp
                               int(timings.get("predicted_n", 0)), answered, sent, time.monotonic()))
 
 
-async def reload_during(fleet: Fleet, after_s: float, out: Result, timeout_s: float = 60) -> None:
-    """A reload `after_s` into the workload: out.reload = (the SIGHUP, the new HAProxy taking over)."""
-    await asyncio.sleep(after_s)
+async def reload_during(fleet: Fleet, after: int, out: Result, timeout_s: float = 60) -> None:
+    """A reload once `after` turns are answered: out.reload = (the SIGHUP, the new HAProxy
+    taking over)."""
+    while len(out.turns) < after:
+        await asyncio.sleep(0.05)
     asked = time.monotonic()
     before = fleet.reload()
     while not fleet.reloaded(before):
@@ -311,7 +313,8 @@ async def workload(port: int, conversations: int, seed: int, args: argparse.Name
 
     out = Result()
     started = time.monotonic()
-    reload = [reload_during(fleet, args.reload_at, out)] if fleet is not None and args.reload_at is not None else []
+    reload = ([reload_during(fleet, round(args.reload_after * conversations * args.turns), out)]
+              if fleet is not None and args.reload_after is not None else [])
     await asyncio.gather(*(conversation(port, c, seed, system(c), args, out) for c in range(conversations)), *reload)
     out.wall_s = time.monotonic() - started
     return out
@@ -419,9 +422,10 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-reuse", action="store_true",
                         help="every turn a request of its own (its own start, no history): a closed loop without "
                              "reuse, --turns requests a client")
-    parser.add_argument("--reload-at", type=float, default=None,
-                        help="seconds into each load: a reload that changes only haproxy.cfg (SIGHUP after a "
-                             "frontend.queue_timeout_s change); the later turns across it, and their home share")
+    parser.add_argument("--reload-after", type=float, default=None,
+                        help="a share of each load's turns: once that many are answered, a reload that changes only "
+                             "haproxy.cfg (SIGHUP after a frontend.queue_timeout_s change); per conversation its "
+                             "last turn before it and first after it, and the share answered by one instance")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--context", type=int, default=2048, help="model.context_size (a slot's)")
     parser.add_argument("--calibration", default=str(ROOT / "bench" / "standin" / "calibration.json"))
@@ -464,7 +468,7 @@ def main() -> None:
                         if "across" in got[mode][load]:
                             count, share = got[mode][load]["across"]
                             taken = got[mode][load]["reload_taken_s"]
-                            print(f"#   reload {args.reload_at:g} s in, taken in {taken:.2f} s: "
+                            print(f"#   reload after {args.reload_after:.0%} of the turns, taken in {taken:.2f} s: "
                                   f"{count} conversations across it (a turn ended before it, a turn sent after), "
                                   f"home {share:.0%}", flush=True)
                         for error in got[mode][load]["errors"]:

@@ -90,7 +90,8 @@ class TuningSection(Section):
         description=(
             "front door: the load bound of the `\"prefix\"` affinity: no instance takes a request that would bring "
             "its load (requests served and waiting for it) above this many times the mean of its model's "
-            "instances; the request goes to the next instance in its key's order instead"
+            "instances (rounded up, and never below 2 requests); the request goes to the next instance in its key's "
+            "order instead"
         ),
     )
     # 1.0: longer waits gained nothing, none read histories again (bench/README.md, "Prefix

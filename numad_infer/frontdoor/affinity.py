@@ -46,6 +46,15 @@ WAIT = names.HOME_WAIT
 WAIT_STEP_MS = 25
 WAITED = names.PREFIX_WAITED  # set on a request that waited: the queue's bound is checked again
 LATER_TURN = names.PREFIX_LATER  # a chat's later turn: only such a request waits for its home
+# affinity = "prefix": the load bound (tuning.prefix_balance_factor x the mean) is never
+# below this many requests. Below ~0.8 requests in flight per instance the factor alone
+# gives a bound of 1: a home serving one other request, slots free, sent its conversation
+# away to read the whole history again elsewhere (seconds on a CPU), where sharing the home
+# costs reading the new message at half speed. 8 instances of 4 slots at a third of the
+# slots busy: later turns home 85 -> 100 %, p90 4.6 -> 0.8 s (bench/README.md). A hot key
+# still spreads: one instance takes at most this many of it while the others are idle.
+LEAST_BOUND = 2
+
 # The homes outlive a reload (a plan or tenant change starts a new HAProxy process, whose
 # Lua starts empty): the daemon reads them with this runtime API command just before it
 # reloads and writes them to this file beside the Lua file, which reads it once at start.
@@ -57,6 +66,7 @@ HOMES_COMMAND = "numa-infer homes"
 LUA_FILE = "numa-infer-pick.lua"
 LUA_DATA: dict[str, str | int] = {"pick.home_generation": HOME_GENERATION,
                                   "pick.memory_ms": PICK_MEMORY_MS, "pick.wait_step_ms": WAIT_STEP_MS,
+                                  "pick.least_bound": LEAST_BOUND,
                                   "pick.homes_file": HOMES_NAME, "pick.homes_command": HOMES_COMMAND}
 
 

@@ -59,7 +59,7 @@ def test_conversations_stay_home_across_a_reload_under_load(tmp_path: Path) -> N
     hands it. No turn fails, and the later turns on both sides of it still go home."""
     tmp_path.chmod(0o755)
     args = fleet.options(["--turns", "10", "--think-s", "0.2:0.6", "--system-words", "40", "--user-words", "8",
-                          "--max-tokens", "3", "--jitter", "0", "--timeout-s", "60", "--reload-at", "1.5"])
+                          "--max-tokens", "3", "--jitter", "0", "--timeout-s", "60", "--reload-after", "0.3"])
     assets = fleet.shared_assets(Path(args.calibration))
     # As many conversations as slots: a first turn often finds the instance hashing would
     # give its key busy and goes elsewhere, so a new worker without the homes would move it.

@@ -218,6 +218,31 @@ describe("the prefix pick", function()
     assert.is_true(most(by) <= 5 and size(by) == 2)
   end)
 
+  it("keeps a later turn at a home serving one other request, however few are in flight", function()
+    -- 8 servers of 4 slots, 2 requests in flight: the factor alone gives a bound of
+    -- ceil(1.25 x 3 / 8) = 1, and the turn would leave a home with 3 free slots to read its
+    -- whole history elsewhere; pick.least_bound (2) keeps it home.
+    local servers = {}
+    for _, name in ipairs({"a", "b", "c", "d", "e", "f", "g", "h"}) do servers[name] = {maxconn = 4} end
+    load(servers)
+    local key, other = key_of(1), nil
+    local _, home = send(key, 100)
+    h:advance(200)
+    for k = 2, 200 do  -- another conversation homed on the same server
+      local _, where = send(key_of(k), 5000)
+      if where == home then other = k break end
+      h:advance(6000)
+    end
+    assert.is_not_nil(other)
+    local _, elsewhere = send(key_of(999), 5000)  -- and one more in flight somewhere
+    assert.are_not.equal(home, elsewhere)
+    local _, next_turn = send(key, 100)
+    assert.are.equal(home, next_turn)
+    -- A third with the same home, two in flight there: past the bound, it moves.
+    local _, third = send(key, 100)
+    assert.are_not.equal(home, third)
+  end)
+
   it("spreads conversations first seen together evenly, and each keeps its instance", function()
     load({a = {maxconn = 4}, b = {maxconn = 4}})
     local function turn(order)

@@ -5,6 +5,7 @@ local PREFIX_HASH, WAITED = numa.text("pick.hash_var"), numa.text("pick.waited_v
 local HOME_GENERATION = numa.number("pick.home_generation")
 local PICK_MEMORY_MS = numa.number("pick.memory_ms")
 local WAIT_STEP_MS = numa.number("pick.wait_step_ms")
+local LEAST_BOUND = numa.number("pick.least_bound")
 local HOMES_FILE = numa.text("pick.homes_file")
 local HOMES_COMMAND = {}  -- the runtime API command that dumps the homes, as words
 for word in numa.text("pick.homes_command"):gmatch("%S+") do HOMES_COMMAND[#HOMES_COMMAND + 1] = word end
@@ -193,10 +194,11 @@ core.register_fetches(PICK, function(txn, backend_name, factor_text)
   end
   if #up == 0 then return "" end
   -- Rounded up, as in the bounded-loads paper (Mirrokni et al.) and HAProxy's own
-  -- hash-balance-factor: with one request in flight over two instances the bound is 2, not
-  -- 1.25, so a conversation is not sent away from its instance because that instance serves
-  -- one other request while the second is idle.
-  local bound = math.ceil(tonumber(factor_text) * (total + 1) / #up)
+  -- hash-balance-factor, and never below LEAST_BOUND (2): with few requests in flight over
+  -- many instances the factor x the mean is under 1, and a conversation would be sent away
+  -- from a home serving one other request with slots free, to read its whole history again
+  -- (affinity.py).
+  local bound = math.max(LEAST_BOUND, math.ceil(tonumber(factor_text) * (total + 1) / #up))
   local home = home_of(backend_name, key)
   local chosen, best, least, home_up = nil, nil, nil, false
   for _, s in ipairs(up) do
