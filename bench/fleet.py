@@ -433,12 +433,13 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout-s", type=float, default=120.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", help="also write every row here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.own_context = args.own_context or args.no_reuse  # no reuse: no start shared either
+    return args
 
 
 def main() -> None:
     args = options()
-    args.own_context = args.own_context or args.no_reuse
     # SIGTERM as ^C: the fleets' `finally` stops their daemons (and so HAProxy and the stand-ins).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))
     counts = [int(x) for x in args.instances.split(",")]

@@ -42,13 +42,18 @@ from tests import daemon_harness  # noqa: E402
 from tests.daemon_harness import generated_model, llama_server_binary, server_python, shared_dir  # noqa: E402
 
 
+def standin_calibration() -> Path:
+    """The calibration the wrapper script's stand-ins read when they start."""
+    return shared_dir() / "standin" / "calibration.json"
+
+
 def standin_binary(calibration: Path, jitter: float = 0.0) -> Path:
     """A program the daemon can start as llama-server (as its servers' user: in the shared,
     world-readable directory) that runs the stand-in on this checkout."""
     where = shared_dir() / "standin"
     where.mkdir(exist_ok=True)
     where.chmod(0o755)
-    cal = where / "calibration.json"
+    cal = standin_calibration()
     shutil.copyfile(calibration, cal)
     cal.chmod(0o644)
     script = where / "llama-server"
@@ -147,6 +152,7 @@ def main() -> None:
                         "--out", args.calibration], check=True, cwd=ROOT)
     engines = {"llama-server": llama_server_binary(), "stand-in": standin_binary(Path(args.calibration), args.jitter)}
     calibration = json.loads(Path(args.calibration).read_text())
+    calibrated = calibrated_s(calibration)
     print(f"# {args.size} {args.quant}, {args.instances} instances, {args.parallel} slot(s) each, affinity "
           f"{args.mode}, {args.conversations} conversations x {args.turns} turns, {args.runs} interleaved runs; "
           f"calibration {args.calibration}, stand-in jitter {args.jitter:g}; load average {os.getloadavg()[0]:.2f}")
@@ -154,11 +160,10 @@ def main() -> None:
     for r in range(args.runs):
         if not args.fixed:
             now = prefill_now(args.size, args.quant, args.instances, PROBE_TOKENS)
-            factor = calibrated_s(calibration) / now
-            scaled_cal = scaled(calibration, factor)
-            (shared_dir() / "standin" / "calibration.json").write_text(json.dumps(scaled_cal, indent=1) + "\n")
+            factor = calibrated / now
+            standin_calibration().write_text(json.dumps(scaled(calibration, factor), indent=1) + "\n")
             print(f"# run {r + 1}: the host reads {PROBE_TOKENS} tokens in {now:.2f} s now "
-                  f"({calibrated_s(calibration):.2f} s at calibration): the stand-in's rates x {factor:.2f}",
+                  f"({calibrated:.2f} s at calibration): the stand-in's rates x {factor:.2f}",
                   flush=True)
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
         for name in order:

@@ -164,7 +164,7 @@ end
 -- The server for the request's key (its hash in the PREFIX_HASH variable), among the servers that
 -- fit it: in rotation (up, not drained, not backups), with a free slot (load below its
 -- maxconn), and whose load (requests served and waiting for it) stays within factor x the
--- mean once this one is added:
+-- mean once this one is added (rounded up, never below LEAST_BOUND):
 -- - the key's home, where it went first (that instance's caches hold its prompts);
 -- - a key seen for the first time: the least loaded, the highest scoring for the key among
 --   equals (rendezvous hashing: on an idle fleet, a key goes where hashing sends it); it
